@@ -1,0 +1,80 @@
+"""Batch arithmetic: global batch = m · A · D, and which examples of a step go where.
+
+Words used throughout the project:
+    m  micro_batch_size   examples per forward/backward on one rank
+    A  accumulation_steps micro-batches per optimizer step on one rank
+    D  world_size         data-parallel ranks
+    G  global_batch_size  examples per optimizer step over all ranks, G = m · A · D
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+# Label value that marks a position without a target (padding). The loss ignores it, and it is not
+# counted as a supervised token.
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    """What one rank feeds to one forward/backward pass. Tensors live on the host (CPU)."""
+
+    inputs: torch.Tensor  # int64 [rows, seq_len] token ids
+    labels: torch.Tensor  # int64 [rows, seq_len] next-token targets, IGNORE_INDEX where nothing is supervised
+    num_examples: int  # real rows in this micro-batch (padding rows excluded)
+
+
+def divisors(value: int) -> list[int]:
+    return [d for d in range(1, value + 1) if value % d == 0]
+
+
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size: int) -> int:
+    """A = G / (m · D), which must be a positive whole number: nothing is ever rounded."""
+    for name, value in (
+        ("global_batch_size", global_batch_size),
+        ("micro_batch_size", micro_batch_size),
+        ("world_size", world_size),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if global_batch_size % world_size != 0:
+        lower = global_batch_size - global_batch_size % world_size
+        options = [g for g in (lower, lower + world_size) if g > 0]
+        raise ValueError(
+            f"global batch {global_batch_size} cannot be split evenly over {world_size} ranks; "
+            f"use a global batch that is a multiple of {world_size} "
+            f"(e.g. {' or '.join(str(g) for g in options)})"
+        )
+    per_rank = global_batch_size // world_size
+    if per_rank % micro_batch_size != 0:
+        raise ValueError(
+            f"global batch {global_batch_size} over {world_size} ranks is {per_rank} examples per rank, "
+            f"which micro batch {micro_batch_size} does not divide; "
+            f"micro_batch_size must be one of {divisors(per_rank)}"
+        )
+    return per_rank // (micro_batch_size)
+
+
+def describe_batch(global_batch_size: int, micro_batch_size: int, world_size: int) -> str:
+    """The derivation as printed at start-up, e.g. 'global 32 = micro 4 x accum 4 x ranks 2'."""
+    accum = accumulation_steps(global_batch_size, micro_batch_size, world_size)
+    return f"global {global_batch_size} = micro {micro_batch_size} x accum {accum} x ranks {world_size}"
+
+
+def micro_batch_slices(global_batch_size: int, micro_batch_size: int, world_size: int, rank: int) -> list[slice]:
+    """Positions, within the step's list of G example ids, that rank `rank` feeds to each of its A micro-batches.
+
+    The layout is fixed and rank-major: rank r owns positions [r·m·A, (r+1)·m·A), and its micro-batch k
+    takes the k-th run of m of them. Because the step's list of ids is chosen before the layout is applied,
+    changing m, A or D regroups the same examples and never changes which examples a step sees.
+    A partial final step simply has fewer ids than G: slices past its end select nothing, and the batch
+    builder fills those rows with padding.
+    """
+    accum = accumulation_steps(global_batch_size, micro_batch_size, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+    first = rank * micro_batch_size * accum
+    return [
+        slice(first + k * micro_batch_size, first + (k + 1) * micro_batch_size) for k in range(accum)
+    ]

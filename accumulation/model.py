@@ -1,0 +1,112 @@
+"""A small byte-level GPT: pre-norm transformer blocks with causal attention.
+
+Nothing here knows about accumulation; the model maps token ids [rows, seq_len] to logits
+[rows, seq_len, vocab]. Initialisation is drawn from an explicit generator, so the same seed gives the same
+weights on every rank and in every dtype (build in float32, then `.double()` for float64 references).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+VOCAB_SIZE = 256  # one token per byte
+
+
+@dataclass
+class GPTConfig:
+    seq_len: int  # longest input the position table covers, in tokens
+    n_layer: int
+    n_head: int
+    d_model: int
+    dropout: float = 0.0
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, seq_len, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        # [rows, seq_len, d_model] -> [rows, n_head, seq_len, head_dim]
+        q, k, v = (t.view(rows, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(rows, seq_len, d_model))
+
+
+class Block(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model),
+            nn.GELU(),
+            nn.Linear(4 * config.d_model, config.d_model),
+        )
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x)))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int):
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(VOCAB_SIZE, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
+        self.initialise(seed)
+
+    @torch.no_grad()
+    def initialise(self, seed: int) -> None:
+        """Normal(0, 0.02) weights, zero biases, unit norms; residual projections scaled by 1/sqrt(2·n_layer)
+        so the residual stream's variance does not grow with depth (GPT-2's rule)."""
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / (2 * self.config.n_layer) ** 0.5
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name:
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows, seq_len = tokens.shape
+        positions = torch.arange(seq_len, device=tokens.device)
+        x = self.embed_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, num_new_tokens: int, generator: torch.Generator) -> torch.Tensor:
+        """Sample `num_new_tokens` bytes after `prompt` (1-D token ids), each from the softmax of the logits."""
+        tokens = prompt.view(1, -1)
+        for _ in range(num_new_tokens):
+            logits = self(tokens[:, -self.config.seq_len :])[0, -1].float()
+            probabilities = torch.softmax(logits, dim=-1)
+            next_token = torch.multinomial(probabilities.cpu(), 1, generator=generator).to(tokens.device)
+            tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
+        return tokens[0]

@@ -1,0 +1,195 @@
+"""One optimizer step from one rank's micro-batches: exact token-weighted gradient accumulation under DDP.
+
+The objective of a step is the mean loss over every supervised token of the global batch:
+
+    L = (1 / N) · Σ_r Σ_k S_rk
+
+where S_rk is the *sum* of per-token losses of micro-batch k on rank r and N is the number of supervised
+tokens over all micro-batches and all ranks. Micro-batches and ranks may hold very different token counts
+(padding, short documents), so the mean of per-micro-batch means would weight a token in a short
+micro-batch more than one in a long micro-batch. Here every token counts once.
+
+Backward adds gradients into `.grad` (a SUM over micro-batches), and DDP's all-reduce then *averages* over
+the D ranks. So each rank backpropagates
+
+    loss_rk = S_rk · D / N
+
+and after accumulation and DDP's mean the gradient is
+
+    (1 / D) · Σ_r Σ_k ∇(S_rk · D / N) = (1 / N) · Σ_r Σ_k ∇S_rk = ∇L.
+
+N is known before the first forward: it is counted from the labels on the host and summed over ranks with
+one all-reduce.
+"""
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+
+
+@dataclass
+class Counters:
+    """Cumulative over the whole run, resumes included. Each name says its unit."""
+
+    micro_batches: int = 0  # forward+backward passes on one rank
+    steps: int = 0  # optimizer step attempts (accumulation groups)
+    updates: int = 0  # optimizer updates actually applied
+    skipped: int = 0  # steps whose update was not applied
+    examples: int = 0  # real examples consumed, all ranks (padding rows excluded)
+    tokens: int = 0  # supervised tokens, all ranks (padding and ignored positions excluded)
+
+
+@dataclass
+class StepResult:
+    loss: float  # global token-mean loss of the step, L above; nan when the step had no supervised tokens
+    grad_norm: float  # total gradient norm before clipping (of the unscaled gradient)
+    lr: float  # learning rate this step used
+    applied: bool  # whether the optimizer update was applied
+    skip_reason: str | None  # why not, when it was not
+    tokens: int  # supervised tokens in this step, all ranks (N)
+    examples: int  # real examples in this step, all ranks
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """S: the SUM of per-token cross-entropy over supervised positions.
+
+    Computed in at least float32 (bf16/fp16 logits from autocast are upcast; float64 stays float64)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def count_supervised_tokens(labels: torch.Tensor) -> int:
+    """Positions that have a target. `labels` live on the host, so this reads no device memory."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def data_parallel_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
+    """Sum a few integers over all ranks with one collective (identity on a single process)."""
+    if not dist.is_initialized():
+        return list(values)
+    # NCCL only reduces device tensors; gloo takes host tensors.
+    collective_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    summed = torch.tensor(values, dtype=torch.int64, device=collective_device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.tolist()
+
+
+def to_device(micro_batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Issue the copies of a micro-batch's inputs and labels; asynchronous on CUDA when the host memory is pinned."""
+    return (
+        micro_batch.inputs.to(device, non_blocking=True),
+        micro_batch.labels.to(device, non_blocking=True),
+    )
+
+
+def gradient_norm(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
+    """Total 2-norm of all gradients before clipping; clips them to `grad_clip` when it is positive."""
+    if grad_clip > 0:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    scaler: torch.amp.GradScaler,
+    counters: Counters,
+    *,
+    grad_clip: float,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> StepResult:
+    """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
+
+    `model` is the DDP-wrapped model when more than one rank trains, the plain module otherwise.
+    `scaler` is always given; a disabled GradScaler makes its calls pass-throughs. Every rank must call
+    this with the same number of micro-batches: collectives are matched call by call.
+    """
+    if not micro_batches:
+        raise ValueError("an optimizer step needs at least one micro-batch")
+    world_size = data_parallel_size()
+    if world_size > 1 and not isinstance(model, DistributedDataParallel):
+        raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel")
+
+    # 1. The global denominator N, before any forward: one collective on host-side counts.
+    tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
+    examples_local = sum(mb.num_examples for mb in micro_batches)
+    tokens_global, examples_global = all_reduce_ints([tokens_local, examples_local], device)
+    # A step without a supervised token has no loss to average. Its micro-batches still run (every sum is
+    # empty, so they add exactly zero) so that all ranks take part in the same collectives, and the update
+    # is skipped below. max(N, 1) only avoids dividing by zero.
+    loss_multiplier = world_size / max(tokens_global, 1)
+
+    # 2. The micro-batches. Nothing in this loop reads a value back to the host: the loss sums stay on
+    # the device, and host-to-device copies are issued one micro-batch ahead.
+    last = len(micro_batches) - 1
+    loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
+    upcoming = to_device(micro_batches[0], device)
+    for k in range(len(micro_batches)):
+        inputs, labels = upcoming
+        if k < last:
+            upcoming = to_device(micro_batches[k + 1], device)  # overlaps this micro-batch's compute on CUDA
+        # DDP all-reduces gradients during the backward of the boundary (last) micro-batch only. The forward
+        # must be inside no_sync too: DDP decides at forward time whether the coming backward synchronises.
+        skip_sync = k < last and isinstance(model, DistributedDataParallel)
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = model(inputs)
+            loss_sum = token_loss_sum(logits, labels)  # S_rk
+            scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
+        loss_sum_local += loss_sum.detach()
+    counters.micro_batches += len(micro_batches)
+
+    # 3. The boundary: one more scalar collective for the exact logged loss, then one update.
+    loss_sum_global = loss_sum_local
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum_global, op=dist.ReduceOp.SUM)
+    lr = optimizer.param_groups[0]["lr"]
+    applied, skip_reason, grad_norm = False, None, 0.0
+    if tokens_global == 0:
+        skip_reason = "no supervised tokens in the step"
+        loss = math.nan
+    else:
+        scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
+        grad_norm_tensor = gradient_norm(model, grad_clip)
+        # The step's one read-back of device values.
+        loss_sum_value, grad_norm = torch.stack([loss_sum_global, grad_norm_tensor.double()]).tolist()
+        loss = loss_sum_value / tokens_global
+        if scaler.is_enabled():
+            # scaler.step skips optimizer.step when unscale_ found an inf or nan, and update() then lowers
+            # the scale. step() returns None either way, so a lowered scale is how a skip is recognised.
+            scale_before = scaler.get_scale()
+            scaler.step(optimizer)
+            scaler.update()
+            applied = scaler.get_scale() >= scale_before
+            if not applied:
+                skip_reason = "non-finite gradient (GradScaler lowered its scale)"
+        elif math.isfinite(grad_norm):
+            optimizer.step()
+            applied = True
+        else:
+            skip_reason = "non-finite gradient"
+    if applied:
+        scheduler.step()  # the schedule's unit is applied updates
+    optimizer.zero_grad(set_to_none=True)
+
+    # 4. Counters.
+    counters.steps += 1
+    counters.updates += int(applied)
+    counters.skipped += int(not applied)
+    counters.examples += examples_global
+    counters.tokens += tokens_global
+    return StepResult(loss, grad_norm, lr, applied, skip_reason, tokens_global, examples_global)

@@ -1,0 +1,20 @@
+import os
+import tempfile
+
+import pytest
+import torch
+
+# DDP and torch.compile cache compiled kernels under /tmp/torchinductor_<user> by default; keep the test
+# suite from writing outside its own temporary space.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="accumulation-inductor-"))
+
+
+@pytest.fixture(autouse=True)
+def deterministic_torch():
+    """Each test starts from the same global RNG state and one intra-op thread (results do not depend on
+    the thread count, and two gloo ranks share this machine's two cores)."""
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,0 +1,61 @@
+"""Run a function on D gloo ranks on this CPU and collect what each rank returns.
+
+Every rank is a spawned process with one intra-op thread. Hangs become failures: the parent waits at most
+`timeout_s` for all ranks and kills the rest. Ranks end with os._exit after tearing down the process group,
+because the interpreter's own exit can abort a finished gloo rank on this machine (about 1 spawn in 20).
+"""
+
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, fn, args) -> None:
+    status = 0
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        torch.save(result, Path(result_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0) -> list:
+    """fn(rank, world_size, *args) on each rank, inside an initialised gloo process group; returns the
+    per-rank results (anything torch.save can write) in rank order."""
+    with tempfile.TemporaryDirectory(prefix="accumulation-ranks-") as scratch:
+        store_path = os.path.join(scratch, "store")
+        context = mp.get_context("spawn")
+        processes = [
+            context.Process(target=_rank_main, args=(rank, world_size, store_path, scratch, fn, args))
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s (hang?)")
+        failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}
+        if failed:
+            raise AssertionError(f"ranks exited with non-zero status {failed}; see the traceback above")
+        return [torch.load(Path(scratch) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]

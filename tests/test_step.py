@@ -1,0 +1,461 @@
+"""The accumulation core: one optimizer step equals the full-batch update.
+
+The reference in every equivalence test is computed independently of `accumulation.step`: one forward and
+backward of PyTorch's own token-mean cross-entropy (`reduction="mean"` with `ignore_index`) over the
+concatenation of every micro-batch of every rank, in float64, on one process.
+"""
+
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
+from accumulation.model import GPT, GPTConfig
+from accumulation.schedule import build_scheduler
+from accumulation.step import Counters, optimizer_step
+from tests.ranks import run_on_ranks
+
+SEQ_LEN = 8
+MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=16)
+
+# float64 runs of the step and of the reference differ only in the order in which the same float64 terms
+# are added (per micro-batch, then across micro-batches and ranks, versus one big sum). Each reordering
+# costs at most a few ulps (2.2e-16 relative) per term over a few thousand terms, far below 1e-10 relative
+# to the largest gradient entry; a wrong weighting is off by 1e-3 or more (checked below).
+FLOAT64_RTOL = 1e-10
+
+
+def rows(supervised_counts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token rows; row i supervises its first supervised_counts[i] positions (0: a padding row)."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = torch.randint(0, 256, (len(supervised_counts), SEQ_LEN), generator=generator)
+    labels = torch.randint(0, 256, (len(supervised_counts), SEQ_LEN), generator=generator)
+    for row, count in enumerate(supervised_counts):
+        labels[row, count:] = IGNORE_INDEX
+    return inputs, labels
+
+
+def micro_batches(counts_per_micro_batch: list[list[int]], seed: int) -> list[MicroBatch]:
+    batches = []
+    for k, counts in enumerate(counts_per_micro_batch):
+        inputs, labels = rows(counts, seed * 1000 + k)
+        batches.append(MicroBatch(inputs, labels, num_examples=sum(1 for c in counts if c > 0)))
+    return batches
+
+
+def new_model(dtype=torch.float64) -> GPT:
+    return GPT(MODEL, seed=7).to(dtype)
+
+
+def reference_gradient(model: torch.nn.Module, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    """∇ of the token-mean loss over all given micro-batches, as one big float64 batch."""
+    model = copy.deepcopy(model).double()
+    inputs = torch.cat([mb.inputs for mb in batches])
+    labels = torch.cat([mb.labels for mb in batches])
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def max_relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    scale = max(r.abs().max().item() for r in reference)
+    return max((g.double() - r).abs().max().item() for g, r in zip(grads, reference)) / scale
+
+
+def capture_gradients(optimizer: torch.optim.Optimizer) -> list:
+    """Record the gradients the optimizer sees when it steps (after unscaling and clipping)."""
+    captured = []
+    optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: captured.append([p.grad.clone() for g in opt.param_groups for p in g["params"]])
+    )
+    return captured
+
+
+def training_objects(model, lr=0.1, scaler_enabled=False):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    scheduler = build_scheduler(optimizer, "constant", 0, 0, 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled)
+    return optimizer, scheduler, scaler
+
+
+def one_step_gradient(model, batches, grad_clip=0.0):
+    optimizer, scheduler, scaler = training_objects(model)
+    captured = capture_gradients(optimizer)
+    counters = Counters()
+    result = optimizer_step(
+        model, batches, optimizer, scheduler, scaler, counters, grad_clip=grad_clip, device=torch.device("cpu")
+    )
+    return captured[0], result, counters
+
+
+# Supervised-token counts per row, grouped into micro-batches. Same 8 rows in the first two cases.
+EIGHT_ROWS = [8, 1, 5, 3, 8, 2, 7, 4]
+SINGLE_PROCESS_CASES = {
+    "m=8,A=1": [EIGHT_ROWS],
+    "m=2,A=4": [EIGHT_ROWS[i : i + 2] for i in range(0, 8, 2)],
+    "short last micro-batch": [[8, 1, 5], [3, 8, 2], [7, 4]],
+    "token counts 1..full length": [[count] for count in range(1, SEQ_LEN + 1)],
+    "zero-token micro-batch": [[8, 3], [0, 0], [2, 6]],
+    "partial final group": [[5, 8], [3, 0], [0, 0]],  # 3 real rows of a 6-row group; the rest padding
+}
+
+
+@pytest.mark.parametrize("case", SINGLE_PROCESS_CASES)
+def test_one_step_equals_full_batch_float64_reference(case):
+    batches = micro_batches(SINGLE_PROCESS_CASES[case], seed=1)
+    model = new_model()
+    reference = reference_gradient(model, batches)
+    grads, result, counters = one_step_gradient(model, batches)
+    assert max_relative_error(grads, reference) < FLOAT64_RTOL
+    supervised = sum(sum(counts) for counts in SINGLE_PROCESS_CASES[case])
+    real_rows = sum(1 for counts in SINGLE_PROCESS_CASES[case] for c in counts if c > 0)
+    assert (result.tokens, result.examples) == (supervised, real_rows)
+    assert counters == Counters(
+        micro_batches=len(batches), steps=1, updates=1, skipped=0, examples=real_rows, tokens=supervised
+    )
+
+
+def test_logged_loss_is_the_exact_global_token_mean():
+    batches = micro_batches(SINGLE_PROCESS_CASES["token counts 1..full length"], seed=2)
+    model = new_model()
+    inputs = torch.cat([mb.inputs for mb in batches])
+    labels = torch.cat([mb.labels for mb in batches])
+    with torch.no_grad():
+        expected = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    _, result, _ = one_step_gradient(model, batches)
+    assert result.loss == pytest.approx(expected.item(), rel=FLOAT64_RTOL)
+
+
+def test_mean_of_micro_batch_means_is_wrong_on_the_same_data():
+    """The classic weighting: each micro-batch's mean loss, averaged over micro-batches. With uneven
+    token counts it weights a token of a short micro-batch more, and the comparison above catches it."""
+    batches = micro_batches(SINGLE_PROCESS_CASES["token counts 1..full length"], seed=1)
+    model = new_model()
+    reference = reference_gradient(model, batches)
+    wrong_model = copy.deepcopy(model)
+    for mb in batches:
+        micro_mean = F.cross_entropy(
+            wrong_model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX
+        )
+        (micro_mean / len(batches)).backward()
+    wrong = [p.grad for p in wrong_model.parameters()]
+    assert max_relative_error(wrong, reference) > 1e-3 > FLOAT64_RTOL
+    correct, _, _ = one_step_gradient(model, batches)
+    assert max_relative_error(correct, reference) < FLOAT64_RTOL
+
+
+def test_clipping_happens_once_on_the_whole_gradient():
+    """Clip the accumulated gradient, not each micro-batch's share: with a small threshold the two differ."""
+    batches = micro_batches([[8, 8], [1, 0], [4, 2]], seed=3)
+    model = new_model()
+    reference = reference_gradient(model, batches)
+    reference_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference]))
+    grad_clip = 0.1 * reference_norm.item()
+    # clip_grad_norm_ scales by max_norm / (norm + 1e-6); the 1e-6 is its documented guard against norm 0.
+    clipped_reference = [g * (grad_clip / (reference_norm + 1e-6)) for g in reference]
+
+    # The per-micro-batch twin, computed here independently: each micro-batch's share S_k / N clipped alone.
+    total_tokens = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches)
+    per_micro_clipped = [torch.zeros_like(g) for g in reference]
+    for mb in batches:
+        share_model = copy.deepcopy(model)
+        loss_sum = F.cross_entropy(
+            share_model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        (loss_sum / total_tokens).backward()
+        torch.nn.utils.clip_grad_norm_(share_model.parameters(), grad_clip)
+        for total, p in zip(per_micro_clipped, share_model.parameters()):
+            total += p.grad
+    assert max_relative_error(per_micro_clipped, clipped_reference) > 1e-3
+
+    grads, result, _ = one_step_gradient(model, batches, grad_clip=grad_clip)
+    assert max_relative_error(grads, clipped_reference) < FLOAT64_RTOL
+    assert result.grad_norm == pytest.approx(reference_norm.item(), rel=FLOAT64_RTOL)  # norm before clipping
+
+
+def test_step_without_supervised_tokens_is_skipped_cleanly():
+    batches = micro_batches([[0, 0], [0, 0]], seed=4)
+    model = new_model()
+    before = copy.deepcopy(model.state_dict())
+    optimizer, scheduler, scaler = training_objects(model)
+    counters = Counters()
+    result = optimizer_step(model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+    assert not result.applied and result.skip_reason == "no supervised tokens in the step"
+    assert math.isnan(result.loss)  # there is no token to average over; reported, never used as a number
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert scheduler.last_epoch == 0
+    assert counters == Counters(micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_gradient():
+    model = new_model(torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = build_scheduler(optimizer, "cosine", 2, 10, 0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    counters = Counters()
+    cpu = torch.device("cpu")
+    optimizer_step(model, micro_batches([[8, 3], [5, 5]], seed=5), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=cpu)
+    assert counters.updates == 1
+
+    weights = copy.deepcopy(model.state_dict())
+    optimizer_state = copy.deepcopy(optimizer.state_dict())
+    scale_before = scaler.get_scale()
+    lr_before = optimizer.param_groups[0]["lr"]
+    # Inject an inf into the gradient of the second (of three) micro-batches' backward only.
+    backward_calls = []
+
+    def poison(grad):
+        backward_calls.append(1)
+        return grad * math.inf if len(backward_calls) == 2 else grad
+
+    handle = model.lm_head.weight.register_hook(poison)
+    result = optimizer_step(model, micro_batches([[8, 3], [5, 5], [2, 1]], seed=6), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=cpu)
+    handle.remove()
+    assert len(backward_calls) == 3
+    assert not result.applied and "non-finite" in result.skip_reason
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    state_after = optimizer.state_dict()["state"]
+    for index, state in optimizer_state["state"].items():
+        assert all(torch.equal(state[key], state_after[index][key]) for key in state)
+    assert scaler.get_scale() < scale_before
+    assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == lr_before
+    assert (counters.steps, counters.updates, counters.skipped) == (2, 1, 1)
+
+
+def test_unscale_happens_once_per_step():
+    """GradScaler raises if unscale_ is called twice per update; count the calls directly as well."""
+    model = new_model(torch.float32)
+    optimizer, scheduler, _ = training_objects(model)
+    scaler = torch.amp.GradScaler("cpu")
+    calls = []
+    original = scaler.unscale_
+    scaler.unscale_ = lambda opt: (calls.append(1), original(opt))[1]
+    optimizer_step(model, micro_batches([[8], [3], [5], [1]], seed=8), optimizer, scheduler, scaler, Counters(), grad_clip=1.0, device=torch.device("cpu"))
+    assert len(calls) == 1
+
+
+def test_no_host_synchronisation_between_first_forward_and_boundary(monkeypatch):
+    """Patch every way of reading a tensor back to Python and count the calls made while the micro-batches run
+    (from the first forward until the step reaches its boundary, marked by scaler.unscale_)."""
+    model = new_model(torch.float32)
+    optimizer, scheduler, _ = training_objects(model)
+    scaler = torch.amp.GradScaler("cpu")
+    inside = [False]
+    reads = []
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            if inside[0]:
+                reads.append(name)
+            return original(self, *args, **kwargs)
+
+        return wrapper
+
+    for name in ("item", "tolist", "cpu", "__float__", "__int__", "__bool__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+    model.register_forward_pre_hook(lambda module, args: inside.__setitem__(0, True))
+    original_unscale = scaler.unscale_
+    scaler.unscale_ = lambda opt: (inside.__setitem__(0, False), original_unscale(opt))[1]
+
+    # Prove the counter works: a read inside the window is seen.
+    inside[0] = True
+    torch.ones(()).item()
+    assert reads == ["item"]
+    reads.clear()
+    inside[0] = False
+
+    optimizer_step(model, micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9), optimizer, scheduler, scaler, Counters(), grad_clip=1.0, device=torch.device("cpu"))
+    assert reads == []
+
+
+def test_bf16_autocast_gradients_are_fp32_and_close_to_fp32():
+    batches = micro_batches([[8, 3], [5, 5], [2, 1]], seed=10)
+    model = new_model(torch.float32)
+    fp32_grads, _, _ = one_step_gradient(copy.deepcopy(model), batches)
+    optimizer, scheduler, scaler = training_objects(model)
+    captured = capture_gradients(optimizer)
+    optimizer_step(model, batches, optimizer, scheduler, scaler, Counters(), grad_clip=0.0, device=torch.device("cpu"), autocast_dtype=torch.bfloat16)
+    bf16_grads = captured[0]
+    assert all(g.dtype == torch.float32 for g in bf16_grads)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per operation); through a one-layer model
+    # the errors of a few dozen roundings add up to about 1e-2 of the largest entry. 5e-2 leaves margin
+    # while still catching a gradient that was, say, halved or computed on the wrong tokens.
+    assert max_relative_error(bf16_grads, fp32_grads) < 5e-2
+
+
+@pytest.mark.parametrize(
+    "global_batch_size, micro_batch_size, world_size, expected_words",
+    [
+        (30, 4, 2, ["30", "15", "4", "[1, 3, 5, 15]"]),
+        (30, 2, 4, ["30", "4 ranks", "28 or 32"]),
+        (8, 16, 1, ["8", "16", "[1, 2, 4, 8]"]),
+        (0, 1, 1, ["global_batch_size", "0"]),
+        (8, 2, 0, ["world_size", "0"]),
+        (8, 2.0, 1, ["micro_batch_size", "2.0"]),
+    ],
+)
+def test_impossible_batch_arithmetic_names_the_numbers(global_batch_size, micro_batch_size, world_size, expected_words):
+    with pytest.raises(ValueError) as error:
+        accumulation_steps(global_batch_size, micro_batch_size, world_size)
+    for word in expected_words:
+        assert word in str(error.value)
+
+
+def test_batch_arithmetic_and_layout():
+    assert accumulation_steps(32, 4, 2) == 4
+    assert describe_batch(32, 4, 2) == "global 32 = micro 4 x accum 4 x ranks 2"
+    # Every position of the step is used exactly once, whatever the (m, D) split.
+    for micro, world in [(8, 1), (2, 1), (4, 2), (1, 2), (2, 4)]:
+        positions = [
+            i
+            for rank in range(world)
+            for s in micro_batch_slices(8, micro, world, rank)
+            for i in range(s.start, s.stop)
+        ]
+        assert sorted(positions) == list(range(8))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Two gloo ranks.
+
+# Per-rank micro-batches (supervised-token counts per row) of each two-rank scenario.
+TWO_RANK_CASES = {
+    "uneven ranks, one with a single token": {0: [[8, 8], [7, 6], [8, 5]], 1: [[1, 0], [0, 0], [0, 0]]},
+    "one rank without tokens": {0: [[3, 8], [2, 6], [8, 1]], 1: [[0, 0], [0, 0], [0, 0]]},
+    "partial final group": {0: [[8, 2], [5, 7], [4, 0]], 1: [[0, 0], [0, 0], [0, 0]]},
+    "uneven everywhere": {0: [[8, 1], [2, 2], [8, 8]], 1: [[3, 4], [6, 0], [1, 1]]},
+}
+
+
+def case_batches(case: str, rank: int) -> list[MicroBatch]:
+    return micro_batches(TWO_RANK_CASES[case][rank], seed=100 * rank + len(case))
+
+
+def two_rank_equivalence_worker(rank, world_size):
+    results = {}
+    for case in TWO_RANK_CASES:
+        model = DistributedDataParallel(new_model())
+        optimizer, scheduler, scaler = training_objects(model)
+        captured = capture_gradients(optimizer)
+        # The accumulated gradients just before the boundary micro-batch's forward.
+        before_boundary = []
+        forwards = []
+
+        def snapshot(module, args):
+            forwards.append(1)
+            if len(forwards) == 3:
+                before_boundary.append([p.grad.clone() for p in module.parameters()])
+
+        model.module.register_forward_pre_hook(snapshot)
+        counters = Counters()
+        result = optimizer_step(model, case_batches(case, rank), optimizer, scheduler, scaler, counters, grad_clip=0.0, device=torch.device("cpu"))
+        results[case] = {
+            "after": captured[0],
+            "before": before_boundary[0],
+            "tokens": result.tokens,
+            "loss": result.loss,
+            "counters": counters,
+        }
+    # A step with no supervised token anywhere: skipped on both ranks, nobody hangs.
+    model = DistributedDataParallel(new_model())
+    optimizer, scheduler, scaler = training_objects(model)
+    counters = Counters()
+    result = optimizer_step(model, micro_batches([[0, 0], [0, 0]], seed=rank), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+    results["all empty"] = {"applied": result.applied, "counters": counters, "lr_steps": scheduler.last_epoch}
+    return results
+
+
+def test_two_ranks_equal_the_full_batch_and_sync_only_at_the_boundary():
+    per_rank = run_on_ranks(two_rank_equivalence_worker, world_size=2)
+    model = new_model()
+    for case in TWO_RANK_CASES:
+        reference = reference_gradient(model, case_batches(case, 0) + case_batches(case, 1))
+        after = [r[case]["after"] for r in per_rank]
+        # Bit-identical after the boundary all-reduce, and equal to the reference.
+        assert all(torch.equal(a, b) for a, b in zip(after[0], after[1])), case
+        assert max_relative_error(after[0], reference) < FLOAT64_RTOL, case
+        total = sum(sum(map(sum, TWO_RANK_CASES[case][rank])) for rank in (0, 1))
+        assert per_rank[0][case]["tokens"] == per_rank[1][case]["tokens"] == total
+        assert per_rank[0][case]["loss"] == per_rank[1][case]["loss"]
+        assert per_rank[0][case]["counters"].micro_batches == 3
+    # Before the boundary each rank holds only its own unsynchronised partial sums (where it has tokens).
+    before = [r["uneven everywhere"]["before"] for r in per_rank]
+    assert any(not torch.equal(a, b) for a, b in zip(before[0], before[1]))
+    for r in per_rank:
+        assert r["all empty"]["applied"] is False and r["all empty"]["lr_steps"] == 0
+        assert r["all empty"]["counters"] == Counters(micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0)
+
+
+def counting_allreduce_hook(state: dict, bucket):
+    state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def communication_worker(rank, world_size, bypass_no_sync, accumulation):
+    if bypass_no_sync:
+        # The mistake being measured: every micro-batch synchronises.
+        DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
+    model = DistributedDataParallel(new_model(torch.float32), bucket_cap_mb=0.01)  # several buckets
+    state = {"bytes": 0}
+    model.register_comm_hook(state, counting_allreduce_hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = build_scheduler(optimizer, "cosine", 2, 5, 0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    counters = Counters()
+    bytes_per_step, lrs = [], []
+    for step in range(3):  # DDP rebuilds its buckets after the first iteration: count every step
+        counts = [[8 - rank * 3, 2 + step]] * accumulation
+        batches = micro_batches(counts, seed=10 * step + rank)
+        state["bytes"] = 0
+        optimizer_step(model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+        bytes_per_step.append(state["bytes"])
+        lrs.append(optimizer.param_groups[0]["lr"])
+    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"bytes_per_step": bytes_per_step, "grad_bytes": grad_bytes, "lrs": lrs, "last_epoch": scheduler.last_epoch, "counters": counters}
+
+
+def test_one_gradient_all_reduce_per_step_counted_in_bytes():
+    accumulation = 4
+    synced = run_on_ranks(communication_worker, 2, args=(False, accumulation))
+    bypassed = run_on_ranks(communication_worker, 2, args=(True, accumulation))
+    for rank in (0, 1):
+        grad_bytes = synced[rank]["grad_bytes"]
+        assert synced[rank]["bytes_per_step"] == [grad_bytes] * 3
+        assert bypassed[rank]["bytes_per_step"] == [accumulation * grad_bytes] * 3
+        # The scheduler advanced once per applied update (3), not per micro-batch (12), on every rank.
+        assert synced[rank]["last_epoch"] == 3 == synced[rank]["counters"].updates
+        assert synced[rank]["counters"].micro_batches == 3 * accumulation
+    assert synced[0]["lrs"] == synced[1]["lrs"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_scheduler_counts_applied_updates_only(accumulation):
+    """After k applied updates, for any A: last_epoch == k and the lr is the schedule's value at k."""
+    from accumulation.schedule import lr_multiplier
+
+    model = new_model(torch.float32)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = build_scheduler(optimizer, "cosine", 3, 8, 0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    counters = Counters()
+    for step in range(6):
+        counts = [[0, 0]] * accumulation if step == 2 else [[5, 3]] * accumulation  # step 2 has no tokens
+        optimizer_step(model, micro_batches(counts, seed=step), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+    assert counters.updates == 5 and counters.skipped == 1
+    assert scheduler.last_epoch == 5
+    # Independent arithmetic of the schedule at 5 updates: cosine after 3 warm-up updates, horizon 8.
+    progress = (5 - 3) / (8 - 3)
+    expected = 0.5 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12)
+    assert lr_multiplier(5, "cosine", 3, 8, 0.1) * 0.5 == pytest.approx(expected, rel=1e-12)
