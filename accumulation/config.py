@@ -1,0 +1,514 @@
+"""Typed configuration, validated when it is loaded.
+
+A configuration is a set of `section.key = value` settings (plus the top-level `device`). They come from
+two places, read in this order, and a key given twice takes its last value:
+
+    1. an optional TOML file:      python train.py --config configs/gpu_8x.toml
+    2. the command line:           python train.py run.max_steps=100 optim.lr=1e-3
+
+Every setting is declared once, below, with its default, its unit, a help string and the values it
+allows. From those declarations we derive the type checks, the range checks, `--help`, and the TOML
+written to the run directory. Anything unknown, of the wrong type, out of range or impossible in
+combination is a ConfigError whose message is one line naming the key: nothing is guessed, and nothing
+is ever silently rounded.
+"""
+
+import dataclasses
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+
+
+class ConfigError(ValueError):
+    """A configuration problem. The message is one line that names the key and what it allows."""
+
+
+def setting(default, help, unit="", *, choices=None, at_least=None, above=None, at_most=None, below=None):
+    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "unit": unit,
+            "choices": choices,
+            "at_least": at_least,
+            "above": above,
+            "at_most": at_most,
+            "below": below,
+        },
+    )
+
+
+# Types are written as real classes (no `from __future__ import annotations`): the checks read them.
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = setting("default", "name of the run; the run directory is <out_dir>/<name>/")
+    out_dir: str = setting("runs", "folder that holds one directory per run")
+    seed: int = setting(
+        1337, "one seed for initialisation, data order and everything random", at_least=0, at_most=2**32 - 1
+    )
+    max_steps: int = setting(
+        600,
+        "optimizer step attempts (accumulation groups) over the whole run, resumes included; "
+        "0 builds everything, writes the initial checkpoint and exits",
+        "steps",
+        at_least=0,
+    )
+    log_every: int = setting(20, "print a progress line every this many steps", "steps", at_least=1)
+    checkpoint_every: int = setting(
+        200, "write a checkpoint every this many steps (and always at the end)", "steps", at_least=1
+    )
+    eval_every: int = setting(
+        200, "measure the validation loss every this many steps (0 = never); also at the end", "steps", at_least=0
+    )
+    resume: str = setting(
+        "auto",
+        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: always start afresh",
+        choices=("auto", "never"),
+    )
+    keep_checkpoints: int = setting(
+        3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1
+    )
+    sample_bytes: int = setting(
+        200, "bytes of text generated from the model at the end (0 = none)", "bytes", at_least=0
+    )
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    global_batch_size: int = setting(
+        32,
+        "examples per optimizer step over all ranks: micro_batch_size x accumulation steps x ranks",
+        "examples",
+        at_least=1,
+    )
+    micro_batch_size: int = setting(
+        4, "examples per forward/backward on one rank; accumulation steps are derived", "examples", at_least=1
+    )
+    tail: str = setting(
+        "drop",
+        "the last, incomplete global batch of an epoch: drop it, or train on it as a partial step",
+        choices=("drop", "partial"),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = setting("stdlib", '"stdlib" (the embedded corpus) or a path to your own text file or folder')
+    seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
+    val_fraction: float = setting(
+        0.01, "share of the data held out for validation", "fraction", at_least=0, below=1
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layer: int = setting(4, "transformer blocks", "layers", at_least=1)
+    n_head: int = setting(4, "attention heads per block; must divide d_model", "heads", at_least=1)
+    d_model: int = setting(128, "width of the residual stream", "features", at_least=1)
+    dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
+    compile: bool = setting(False, "wrap the model in torch.compile")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = setting("adamw", "the optimizer", choices=("adamw", "sgd"))
+    lr: float = setting(3e-3, "peak learning rate, reached at the end of warm-up", above=0)
+    weight_decay: float = setting(0.1, "decoupled weight decay (AdamW) or L2 penalty (SGD)", at_least=0)
+    momentum: float = setting(0.9, "SGD momentum, and AdamW beta1", at_least=0, below=1)
+    beta2: float = setting(0.95, "AdamW beta2 (ignored by SGD)", above=0, below=1)
+    grad_clip: float = setting(
+        1.0, "clip the global gradient norm to this value; 0 turns clipping off", "L2 norm", at_least=0
+    )
+    on_nonfinite: str = setting(
+        "skip",
+        "when the step's gradients hold inf or nan: skip that update, or stop the run",
+        choices=("skip", "stop"),
+    )
+    max_consecutive_skips: int = setting(
+        20, "stop the run after this many skipped steps in a row", "steps", at_least=1
+    )
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = setting(
+        "cosine", "learning-rate shape after warm-up: cosine decay or constant", choices=("cosine", "constant")
+    )
+    warmup_updates: int = setting(30, "linear warm-up to optim.lr over this many updates", "updates", at_least=0)
+    decay_updates: int = setting(
+        0,
+        "the cosine horizon; 0 means run.max_steps (set it explicitly when a run is meant to be extended)",
+        "updates",
+        at_least=0,
+    )
+    min_lr_ratio: float = setting(
+        0.1, "the cosine floor, as a fraction of optim.lr", "fraction of optim.lr", at_least=0, at_most=1
+    )
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: str = setting(
+        "fp32",
+        "autocast dtype of the forward pass; parameters and gradients stay fp32",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    grad_scaler: str | bool = setting(
+        "auto", "scale the loss against fp16 underflow; auto = on for fp16 only", choices=("auto", True, False)
+    )
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration: one read-only section per TOML table, plus the top-level `device`.
+
+    Creating a Config checks every value (types, ranges, choices, combinations), so any Config that
+    exists is valid. Number keys hold floats: load_config and config_from_dict turn `lr = 1` into 1.0.
+    """
+
+    run: RunConfig = field(default_factory=RunConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    device: str = setting("auto", "auto: cuda when a GPU is present, else cpu", choices=("auto", "cpu", "cuda"))
+
+    def __post_init__(self):
+        for key, declaration, value in _settings(self):
+            _check_value(key, value, declaration)
+        _check_combinations(self)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Walking the declarations
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _section_types() -> dict[str, type]:
+    """{"run": RunConfig, "batch": BatchConfig, ...}, in the order they are declared."""
+    return {f.name: f.type for f in fields(Config) if dataclasses.is_dataclass(f.type)}
+
+
+def _top_level_fields() -> dict[str, dataclasses.Field]:
+    """The keys that live outside any section: {"device": <field>}."""
+    return {f.name: f for f in fields(Config) if not dataclasses.is_dataclass(f.type)}
+
+
+def _settings(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
+    """Every (key, declaration, value) of a config, e.g. ("run.max_steps", <field>, 600), top level first."""
+    found = [(name, declaration, getattr(config, name)) for name, declaration in _top_level_fields().items()]
+    for section_name in _section_types():
+        section = getattr(config, section_name)
+        for declaration in fields(section):
+            found.append((f"{section_name}.{declaration.name}", declaration, getattr(section, declaration.name)))
+    return found
+
+
+def _declaration(key: str) -> dataclasses.Field:
+    """The declaration of "section.key" (or of a top-level key); unknown names are a ConfigError."""
+    section_name, dot, name = key.partition(".")
+    section_types = _section_types()
+    if not dot:
+        top_level = _top_level_fields()
+        if key not in top_level:
+            raise ConfigError(
+                f"unknown key {key} (top-level keys: {', '.join(top_level)}; all others are written section.key)"
+            )
+        return top_level[key]
+    if section_name not in section_types:
+        raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
+    declarations = {f.name: f for f in fields(section_types[section_name])}
+    if name not in declarations:
+        raise ConfigError(f"unknown key {key} ({section_name} has: {', '.join(declarations)})")
+    return declarations[name]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checking values
+# ---------------------------------------------------------------------------------------------------------
+
+_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
+
+
+def _has_type(value, type_) -> bool:
+    if type_ is int:
+        return type(value) is int  # not isinstance: bool is a subclass of int, and true is not a count
+    if type_ is float:
+        return type(value) is float and math.isfinite(value)
+    if type_ is str:
+        return type(value) is str and value != ""
+    return type(value) is type_
+
+
+def _is_one_of(value, choices) -> bool:
+    # Compare types too: 1 == True in Python, but 1 is not an allowed value of precision.grad_scaler.
+    return any(type(value) is type(choice) and value == choice for choice in choices)
+
+
+def _bounds_text(metadata) -> str:
+    """E.g. ">= 0 and < 1"; empty when the key has no bounds."""
+    parts = []
+    for symbol, rule in ((">=", "at_least"), (">", "above"), ("<=", "at_most"), ("<", "below")):
+        if metadata[rule] is not None:
+            parts.append(f"{symbol} {metadata[rule]}")
+    return " and ".join(parts)
+
+
+def _within_bounds(value, metadata) -> bool:
+    return (
+        (metadata["at_least"] is None or value >= metadata["at_least"])
+        and (metadata["above"] is None or value > metadata["above"])
+        and (metadata["at_most"] is None or value <= metadata["at_most"])
+        and (metadata["below"] is None or value < metadata["below"])
+    )
+
+
+def _allowed_text(declaration: dataclasses.Field) -> str:
+    """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
+    choices = declaration.metadata["choices"]
+    if choices is not None:
+        return "one of " + ", ".join(_toml_value(choice) for choice in choices)
+    bounds = _bounds_text(declaration.metadata)
+    return f"{_TYPE_WORDS[declaration.type]} {bounds}" if bounds else _TYPE_WORDS[declaration.type]
+
+
+def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
+    choices = declaration.metadata["choices"]
+    if choices is not None:
+        allowed = _is_one_of(value, choices)
+    else:
+        allowed = _has_type(value, declaration.type) and _within_bounds(value, declaration.metadata)
+    if not allowed:
+        raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_describe(value)}")
+
+
+def _check_combinations(config: Config) -> None:
+    """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
+    which knows the world size.)"""
+    model, batch, schedule = config.model, config.batch, config.schedule
+    if model.d_model % model.n_head != 0:
+        raise ConfigError(
+            f"model.d_model: expected a multiple of model.n_head ({model.n_head}), got {model.d_model}"
+        )
+    if batch.micro_batch_size > batch.global_batch_size:
+        raise ConfigError(
+            f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
+            f"({batch.global_batch_size}), got {batch.micro_batch_size}"
+        )
+    # With decay_updates = 0 the horizon is run.max_steps, which may grow on resume: not checked here.
+    if schedule.name == "cosine" and schedule.decay_updates > 0 and schedule.warmup_updates > schedule.decay_updates:
+        raise ConfigError(
+            f"schedule.warmup_updates: expected an integer <= schedule.decay_updates "
+            f"({schedule.decay_updates}), got {schedule.warmup_updates}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading: TOML files, command-line overrides and plain dicts all become {"section.key": value}
+# ---------------------------------------------------------------------------------------------------------
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+def _unquoted(text: str) -> str:
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        return text[1:-1]
+    return text
+
+
+def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
+    """Convert the text of a command-line override by the key's type. Integers must be integer literals:
+    "2.5", "1e3" and "true" are errors, never rounded."""
+    type_ = declaration.type
+    if type_ is int:
+        if _INTEGER.fullmatch(text):
+            return int(text)
+    elif type_ is float:
+        if _NUMBER.fullmatch(text):
+            return float(text)
+    elif type_ is bool:
+        if text in ("true", "false"):
+            return text == "true"
+    elif type_ is str:
+        return _unquoted(text)
+    else:  # str | bool, i.e. precision.grad_scaler: "auto", true or false
+        return text == "true" if text in ("true", "false") else _unquoted(text)
+    raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {text}")
+
+
+def _pair_from_argument(argument: str) -> tuple[str, object]:
+    """'optim.lr=3e-4' -> ("optim.lr", 0.0003)."""
+    key, equals, text = argument.partition("=")
+    if not equals or not key:
+        raise ConfigError(
+            f"unexpected argument {argument!r}: expected section.key=value, e.g. run.max_steps=100 "
+            f"(an optional --config FILE comes first)"
+        )
+    return key, _value_from_text(key, text, _declaration(key))
+
+
+def _pairs_from_tree(tree: dict) -> dict[str, object]:
+    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown names."""
+    section_types = _section_types()
+    pairs = {}
+    for name, value in tree.items():
+        if name in section_types:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {_describe(value)}")
+            for key, inner_value in value.items():
+                _declaration(f"{name}.{key}")
+                pairs[f"{name}.{key}"] = inner_value
+        elif isinstance(value, dict):
+            raise ConfigError(f"unknown section [{name}] (sections: {', '.join(section_types)})")
+        else:
+            _declaration(name)
+            pairs[name] = value
+    return pairs
+
+
+def _config_from_pairs(pairs: dict[str, object]) -> Config:
+    """Build and validate a Config; keys not in `pairs` keep their defaults."""
+    section_values = {section_name: {} for section_name in _section_types()}
+    top_level_values = {}
+    for key, value in pairs.items():
+        if _declaration(key).type is float and type(value) is int:
+            value = float(value)  # `lr = 1` means 1.0; the reverse (a float for an integer) is an error
+        section_name, dot, name = key.partition(".")
+        if dot:
+            section_values[section_name][name] = value
+        else:
+            top_level_values[key] = value
+    sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
+    return Config(**sections, **top_level_values)
+
+
+def _read_toml_file(path: str) -> dict:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read the file ({error.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path}: not valid TOML ({error})") from None
+
+
+def load_config(argv: list[str]) -> Config:
+    """The config described by a command line (without the program name and without --help):
+    an optional `--config FILE` (or `--config=FILE`), then any number of `section.key=value`."""
+    config_path = None
+    arguments = list(argv)
+    if arguments and arguments[0] == "--config":
+        if len(arguments) < 2:
+            raise ConfigError("--config: expected a file name after --config")
+        config_path, arguments = arguments[1], arguments[2:]
+    elif arguments and arguments[0].startswith("--config="):
+        config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
+
+    pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
+    for argument in arguments:
+        key, value = _pair_from_argument(argument)
+        pairs[key] = value
+    return _config_from_pairs(pairs)
+
+
+def config_from_dict(tree: dict) -> Config:
+    """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
+    return _config_from_pairs(_pairs_from_tree(tree))
+
+
+def config_to_dict(config: Config) -> dict:
+    """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values."""
+    return dataclasses.asdict(config)
+
+
+def resolved_grad_scaler(config: Config) -> bool:
+    """Whether to use a gradient scaler: "auto" means on for fp16 only."""
+    if config.precision.grad_scaler == "auto":
+        return config.precision.dtype == "fp16"
+    return config.precision.grad_scaler
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing: TOML for the run directory, and --help
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    escaped = []
+    for character in text:
+        if character in '"\\':
+            escaped.append("\\" + character)
+        elif character < " " or character == "\x7f":
+            escaped.append(f"\\u{ord(character):04x}")
+        else:
+            escaped.append(character)
+    return '"' + "".join(escaped) + '"'
+
+
+def _toml_value(value: str | int | float | bool) -> str:
+    if isinstance(value, bool):  # before int: bool is a subclass of int
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, float):
+        return repr(value)  # the shortest text that reads back as exactly this float, e.g. 0.003, 1e-05
+    return str(value)
+
+
+def _describe(value) -> str:
+    """A value as it appears in an error message: in TOML spelling when it has one."""
+    return _toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
+
+
+def config_to_toml(config: Config) -> str:
+    """The resolved config as a TOML file that `--config` reads back to an equal Config."""
+    lines = [
+        "# The resolved configuration of this run: defaults, file and command line combined.",
+        "# Run it again with: python train.py --config <this file>",
+        "",
+    ]
+    for name in _top_level_fields():
+        lines.append(f"{name} = {_toml_value(getattr(config, name))}")
+    for section_name in _section_types():
+        section = getattr(config, section_name)
+        lines += ["", f"[{section_name}]"]
+        for declaration in fields(section):
+            lines.append(f"{declaration.name} = {_toml_value(getattr(section, declaration.name))}")
+    return "\n".join(lines) + "\n"
+
+
+def help_text() -> str:
+    """Usage and every key, grouped by section, with its default, allowed values, unit and meaning."""
+    lines = [
+        "usage: python train.py [--config FILE] [section.key=value ...]",
+        "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
+        "",
+        "Settings come from the defaults below, then the TOML file given by --config, then the command",
+        "line in order; a key given twice takes its last value. Example:",
+        "  python train.py --config configs/default.toml run.max_steps=100 optim.lr=1e-3",
+    ]
+    defaults = Config()
+    current_section = None
+    for key, declaration, default in _settings(defaults):
+        section_name, dot, _ = key.partition(".")
+        heading = f"[{section_name}]" if dot else "top level"
+        if heading != current_section:
+            lines += ["", heading]
+            current_section = heading
+        unit = declaration.metadata["unit"]
+        unit_text = f"; unit: {unit}" if unit else ""
+        lines.append(f"  {key} = {_toml_value(default)}    ({_allowed_text(declaration)}{unit_text})")
+        lines.append(f"      {declaration.metadata['help']}")
+    return "\n".join(lines) + "\n"
