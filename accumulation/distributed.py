@@ -1,0 +1,72 @@
+"""One function to set up data parallelism from torchrun's environment, one to tear it down.
+
+Without `RANK` in the environment the program is a single process (D = 1) and no process group exists.
+Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+"""
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistributedContext:
+    rank: int
+    local_rank: int  # rank within this node: picks the GPU
+    world_size: int  # D, the number of data-parallel ranks
+    device: torch.device
+    backend: str | None  # "nccl", "gloo", or None for a single process
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def choose_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ValueError('device: "cuda" was asked for but no CUDA device is available; use device=cpu or device=auto')
+    if preference in ("cuda", "auto") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup_distributed(device_preference: str, timeout_s: float) -> DistributedContext:
+    if "RANK" not in os.environ:
+        return DistributedContext(0, 0, 1, choose_device(device_preference, 0), None)
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = int(os.environ["WORLD_SIZE"])
+    device = choose_device(device_preference, local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    # torchrun's agent hosts the rendezvous store and keeps it across restarts (--max-restarts). Keys left
+    # by the previous attempt confuse a fresh init_process_group (pytorch issue 135712), so every attempt
+    # works under its own key prefix. Without the agent (a plain launcher that sets the variables), rank 0
+    # hosts the store.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"accumulation/attempt{attempt}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,  # a collective waiting longer than this fails instead of hanging forever
+    )
+    return DistributedContext(rank, local_rank, world_size, device, backend)
+
+
+def teardown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

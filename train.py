@@ -1,0 +1,416 @@
+"""Train a byte-level GPT with exact gradient accumulation, on one process or under torchrun.
+
+    python train.py [--config FILE] [section.key=value ...]
+    torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]
+
+Units: m = batch.micro_batch_size examples per forward/backward per rank, A = accumulation steps (derived),
+D = ranks, global batch G = m·A·D examples per optimizer step. A "step" is one optimizer step attempt (one
+accumulation group); an "update" is a step whose update was applied. `accumulation/step.py` holds the
+maths of one step; this file is the loop around it: set-up, the training section, and diagnostics.
+"""
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from accumulation.batching import accumulation_steps, describe_batch
+from accumulation.checkpoint import CheckpointError, newest_readable_checkpoint, save_checkpoint
+from accumulation.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    config_to_dict,
+    config_to_toml,
+    help_text,
+    load_config,
+    resolved_grad_scaler,
+)
+from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids
+from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed
+from accumulation.model import GPT, GPTConfig
+from accumulation.schedule import build_scheduler
+from accumulation.step import Counters, StepResult, all_reduce_ints, optimizer_step, token_loss_sum
+
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
+# each step sees. Everything else (max_steps, logging cadence, micro_batch_size, even lr) may change.
+MUST_MATCH_ON_RESUME = [
+    ("model", "n_layer"), ("model", "n_head"), ("model", "d_model"),
+    ("data", "source"), ("data", "seq_len"), ("data", "val_fraction"),
+    ("batch", "global_batch_size"), ("batch", "tail"), ("run", "seed"),
+]
+
+
+def main(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        return 0
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
+
+    # Everything a user can get wrong is checked before anything is written: a bad config, data or
+    # checkpoint ends here with one line on stderr and exit status 2.
+    try:
+        config = load_config(argv)
+        check_batch_against_world(config, world_size)
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+        rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+        run_dir = Path(config.run.out_dir) / config.run.name
+        resume = find_resume_point(config, corpus, run_dir, say)
+    except (ConfigError, DataError, CheckpointError) as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    context = setup_distributed(config.device, config.dist.timeout_s)
+    try:
+        return train(config, corpus, run_dir, resume, context, say)
+    finally:
+        teardown_distributed()
+
+
+def check_batch_against_world(config: Config, world_size: int) -> None:
+    try:
+        accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, world_size)
+    except ValueError as error:
+        raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
+
+
+def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dict | None:
+    """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory."""
+    checkpoint_dir = run_dir / "checkpoints"
+    found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
+    if found is None:
+        leftovers = [name for name in ("metrics.jsonl", "checkpoints", "tensorboard") if (run_dir / name).exists()]
+        if leftovers:
+            raise ConfigError(
+                f"run.name: {run_dir} already holds a run ({', '.join(leftovers)}); continue it with "
+                f'run.resume=auto, or choose another run.name, or delete the directory'
+            )
+        return None
+    path, payload = found
+    stored = config_from_dict(payload["config"])
+    differences = [
+        f"{section}.{key} {getattr(getattr(stored, section), key)!r} -> {getattr(getattr(config, section), key)!r}"
+        for section, key in MUST_MATCH_ON_RESUME
+        if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
+    ]
+    if payload["data"].get("fingerprint") != corpus.summary.fingerprint:
+        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {corpus.summary.fingerprint}")
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
+            f"use the original settings, another run.name, or run.resume=never in a new directory"
+        )
+    if payload["counters"]["steps"] > config.run.max_steps:
+        raise ConfigError(
+            f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
+            f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
+        )
+    say(f"resuming from {path} at step {payload['counters']['steps']}")
+    return payload
+
+
+def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+    """Weight decay on matrices only; biases, norms' gains and nothing else one-dimensional decay."""
+    decayed = [p for p in model.parameters() if p.dim() >= 2]
+    not_decayed = [p for p in model.parameters() if p.dim() < 2]
+    groups = [
+        {"params": decayed, "weight_decay": config.optim.weight_decay},
+        {"params": not_decayed, "weight_decay": 0.0},
+    ]
+    if config.optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=config.optim.lr, momentum=config.optim.momentum)
+    betas = (config.optim.momentum, config.optim.beta2)
+    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=betas, fused=device.type == "cuda")
+
+
+def rng_states(context: DistributedContext) -> dict:
+    """Every rank's random-number-generator states (dropout draws from them), gathered for rank 0 to save."""
+    mine = {"cpu": torch.get_rng_state()}
+    if context.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(context.device)
+    if context.world_size == 1:
+        return {"per_rank": [mine]}
+    everyone = [None] * context.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"per_rank": everyone}
+
+
+def restore_rng_states(saved: dict, context: DistributedContext, config: Config, steps: int) -> None:
+    """Exact continuation when the number of ranks is unchanged; with another D each rank starts a fresh
+    stream from (seed, steps, rank), since its examples (and so its dropout masks) are regrouped anyway."""
+    per_rank = saved["per_rank"]
+    if len(per_rank) == context.world_size:
+        torch.set_rng_state(per_rank[context.rank]["cpu"])
+        if context.device.type == "cuda" and "cuda" in per_rank[context.rank]:
+            torch.cuda.set_rng_state(per_rank[context.rank]["cuda"], context.device)
+    else:
+        torch.manual_seed(config.run.seed * 1_000_003 + steps * 1009 + context.rank)
+
+
+def checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, counters, context) -> dict:
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "counters": vars(counters).copy(),
+        "config": config_to_dict(config),
+        "rng": rng_states(context),
+        # The data order is a pure function of (seed, step, global batch), so the position is the step
+        # count; the fingerprint lets a resume refuse data that changed underneath it.
+        "data": {"next_step": counters.steps, "fingerprint": corpus.summary.fingerprint, "train_rows": corpus.train.num_rows},
+    }
+
+
+@torch.no_grad()
+def validation_loss(model: GPT, corpus: Corpus, config: Config, context: DistributedContext) -> float:
+    """Token-weighted mean loss over the whole validation split: sums of token losses and token counts are
+    added over every micro-batch and rank, then divided once (the same weighting as training)."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
+    tokens = 0
+    autocast_dtype = AUTOCAST_DTYPES[config.precision.dtype]
+    for micro_batch in eval_micro_batches(corpus.val, config.batch.micro_batch_size, context.world_size, context.rank):
+        with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(micro_batch.inputs.to(context.device))
+        loss_sum += token_loss_sum(logits, micro_batch.labels.to(context.device))
+        tokens += int((micro_batch.labels != -100).sum())
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    [tokens_global] = all_reduce_ints([tokens], context.device)
+    return loss_sum.item() / max(tokens_global, 1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or inf: a non-finite value is written as null."""
+    return value if math.isfinite(value) else None
+
+
+def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, context: DistributedContext, say) -> int:
+    device = context.device
+    torch.manual_seed(config.run.seed * 1_000_003 + context.rank)  # dropout: different masks on each rank
+    model_config = GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout)
+    model = GPT(model_config, seed=config.run.seed).to(device)  # same initial weights on every rank
+    optimizer = build_optimizer(config, model, device)
+    decay_updates = config.schedule.decay_updates or config.run.max_steps
+    scheduler = build_scheduler(optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio)
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    counters = Counters()
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        optimizer.load_state_dict(resume["optimizer"])
+        scheduler.load_state_dict(resume["scheduler"])
+        scaler.load_state_dict(resume["scaler"])
+        counters = Counters(**resume["counters"])
+        restore_rng_states(resume["rng"], context, config, counters.steps)
+    wrapped = torch.compile(model) if config.model.compile else model
+    if context.world_size > 1:
+        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+    accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    autocast_dtype = AUTOCAST_DTYPES[config.precision.dtype]
+    checkpoint_dir = run_dir / "checkpoints"
+
+    def save(counters: Counters) -> None:
+        payload = checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, counters, context)
+        if context.is_main:
+            save_checkpoint(payload, checkpoint_dir, counters.steps, config.run.keep_checkpoints)
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if context.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(config_to_toml(config))
+        keep_metrics_up_to(metrics_path, counters.steps)
+    if resume is None:
+        save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start
+    metrics_file, writers = open_logs(context, run_dir, metrics_path, resume, counters)
+
+    say(f"accumulation: {describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)} "
+        f"examples per update; {config.data.seq_len} tokens per row; device {device} ({context.backend or 'single process'})")
+    say(f"model: {model.num_parameters():,} parameters ({config.model.n_layer} layers, d_model {config.model.d_model}, "
+        f"{config.model.n_head} heads); precision {config.precision.dtype}, grad scaler {'on' if scaler.is_enabled() else 'off'}")
+    say(corpus.summary.describe())
+    dropped = rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+    say(f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used" if dropped else f"batch.tail={config.batch.tail}: every row is used each epoch")
+    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
+
+    status = 0
+    first_loss = last_loss = None
+    trained_tokens, trained_seconds, window = 0, 0.0, []
+    consecutive_skips = 0
+    try:
+        # ---------------------------------------------------------------- TRAINING SECTION BEGIN
+        while counters.steps < config.run.max_steps:
+            step_start = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            # The examples of this step depend on (seed, step, G) only; this rank takes its fixed slices.
+            row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, counters.steps, config.batch.tail)
+            micro_batches = build_micro_batches(corpus.train, row_ids, config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size, context.rank)
+            if device.type == "cuda":
+                for micro_batch in micro_batches:  # page-locked host memory lets the copies run asynchronously
+                    micro_batch.inputs, micro_batch.labels = micro_batch.inputs.pin_memory(), micro_batch.labels.pin_memory()
+            result = optimizer_step(
+                wrapped, micro_batches, optimizer, scheduler, scaler, counters,
+                grad_clip=config.optim.grad_clip, device=device, autocast_dtype=autocast_dtype,
+            )
+            step_seconds = time.perf_counter() - step_start
+            # ------------------------------------------------------------ TRAINING SECTION END
+            # Everything below is diagnostics and bookkeeping.
+            trained_tokens += result.tokens
+            trained_seconds += step_seconds
+            window.append((result.tokens, step_seconds))
+            first_loss = result.loss if first_loss is None else first_loss
+            last_loss = result.loss
+            record = {
+                **vars(counters),
+                "loss": finite_or_none(result.loss),
+                "lr": result.lr,
+                "grad_norm": finite_or_none(result.grad_norm),
+                "scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
+                "tokens_per_s": result.tokens / step_seconds,
+                "peak_mem_bytes": peak_memory_bytes(device),
+                "time_s": step_seconds,
+            }
+            if not result.applied:
+                record["skip_reason"] = result.skip_reason
+                say(f"step {counters.steps}: update skipped: {result.skip_reason}")
+            finished = counters.steps == config.run.max_steps
+            # Validation on its own cadence of steps, never depending on where a session happens to end,
+            # so an interrupted and resumed run writes the same lines as an uninterrupted one.
+            if corpus.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
+                record["val_loss"] = validation_loss(model, corpus, config, context)
+            write_metrics(context, metrics_file, writers, record)
+            if counters.steps % config.run.log_every == 0 or finished:
+                say(progress_line(counters, config, record, window))
+                window = []
+
+            consecutive_skips = 0 if result.applied else consecutive_skips + 1
+            stop_reason = nonfinite_stop_reason(config, result, scaler, consecutive_skips)
+            if stop_reason:
+                save(counters)  # a skipped update left the weights at the last good state
+                say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
+                return 1
+            if counters.steps % config.run.checkpoint_every == 0 or finished:
+                save(counters)
+
+        final_val_loss = validation_loss(model, corpus, config, context) if corpus.val is not None else None
+        if context.is_main and trained_seconds > 0:
+            print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, model)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+        for writer in writers:
+            writer.close()
+    return status
+
+
+def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutive_skips: int) -> str | None:
+    """optim.on_nonfinite = "stop" ends the run at a non-finite loss or gradient, except for the GradScaler's
+    own skips, which are how it calibrates its scale. Too many skips in a row end any run."""
+    if consecutive_skips > config.optim.max_consecutive_skips:
+        return f"{consecutive_skips} consecutive skipped updates (optim.max_consecutive_skips={config.optim.max_consecutive_skips})"
+    nonfinite = not result.applied and result.tokens > 0
+    if config.optim.on_nonfinite == "stop" and nonfinite and not scaler.is_enabled():
+        return f"{result.skip_reason} (optim.on_nonfinite=stop)"
+    return None
+
+
+def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
+    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
+    if not metrics_path.exists():
+        return
+    kept = [line for line in metrics_path.read_text().splitlines(keepends=True) if line.strip() and json.loads(line)["steps"] <= steps]
+    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
+    temporary.write_text("".join(kept))
+    os.replace(temporary, metrics_path)
+
+
+def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resume: dict | None, counters: Counters):
+    """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
+    On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+    if not context.is_main:
+        return None, []
+    from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+
+    metrics_file = open(metrics_path, "a")
+    by_updates = SummaryWriter(run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resume else None)
+    by_tokens = SummaryWriter(run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resume else None)
+    return metrics_file, [by_updates, by_tokens]
+
+
+def write_metrics(context: DistributedContext, metrics_file, writers, record: dict) -> None:
+    if not context.is_main:
+        return
+    metrics_file.write(json.dumps(record) + "\n")
+    metrics_file.flush()
+    by_updates, by_tokens = writers
+    for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
+        if record.get(name) is not None:
+            by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
+            by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+
+
+def progress_line(counters: Counters, config: Config, record: dict, window: list) -> str:
+    window_tokens = sum(tokens for tokens, _ in window)
+    window_seconds = sum(seconds for _, seconds in window)
+    seconds_per_step = window_seconds / len(window)
+    eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+    validation = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    return (
+        f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
+        f"{window_tokens / window_seconds / 1e3:.1f}k tok/s | eta {eta_s / 60:.1f} min"
+    )
+
+
+def print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, model) -> None:
+    validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
+    print(
+        f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
+        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer steps"
+    )
+    print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
+    if config.run.sample_bytes > 0:
+        model.eval()
+        prompt = torch.tensor(list(b"def "), device=next(model.parameters()).device)
+        sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
+        print("sample:\n" + bytes(sample.tolist()).decode("utf-8", errors="replace"))
+
+
+if __name__ == "__main__":
+    # A finished job exits with its own status: logs flushed and the process group destroyed, then os._exit,
+    # because interpreter teardown after gloo/NCCL use occasionally aborts a rank that did all its work.
+    try:
+        exit_status = main(sys.argv[1:])
+    except KeyboardInterrupt:
+        exit_status = 130
+    except BaseException:
+        traceback.print_exc()
+        exit_status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_status)
