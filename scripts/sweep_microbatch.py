@@ -1,0 +1,284 @@
+"""Memory and speed of one optimizer update against the micro-batch size m, at a fixed global batch.
+
+    python scripts/sweep_microbatch.py [--micro 1,2,4,8,16,32] [--png FILE] [--json] [--config FILE] [section.key=value ...]
+    torchrun --standalone --nproc_per_node=N scripts/sweep_microbatch.py [same arguments]
+
+The global batch G stays as configured; for each m, A = G / (m·D) follows, and an m that does not give a
+whole A is reported as skipped, with the reason. Each m gets a fresh model with the same initial weights
+and feeds the examples of step 0 of the data order through `optimizer_step` (the function train.py calls)
+several times:
+
+  1. warm-up: first-call costs (allocator growth, DDP's buckets, torch.compile) stay out of the numbers;
+     the gradient the optimizer is handed is kept for the comparison across m;
+  2. timed, TIMED_UPDATES times: supervised tokens (all ranks) per second of wall time, of the fastest;
+  3. profiled: peak memory (see peak_memory_bytes_of).
+
+The model and the optimizer are those of scripts/check_equivalence.py (comparable_model, gradient_probe):
+dropout off, and SGD with learning rate 0, so the weights never move: every update of every m sees the same
+model, and the gradients of different m must agree. That SGD holds no state, so the peak is what depends
+on m (activations, gradients, temporaries); AdamW would add 2 x 4 bytes per parameter to every row.
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import MEMORY_EVENT_NAME
+
+# Run as `python scripts/sweep_microbatch.py`, Python puts scripts/ on the path, not the project root.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from accumulation.batching import accumulation_steps  # noqa: E402  (after the path fix above)
+from accumulation.config import Config, ConfigError, load_config  # noqa: E402
+from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
+from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed  # noqa: E402
+from accumulation.step import Counters, optimizer_step  # noqa: E402
+from scripts.check_equivalence import AUTOCAST_DTYPES, comparable_model, gradient_probe  # noqa: E402
+
+# Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
+# Different m add the same terms in a different order (other micro-batch sums, other matrix shapes).
+# fp32: each m's gradient is within about 1e-7 of the largest entry of the exact one (what
+# scripts/check_equivalence.py measures against float64), so two of them differ by about twice that; 1e-5
+# leaves a wide margin and is far below the 1e-2 and more of a wrong weighting of micro-batches.
+# bf16 and fp16 round each operation to 2^-9 and 2^-12: the bounds of check_equivalence.py, 5e-2 and 1e-2.
+RELATIVE_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
+
+BYTES_PER_MB = 1e6
+
+# The fastest of a few timed updates: other work on the machine only ever makes an update slower.
+TIMED_UPDATES = 3
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This script's own flags, and the rest: `--config FILE` and `section.key=value`, as train.py takes them."""
+    parser = argparse.ArgumentParser(
+        description="Peak memory and tokens/s of one optimizer update for several micro-batch sizes at a fixed global batch.",
+        epilog="Config keys and their defaults: python train.py --help (batch.micro_batch_size is replaced by --micro)",
+    )
+    parser.add_argument("--config", help="TOML config file, as for train.py")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train.py")
+    parser.add_argument("--micro", type=positive_integers, default=[1, 2, 4, 8, 16, 32], help="micro-batch sizes m, comma-separated (default 1,2,4,8,16,32)")
+    parser.add_argument("--png", default="sweep_microbatch.png", help="where to write the figure (default sweep_microbatch.png)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
+    arguments = parser.parse_intermixed_args(argv)
+    config_argv = (["--config", arguments.config] if arguments.config else []) + arguments.overrides
+    return arguments, config_argv
+
+
+def positive_integers(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]; anything but positive integers is an argparse error."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str]) -> int:
+    arguments, config_argv = parse_arguments(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        config = load_config(config_argv)
+        rows = planned_rows(config.batch.global_batch_size, arguments.micro, world_size)
+        if all(row["skipped"] for row in rows):
+            raise ConfigError(
+                f"--micro: none of {arguments.micro} gives a whole number of accumulation steps "
+                f"({rows[0]['skipped']})"
+            )
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+        row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
+    except (ConfigError, DataError) as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    context = setup_distributed(config.device, config.dist.timeout_s)
+    try:
+        sweep(config, corpus, row_ids, context, rows)
+        if not context.is_main:
+            return 0
+        tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
+        agree = gradients_agree(rows, tolerance)
+        setting = f"global batch {config.batch.global_batch_size}, {context.world_size} rank(s), {context.device}, {config.precision.dtype}"
+        draw_figure(rows, arguments.png, setting)
+        if arguments.json:
+            print(json.dumps(rows))
+        else:
+            print(f"sweep: {setting}; the examples of step 0; SGD with lr 0 (no optimizer state); dropout off")
+            print(format_table(rows))
+            print(
+                f"gradients across m: {'agree' if agree else 'DIFFER'} (tolerance {tolerance:g} relative to the "
+                f"largest entry, for {config.precision.dtype}; see RELATIVE_TOLERANCE)"
+            )
+            print(f"figure: {arguments.png}")
+        return 0 if agree else 1
+    finally:
+        teardown_distributed()
+
+
+def planned_rows(global_batch_size: int, micro_batch_sizes: list[int], world_size: int) -> list[dict]:
+    """One row per m, in the order given: micro_batch_size, accumulation_steps (A) and skipped (None, or why
+    this m cannot be run: A would not be a whole number)."""
+    rows = []
+    for micro_batch_size in micro_batch_sizes:
+        row = {"micro_batch_size": micro_batch_size, "accumulation_steps": None, "skipped": None}
+        try:
+            row["accumulation_steps"] = accumulation_steps(global_batch_size, micro_batch_size, world_size)
+        except ValueError as error:
+            row["skipped"] = str(error)
+        rows.append(row)
+    return rows
+
+
+def sweep(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, rows: list[dict]) -> None:
+    """Measure every row that is not skipped, adding tokens, time_s, tokens_per_s, peak_mem_bytes and, on
+    rank 0, grad_max_relative_difference against the first measured m."""
+    first_gradients = None
+    for row in rows:
+        if row["skipped"]:
+            continue
+        gradients, measurements = measure_one_update(config, corpus, row_ids, context, row["micro_batch_size"])
+        if gradients is None:
+            row["skipped"] = "no update was applied (non-finite gradient or no supervised tokens): no gradient to compare"
+            continue
+        row.update(measurements)
+        first_gradients = gradients if first_gradients is None else first_gradients
+        if context.is_main:
+            row["grad_max_relative_difference"] = max_relative_difference(gradients, first_gradients)
+
+
+def measure_one_update(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, micro_batch_size: int):
+    """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
+    {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
+    device = context.device
+    model = comparable_model(config, device)  # the same initial weights for every m
+    wrapped, optimizer, scheduler, scaler, handed = gradient_probe(config, model, context)
+    micro_batches = build_micro_batches(corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank)
+
+    def one_update():
+        return optimizer_step(
+            wrapped, micro_batches, optimizer, scheduler, scaler, Counters(),
+            grad_clip=config.optim.grad_clip, device=device, autocast_dtype=AUTOCAST_DTYPES[config.precision.dtype],
+        )
+
+    one_update()
+    gradients = handed[0] if handed else None
+
+    seconds = math.inf
+    for _ in range(TIMED_UPDATES):
+        start = time.perf_counter()
+        result = one_update()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the update's last kernels may still be running
+        seconds = min(seconds, time.perf_counter() - start)
+
+    _, peak_bytes = peak_memory_bytes_of(one_update, device)
+    if context.world_size > 1:
+        # The rank that needed the most memory sets what the run needs. NCCL reduces device tensors only.
+        peak = torch.tensor([peak_bytes], dtype=torch.int64, device=device if context.backend == "nccl" else "cpu")
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        peak_bytes = int(peak.item())
+    return gradients, {"tokens": result.tokens, "time_s": seconds, "tokens_per_s": result.tokens / seconds, "peak_mem_bytes": peak_bytes}
+
+
+def peak_memory_bytes_of(fn, device: torch.device) -> tuple[object, int]:
+    """Run fn() and return (its result, the most bytes it held allocated at once on `device`, beyond what
+    was already allocated when it began).
+
+    CUDA: the caching allocator counts its own peak. The CPU allocator keeps no such counter, so the
+    profiler records every allocation (+bytes) and free (-bytes) with its time; the running sum in time
+    order is what fn holds at each moment, and its maximum is the peak.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        bytes_before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - bytes_before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        result = fn()
+    # The raw records: profile.events() would fold each allocation into the operator that made it, hiding
+    # a peak that lasts only inside one operator.
+    records = [record for record in profile.profiler.kineto_results.events() if record.name() == MEMORY_EVENT_NAME]
+    held_bytes = peak_bytes = 0
+    for record in sorted(records, key=lambda record: record.start_ns()):
+        held_bytes += record.nbytes()  # negative for a free
+        peak_bytes = max(peak_bytes, held_bytes)
+    return result, peak_bytes
+
+
+def max_relative_difference(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """max |gradients - reference| over all entries, relative to the largest entry of the reference."""
+    largest = max(r.abs().max().item() for r in reference)
+    return max((g.double() - r.double()).abs().max().item() for g, r in zip(gradients, reference)) / largest
+
+
+def gradients_agree(rows: list[dict], tolerance: float) -> bool:
+    """True when at least one m was measured and every measured m's gradient is within tolerance of the first."""
+    measured = [row for row in rows if row["skipped"] is None]
+    return bool(measured) and all(row["grad_max_relative_difference"] <= tolerance for row in measured)
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'m':>5} {'A':>5} {'tokens/s':>12} {'peak MB':>10} {'grad rel. diff':>15}"]
+    for row in rows:
+        if row["skipped"] is not None:
+            lines.append(f"{row['micro_batch_size']:>5} {'-':>5}  skipped: {row['skipped']}")
+            continue
+        lines.append(
+            f"{row['micro_batch_size']:>5} {row['accumulation_steps']:>5} {row['tokens_per_s']:>12,.0f} "
+            f"{row['peak_mem_bytes'] / BYTES_PER_MB:>10.1f} {row['grad_max_relative_difference']:>15.2e}"
+        )
+    return "\n".join(lines)
+
+
+def draw_figure(rows: list[dict], path: str, title: str) -> None:
+    """Two panels against m on a log2 axis: supervised tokens/s, and peak MB of one update."""
+    from matplotlib.figure import Figure  # imported here: only this figure needs matplotlib
+
+    measured = [row for row in rows if row["skipped"] is None]
+    micro_batch_sizes = [row["micro_batch_size"] for row in measured]
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    speed_axes, memory_axes = figure.subplots(1, 2)
+    speed_axes.plot(micro_batch_sizes, [row["tokens_per_s"] for row in measured], marker="o")
+    speed_axes.set_ylabel("supervised tokens / s")
+    memory_axes.plot(micro_batch_sizes, [row["peak_mem_bytes"] / BYTES_PER_MB for row in measured], marker="o")
+    memory_axes.set_ylabel("peak memory of one update (MB)")
+    for axes in (speed_axes, memory_axes):
+        axes.set_xscale("log", base=2)
+        axes.set_xticks(micro_batch_sizes, labels=[str(m) for m in micro_batch_sizes])
+        axes.set_xlabel("micro-batch size m (examples)")
+        axes.set_ylim(bottom=0)
+        axes.grid(True, alpha=0.3)
+    figure.suptitle(title)
+    figure.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    # As in train.py: flush, tear down (inside main), then os._exit, because interpreter teardown after
+    # gloo/NCCL use occasionally aborts a rank that did all its work.
+    try:
+        exit_status = main(sys.argv[1:])
+    except SystemExit as request:  # from argparse: --help (status 0) or a bad flag (status 2, usage on stderr)
+        exit_status = request.code
+    except KeyboardInterrupt:
+        exit_status = 130
+    except BaseException:
+        traceback.print_exc()
+        exit_status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_status)

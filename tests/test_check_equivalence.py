@@ -1,0 +1,85 @@
+"""scripts/check_equivalence.py: PASS on the loop (one process, and two gloo ranks under torchrun) on a corpus
+whose rows hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import check_equivalence
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "check_equivalence.py"
+
+TINY_CONFIG = [
+    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.seq_len=32",
+    "batch.global_batch_size=8", "batch.micro_batch_size=2", "data.val_fraction=0",
+]
+
+
+def short_documents_corpus(folder: Path) -> Path:
+    """24 files of 3 to 150 bytes. With seq_len 32 more than half of the 48 rows are shorter than a full
+    row (2 to 21 supervised tokens), so micro-batches and ranks differ in token count and a mean of
+    micro-batch means differs from the token mean."""
+    folder.mkdir()
+    for index in range(24):
+        length = [3, 9, 20, 33, 70, 150][index % 6]
+        (folder / f"doc{index:02d}.txt").write_bytes(bytes(97 + (index * 7 + j) % 26 for j in range(length)))
+    return folder
+
+
+def run_checker(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
+    """(exit status, stdout). One rank runs in this process; more run under torchrun, as a user would."""
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    arguments = [*TINY_CONFIG, f"data.source={corpus}", *arguments]
+    if ranks == 1:
+        status = check_equivalence.main(arguments)
+        return status, capsys.readouterr().out
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    completed = subprocess.run(
+        launcher + [str(SCRIPT), *arguments], capture_output=True, text=True, timeout=120, env=environment, cwd=tmp_path
+    )
+    assert completed.returncode in (0, 1), completed.stdout + completed.stderr  # anything else is a crash
+    return completed.returncode, completed.stdout
+
+
+def reported_relative_error(stdout: str) -> float:
+    return float(re.search(r"max relative error ([0-9.e+-]+)", stdout).group(1))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_loop_passes(tmp_path, capsys, ranks):
+    status, stdout = run_checker(tmp_path, [], ranks, capsys)
+    assert status == 0, stdout
+    assert f"x ranks {ranks};" in stdout
+    assert stdout.splitlines()[-1] == "PASS"
+    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
+    status, stdout = run_checker(tmp_path, ["--inject-bug", "mean-of-means"], ranks, capsys)
+    assert status == 1, stdout
+    assert stdout.splitlines()[-1] == "FAIL"
+    # It fails on the gradient itself (this bug leaves the counts alone), and by far.
+    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        (["model.n_head=3"], "model.d_model"),
+        (["batch.global_batch_size=8", "batch.micro_batch_size=3"], "batch.micro_batch_size"),
+        (["optim.nonsense=1"], "optim.nonsense"),
+        (["data.source=/nonexistent/corpus"], "/nonexistent/corpus"),
+    ],
+)
+def test_a_bad_config_exits_2_with_one_line(capsys, arguments, named):
+    assert check_equivalence.main(arguments) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.splitlines()) == 1 and named in captured.err

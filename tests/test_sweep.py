@@ -1,0 +1,90 @@
+"""scripts/sweep_microbatch.py: one row per micro-batch size, the same gradient for every m (and a visibly
+different one when the loss weighting is wrong), a peak-memory measure that sees allocations, and a PNG."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import accumulation.step
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config import load_config
+from accumulation.data import load_corpus, step_row_ids
+from accumulation.distributed import DistributedContext
+from scripts import sweep_microbatch
+from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus
+
+SINGLE_CPU_PROCESS = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
+
+
+def swept_rows(tmp_path, micro_batch_sizes: list[int]) -> list[dict]:
+    corpus_folder = short_documents_corpus(tmp_path / "corpus")
+    config = load_config([*TINY_CONFIG, f"data.source={corpus_folder}"])
+    corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+    row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
+    rows = sweep_microbatch.planned_rows(config.batch.global_batch_size, micro_batch_sizes, world_size=1)
+    sweep_microbatch.sweep(config, corpus, row_ids, SINGLE_CPU_PROCESS, rows)
+    return rows
+
+
+def test_one_row_per_micro_batch_size_and_the_same_gradient_for_every_m(tmp_path):
+    rows = swept_rows(tmp_path, [1, 2, 3, 4, 8])
+    assert [row["micro_batch_size"] for row in rows] == [1, 2, 3, 4, 8]
+    assert [row["accumulation_steps"] for row in rows] == [8, 4, None, 2, 1]
+    assert "micro batch 3 does not divide" in rows[2]["skipped"]
+    measured = [row for row in rows if row["skipped"] is None]
+    assert all(row["grad_max_relative_difference"] <= sweep_microbatch.RELATIVE_TOLERANCE["fp32"] for row in measured)
+    assert sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])
+    assert len({row["tokens"] for row in measured}) == 1  # the same examples for every m
+    # Activations grow with m while the model stays the same.
+    assert measured[-1]["peak_mem_bytes"] > 2 * measured[0]["peak_mem_bytes"]
+    table = sweep_microbatch.format_table(rows).splitlines()
+    assert [int(line.split()[0]) for line in table[1:]] == [1, 2, 3, 4, 8]
+
+
+def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch):
+    """Backpropagating each micro-batch's token MEAN (the classic mistake) weights micro-batches, not
+    tokens; on rows of different lengths the sweep must see m change the gradient."""
+
+    def micro_batch_mean(logits, labels):
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
+
+    monkeypatch.setattr(accumulation.step, "token_loss_sum", micro_batch_mean)
+    rows = swept_rows(tmp_path, [1, 8])
+    assert rows[1]["grad_max_relative_difference"] > 1e-2
+    assert not sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])
+
+
+def test_peak_memory_of_a_known_allocation():
+    def allocate_and_free():
+        block = torch.ones(1_000_000, dtype=torch.float32)  # 4 MB, freed on return
+        return float(block.sum())
+
+    result, peak_bytes = sweep_microbatch.peak_memory_bytes_of(allocate_and_free, torch.device("cpu"))
+    assert result == 1_000_000.0
+    assert 4_000_000 <= peak_bytes < 4_100_000
+
+
+def test_the_command_prints_json_rows_and_writes_the_png(tmp_path, capsys):
+    corpus_folder = short_documents_corpus(tmp_path / "corpus")
+    png = tmp_path / "sweep.png"
+    status = sweep_microbatch.main([*TINY_CONFIG, f"data.source={corpus_folder}", "--micro", "1,2,16", "--json", "--png", str(png)])
+    assert status == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [row["micro_batch_size"] for row in rows] == [1, 2, 16]
+    assert rows[2]["skipped"] and rows[0]["skipped"] is None
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("micro", ["0", "2,x", ""])
+def test_a_malformed_micro_list_is_a_usage_error(micro):
+    with pytest.raises(SystemExit) as exit_request:
+        sweep_microbatch.main([*TINY_CONFIG, "--micro", micro])
+    assert exit_request.value.code == 2
+
+
+def test_micro_batch_sizes_that_all_fail_to_divide_exit_2_with_one_line(capsys):
+    assert sweep_microbatch.main([*TINY_CONFIG, "--micro", "3,5"]) == 2
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1 and "--micro" in error and "[1, 2, 4, 8]" in error
