@@ -9,6 +9,7 @@ accumulation group); an "update" is a step whose update was applied. `accumulati
 maths of one step; this file is the loop around it: set-up, the training section, and diagnostics.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps, describe_batch
-from accumulation.checkpoint import CheckpointError, newest_readable_checkpoint, save_checkpoint
+from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, save_checkpoint, step_checkpoints
 from accumulation.config import (
     Config,
     ConfigError,
@@ -35,7 +36,7 @@ from accumulation.config import (
     resolved_grad_scaler,
 )
 from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids
-from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed
+from accumulation.distributed import DistributedContext, lost_rank_message, setup_distributed, teardown_distributed
 from accumulation.model import GPT, GPTConfig
 from accumulation.schedule import build_scheduler
 from accumulation.step import Counters, StepResult, all_reduce_ints, optimizer_step, token_loss_sum
@@ -43,12 +44,18 @@ from accumulation.step import Counters, StepResult, all_reduce_ints, optimizer_s
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
-# each step sees. Everything else (max_steps, logging cadence, micro_batch_size, even lr) may change.
+# each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
+# value would be silently replaced by the stored one. Everything else (max_steps, logging cadence,
+# micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
 MUST_MATCH_ON_RESUME = [
     ("model", "n_layer"), ("model", "n_head"), ("model", "d_model"),
     ("data", "source"), ("data", "seq_len"), ("data", "val_fraction"),
     ("batch", "global_batch_size"), ("batch", "tail"), ("run", "seed"),
+    ("optim", "name"), ("optim", "lr"), ("optim", "weight_decay"), ("optim", "momentum"), ("optim", "beta2"),
 ]
+
+# Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
+TRAINING_BYTES_PER_PARAMETER = 16
 
 
 def main(argv: list[str]) -> int:
@@ -66,6 +73,7 @@ def main(argv: list[str]) -> int:
         check_batch_against_world(config, world_size)
         if config.device == "cuda" and not torch.cuda.is_available():
             raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        check_model_fits_in_memory(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
         rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         run_dir = Path(config.run.out_dir) / config.run.name
@@ -75,9 +83,20 @@ def main(argv: list[str]) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
-    context = setup_distributed(config.device, config.dist.timeout_s)
     try:
+        context = setup_distributed(config.device, config.dist.timeout_s)
+        check_ranks_agree_on_resume(context, resume, run_dir)
         return train(config, corpus, run_dir, resume, context, say)
+    except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+    except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
+        message = lost_rank_message(error, rank, config.dist.timeout_s) if world_size > 1 else None
+        if message is None:
+            raise  # not a lost rank but a bug: its traceback is the useful message
+        print(message, file=sys.stderr)  # every rank: each one's view helps to find the rank that failed first
+        return 1
     finally:
         teardown_distributed()
 
@@ -89,12 +108,46 @@ def check_batch_against_world(config: Config, world_size: int) -> None:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
 
 
+def gpt_config(config: Config) -> GPTConfig:
+    return GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout)
+
+
+def meta_model(config: Config, n_layer: int) -> GPT:
+    """The configured model with n_layer blocks on PyTorch's "meta" device: every shape, no memory, no values."""
+    with torch.device("meta"):
+        return GPT(dataclasses.replace(gpt_config(config), n_layer=n_layer), seed=config.run.seed)
+
+
+def check_model_fits_in_memory(config: Config) -> None:
+    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
+    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
+    # Every block has the same parameters, so models of 1 and 2 blocks give the count for any depth
+    # without building an absurd n_layer's worth of modules.
+    one_block, two_blocks = (meta_model(config, n_layer).num_parameters() for n_layer in (1, 2))
+    parameters = one_block + (config.model.n_layer - 1) * (two_blocks - one_block)
+    if config.device != "cpu" and torch.cuda.is_available():
+        where, memory_bytes = "the GPU", torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+    else:
+        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
+    if needed_bytes > memory_bytes:
+        raise ConfigError(
+            f"model.d_model / model.n_layer / data.seq_len: the model has {parameters:,} parameters and needs at least "
+            f"{needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each), more than the "
+            f"{memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )
+
+
 def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dict | None:
     """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory."""
     checkpoint_dir = run_dir / "checkpoints"
     found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
     if found is None:
-        leftovers = [name for name in ("metrics.jsonl", "checkpoints", "tensorboard") if (run_dir / name).exists()]
+        leftovers = [name for name in ("metrics.jsonl", "tensorboard") if (run_dir / name).exists()]
+        # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
+        # it is killed while writing its step-0 checkpoint (the temporary file was never renamed).
+        if step_checkpoints(checkpoint_dir) or (checkpoint_dir / "latest.pt").exists():
+            leftovers.append("checkpoints")
         if leftovers:
             raise ConfigError(
                 f"run.name: {run_dir} already holds a run ({', '.join(leftovers)}); continue it with "
@@ -102,7 +155,10 @@ def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dic
             )
         return None
     path, payload = found
-    stored = config_from_dict(payload["config"])
+    try:
+        stored = config_from_dict(payload["config"])
+    except ConfigError as error:
+        raise CheckpointError(f"checkpoint {path} holds a config this program does not accept ({error})") from None
     differences = [
         f"{section}.{key} {getattr(getattr(stored, section), key)!r} -> {getattr(getattr(config, section), key)!r}"
         for section, key in MUST_MATCH_ON_RESUME
@@ -120,8 +176,25 @@ def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dic
             f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
             f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
         )
+    expected_shapes = {name: tensor.shape for name, tensor in meta_model(config, config.model.n_layer).state_dict().items()}
+    check_model_state(path, payload["model"], expected_shapes)
     say(f"resuming from {path} at step {payload['counters']['steps']}")
     return payload
+
+
+def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:
+    """Every rank reads the checkpoint itself. Where nodes do not share the run directory, ranks on another
+    node find no checkpoint and would start afresh beside a resuming rank 0: refused instead."""
+    if context.world_size == 1:
+        return
+    steps_seen = [None] * context.world_size
+    dist.all_gather_object(steps_seen, None if resume is None else resume["counters"]["steps"])
+    if len(set(steps_seen)) > 1:
+        seen = ", ".join(f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen))
+        raise CheckpointError(
+            f"the ranks found different checkpoints in {run_dir / 'checkpoints'} ({seen}); "
+            f"run.out_dir must be on storage that every node shares"
+        )
 
 
 def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
@@ -212,18 +285,23 @@ def finite_or_none(value: float) -> float | None:
 def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, context: DistributedContext, say) -> int:
     device = context.device
     torch.manual_seed(config.run.seed * 1_000_003 + context.rank)  # dropout: different masks on each rank
-    model_config = GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout)
-    model = GPT(model_config, seed=config.run.seed).to(device)  # same initial weights on every rank
+    model = GPT(gpt_config(config), seed=config.run.seed).to(device)  # same initial weights on every rank
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     counters = Counters()
     if resume is not None:
-        model.load_state_dict(resume["model"])
-        optimizer.load_state_dict(resume["optimizer"])
-        scheduler.load_state_dict(resume["scheduler"])
-        scaler.load_state_dict(resume["scaler"])
+        # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
+        # state dicts are checked by their loaders, still before anything is written.
+        try:
+            model.load_state_dict(resume["model"])
+            optimizer.load_state_dict(resume["optimizer"])
+            scheduler.load_state_dict(resume["scheduler"])
+            if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
+                scaler.load_state_dict(resume["scaler"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise CheckpointError(f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})") from None
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
     wrapped = torch.compile(model) if config.model.compile else model
@@ -328,13 +406,19 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutive_skips: int) -> str | None:
-    """optim.on_nonfinite = "stop" ends the run at a non-finite loss or gradient, except for the GradScaler's
-    own skips, which are how it calibrates its scale. Too many skips in a row end any run."""
-    if consecutive_skips > config.optim.max_consecutive_skips:
-        return f"{consecutive_skips} consecutive skipped updates (optim.max_consecutive_skips={config.optim.max_consecutive_skips})"
-    nonfinite = not result.applied and result.tokens > 0
-    if config.optim.on_nonfinite == "stop" and nonfinite and not scaler.is_enabled():
-        return f"{result.skip_reason} (optim.on_nonfinite=stop)"
+    """Why the run must stop after this step, or None.
+
+    optim.on_nonfinite = "stop" ends the run at a non-finite loss, and at a non-finite gradient when no
+    GradScaler is on. With a GradScaler, a non-finite gradient after a finite loss is how the scaler finds
+    its scale (it skips the update and halves the scale), so that alone never stops a run. Any run stops
+    after optim.max_consecutive_skips skipped steps in a row."""
+    if consecutive_skips >= config.optim.max_consecutive_skips:
+        return f"{consecutive_skips} skipped updates in a row (optim.max_consecutive_skips={config.optim.max_consecutive_skips})"
+    if config.optim.on_nonfinite == "stop" and result.tokens > 0:
+        if not math.isfinite(result.loss):
+            return f"non-finite loss {result.loss} (optim.on_nonfinite=stop)"
+        if not result.applied and not scaler.is_enabled():
+            return f"{result.skip_reason} (optim.on_nonfinite=stop)"
     return None
 
 
@@ -343,7 +427,9 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
     holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
     if not metrics_path.exists():
         return
-    kept = [line for line in metrics_path.read_text().splitlines(keepends=True) if line.strip() and json.loads(line)["steps"] <= steps]
+    # A last line without its newline was cut short by a process killed while writing it: not a record.
+    complete_lines = [line for line in metrics_path.read_text().splitlines(keepends=True) if line.endswith("\n") and line.strip()]
+    kept = [line for line in complete_lines if json.loads(line)["steps"] <= steps]
     temporary = metrics_path.with_name(".metrics.jsonl.tmp")
     temporary.write_text("".join(kept))
     os.replace(temporary, metrics_path)

@@ -8,14 +8,19 @@ A checkpoint is a dict of tensors and plain Python values, loadable with torch.l
     model, optimizer, scheduler, scaler, counters, config, rng, data
 """
 
+import dataclasses
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 
+from accumulation.step import Counters
+
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "counters", "config", "rng", "data")
+COUNTER_NAMES = [field.name for field in dataclasses.fields(Counters)]
 STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
 
 
@@ -69,16 +74,78 @@ def read_checkpoint(path: Path) -> dict:
     """Load a checkpoint safely: weights_only=True refuses any pickled object that is not a tensor or a
     plain container, so a malicious file cannot run code. Raises CheckpointError for anything unusable."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        # A damaged file can make the unpickler warn (e.g. of an unknown pickle protocol) before it fails;
+        # the error below says all there is to say, so the warnings stay out of the user's terminal.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated, corrupted, not a torch file, or a refused pickle
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"checkpoint {path} cannot be read ({first_line})") from None
+        raise CheckpointError(f"checkpoint {path} cannot be read ({load_failure(error)})") from None
     if not isinstance(payload, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, not a checkpoint dict")
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the keys {missing}; it was not written by this program")
+    problem = structure_problem(payload)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
     return payload
+
+
+def load_failure(error: Exception) -> str:
+    """What torch.load found wrong with a file, in one line. A refusal of the weights-only unpickler comes
+    wrapped in advice to load the file with weights_only=False: exactly what must not be done with a file of
+    unknown origin, so only the reason, which follows "WeightsUnpickler error:", is kept."""
+    text = str(error).strip()
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0].split(". ")[0]
+        return f"the weights-only loader, which accepts tensors and plain values only, refused it: {reason}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def structure_problem(payload: dict) -> str | None:
+    """What is wrong with the parts of a checkpoint that resuming reads as plain values, or None. The state
+    dicts of the optimizer, scheduler and scaler are PyTorch's own, checked when they are loaded; the
+    model's is checked against the configured model by check_model_state."""
+    for key in REQUIRED_KEYS:
+        if not isinstance(payload[key], dict):
+            return f"{key} is a {type(payload[key]).__name__}, not a dict"
+    if not all(isinstance(value, torch.Tensor) for value in payload["model"].values()):
+        return "model holds values that are not tensors"
+    counters = payload["counters"]
+    if sorted(counters) != sorted(COUNTER_NAMES) or not all(type(value) is int and value >= 0 for value in counters.values()):
+        return f"counters should be the non-negative integers {', '.join(COUNTER_NAMES)}, got {counters}"
+    if not isinstance(payload["data"].get("fingerprint"), str):
+        return "data lacks the fingerprint of the training data"
+    per_rank = payload["rng"].get("per_rank")
+    states_ok = isinstance(per_rank, list) and len(per_rank) > 0 and all(
+        isinstance(state, dict) and isinstance(state.get("cpu"), torch.Tensor) and state["cpu"].dtype == torch.uint8
+        for state in per_rank
+    )
+    if not states_ok:
+        return "rng lacks the random-number-generator state of each rank"
+    return None
+
+
+def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch.Size]) -> None:
+    """Refuse a model state that does not fit the configured model, naming what differs. (load_state_dict
+    would refuse it too, but only after the run directory is touched, and with a long RuntimeError.)"""
+    missing = [name for name in expected_shapes if name not in stored]
+    unexpected = [name for name in stored if name not in expected_shapes]
+    problems = [f"{label} {few(names)}" for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
+    problems += [
+        f"{name} has shape {list(stored[name].shape)}, the configured model {list(shape)}"
+        for name, shape in expected_shapes.items()
+        if name in stored and stored[name].shape != shape
+    ]
+    if problems:
+        raise CheckpointError(f"checkpoint {path}: its model does not fit the configured model: {'; '.join(problems[:3])}")
+
+
+def few(names: list[str]) -> str:
+    """The first three names, and how many more: a message stays one readable line."""
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(names[:3]) + more
 
 
 def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
@@ -88,11 +155,14 @@ def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] 
     candidates = [path for path in candidates if path.exists()]
     if not candidates:
         return None
+    problems = []
     for path in candidates:
         try:
             return path, read_checkpoint(path)
         except CheckpointError as error:
             warn(f"warning: {error}; trying an older checkpoint")
+            problems.append(error)
     raise CheckpointError(
-        f"no readable checkpoint in {checkpoint_dir}; delete the folder to start afresh or restore a good file"
+        f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be used (the newest: {problems[0]}); "
+        f"delete the folder to start afresh or restore a good file"
     )

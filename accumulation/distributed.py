@@ -1,10 +1,12 @@
-"""One function to set up data parallelism from torchrun's environment, one to tear it down.
+"""One function to set up data parallelism from torchrun's environment, one to tear it down, and one to
+say in a line that another rank was lost.
 
 Without `RANK` in the environment the program is a single process (D = 1) and no process group exists.
 Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
 """
 
 import os
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,3 +72,30 @@ def setup_distributed(device_preference: str, timeout_s: float) -> DistributedCo
 def teardown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# How gloo and the TCP store word the failures that mean "another rank is gone or stuck".
+LOST_RANK_SIGNS = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def lost_rank_message(error: RuntimeError, rank: int, timeout_s: int) -> str | None:
+    """One line for an error that means another rank died or hangs; None for any other error (a bug, which
+    keeps its traceback).
+
+    A collective returns only when every rank has joined it. When a rank dies, gloo reports the closed
+    connection at once; when a rank hangs, the others give up after dist.timeout_s with "Timed out waiting
+    ...". torch.distributed's own errors (DistError: store, network, backend) mean the same. NCCL behaves
+    differently: its watchdog ends the waiting process after the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING),
+    so no Python error arrives at all.
+    """
+    text = str(error).strip()
+    if not (isinstance(error, dist.DistError) or any(sign in text.lower() for sign in LOST_RANK_SIGNS)):
+        return None
+    # gloo's first sentence says what happened; before it stands the C++ source location ("[.../pair.cc:553] "),
+    # after it advice on reading the other rank's logs, which the message below gives in our words.
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". ")[0]
+    return (
+        f"error: rank {rank}: another rank stopped answering, so a collective failed ({detail}); a collective "
+        f"waits at most dist.timeout_s={timeout_s} s. The rank that failed first tells why in its own messages"
+    )

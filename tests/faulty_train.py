@@ -1,0 +1,94 @@
+"""train.py with an injected fault, for tests/test_reliability.py only: the real program, killed or stalled
+at a chosen point of a chosen torchrun attempt, so that a test can check what survives.
+
+    ACCUMULATION_FAULTS='[{"attempt": 0, "rank": 1, "kill_before_micro_batch": [3, 1]}]' \
+        torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m tests.faulty_train [train.py arguments]
+
+Each fault names the attempt it strikes (torchrun's TORCHELASTIC_RESTART_COUNT: 0 first, then 1 after the
+first restart, ...), the rank, and one of
+    "kill_before_micro_batch": [S, K]   SIGKILL just before the forward of micro-batch K (from 0) of step S
+    "kill_before_rename": S             SIGKILL while the checkpoint of step S is saved: its temporary file is
+                                        complete, the rename that would publish it has not happened
+    "hang_at_step": S                   sleep instead of running step S, as a stuck rank does
+Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
+file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired.
+
+train.py itself is not changed: two functions it imports are wrapped before it runs as __main__.
+"""
+
+import json
+import os
+import runpy
+import signal
+import time
+from pathlib import Path
+
+import accumulation.checkpoint
+import accumulation.step
+
+TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
+
+
+def this_process_fault() -> dict:
+    """The fault for this attempt and rank; an empty dict when there is none."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    for fault in json.loads(os.environ.get("ACCUMULATION_FAULTS", "[]")):
+        if fault["attempt"] == attempt and fault["rank"] == rank:
+            return fault
+    return {}
+
+
+def log_fault(fault: dict, **observed) -> None:
+    with open(os.environ["ACCUMULATION_FAULT_LOG"], "a") as log:
+        log.write(json.dumps({**fault, **observed}) + "\n")
+
+
+def kill_this_process(fault: dict, **observed) -> None:
+    log_fault(fault, **observed)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind, as when a node loses power
+
+
+FAULT = this_process_fault()
+real_optimizer_step = accumulation.step.optimizer_step
+real_save_checkpoint = accumulation.checkpoint.save_checkpoint
+
+
+def optimizer_step_with_fault(model, micro_batches, optimizer, scheduler, scaler, counters, **options):
+    step = counters.steps + 1  # the step about to run, counted from 1
+    if FAULT.get("hang_at_step") == step:
+        log_fault(FAULT)
+        time.sleep(3600)  # the other ranks wait for this one in their next collective
+    hook = None
+    if FAULT.get("kill_before_micro_batch", [None])[0] == step:
+        victim = FAULT["kill_before_micro_batch"][1]
+        forwards_started = 0
+
+        def before_forward(module, inputs):
+            nonlocal forwards_started
+            if forwards_started == victim:  # the micro-batches before it have run forward and backward
+                kill_this_process(FAULT)
+            forwards_started += 1
+
+        hook = model.register_forward_pre_hook(before_forward)
+    try:
+        return real_optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options)
+    finally:
+        if hook is not None:
+            hook.remove()
+
+
+def save_checkpoint_with_fault(payload, checkpoint_dir, steps, keep):
+    if FAULT.get("kill_before_rename") == steps:
+        # The first os.replace of a save publishes the complete temporary file of the step: die instead.
+        def replace(source, destination):
+            kill_this_process(FAULT, unpublished=Path(source).name, unpublished_bytes=os.path.getsize(source))
+
+        os.replace = replace
+    return real_save_checkpoint(payload, checkpoint_dir, steps, keep)
+
+
+# train.py binds these names when it is imported, so they are replaced in their modules first.
+accumulation.step.optimizer_step = optimizer_step_with_fault
+accumulation.checkpoint.save_checkpoint = save_checkpoint_with_fault
+runpy.run_path(str(TRAIN_PY), run_name="__main__")
