@@ -1,0 +1,558 @@
+"""Benchmark: does the bookkeeping of `optimizer_step` cost anything?
+
+    python scripts/bench.py            # a readable table, about 2 minutes on a quiet 2-core CPU
+    python scripts/bench.py --json     # one JSON object instead
+    python scripts/bench.py --quick    # fewer repetitions: every measurement once, quickly
+
+A reference loop is only worth forking if its bookkeeping costs nothing. Everything here uses the project's
+default model (configs/default.toml) on real micro-batches of the embedded corpus, m = 4 rows of 128 tokens,
+and A = 8 micro-batches per step on one rank:
+
+    overhead_ratio                   seconds per step of optimizer_step / of a bare loop        target <= 1.02
+    grad_bytes                       bytes of all parameter gradients
+    grad_allreduce_bytes_per_update  gradient bytes all-reduced per step on 2 gloo ranks       target = grad_bytes
+    sync_every_bytes_per_update      the same with no_sync bypassed, for contrast              (A x grad_bytes)
+    scalar_collectives_per_update    every other collective of a step (token count, loss)      target <= 2
+    host_syncs_per_micro_batch       reads of tensor values into Python during micro-batches   target 0
+    host_syncs_per_update            the same over the whole step, reported
+    peak_mem_bytes                   peak of one update: m with A = 1, 2, 8, and 8m with A = 1   target m_A8 <= 1.05 m_A1
+    tokens_per_s                     supervised tokens per second, 1 process and 2 gloo ranks, same global batch
+    mfu                              CUDA only: model FLOPs utilisation
+
+The counts come from 2 gloo ranks on the CPU whatever the hardware: they are properties of the code. The
+timings and the memory peaks run on the GPU when there is one, else on the CPU. Threads: the single process
+uses --threads (default: torch's default, every core, as `python train.py` runs); each gloo rank uses one
+(tests/ranks.py), so on a 2-core CPU both tokens_per_s runs use the same two cores. The functions that
+measure are plain and importable; tests/test_performance.py asserts the invariants with the same functions.
+"""
+
+import argparse
+import contextlib
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.profiler import MEMORY_EVENT_NAME
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+# Run as `python scripts/bench.py`, Python puts scripts/ on the path, not the project root.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch  # noqa: E402  (after the path fix above)
+from accumulation.config import Config, resolved_grad_scaler  # noqa: E402
+from accumulation.data import RowSet, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
+from accumulation.model import GPT, GPTConfig  # noqa: E402
+from accumulation.schedule import build_scheduler  # noqa: E402
+from accumulation.step import Counters, StepResult, optimizer_step  # noqa: E402
+from tests.ranks import run_on_ranks  # noqa: E402
+from train import build_optimizer  # noqa: E402
+
+DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
+ACCUMULATION_STEPS = 8  # A on one rank, for every measurement
+RANKS = 2  # D of the two-rank measurements (gloo on this CPU)
+
+TARGET_OVERHEAD_RATIO = 1.02
+TARGET_SCALAR_COLLECTIVES = 2  # the token count before the forwards and the loss at the boundary
+TARGET_MEMORY_RATIO = 1.05  # m_A8 / m_A1
+MIN_8M_OVER_M_A8 = 4  # "far below 8m_A1": 8m rows in one micro-batch hold about 8 times the activations
+
+# H100 and H200 SXM: 989 TFLOPS of dense bf16 tensor-core arithmetic (the data sheets' 1,979 assume 2:4 sparsity).
+DEFAULT_PEAK_TFLOPS = 989.0
+
+# Everything that reads a tensor's value into Python. On a GPU each one waits for the device to catch up.
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
+# The collectives of torch.distributed that a training step could call directly.
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The model, the data and the two loops being compared
+# ---------------------------------------------------------------------------------------------------
+
+
+def default_model_config() -> GPTConfig:
+    return GPTConfig(DEFAULTS.data.seq_len, DEFAULTS.model.n_layer, DEFAULTS.model.n_head, DEFAULTS.model.d_model)
+
+
+def step_micro_batches(
+    rows: RowSet, step: int, micro_batch_size: int, accumulation_steps: int, world_size: int, rank: int
+) -> list[MicroBatch]:
+    """Rank `rank`'s A micro-batches of optimizer step `step`, exactly as train.py builds them."""
+    global_batch_size = micro_batch_size * accumulation_steps * world_size
+    row_ids = step_row_ids(rows.num_rows, global_batch_size, DEFAULTS.run.seed, step, DEFAULTS.batch.tail)
+    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank)
+
+
+def training_objects(model: torch.nn.Module, device: torch.device):
+    """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler."""
+    optimizer = build_optimizer(DEFAULTS, model, device)
+    schedule = DEFAULTS.schedule
+    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio)
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(DEFAULTS))
+    return optimizer, scheduler, scaler
+
+
+def run_step(model, micro_batches, objects, device, autocast_dtype=None) -> StepResult:
+    """One step of the project's loop: `optimizer_step` with the default gradient clipping."""
+    optimizer, scheduler, scaler = objects
+    return optimizer_step(
+        model, micro_batches, optimizer, scheduler, scaler, Counters(),
+        grad_clip=DEFAULTS.optim.grad_clip, device=device, autocast_dtype=autocast_dtype,
+    )
+
+
+def bare_step(model, micro_batches, optimizer, device, autocast_dtype=None) -> None:
+    """The baseline: the same forwards, backwards, clipping and optimizer update, and nothing else.
+
+    No token count, no collective, no logged loss, no scaler, no scheduler, no counters. A mean loss per
+    micro-batch divided by A is the wrong weighting when token counts differ, but only time is compared.
+    """
+    for micro_batch in micro_batches:
+        inputs, labels = micro_batch.inputs.to(device), micro_batch.labels.to(device)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
+        (loss / len(micro_batches)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), DEFAULTS.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work, so that a clock read after it includes that work (nothing to do on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(run, device: torch.device) -> tuple[object, float]:
+    """What run() returns, and the seconds it took to finish, queued GPU work included."""
+    synchronize(device)
+    start = time.perf_counter()
+    value = run()
+    synchronize(device)
+    return value, time.perf_counter() - start
+
+
+# ---------------------------------------------------------------------------------------------------
+# Time: overhead ratio and throughput
+# ---------------------------------------------------------------------------------------------------
+
+
+def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pairs: int, timed_pairs: int) -> dict:
+    """Seconds per step of optimizer_step and of the bare loop, measured in alternating pairs.
+
+    Each loop trains its own copy of the same model on the same micro-batches. A pair runs one step of each,
+    back to back, and which one goes first alternates, so a slow moment of the machine (other processes,
+    frequency changes) lands on both alike. The ratio is the median of the per-pair ratios.
+    """
+    ours_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
+    bare_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
+    ours_objects = training_objects(ours_model, device)
+    bare_optimizer = build_optimizer(DEFAULTS, bare_model, device)
+    ours_seconds, bare_seconds = [], []
+    for pair in range(warmup_pairs + timed_pairs):
+        micro_batches = batches_of_steps[pair % len(batches_of_steps)]
+        run_ours = functools.partial(run_step, ours_model, micro_batches, ours_objects, device, autocast_dtype)
+        run_bare = functools.partial(bare_step, bare_model, micro_batches, bare_optimizer, device, autocast_dtype)
+        if pair % 2 == 0:
+            (_, bare), (_, ours) = timed(run_bare, device), timed(run_ours, device)
+        else:
+            (_, ours), (_, bare) = timed(run_ours, device), timed(run_bare, device)
+        if pair >= warmup_pairs:
+            ours_seconds.append(ours)
+            bare_seconds.append(bare)
+    ratios = [ours / bare for ours, bare in zip(ours_seconds, bare_seconds)]
+    lower_quartile, median_ratio, upper_quartile = statistics.quantiles(ratios, n=4)
+    return {
+        "overhead_ratio": median_ratio,
+        "overhead_ratio_quartiles": [lower_quartile, upper_quartile],  # how much the pairs scatter
+        "seconds_per_step": {"optimizer_step": statistics.median(ours_seconds), "bare": statistics.median(bare_seconds)},
+    }
+
+
+def tokens_per_second(model, batches_of_steps, device, autocast_dtype, warmup_steps: int) -> float:
+    """Median, over the steps after the warm-up, of the step's supervised tokens (all ranks) per second."""
+    objects = training_objects(model, device)
+    rates = []
+    for index, micro_batches in enumerate(batches_of_steps):
+        result, seconds = timed(functools.partial(run_step, model, micro_batches, objects, device, autocast_dtype), device)
+        if index >= warmup_steps:
+            rates.append(result.tokens / seconds)
+    return statistics.median(rates)
+
+
+def throughput_worker(rank, world_size, model_config, batches_of_steps_by_rank, warmup_steps) -> float:
+    """tokens_per_second on one of the gloo ranks (run_on_ranks gives each rank one thread)."""
+    model = DistributedDataParallel(GPT(model_config, seed=DEFAULTS.run.seed))
+    return tokens_per_second(model, batches_of_steps_by_rank[rank], torch.device("cpu"), None, warmup_steps)
+
+
+def flops_per_token(model: GPT) -> int:
+    """Training FLOPs per token: 6 per parameter that multiplies (forward 2, backward 4), plus attention.
+
+    The parameters counted are all but the two embedding tables, which are looked up, not multiplied.
+    Attention adds 12 · n_layer · d_model · seq_len per token (the scores Q·Kᵀ and the weighted sum of V,
+    2 FLOPs per multiply-add, times 3 for forward and backward), counting the full seq_len x seq_len square
+    as the usual convention does (PaLM, Chowdhery et al. 2022, appendix B), though causal kernels skip half.
+    """
+    config = model.config
+    embedding_parameters = model.token_embedding.weight.numel() + model.position_embedding.weight.numel()
+    return 6 * (model.num_parameters() - embedding_parameters) + 12 * config.n_layer * config.d_model * config.seq_len
+
+
+# ---------------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def peak_of_memory_events(profiler: torch.profiler.profile) -> int:
+    """The highest running sum of the profiler's allocation events (frees are negative), in time order."""
+    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == MEMORY_EVENT_NAME]
+    allocated_bytes = peak_bytes = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        allocated_bytes += event.nbytes()
+        peak_bytes = max(peak_bytes, allocated_bytes)
+    return peak_bytes
+
+
+def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) -> int:
+    """Peak bytes allocated during one optimizer_step, above what was already live when it began.
+
+    Live before it: the parameters and the optimizer state, which one warm-up update creates first. Gradients
+    are not: the step sets them to None at its end. CUDA reads the allocator's peak; the CPU has no such
+    counter, so a profiler records every allocation and free of the step.
+    """
+    objects = training_objects(model, device)
+    run_step(model, micro_batches, objects, device, autocast_dtype)  # creates the optimizer state
+    if device.type == "cuda":
+        synchronize(device)
+        live_bytes = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        run_step(model, micro_batches, objects, device, autocast_dtype)
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - live_bytes
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run_step(model, micro_batches, objects, device, autocast_dtype)
+    return peak_of_memory_events(profiler)
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all parameter gradients: one per parameter, of the parameter's dtype."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Counting what a step sends between ranks and reads back to Python (on gloo ranks)
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """What one rank's optimizer step all-reduced, called and read back, counted while `phase` is set."""
+
+    phase: str | None = None  # None (not counting), "count", "micro-batches" or "boundary"
+    in_gradient_hook: bool = False  # DDP's bucket all-reduce is running: its collective is not a scalar one
+    grad_allreduce_bytes: int = 0
+    scalar_collectives: int = 0
+    host_reads: list = field(default_factory=list)  # (phase, call) for every read of a tensor value into Python
+
+
+def counting_allreduce_hook(traffic: Traffic, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's own averaging all-reduce of one gradient bucket, its bytes counted."""
+    traffic.grad_allreduce_bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    traffic.in_gradient_hook = True
+    try:
+        return default_hooks.allreduce_hook(None, bucket)
+    finally:
+        traffic.in_gradient_hook = False
+
+
+@contextlib.contextmanager
+def counting_calls(traffic: Traffic):
+    """While inside, count every torch.distributed collective and every read of a tensor value into Python
+    that happens while traffic.phase is set."""
+
+    def counted_collective(collective):
+        @functools.wraps(collective)
+        def wrapper(*args, **kwargs):
+            if traffic.phase is not None and not traffic.in_gradient_hook:
+                traffic.scalar_collectives += 1
+            return collective(*args, **kwargs)
+
+        return wrapper
+
+    def counted_read(name, read):
+        @functools.wraps(read)
+        def wrapper(self, *args, **kwargs):
+            if traffic.phase is not None:
+                traffic.host_reads.append((traffic.phase, name))
+            return read(self, *args, **kwargs)
+
+        return wrapper
+
+    with contextlib.ExitStack() as patches:
+        for name in COLLECTIVES:
+            patches.enter_context(mock.patch.object(dist, name, counted_collective(getattr(dist, name))))
+        for name in HOST_READS:
+            patches.enter_context(mock.patch.object(torch.Tensor, name, counted_read(name, getattr(torch.Tensor, name))))
+        yield
+
+
+def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypass_no_sync) -> dict:
+    """On each gloo rank: DDP around build_model(), then one optimizer_step per list of micro-batches, each
+    step's traffic counted. The phases of a step, as seen from outside it: "count" (the token count, before
+    the first forward), "micro-batches" (from the first forward until the step unscales its gradients) and
+    "boundary" (unscale, clip, update)."""
+    if bypass_no_sync:
+        # The mistake, for contrast: every micro-batch synchronises. This spawned process ends with the run.
+        DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
+    model = DistributedDataParallel(build_model())
+    traffic = Traffic()
+    model.register_comm_hook(traffic, counting_allreduce_hook)
+    model.register_forward_pre_hook(lambda module, args: setattr(traffic, "phase", "micro-batches"))
+    objects = training_objects(model, torch.device("cpu"))
+    scaler = objects[2]
+    unscale = scaler.unscale_
+
+    def unscale_at_the_boundary(optimizer):
+        traffic.phase = "boundary"
+        unscale(optimizer)
+
+    scaler.unscale_ = unscale_at_the_boundary
+    steps = []
+    with counting_calls(traffic):
+        for micro_batches in batches_of_steps_by_rank[rank]:
+            traffic.grad_allreduce_bytes, traffic.scalar_collectives, traffic.host_reads = 0, 0, []
+            traffic.phase = "count"
+            run_step(model, micro_batches, objects, torch.device("cpu"))
+            traffic.phase = None
+            steps.append({
+                "micro_batches": len(micro_batches),
+                "grad_allreduce_bytes": traffic.grad_allreduce_bytes,
+                "scalar_collectives": traffic.scalar_collectives,
+                "host_reads_in_micro_batches": sum(phase == "micro-batches" for phase, _ in traffic.host_reads),
+                "host_reads_by_call": dict(Counter(call for _, call in traffic.host_reads)),
+            })
+    return {"grad_bytes": gradient_bytes(model), "steps": steps}
+
+
+def step_traffic(build_model, batches_of_steps_by_rank, bypass_no_sync: bool = False, timeout_s: float = 120.0) -> list[dict]:
+    """traffic_worker on as many gloo ranks as there are lists of steps; the per-rank results in rank order."""
+    return run_on_ranks(
+        traffic_worker, len(batches_of_steps_by_rank), args=(build_model, batches_of_steps_by_rank, bypass_no_sync), timeout_s=timeout_s
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------------
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
+def machine_description(device: torch.device, threads: int) -> str:
+    accelerator = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    return f"{cpu_model()} ({os.cpu_count()} logical cores){accelerator}; torch {torch.__version__}; {threads} intra-op threads"
+
+
+def measure_time(rows, args, device, autocast_dtype) -> dict:
+    """overhead_ratio, seconds_per_step, tokens_per_s and, on CUDA, mfu."""
+    model_config = default_model_config()
+    m = args.micro_batch_size
+    timed_pairs, warmup_pairs = (4, 1) if args.quick else (100, 3)
+    timed_steps, warmup_steps = (2, 1) if args.quick else (10, 2)
+    distinct_steps = 8  # the timed loops cycle through the micro-batches of this many optimizer steps
+
+    # One process, A = 8: the bookkeeping's overhead, then tokens per second on this global batch of 8m.
+    one_rank_steps = [step_micro_batches(rows, step, m, ACCUMULATION_STEPS, 1, 0) for step in range(distinct_steps)]
+    results = overhead(model_config, one_rank_steps, device, autocast_dtype, warmup_pairs, timed_pairs)
+    throughput_steps = [one_rank_steps[step % distinct_steps] for step in range(warmup_steps + timed_steps)]
+    model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
+    tokens_per_s_one_rank = tokens_per_second(model, throughput_steps, device, autocast_dtype, warmup_steps)
+
+    # The same global batch on two gloo ranks, A = 4 each, one thread per rank: the cores the single
+    # process used with its `args.threads` threads.
+    tokens_per_s_two_ranks = None
+    if device.type == "cpu":
+        accumulation_per_rank = ACCUMULATION_STEPS // RANKS
+        per_rank_steps = [
+            [step_micro_batches(rows, step % distinct_steps, m, accumulation_per_rank, RANKS, rank) for step in range(warmup_steps + timed_steps)]
+            for rank in range(RANKS)
+        ]
+        tokens_per_s_two_ranks = run_on_ranks(throughput_worker, RANKS, args=(model_config, per_rank_steps, warmup_steps))[0]
+    results["tokens_per_s"] = {"ranks1": tokens_per_s_one_rank, "ranks2": tokens_per_s_two_ranks}
+
+    if device.type == "cuda":
+        # Every position of every row costs FLOPs, padding included, so the rate here is positions per second.
+        positions_per_s = ACCUMULATION_STEPS * m * model_config.seq_len / results["seconds_per_step"]["optimizer_step"]
+        results["mfu"] = positions_per_s * flops_per_token(model) / (args.peak_tflops * 1e12)
+    return results
+
+
+def measure_memory(rows, args, device, autocast_dtype) -> dict:
+    """Peak memory of one update at m with A = 1, 2 and 8, and at 8m with A = 1.
+
+    Step 0's row ids are the same for every shape of the same global batch, so 8m_A1 sees the rows of m_A8.
+    """
+    m = args.micro_batch_size
+    shapes = {"m_A1": (m, 1), "m_A2": (m, 2), "m_A8": (m, ACCUMULATION_STEPS), "8m_A1": (ACCUMULATION_STEPS * m, 1)}
+    peak_bytes = {}
+    for name, (micro_batch_size, accumulation_steps) in shapes.items():
+        model = GPT(default_model_config(), seed=DEFAULTS.run.seed).to(device)
+        micro_batches = step_micro_batches(rows, 0, micro_batch_size, accumulation_steps, 1, 0)
+        peak_bytes[name] = peak_update_memory_bytes(model, micro_batches, device, autocast_dtype)
+    return {"peak_mem_bytes": peak_bytes}
+
+
+def measure_counts(rows, args) -> dict:
+    """Bytes, collectives and host reads of a step with A = 8 on 2 gloo ranks (rank 0's; the ranks agree).
+
+    Two steps each, because DDP rebuilds its buckets after the first; the larger count of the two is kept.
+    """
+    counted_steps = 2
+    per_rank_steps = [
+        [step_micro_batches(rows, step, args.micro_batch_size, ACCUMULATION_STEPS, RANKS, rank) for step in range(counted_steps)]
+        for rank in range(RANKS)
+    ]
+    build_model = functools.partial(GPT, default_model_config(), seed=DEFAULTS.run.seed)
+    synced = step_traffic(build_model, per_rank_steps)[0]
+    synced_every_micro_batch = step_traffic(build_model, per_rank_steps, bypass_no_sync=True)[0]
+    steps = synced["steps"]
+    return {
+        "grad_bytes": synced["grad_bytes"],
+        "grad_allreduce_bytes_per_update": max(step["grad_allreduce_bytes"] for step in steps),
+        "sync_every_bytes_per_update": max(step["grad_allreduce_bytes"] for step in synced_every_micro_batch["steps"]),
+        "scalar_collectives_per_update": max(step["scalar_collectives"] for step in steps),
+        "host_syncs_per_micro_batch": max(step["host_reads_in_micro_batches"] / step["micro_batches"] for step in steps),
+        "host_syncs_per_update": max(sum(step["host_reads_by_call"].values()) for step in steps),
+        "host_syncs_per_update_by_call": steps[-1]["host_reads_by_call"],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None  # GPUs train in bf16 (configs/gpu_8x.toml)
+    torch.set_num_threads(args.threads)
+    rows = load_corpus(DEFAULTS.data.source, DEFAULTS.data.seq_len, DEFAULTS.data.val_fraction).train
+    return {
+        **measure_time(rows, args, device, autocast_dtype),
+        **measure_memory(rows, args, device, autocast_dtype),
+        **measure_counts(rows, args),
+        "machine": machine_description(device, args.threads),
+        "device": device.type,
+        "threads": {"ranks1": args.threads, "ranks2": 1},
+        "model_parameters": GPT(default_model_config(), seed=DEFAULTS.run.seed).num_parameters(),
+    }
+
+
+def mark(passed: bool) -> str:
+    return "PASS" if passed else "FAIL"
+
+
+def table(results: dict, args: argparse.Namespace) -> str:
+    """The measurements as aligned rows of (measure, value, target, mark), with the machine above and notes below."""
+    grad_bytes = results["grad_bytes"]
+    memory = results["peak_mem_bytes"]
+    seconds = results["seconds_per_step"]
+    tokens = results["tokens_per_s"]
+    threads = results["threads"]
+    lower_quartile, upper_quartile = results["overhead_ratio_quartiles"]
+    memory_ratio = memory["m_A8"] / memory["m_A1"]
+    accumulation_bytes = memory["m_A8"] - memory["m_A1"]
+    reads = ", ".join(f"{call} x{count}" for call, count in sorted(results["host_syncs_per_update_by_call"].items()))
+    rows = [
+        ("overhead_ratio", f"{results['overhead_ratio']:.4f} (quartiles {lower_quartile:.4f}..{upper_quartile:.4f})",
+         f"<= {TARGET_OVERHEAD_RATIO}", mark(results["overhead_ratio"] <= TARGET_OVERHEAD_RATIO)),
+        ("  seconds_per_step", f"{seconds['optimizer_step']:.4f} vs bare {seconds['bare']:.4f}", "", ""),
+        ("grad_bytes", f"{grad_bytes:,}", "", ""),
+        ("grad_allreduce_bytes_per_update", f"{results['grad_allreduce_bytes_per_update']:,}",
+         "= grad_bytes", mark(results["grad_allreduce_bytes_per_update"] == grad_bytes)),
+        ("sync_every_bytes_per_update", f"{results['sync_every_bytes_per_update']:,}", f"contrast: {ACCUMULATION_STEPS} x grad_bytes", ""),
+        ("scalar_collectives_per_update", f"{results['scalar_collectives_per_update']}",
+         f"<= {TARGET_SCALAR_COLLECTIVES}", mark(results["scalar_collectives_per_update"] <= TARGET_SCALAR_COLLECTIVES)),
+        ("host_syncs_per_micro_batch", f"{results['host_syncs_per_micro_batch']:g}", "0", mark(results["host_syncs_per_micro_batch"] == 0)),
+        ("host_syncs_per_update", f"{results['host_syncs_per_update']} ({reads})", "reported", ""),
+        ("peak_mem_bytes m_A1", f"{memory['m_A1']:,}", "", ""),
+        ("peak_mem_bytes m_A2", f"{memory['m_A2']:,}", "", ""),
+        ("peak_mem_bytes m_A8", f"{memory['m_A8']:,} ({memory_ratio:.3f} x m_A1)",
+         f"<= {TARGET_MEMORY_RATIO} x m_A1", mark(memory_ratio <= TARGET_MEMORY_RATIO)),
+        ("  m_A8 - m_A1", f"{accumulation_bytes:,} ({accumulation_bytes / grad_bytes:.2f} x grad_bytes)", "", ""),
+        ("peak_mem_bytes 8m_A1", f"{memory['8m_A1']:,} ({memory['8m_A1'] / memory['m_A8']:.1f} x m_A8)",
+         f"> {MIN_8M_OVER_M_A8} x m_A8", mark(memory["8m_A1"] > MIN_8M_OVER_M_A8 * memory["m_A8"])),
+        ("tokens_per_s ranks1", f"{tokens['ranks1']:,.0f}", f"1 process, {threads['ranks1']} threads", ""),
+        ("tokens_per_s ranks2", "n/a on CUDA (the gloo ranks run on the CPU)" if tokens["ranks2"] is None else f"{tokens['ranks2']:,.0f}",
+         f"{RANKS} gloo ranks, {threads['ranks2']} thread each", ""),
+    ]
+    if "mfu" in results:
+        rows.append(("mfu", f"{results['mfu']:.3f}", f"of {args.peak_tflops:g} TFLOPS bf16", ""))
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    config = default_model_config()
+    lines = [
+        f"machine: {results['machine']}",
+        f"model: {results['model_parameters']:,} parameters ({config.n_layer} layers, {config.n_head} heads, "
+        f"d_model {config.d_model}, seq_len {config.seq_len}); m = {args.micro_batch_size}, A = {ACCUMULATION_STEPS}; "
+        f"timings and memory on {results['device']}, counts on {RANKS} gloo ranks",
+        "",
+    ]
+    for name, value, target, result in [("measure", "value", "target", "mark"), *rows]:
+        lines.append(f"{name:<{widths[0]}}  {value:<{widths[1]}}  {target:<{widths[2]}}  {result}".rstrip())
+    lines += [
+        "",
+        "overhead_ratio: median over alternating pairs of (optimizer_step / bare) wall-clock seconds per step;",
+        "  the quartiles show how much the pairs scatter (other processes on the machine widen them).",
+        "host_syncs_per_update counts reads of host tensors too: int() of the labels for the token count, .tolist()",
+        "  of N and of (loss, grad norm), and AdamW's .item() of its per-parameter step counters (CPU tensors).",
+        "peak_mem_bytes: above the parameters and optimizer state. From A = 2 on, the accumulated gradient",
+        "  (grad_bytes) stays allocated while later micro-batches run; A = 1 never holds it during a forward.",
+        f"tokens_per_s: the same global batch of {ACCUMULATION_STEPS * args.micro_batch_size} rows; "
+        "both runs use the same cores (threads x processes).",
+    ]
+    return "\n".join(lines)
+
+
+def parse_arguments(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--quick", action="store_true", help="few repetitions: checks that everything runs, timings are rough")
+    parser.add_argument("--micro-batch-size", type=int, default=DEFAULTS.batch.micro_batch_size, help="m, rows per micro-batch (default %(default)s)")
+    parser.add_argument(
+        "--threads", type=int, default=torch.get_num_threads(),
+        help="intra-op threads of the single process (default %(default)s: torch's default, every core, as train.py runs); "
+        "the 2 gloo ranks take 1 thread each, so both use the same cores",
+    )
+    parser.add_argument(
+        "--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
+        help="the GPU's peak for mfu (default %(default)s: dense bf16 of an H100 or H200 SXM)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_arguments(argv)
+    results = measure(args)
+    print(json.dumps(results, indent=2) if args.json else table(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
