@@ -16,14 +16,14 @@ import os
 import resource
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import accumulation_steps, describe_batch
+from accumulation.batching import describe_batch
+from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, gpt_config
 from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, save_checkpoint, step_checkpoints
 from accumulation.config import (
     Config,
@@ -36,12 +36,10 @@ from accumulation.config import (
     resolved_grad_scaler,
 )
 from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids
-from accumulation.distributed import DistributedContext, lost_rank_message, setup_distributed, teardown_distributed
-from accumulation.model import GPT, GPTConfig
+from accumulation.distributed import DistributedContext, lost_rank_message, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.model import GPT
 from accumulation.schedule import build_scheduler
-from accumulation.step import Counters, StepResult, all_reduce_ints, optimizer_step, token_loss_sum
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from accumulation.step import Counters, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step, token_loss_sum
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -70,9 +68,7 @@ def main(argv: list[str]) -> int:
     # checkpoint ends here with one line on stderr and exit status 2.
     try:
         config = load_config(argv)
-        check_batch_against_world(config, world_size)
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        check_config_for_world(config, world_size)
         check_model_fits_in_memory(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
         rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
@@ -99,17 +95,6 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         teardown_distributed()
-
-
-def check_batch_against_world(config: Config, world_size: int) -> None:
-    try:
-        accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, world_size)
-    except ValueError as error:
-        raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
-
-
-def gpt_config(config: Config) -> GPTConfig:
-    return GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout)
 
 
 def meta_model(config: Config, n_layer: int) -> GPT:
@@ -197,20 +182,6 @@ def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None
         )
 
 
-def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    """Weight decay on matrices only; biases, norms' gains and nothing else one-dimensional decay."""
-    decayed = [p for p in model.parameters() if p.dim() >= 2]
-    not_decayed = [p for p in model.parameters() if p.dim() < 2]
-    groups = [
-        {"params": decayed, "weight_decay": config.optim.weight_decay},
-        {"params": not_decayed, "weight_decay": 0.0},
-    ]
-    if config.optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=config.optim.lr, momentum=config.optim.momentum)
-    betas = (config.optim.momentum, config.optim.beta2)
-    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=betas, fused=device.type == "cuda")
-
-
 def rng_states(context: DistributedContext) -> dict:
     """Every rank's random-number-generator states (dropout draws from them), gathered for rank 0 to save."""
     mine = {"cpu": torch.get_rng_state()}
@@ -257,12 +228,12 @@ def validation_loss(model: GPT, corpus: Corpus, config: Config, context: Distrib
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
-    autocast_dtype = AUTOCAST_DTYPES[config.precision.dtype]
+    autocast_dtype = autocast_dtype_for(config)
     for micro_batch in eval_micro_batches(corpus.val, config.batch.micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(micro_batch.inputs.to(context.device))
         loss_sum += token_loss_sum(logits, micro_batch.labels.to(context.device))
-        tokens += int((micro_batch.labels != -100).sum())
+        tokens += count_supervised_tokens(micro_batch.labels)
     model.train()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
@@ -307,8 +278,7 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
     wrapped = torch.compile(model) if config.model.compile else model
     if context.world_size > 1:
         wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
-    accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
-    autocast_dtype = AUTOCAST_DTYPES[config.precision.dtype]
+    autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
 
     def save(counters: Counters) -> None:
@@ -488,15 +458,4 @@ def print_summary(config, counters, first_loss, last_loss, final_val_loss, train
 
 
 if __name__ == "__main__":
-    # A finished job exits with its own status: logs flushed and the process group destroyed, then os._exit,
-    # because interpreter teardown after gloo/NCCL use occasionally aborts a rank that did all its work.
-    try:
-        exit_status = main(sys.argv[1:])
-    except KeyboardInterrupt:
-        exit_status = 130
-    except BaseException:
-        traceback.print_exc()
-        exit_status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_status)
+    run_and_exit(main, sys.argv[1:])

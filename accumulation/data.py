@@ -24,7 +24,6 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 
-VOCAB_SIZE = 256  # one token per byte
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).

@@ -1,5 +1,5 @@
-"""One function to set up data parallelism from torchrun's environment, one to tear it down, and one to
-say in a line that another rank was lost.
+"""One function to set up data parallelism from torchrun's environment, one to tear it down, one to say
+in a line that another rank was lost, and one to end a program's process cleanly.
 
 Without `RANK` in the environment the program is a single process (D = 1) and no process group exists.
 Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
@@ -7,6 +7,8 @@ Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MA
 
 import os
 import re
+import sys
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -99,3 +101,23 @@ def lost_rank_message(error: RuntimeError, rank: int, timeout_s: int) -> str | N
         f"error: rank {rank}: another rank stopped answering, so a collective failed ({detail}); a collective "
         f"waits at most dist.timeout_s={timeout_s} s. The rank that failed first tells why in its own messages"
     )
+
+
+def run_and_exit(main, argv: list[str]) -> None:
+    """End the process with the exit status of main(argv), which destroys its process group itself.
+
+    Output is flushed and the process ends through os._exit: interpreter teardown after gloo or NCCL use
+    occasionally aborts a rank (SIGABRT) that finished all its work, and a finished job must exit 0.
+    """
+    try:
+        status = main(argv)
+    except SystemExit as request:  # argparse: --help (0) or an unknown flag (2, usage already printed)
+        status = request.code if isinstance(request.code, int) else 1
+    except KeyboardInterrupt:
+        status = 130
+    except BaseException:
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

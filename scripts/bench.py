@@ -55,8 +55,8 @@ from accumulation.data import RowSet, build_micro_batches, load_corpus, step_row
 from accumulation.model import GPT, GPTConfig  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
 from accumulation.step import Counters, StepResult, optimizer_step  # noqa: E402
-from tests.ranks import run_on_ranks  # noqa: E402
-from train import build_optimizer  # noqa: E402
+from accumulation.local_ranks import run_on_ranks  # noqa: E402
+from accumulation.build import build_optimizer  # noqa: E402
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 ACCUMULATION_STEPS = 8  # A on one rank, for every measurement

@@ -21,11 +21,11 @@ Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 """
 
 import argparse
+import dataclasses
 import contextlib
 import copy
 import os
 import sys
-import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -40,12 +40,11 @@ import accumulation.step  # noqa: E402  (after the path fix above)
 from accumulation.batching import IGNORE_INDEX, accumulation_steps, describe_batch  # noqa: E402
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler  # noqa: E402
 from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, micro_batch, step_row_ids  # noqa: E402
-from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed  # noqa: E402
-from accumulation.model import GPT, GPTConfig  # noqa: E402
+from accumulation.build import autocast_dtype_for, check_config_for_world, gpt_config  # noqa: E402
+from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
+from accumulation.model import GPT  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
 from accumulation.step import Counters, optimizer_step  # noqa: E402
-
-AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -88,12 +87,7 @@ def main(argv: list[str]) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         config = load_config(config_argv)
-        try:
-            accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, world_size)
-        except ValueError as error:
-            raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        check_config_for_world(config, world_size)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
         row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
     except (ConfigError, DataError) as error:
@@ -157,8 +151,7 @@ def check(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: Distri
 def comparable_model(config: Config, device: torch.device) -> GPT:
     """The config's model with dropout off (its masks are random: no reference could draw the same ones),
     with the same initial weights on every rank and at every call."""
-    model_config = GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, dropout=0.0)
-    return GPT(model_config, seed=config.run.seed).to(device)
+    return GPT(dataclasses.replace(gpt_config(config), dropout=0.0), seed=config.run.seed).to(device)
 
 
 def gradient_probe(config: Config, model: GPT, context: DistributedContext):
@@ -191,7 +184,7 @@ def loop_step_gradients(config: Config, corpus: Corpus, row_ids: torch.Tensor, m
     )
     result = optimizer_step(
         wrapped, micro_batches, optimizer, scheduler, scaler, Counters(),
-        grad_clip=0.0, device=context.device, autocast_dtype=AUTOCAST_DTYPES[config.precision.dtype],
+        grad_clip=0.0, device=context.device, autocast_dtype=autocast_dtype_for(config),
     )
     return (handed[0] if result.applied else None), result
 
@@ -228,17 +221,4 @@ def mean_of_means_injected(config: Config, corpus: Corpus, row_ids: torch.Tensor
 
 
 if __name__ == "__main__":
-    # As in train.py: flush, tear down (inside main), then os._exit, because interpreter teardown after
-    # gloo/NCCL use occasionally aborts a rank that did all its work.
-    try:
-        exit_status = main(sys.argv[1:])
-    except SystemExit as request:  # from argparse: --help (status 0) or an unknown flag (status 2, usage on stderr)
-        exit_status = request.code
-    except KeyboardInterrupt:
-        exit_status = 130
-    except BaseException:
-        traceback.print_exc()
-        exit_status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_status)
+    run_and_exit(main, sys.argv[1:])

@@ -20,20 +20,13 @@ import copy
 import functools
 import json
 import math
-import os
 import sys
-import tempfile
-import time
-import traceback
 import warnings
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -43,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps  # noqa: E402  (after the path fix)
+from accumulation.local_ranks import run_on_ranks  # noqa: E402
 from accumulation.data import RowSet, build_micro_batches, epoch_permutation, make_rows, step_row_ids, steps_per_epoch  # noqa: E402
 from accumulation.model import VOCAB_SIZE, GPT, GPTConfig  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
@@ -547,47 +541,6 @@ def two_rank_pitfalls() -> list[Measurement]:
             correct_divergence == 0, buggy_divergence >= BUG_MIN,
         ),
     ]
-
-
-def _rank_main(rank: int, world_size: int, store_port: int, result_dir: str, fn, timeout_s: float) -> None:
-    """One rank: join the process group through the parent's store, run fn, save its result, tear down.
-
-    It ends with os._exit after flushing: the interpreter's own exit can abort a finished gloo rank."""
-    status = 0
-    try:
-        torch.set_num_threads(1)  # two ranks share two cores
-        timeout = timedelta(seconds=timeout_s)  # a collective that waits longer fails instead of hanging
-        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-        torch.save(fn(rank, world_size), os.path.join(result_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
-def run_on_ranks(fn, world_size: int, timeout_s: float = 60.0) -> list:
-    """fn(rank, world_size) on `world_size` spawned gloo ranks on this CPU; their results in rank order.
-
-    The parent hosts the rendezvous store on a free port of 127.0.0.1 and gives each rank at most
-    `timeout_s`: a rank that hangs is killed and reported, never waited for forever."""
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
-    with tempfile.TemporaryDirectory(prefix="pitfalls-ranks-") as result_dir:
-        ranks = mp.start_processes(
-            _rank_main, args=(world_size, store.port, result_dir, fn, timeout_s), nprocs=world_size, join=False
-        )
-        deadline = time.monotonic() + timeout_s
-        # join() returns False while some rank still runs, and raises when one has failed.
-        while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                for process in ranks.processes:
-                    process.kill()
-                    process.join()
-                raise TimeoutError(f"{world_size} gloo ranks did not finish within {timeout_s} s (a hang?)")
-        return [torch.load(os.path.join(result_dir, f"rank{rank}.pt")) for rank in range(world_size)]
 
 
 # ---------------------------------------------------------------------------------------------------------

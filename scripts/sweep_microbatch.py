@@ -25,7 +25,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -38,9 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from accumulation.batching import accumulation_steps  # noqa: E402  (after the path fix above)
 from accumulation.config import Config, ConfigError, load_config  # noqa: E402
 from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
-from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed  # noqa: E402
+from accumulation.build import autocast_dtype_for, check_device_available  # noqa: E402
+from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
 from accumulation.step import Counters, optimizer_step  # noqa: E402
-from scripts.check_equivalence import AUTOCAST_DTYPES, comparable_model, gradient_probe  # noqa: E402
+from scripts.check_equivalence import comparable_model, gradient_probe  # noqa: E402
 
 # Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
 # Different m add the same terms in a different order (other micro-batch sums, other matrix shapes).
@@ -95,8 +95,7 @@ def main(argv: list[str]) -> int:
                 f"--micro: none of {arguments.micro} gives a whole number of accumulation steps "
                 f"({rows[0]['skipped']})"
             )
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
+        check_device_available(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
         row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
     except (ConfigError, DataError) as error:
@@ -170,7 +169,7 @@ def measure_one_update(config: Config, corpus: Corpus, row_ids: torch.Tensor, co
     def one_update():
         return optimizer_step(
             wrapped, micro_batches, optimizer, scheduler, scaler, Counters(),
-            grad_clip=config.optim.grad_clip, device=device, autocast_dtype=AUTOCAST_DTYPES[config.precision.dtype],
+            grad_clip=config.optim.grad_clip, device=device, autocast_dtype=autocast_dtype_for(config),
         )
 
     one_update()
@@ -268,17 +267,4 @@ def draw_figure(rows: list[dict], path: str, title: str) -> None:
 
 
 if __name__ == "__main__":
-    # As in train.py: flush, tear down (inside main), then os._exit, because interpreter teardown after
-    # gloo/NCCL use occasionally aborts a rank that did all its work.
-    try:
-        exit_status = main(sys.argv[1:])
-    except SystemExit as request:  # from argparse: --help (status 0) or a bad flag (status 2, usage on stderr)
-        exit_status = request.code
-    except KeyboardInterrupt:
-        exit_status = 130
-    except BaseException:
-        traceback.print_exc()
-        exit_status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_status)
+    run_and_exit(main, sys.argv[1:])

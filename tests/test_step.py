@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
@@ -20,7 +19,7 @@ from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, 
 from accumulation.model import GPT, GPTConfig
 from accumulation.schedule import build_scheduler
 from accumulation.step import Counters, optimizer_step
-from tests.ranks import run_on_ranks
+from accumulation.local_ranks import run_on_ranks
 
 SEQ_LEN = 8
 MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=16)

@@ -1,8 +1,10 @@
-"""Run a function on D gloo ranks on this CPU and collect what each rank returns.
+"""Run a function on D gloo ranks on this machine and collect what each rank returns: for tests and for
+the scripts that measure multi-rank behaviour without torchrun.
 
-Every rank is a spawned process with one intra-op thread. Hangs become failures: the parent waits at most
-`timeout_s` for all ranks and kills the rest. Ranks end with os._exit after tearing down the process group,
-because the interpreter's own exit can abort a finished gloo rank on this machine (about 1 spawn in 20).
+Every rank is a spawned process with one intra-op thread (the ranks share the machine's cores). Hangs
+become failures: each collective gives up after `timeout_s`, and the parent waits at most `timeout_s` for
+all ranks before it kills the rest. Ranks end with os._exit after tearing down the process group, because
+the interpreter's own exit can abort a finished gloo rank (about 1 spawn in 20 on the test machine).
 """
 
 import os
@@ -10,6 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,11 +20,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, fn, args) -> None:
+def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, timeout_s: float, fn, args) -> None:
     status = 0
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        )
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
@@ -35,12 +40,12 @@ def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, fn,
 
 def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0) -> list:
     """fn(rank, world_size, *args) on each rank, inside an initialised gloo process group; returns the
-    per-rank results (anything torch.save can write) in rank order."""
+    per-rank results (anything torch.save can write) in rank order. `fn` must be importable by name."""
     with tempfile.TemporaryDirectory(prefix="accumulation-ranks-") as scratch:
-        store_path = os.path.join(scratch, "store")
+        store_path = os.path.join(scratch, "store")  # a file store: no port to pick, nothing to collide with
         context = mp.get_context("spawn")
         processes = [
-            context.Process(target=_rank_main, args=(rank, world_size, store_path, scratch, fn, args))
+            context.Process(target=_rank_main, args=(rank, world_size, store_path, scratch, timeout_s, fn, args))
             for rank in range(world_size)
         ]
         for process in processes:
@@ -54,8 +59,8 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
                 process.kill()
                 process.join()
         if hung:
-            raise AssertionError(f"ranks {hung} did not finish within {timeout_s} s (hang?)")
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s} s (a hang?)")
         failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}
         if failed:
-            raise AssertionError(f"ranks exited with non-zero status {failed}; see the traceback above")
+            raise RuntimeError(f"ranks exited with non-zero status {failed}; see the traceback above")
         return [torch.load(Path(scratch) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
