@@ -254,6 +254,7 @@ def finite_or_none(value: float) -> float | None:
 
 
 def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, context: DistributedContext, say) -> int:
+    session_start = time.perf_counter()
     device = context.device
     torch.manual_seed(config.run.seed * 1_000_003 + context.rank)  # dropout: different masks on each rank
     model = GPT(gpt_config(config), seed=config.run.seed).to(device)  # same initial weights on every rank
@@ -366,7 +367,8 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
 
         final_val_loss = validation_loss(model, corpus, config, context) if corpus.val is not None else None
         if context.is_main and trained_seconds > 0:
-            print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, model)
+            wall_seconds = time.perf_counter() - session_start
+            print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -443,11 +445,11 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
     )
 
 
-def print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, model) -> None:
+def print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model) -> None:
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
     print(
         f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
-        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer steps"
+        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
     )
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
     if config.run.sample_bytes > 0:
