@@ -35,10 +35,10 @@ from accumulation.config import (
     load_config,
     resolved_grad_scaler,
 )
-from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids
+from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids, steps_per_epoch
 from accumulation.distributed import DistributedContext, lost_rank_message, run_and_exit, setup_distributed, teardown_distributed
 from accumulation.model import GPT
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.step import Counters, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step, token_loss_sum
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
@@ -51,6 +51,8 @@ MUST_MATCH_ON_RESUME = [
     ("batch", "global_batch_size"), ("batch", "tail"), ("run", "seed"),
     ("optim", "name"), ("optim", "lr"), ("optim", "weight_decay"), ("optim", "momentum"), ("optim", "beta2"),
 ]
+
+DROPOUT_SEED_OFFSET = 2**40
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -71,7 +73,7 @@ def main(argv: list[str]) -> int:
         check_config_for_world(config, world_size)
         check_model_fits_in_memory(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
-        rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+        steps_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)  # a DataError when the rows cannot fill one global batch
         run_dir = Path(config.run.out_dir) / config.run.name
         resume = find_resume_point(config, corpus, run_dir, say)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -203,7 +205,7 @@ def restore_rng_states(saved: dict, context: DistributedContext, config: Config,
         if context.device.type == "cuda" and "cuda" in per_rank[context.rank]:
             torch.cuda.set_rng_state(per_rank[context.rank]["cuda"], context.device)
     else:
-        torch.manual_seed(config.run.seed * 1_000_003 + steps * 1009 + context.rank)
+        torch.manual_seed(config.run.seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + context.rank)
 
 
 def checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, counters, context) -> dict:
@@ -256,7 +258,9 @@ def finite_or_none(value: float) -> float | None:
 def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, context: DistributedContext, say) -> int:
     session_start = time.perf_counter()
     device = context.device
-    torch.manual_seed(config.run.seed * 1_000_003 + context.rank)  # dropout: different masks on each rank
+    # Dropout draws from the global generator: a different stream on each rank, and apart from the data
+    # order's per-epoch seeds (seed * 1_000_003 + epoch), which never reach the offset 2**40.
+    torch.manual_seed(config.run.seed * 1_000_003 + DROPOUT_SEED_OFFSET + context.rank)
     model = GPT(gpt_config(config), seed=config.run.seed).to(device)  # same initial weights on every rank
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
@@ -274,6 +278,7 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
                 scaler.load_state_dict(resume["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
             raise CheckpointError(f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})") from None
+        set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
     wrapped = torch.compile(model) if config.model.compile else model
@@ -305,7 +310,6 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
     say(f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used" if dropped else f"batch.tail={config.batch.tail}: every row is used each epoch")
     say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
-    status = 0
     first_loss = last_loss = None
     trained_tokens, trained_seconds, window = 0, 0.0, []
     consecutive_skips = 0
@@ -350,7 +354,7 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             # Validation on its own cadence of steps, never depending on where a session happens to end,
             # so an interrupted and resumed run writes the same lines as an uninterrupted one.
             if corpus.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-                record["val_loss"] = validation_loss(model, corpus, config, context)
+                record["val_loss"] = finite_or_none(validation_loss(model, corpus, config, context))
             write_metrics(context, metrics_file, writers, record)
             if counters.steps % config.run.log_every == 0 or finished:
                 say(progress_line(counters, config, record, window))
@@ -365,8 +369,12 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             if counters.steps % config.run.checkpoint_every == 0 or finished:
                 save(counters)
 
-        final_val_loss = validation_loss(model, corpus, config, context) if corpus.val is not None else None
-        if context.is_main and trained_seconds > 0:
+        ran_steps = trained_seconds > 0
+        final_val_loss = None
+        if ran_steps and corpus.val is not None:
+            # The last step's validation when it had one, else one more pass (every rank takes part).
+            final_val_loss = record["val_loss"] if "val_loss" in record else finite_or_none(validation_loss(model, corpus, config, context))
+        if context.is_main and ran_steps:
             wall_seconds = time.perf_counter() - session_start
             print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model)
     finally:
@@ -374,7 +382,7 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             metrics_file.close()
         for writer in writers:
             writer.close()
-    return status
+    return 0
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutive_skips: int) -> str | None:
@@ -438,7 +446,7 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
     seconds_per_step = window_seconds / len(window)
     eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
     loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    validation = f" | val {record['val_loss']:.4f}" if "val_loss" in record else ""
+    validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
     return (
         f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
         f"{window_tokens / window_seconds / 1e3:.1f}k tok/s | eta {eta_s / 60:.1f} min"

@@ -60,11 +60,11 @@ class RunConfig:
         200, "write a checkpoint every this many steps (and always at the end)", "steps", at_least=1
     )
     eval_every: int = setting(
-        200, "measure the validation loss every this many steps (0 = never); also at the end", "steps", at_least=0
+        200, "validation loss in metrics.jsonl every this many steps (0 = never); the summary always prints the final one", "steps", at_least=0
     )
     resume: str = setting(
         "auto",
-        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: always start afresh",
+        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: start afresh (refused if the run directory already holds a run)",
         choices=("auto", "never"),
     )
     keep_checkpoints: int = setting(

@@ -30,8 +30,8 @@ class DistributedContext:
 
 
 def choose_device(preference: str, local_rank: int) -> torch.device:
-    if preference == "cuda" and not torch.cuda.is_available():
-        raise ValueError('device: "cuda" was asked for but no CUDA device is available; use device=cpu or device=auto')
+    """"auto" and "cuda" take this rank's GPU when there is one (build.check_device_available has already
+    refused "cuda" without one); otherwise the CPU."""
     if preference in ("cuda", "auto") and torch.cuda.is_available():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

@@ -214,8 +214,25 @@ def test_a_fresh_run_never_mixes_into_an_existing_run_directory(tmp_path, corpus
     assert (tmp_path / "runs" / "default" / "metrics.jsonl").read_text() == metrics_before
 
 
-def test_help_lists_every_key(capsys):
+def test_help_exits_0_and_names_keys_of_every_section(capsys):
     assert train.main(["--help"]) == 0
     text = capsys.readouterr().out
     for key in ("run.max_steps", "batch.micro_batch_size", "precision.grad_scaler", "schedule.decay_updates", "device"):
         assert key in text
+
+
+def test_extending_a_run_applies_the_new_schedule_from_the_first_resumed_step(tmp_path, corpus):
+    """schedule.decay_updates = 0 ties the cosine horizon to run.max_steps: 4 steps, then extended to 8.
+    The optimizer's state brings back the lr of the old horizon; step 5 must already use the new one."""
+    from accumulation.schedule import lr_multiplier
+
+    settings = {"run.eval_every": 0, "run.sample_bytes": 0, "schedule.warmup_updates": 1}
+    assert run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.max_steps": 4})).returncode == 0
+    completed = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.max_steps": 8}))
+    assert completed.returncode == 0, completed.stderr
+    lines = read_metrics(tmp_path / "runs" / "default")
+    base_lr = 3e-3  # optim.lr's default
+    for line in lines[4:]:
+        updates_before = line["updates"] - 1
+        assert line["lr"] == pytest.approx(base_lr * lr_multiplier(updates_before, "cosine", 1, 8, 0.1), rel=1e-12)
+    assert lines[4]["lr"] != pytest.approx(base_lr * lr_multiplier(4, "cosine", 1, 4, 0.1), rel=1e-6)
