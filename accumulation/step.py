@@ -86,7 +86,8 @@ def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
 
 
 def to_device(micro_batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Issue the copies of a micro-batch's inputs and labels; asynchronous on CUDA when the host memory is pinned."""
+    """Copy a micro-batch's inputs and labels to `device`. From pinned host memory (train.py pins on CUDA)
+    the copy is asynchronous: the host does not wait for it, and the GPU runs it just before the forward."""
     return (
         micro_batch.inputs.to(device, non_blocking=True),
         micro_batch.labels.to(device, non_blocking=True),
@@ -133,15 +134,12 @@ def optimizer_step(
     # is skipped below. max(N, 1) only avoids dividing by zero.
     loss_multiplier = world_size / max(tokens_global, 1)
 
-    # 2. The micro-batches. Nothing in this loop reads a value back to the host: the loss sums stay on
-    # the device, and host-to-device copies are issued one micro-batch ahead.
+    # 2. The micro-batches. Nothing in this loop reads a value back to the host (the loss sums stay on the
+    # device), so on a GPU the host keeps queueing copies and kernels while earlier ones still run.
     last = len(micro_batches) - 1
     loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
-    upcoming = to_device(micro_batches[0], device)
-    for k in range(len(micro_batches)):
-        inputs, labels = upcoming
-        if k < last:
-            upcoming = to_device(micro_batches[k + 1], device)  # overlaps this micro-batch's compute on CUDA
+    for k, micro_batch in enumerate(micro_batches):
+        inputs, labels = to_device(micro_batch, device)
         # DDP all-reduces gradients during the backward of the boundary (last) micro-batch only. The forward
         # must be inside no_sync too: DDP decides at forward time whether the coming backward synchronises.
         skip_sync = k < last and isinstance(model, DistributedDataParallel)
