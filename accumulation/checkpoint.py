@@ -41,6 +41,17 @@ def write_atomically(payload: dict, path: Path) -> None:
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, path)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """A rename lives in the directory's own data: flush it too, or a power loss can undo a rename that
+    has already returned."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
@@ -57,6 +68,7 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
     except OSError:
         shutil.copyfile(path, temporary)
     os.replace(temporary, checkpoint_dir / "latest.pt")
+    fsync_directory(checkpoint_dir)
     for old in step_checkpoints(checkpoint_dir)[:-keep]:
         old.unlink()
     return path
