@@ -22,7 +22,7 @@ and A = 8 micro-batches per step on one rank:
 The counts come from 2 gloo ranks on the CPU whatever the hardware: they are properties of the code. The
 timings and the memory peaks run on the GPU when there is one, else on the CPU. Threads: the single process
 uses --threads (default: torch's default, every core, as `python train.py` runs); each gloo rank uses one
-(tests/ranks.py), so on a 2-core CPU both tokens_per_s runs use the same two cores. The functions that
+(accumulation/local_ranks.py), so on a 2-core CPU both tokens_per_s runs use the same two cores. The functions that
 measure are plain and importable; tests/test_performance.py asserts the invariants with the same functions.
 """
 
@@ -219,14 +219,31 @@ def flops_per_token(model: GPT) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def peak_of_memory_events(profiler: torch.profiler.profile) -> int:
-    """The highest running sum of the profiler's allocation events (frees are negative), in time order."""
-    events = [event for event in profiler.profiler.kineto_results.events() if event.name() == MEMORY_EVENT_NAME]
-    allocated_bytes = peak_bytes = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        allocated_bytes += event.nbytes()
-        peak_bytes = max(peak_bytes, allocated_bytes)
-    return peak_bytes
+def peak_memory_bytes_of(fn, device: torch.device) -> tuple[object, int]:
+    """Run fn() and return (its result, the most bytes it held allocated at once on `device`, beyond what
+    was already allocated when it began).
+
+    CUDA: the caching allocator counts its own peak. The CPU allocator keeps no such counter, so the
+    profiler records every allocation (+bytes) and free (-bytes) with its time; the running sum in time
+    order is what fn holds at each moment, and its maximum is the peak.
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        bytes_before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - bytes_before
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+        result = fn()
+    # The raw records: profile.events() would fold each allocation into the operator that made it, hiding
+    # a peak that lasts only inside one operator.
+    records = [record for record in profile.profiler.kineto_results.events() if record.name() == MEMORY_EVENT_NAME]
+    held_bytes = peak_bytes = 0
+    for record in sorted(records, key=lambda record: record.start_ns()):
+        held_bytes += record.nbytes()  # negative for a free
+        peak_bytes = max(peak_bytes, held_bytes)
+    return result, peak_bytes
 
 
 def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) -> int:
@@ -238,16 +255,8 @@ def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) 
     """
     objects = training_objects(model, device)
     run_step(model, micro_batches, objects, device, autocast_dtype)  # creates the optimizer state
-    if device.type == "cuda":
-        synchronize(device)
-        live_bytes = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        run_step(model, micro_batches, objects, device, autocast_dtype)
-        synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - live_bytes
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
-        run_step(model, micro_batches, objects, device, autocast_dtype)
-    return peak_of_memory_events(profiler)
+    _, peak_bytes = peak_memory_bytes_of(lambda: run_step(model, micro_batches, objects, device, autocast_dtype), device)
+    return peak_bytes
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

@@ -160,8 +160,9 @@ def gradient_probe(config: Config, model: GPT, context: DistributedContext):
     Returns (the model wrapped as train.py wraps it: torch.compile when configured, DDP over several ranks;
     optimizer; scheduler; scaler; handed). The optimizer does not matter, only the gradient it is handed:
     SGD with learning rate 0, so the weights never move, and without momentum, so it holds no state. Its
-    hook appends to `handed` the gradients of every applied update, as the optimizer sees them: after
-    accumulation, DDP's all-reduce, unscaling and (when on) clipping.
+    hook puts into `handed` the gradients of the first applied update, as the optimizer sees them: after
+    accumulation, DDP's all-reduce, unscaling and (when on) clipping. Later updates add nothing, so that
+    memory measured around them holds no copies of the probe's.
     """
     device = context.device
     wrapped = torch.compile(model) if config.model.compile else model
@@ -171,7 +172,12 @@ def gradient_probe(config: Config, model: GPT, context: DistributedContext):
     scheduler = build_scheduler(optimizer, "constant", 0, 0, 1.0)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     handed = []
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: handed.append([p.grad.detach().clone() for p in model.parameters()]))
+
+    def record_first_gradient(opt, args, kwargs):
+        if not handed:
+            handed.append([p.grad.detach().clone() for p in model.parameters()])
+
+    optimizer.register_step_pre_hook(record_first_gradient)
     return wrapped, optimizer, scheduler, scaler, handed
 
 

@@ -11,7 +11,7 @@ several times:
   1. warm-up: first-call costs (allocator growth, DDP's buckets, torch.compile) stay out of the numbers;
      the gradient the optimizer is handed is kept for the comparison across m;
   2. timed, TIMED_UPDATES times: supervised tokens (all ranks) per second of wall time, of the fastest;
-  3. profiled: peak memory (see peak_memory_bytes_of).
+  3. profiled: peak memory (see scripts/bench.py, peak_memory_bytes_of).
 
 The model and the optimizer are those of scripts/check_equivalence.py (comparable_model, gradient_probe):
 dropout off, and SGD with learning rate 0, so the weights never move: every update of every m sees the same
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import MEMORY_EVENT_NAME
 
 # Run as `python scripts/sweep_microbatch.py`, Python puts scripts/ on the path, not the project root.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -40,6 +39,7 @@ from accumulation.data import Corpus, DataError, build_micro_batches, load_corpu
 from accumulation.build import autocast_dtype_for, check_device_available  # noqa: E402
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
 from accumulation.step import Counters, optimizer_step  # noqa: E402
+from scripts.bench import peak_memory_bytes_of  # noqa: E402
 from scripts.check_equivalence import comparable_model, gradient_probe  # noqa: E402
 
 # Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
@@ -190,33 +190,6 @@ def measure_one_update(config: Config, corpus: Corpus, row_ids: torch.Tensor, co
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peak_bytes = int(peak.item())
     return gradients, {"tokens": result.tokens, "time_s": seconds, "tokens_per_s": result.tokens / seconds, "peak_mem_bytes": peak_bytes}
-
-
-def peak_memory_bytes_of(fn, device: torch.device) -> tuple[object, int]:
-    """Run fn() and return (its result, the most bytes it held allocated at once on `device`, beyond what
-    was already allocated when it began).
-
-    CUDA: the caching allocator counts its own peak. The CPU allocator keeps no such counter, so the
-    profiler records every allocation (+bytes) and free (-bytes) with its time; the running sum in time
-    order is what fn holds at each moment, and its maximum is the peak.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        bytes_before = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - bytes_before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        result = fn()
-    # The raw records: profile.events() would fold each allocation into the operator that made it, hiding
-    # a peak that lasts only inside one operator.
-    records = [record for record in profile.profiler.kineto_results.events() if record.name() == MEMORY_EVENT_NAME]
-    held_bytes = peak_bytes = 0
-    for record in sorted(records, key=lambda record: record.start_ns()):
-        held_bytes += record.nbytes()  # negative for a free
-        peak_bytes = max(peak_bytes, held_bytes)
-    return result, peak_bytes
 
 
 def max_relative_difference(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:

@@ -12,7 +12,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config import load_config
 from accumulation.data import load_corpus, step_row_ids
 from accumulation.distributed import DistributedContext
-from scripts import sweep_microbatch
+from scripts import bench, sweep_microbatch
 from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus
 
 SINGLE_CPU_PROCESS = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
@@ -61,7 +61,7 @@ def test_peak_memory_of_a_known_allocation():
         block = torch.ones(1_000_000, dtype=torch.float32)  # 4 MB, freed on return
         return float(block.sum())
 
-    result, peak_bytes = sweep_microbatch.peak_memory_bytes_of(allocate_and_free, torch.device("cpu"))
+    result, peak_bytes = bench.peak_memory_bytes_of(allocate_and_free, torch.device("cpu"))
     assert result == 1_000_000.0
     assert 4_000_000 <= peak_bytes < 4_100_000
 
