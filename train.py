@@ -54,6 +54,8 @@ MUST_MATCH_ON_RESUME = [
 
 DROPOUT_SEED_OFFSET = 2**40
 
+STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
+
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
 
@@ -128,6 +130,12 @@ def check_model_fits_in_memory(config: Config) -> None:
 def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dict | None:
     """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory."""
     checkpoint_dir = run_dir / "checkpoints"
+    stopped = run_dir / STOPPED_FILE
+    if config.run.resume == "auto" and stopped.exists():
+        raise ConfigError(
+            f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
+            f"continue from its last checkpoint, or start a new run.name"
+        )
     found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
     if found is None:
         leftovers = [name for name in ("metrics.jsonl", "tensorboard") if (run_dir / name).exists()]
@@ -364,6 +372,10 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             stop_reason = nonfinite_stop_reason(config, result, scaler, consecutive_skips)
             if stop_reason:
                 save(counters)  # a skipped update left the weights at the last good state
+                if context.is_main:
+                    # A restart (torchrun --max-restarts, a requeued job) must not quietly resume past the
+                    # step that stopped the run; this file makes it refuse until a person removes it.
+                    (run_dir / STOPPED_FILE).write_text(f"stopped at step {counters.steps}: {stop_reason}\n")
                 say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
                 return 1
             if counters.steps % config.run.checkpoint_every == 0 or finished:

@@ -391,6 +391,14 @@ def test_a_non_finite_step_is_skipped_or_stops_the_run(tmp_path, corpus, capsys,
         assert latest["counters"]["steps"] == stops_at and latest["counters"]["updates"] == 1
         for key, value in step_1["model"].items():
             assert torch.equal(latest["model"][key], value), key  # the last good weights: those of step 1
+        # A restart (as torchrun --max-restarts would do) refuses to continue past the stop ...
+        status, _, error = run_in_process(arguments, capsys)
+        assert status == 2 and "was stopped at step" in error and "STOPPED" in error
+        # ... until a person has looked and removed the marker.
+        (run_dir / "STOPPED").unlink()
+        status, _, error = run_in_process(arguments, capsys)
+        assert status == 0, error
+        assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 # ---------------------------------------------------------------------------------------------------------
