@@ -24,7 +24,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import describe_batch
 from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, gpt_config
-from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, save_checkpoint, step_checkpoints
+from accumulation.checkpoint import (
+    CheckpointError,
+    check_model_state,
+    newest_readable_checkpoint,
+    save_checkpoint,
+    step_checkpoints,
+)
 from accumulation.config import (
     Config,
     ConfigError,
@@ -35,21 +41,53 @@ from accumulation.config import (
     load_config,
     resolved_grad_scaler,
 )
-from accumulation.data import Corpus, DataError, build_micro_batches, eval_micro_batches, load_corpus, rows_dropped_per_epoch, step_row_ids, steps_per_epoch
-from accumulation.distributed import DistributedContext, lost_rank_message, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.data import (
+    Corpus,
+    DataError,
+    build_micro_batches,
+    eval_micro_batches,
+    load_corpus,
+    rows_dropped_per_epoch,
+    step_row_ids,
+    steps_per_epoch,
+)
+from accumulation.distributed import (
+    DistributedContext,
+    lost_rank_message,
+    run_and_exit,
+    setup_distributed,
+    teardown_distributed,
+)
 from accumulation.model import GPT
 from accumulation.schedule import build_scheduler, set_learning_rates
-from accumulation.step import Counters, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step, token_loss_sum
+from accumulation.step import (
+    Counters,
+    StepResult,
+    all_reduce_ints,
+    count_supervised_tokens,
+    optimizer_step,
+    token_loss_sum,
+)
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
 # value would be silently replaced by the stored one. Everything else (max_steps, logging cadence,
 # micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
 MUST_MATCH_ON_RESUME = [
-    ("model", "n_layer"), ("model", "n_head"), ("model", "d_model"),
-    ("data", "source"), ("data", "seq_len"), ("data", "val_fraction"),
-    ("batch", "global_batch_size"), ("batch", "tail"), ("run", "seed"),
-    ("optim", "name"), ("optim", "lr"), ("optim", "weight_decay"), ("optim", "momentum"), ("optim", "beta2"),
+    ("model", "n_layer"),
+    ("model", "n_head"),
+    ("model", "d_model"),
+    ("data", "source"),
+    ("data", "seq_len"),
+    ("data", "val_fraction"),
+    ("batch", "global_batch_size"),
+    ("batch", "tail"),
+    ("run", "seed"),
+    ("optim", "name"),
+    ("optim", "lr"),
+    ("optim", "weight_decay"),
+    ("optim", "momentum"),
+    ("optim", "beta2"),
 ]
 
 DROPOUT_SEED_OFFSET = 2**40
@@ -75,7 +113,9 @@ def main(argv: list[str]) -> int:
         check_config_for_world(config, world_size)
         check_model_fits_in_memory(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
-        steps_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)  # a DataError when the rows cannot fill one global batch
+        steps_per_epoch(
+            corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail
+        )  # a DataError when the rows cannot fill one global batch
         run_dir = Path(config.run.out_dir) / config.run.name
         resume = find_resume_point(config, corpus, run_dir, say)
     except (ConfigError, DataError, CheckpointError) as error:
@@ -115,7 +155,10 @@ def check_model_fits_in_memory(config: Config) -> None:
     one_block, two_blocks = (meta_model(config, n_layer).num_parameters() for n_layer in (1, 2))
     parameters = one_block + (config.model.n_layer - 1) * (two_blocks - one_block)
     if config.device != "cpu" and torch.cuda.is_available():
-        where, memory_bytes = "the GPU", torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        where, memory_bytes = (
+            "the GPU",
+            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+        )
     else:
         where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
@@ -146,7 +189,7 @@ def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dic
         if leftovers:
             raise ConfigError(
                 f"run.name: {run_dir} already holds a run ({', '.join(leftovers)}); continue it with "
-                f'run.resume=auto, or choose another run.name, or delete the directory'
+                f"run.resume=auto, or choose another run.name, or delete the directory"
             )
         return None
     path, payload = found
@@ -160,7 +203,9 @@ def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dic
         if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
     ]
     if payload["data"].get("fingerprint") != corpus.summary.fingerprint:
-        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {corpus.summary.fingerprint}")
+        differences.append(
+            f"training data fingerprint {payload['data'].get('fingerprint')} -> {corpus.summary.fingerprint}"
+        )
     if differences:
         raise CheckpointError(
             f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
@@ -171,7 +216,9 @@ def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dic
             f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
             f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
         )
-    expected_shapes = {name: tensor.shape for name, tensor in meta_model(config, config.model.n_layer).state_dict().items()}
+    expected_shapes = {
+        name: tensor.shape for name, tensor in meta_model(config, config.model.n_layer).state_dict().items()
+    }
     check_model_state(path, payload["model"], expected_shapes)
     say(f"resuming from {path} at step {payload['counters']['steps']}")
     return payload
@@ -185,7 +232,9 @@ def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None
     steps_seen = [None] * context.world_size
     dist.all_gather_object(steps_seen, None if resume is None else resume["counters"]["steps"])
     if len(set(steps_seen)) > 1:
-        seen = ", ".join(f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen))
+        seen = ", ".join(
+            f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen)
+        )
         raise CheckpointError(
             f"the ranks found different checkpoints in {run_dir / 'checkpoints'} ({seen}); "
             f"run.out_dir must be on storage that every node shares"
@@ -227,7 +276,11 @@ def checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, coun
         "rng": rng_states(context),
         # The data order is a pure function of (seed, step, global batch), so the position is the step
         # count; the fingerprint lets a resume refuse data that changed underneath it.
-        "data": {"next_step": counters.steps, "fingerprint": corpus.summary.fingerprint, "train_rows": corpus.train.num_rows},
+        "data": {
+            "next_step": counters.steps,
+            "fingerprint": corpus.summary.fingerprint,
+            "train_rows": corpus.train.num_rows,
+        },
     }
 
 
@@ -272,7 +325,9 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
     model = GPT(gpt_config(config), seed=config.run.seed).to(device)  # same initial weights on every rank
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio)
+    scheduler = build_scheduler(
+        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     counters = Counters()
     if resume is not None:
@@ -285,7 +340,9 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
                 scaler.load_state_dict(resume["scaler"])
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})") from None
+            raise CheckpointError(
+                f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})"
+            ) from None
         set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
@@ -309,13 +366,24 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
         save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start
     metrics_file, writers = open_logs(context, run_dir, metrics_path, resume, counters)
 
-    say(f"accumulation: {describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)} "
-        f"examples per update; {config.data.seq_len} tokens per row; device {device} ({context.backend or 'single process'})")
-    say(f"model: {model.num_parameters():,} parameters ({config.model.n_layer} layers, d_model {config.model.d_model}, "
-        f"{config.model.n_head} heads); precision {config.precision.dtype}, grad scaler {'on' if scaler.is_enabled() else 'off'}")
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    say(
+        f"accumulation: {batch}"
+        f" examples per update; {config.data.seq_len} tokens per row; "
+        f"device {device} ({context.backend or 'single process'})"
+    )
+    say(
+        f"model: {model.num_parameters():,} parameters ({config.model.n_layer} layers, d_model {config.model.d_model}, "
+        f"{config.model.n_head} heads); precision {config.precision.dtype}, "
+        f"grad scaler {'on' if scaler.is_enabled() else 'off'}"
+    )
     say(corpus.summary.describe())
     dropped = rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-    say(f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used" if dropped else f"batch.tail={config.batch.tail}: every row is used each epoch")
+    say(
+        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
+        if dropped
+        else f"batch.tail={config.batch.tail}: every row is used each epoch"
+    )
     say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     first_loss = last_loss = None
@@ -328,14 +396,37 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             # The examples of this step depend on (seed, step, G) only; this rank takes its fixed slices.
-            row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, counters.steps, config.batch.tail)
-            micro_batches = build_micro_batches(corpus.train, row_ids, config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size, context.rank)
+            row_ids = step_row_ids(
+                corpus.train.num_rows,
+                config.batch.global_batch_size,
+                config.run.seed,
+                counters.steps,
+                config.batch.tail,
+            )
+            micro_batches = build_micro_batches(
+                corpus.train,
+                row_ids,
+                config.batch.global_batch_size,
+                config.batch.micro_batch_size,
+                context.world_size,
+                context.rank,
+            )
             if device.type == "cuda":
                 for micro_batch in micro_batches:  # page-locked host memory lets the copies run asynchronously
-                    micro_batch.inputs, micro_batch.labels = micro_batch.inputs.pin_memory(), micro_batch.labels.pin_memory()
+                    micro_batch.inputs, micro_batch.labels = (
+                        micro_batch.inputs.pin_memory(),
+                        micro_batch.labels.pin_memory(),
+                    )
             result = optimizer_step(
-                wrapped, micro_batches, optimizer, scheduler, scaler, counters,
-                grad_clip=config.optim.grad_clip, device=device, autocast_dtype=autocast_dtype,
+                wrapped,
+                micro_batches,
+                optimizer,
+                scheduler,
+                scaler,
+                counters,
+                grad_clip=config.optim.grad_clip,
+                device=device,
+                autocast_dtype=autocast_dtype,
             )
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
@@ -385,10 +476,24 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
         final_val_loss = None
         if ran_steps and corpus.val is not None:
             # The last step's validation when it had one, else one more pass (every rank takes part).
-            final_val_loss = record["val_loss"] if "val_loss" in record else finite_or_none(validation_loss(model, corpus, config, context))
+            final_val_loss = (
+                record["val_loss"]
+                if "val_loss" in record
+                else finite_or_none(validation_loss(model, corpus, config, context))
+            )
         if context.is_main and ran_steps:
             wall_seconds = time.perf_counter() - session_start
-            print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model)
+            print_summary(
+                config,
+                counters,
+                first_loss,
+                last_loss,
+                final_val_loss,
+                trained_tokens,
+                trained_seconds,
+                wall_seconds,
+                model,
+            )
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -405,7 +510,8 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutiv
     its scale (it skips the update and halves the scale), so that alone never stops a run. Any run stops
     after optim.max_consecutive_skips skipped steps in a row."""
     if consecutive_skips >= config.optim.max_consecutive_skips:
-        return f"{consecutive_skips} skipped updates in a row (optim.max_consecutive_skips={config.optim.max_consecutive_skips})"
+        limit = config.optim.max_consecutive_skips
+        return f"{consecutive_skips} skipped updates in a row (optim.max_consecutive_skips={limit})"
     if config.optim.on_nonfinite == "stop" and result.tokens > 0:
         if not math.isfinite(result.loss):
             return f"non-finite loss {result.loss} (optim.on_nonfinite=stop)"
@@ -420,7 +526,9 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
     if not metrics_path.exists():
         return
     # A last line without its newline was cut short by a process killed while writing it: not a record.
-    complete_lines = [line for line in metrics_path.read_text().splitlines(keepends=True) if line.endswith("\n") and line.strip()]
+    complete_lines = [
+        line for line in metrics_path.read_text().splitlines(keepends=True) if line.endswith("\n") and line.strip()
+    ]
     kept = [line for line in complete_lines if json.loads(line)["steps"] <= steps]
     temporary = metrics_path.with_name(".metrics.jsonl.tmp")
     temporary.write_text("".join(kept))
@@ -435,7 +543,9 @@ def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, re
     from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
 
     metrics_file = open(metrics_path, "a")
-    by_updates = SummaryWriter(run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resume else None)
+    by_updates = SummaryWriter(
+        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resume else None
+    )
     by_tokens = SummaryWriter(run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resume else None)
     return metrics_file, [by_updates, by_tokens]
 
@@ -465,11 +575,14 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
     )
 
 
-def print_summary(config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model) -> None:
+def print_summary(
+    config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model
+) -> None:
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
     print(
         f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
-        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
+        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer "
+        f"steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
     )
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
     if config.run.sample_bytes > 0:

@@ -75,6 +75,4 @@ def micro_batch_slices(global_batch_size: int, micro_batch_size: int, world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     first = rank * micro_batch_size * accum
-    return [
-        slice(first + k * micro_batch_size, first + (k + 1) * micro_batch_size) for k in range(accum)
-    ]
+    return [slice(first + k * micro_batch_size, first + (k + 1) * micro_batch_size) for k in range(accum)]

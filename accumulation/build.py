@@ -30,7 +30,9 @@ def autocast_dtype_for(config: Config) -> torch.dtype | None:
 
 
 def gpt_config(config: Config) -> GPTConfig:
-    return GPTConfig(config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout)
+    return GPTConfig(
+        config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout
+    )
 
 
 def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -125,14 +125,20 @@ def structure_problem(payload: dict) -> str | None:
     if not all(isinstance(value, torch.Tensor) for value in payload["model"].values()):
         return "model holds values that are not tensors"
     counters = payload["counters"]
-    if sorted(counters) != sorted(COUNTER_NAMES) or not all(type(value) is int and value >= 0 for value in counters.values()):
+    if sorted(counters) != sorted(COUNTER_NAMES) or not all(
+        type(value) is int and value >= 0 for value in counters.values()
+    ):
         return f"counters should be the non-negative integers {', '.join(COUNTER_NAMES)}, got {counters}"
     if not isinstance(payload["data"].get("fingerprint"), str):
         return "data lacks the fingerprint of the training data"
     per_rank = payload["rng"].get("per_rank")
-    states_ok = isinstance(per_rank, list) and len(per_rank) > 0 and all(
-        isinstance(state, dict) and isinstance(state.get("cpu"), torch.Tensor) and state["cpu"].dtype == torch.uint8
-        for state in per_rank
+    states_ok = (
+        isinstance(per_rank, list)
+        and len(per_rank) > 0
+        and all(
+            isinstance(state, dict) and isinstance(state.get("cpu"), torch.Tensor) and state["cpu"].dtype == torch.uint8
+            for state in per_rank
+        )
     )
     if not states_ok:
         return "rng lacks the random-number-generator state of each rank"
@@ -151,7 +157,9 @@ def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch
         if name in stored and stored[name].shape != shape
     ]
     if problems:
-        raise CheckpointError(f"checkpoint {path}: its model does not fit the configured model: {'; '.join(problems[:3])}")
+        raise CheckpointError(
+            f"checkpoint {path}: its model does not fit the configured model: {'; '.join(problems[:3])}"
+        )
 
 
 def few(names: list[str]) -> str:

@@ -60,16 +60,18 @@ class RunConfig:
         200, "write a checkpoint every this many steps (and always at the end)", "steps", at_least=1
     )
     eval_every: int = setting(
-        200, "validation loss in metrics.jsonl every this many steps (0 = never); the summary always prints the final one", "steps", at_least=0
+        200,
+        "validation loss in metrics.jsonl every this many steps (0 = never); the summary always prints the final one",
+        "steps",
+        at_least=0,
     )
     resume: str = setting(
         "auto",
-        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: start afresh (refused if the run directory already holds a run)",
+        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; "
+        "never: start afresh (refused if the run directory already holds a run)",
         choices=("auto", "never"),
     )
-    keep_checkpoints: int = setting(
-        3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1
-    )
+    keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
     sample_bytes: int = setting(
         200, "bytes of text generated from the model at the end (0 = none)", "bytes", at_least=0
     )
@@ -97,9 +99,7 @@ class BatchConfig:
 class DataConfig:
     source: str = setting("stdlib", '"stdlib" (the embedded corpus) or a path to your own text file or folder')
     seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
-    val_fraction: float = setting(
-        0.01, "share of the data held out for validation", "fraction", at_least=0, below=1
-    )
+    val_fraction: float = setting(0.01, "share of the data held out for validation", "fraction", at_least=0, below=1)
 
 
 @dataclass(frozen=True)
@@ -126,9 +126,7 @@ class OptimConfig:
         "when the step's gradients hold inf or nan: skip that update, or stop the run",
         choices=("skip", "stop"),
     )
-    max_consecutive_skips: int = setting(
-        20, "stop the run after this many skipped steps in a row", "steps", at_least=1
-    )
+    max_consecutive_skips: int = setting(20, "stop the run after this many skipped steps in a row", "steps", at_least=1)
 
 
 @dataclass(frozen=True)
@@ -297,9 +295,7 @@ def _check_combinations(config: Config) -> None:
     which knows the world size.)"""
     model, batch, schedule = config.model, config.batch, config.schedule
     if model.d_model % model.n_head != 0:
-        raise ConfigError(
-            f"model.d_model: expected a multiple of model.n_head ({model.n_head}), got {model.d_model}"
-        )
+        raise ConfigError(f"model.d_model: expected a multiple of model.n_head ({model.n_head}), got {model.d_model}")
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "

@@ -24,7 +24,6 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 
-
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).
 STDLIB_EXCLUDED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -76,8 +75,8 @@ def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
 
     Row i of a document covers bytes [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
     byte, the last input of one row being the first input of the next, so each of the document's L - 1
-    targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next document; the last row of a
-    document is right-padded with zeros. Documents shorter than 2 bytes give no rows.
+    targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
+    document; the last row of a document is right-padded with zeros. Documents shorter than 2 bytes give no rows.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
@@ -185,7 +184,7 @@ def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
         root = Path(source)
         if not root.exists():
             raise DataError(
-                f"data.source {source!r} does not exist; set it to a text file, a folder of text files, or \"stdlib\""
+                f'data.source {source!r} does not exist; set it to a text file, a folder of text files, or "stdlib"'
             )
         if root.is_file():
             data = read_bytes(root, source)
@@ -365,7 +364,7 @@ def load_corpus(source: str, seq_len: int, val_fraction: float) -> Corpus:
     if train.num_rows + val.num_rows == 0:
         raise DataError(
             f"data.source {source!r} has no usable text (no text file with at least 2 bytes); "
-            f"add UTF-8 text to {root} or set data.source=\"stdlib\""
+            f'add UTF-8 text to {root} or set data.source="stdlib"'
         )
     if train.num_rows == 0:
         raise DataError(
@@ -421,7 +420,7 @@ def steps_per_epoch(num_rows: int, global_batch_size: int, tail: str) -> int:
     if tail == "drop" and num_rows < global_batch_size:
         raise DataError(
             f"the training data has {num_rows} rows, fewer than one global batch of {global_batch_size}; "
-            f"use a smaller batch.global_batch_size, a smaller data.seq_len, more text, or batch.tail=\"partial\""
+            f'use a smaller batch.global_batch_size, a smaller data.seq_len, more text, or batch.tail="partial"'
         )
     if tail == "drop":
         return num_rows // global_batch_size

@@ -30,7 +30,7 @@ class DistributedContext:
 
 
 def choose_device(preference: str, local_rank: int) -> torch.device:
-    """"auto" and "cuda" take this rank's GPU when there is one (build.check_device_available has already
+    """ "auto" and "cuda" take this rank's GPU when there is one (build.check_device_available has already
     refused "cuda" without one); otherwise the CPU."""
     if preference in ("cuda", "auto") and torch.cuda.is_available():
         return torch.device("cuda", local_rank)

@@ -36,9 +36,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d_model, dim=2)
         # [rows, seq_len, d_model] -> [rows, n_head, seq_len, head_dim]
         q, k, v = (t.view(rows, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(rows, seq_len, d_model))
 
 

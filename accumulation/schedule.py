@@ -39,5 +39,7 @@ def set_learning_rates(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     Needed after a resume: the optimizer's state brings back the lr the *old* schedule gave the last step,
     and LambdaLR would apply the new schedule (a longer cosine horizon, another warm-up) only from its next
     step() on, one update too late. With an unchanged schedule this recomputes the same value."""
-    for group, base_lr, multiplier in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for group, base_lr, multiplier in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
         group["lr"] = base_lr * multiplier(scheduler.last_epoch)

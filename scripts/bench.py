@@ -15,7 +15,7 @@ and A = 8 micro-batches per step on one rank:
     scalar_collectives_per_update    every other collective of a step (token count, loss)      target <= 2
     host_syncs_per_micro_batch       reads of tensor values into Python during micro-batches   target 0
     host_syncs_per_update            the same over the whole step, reported
-    peak_mem_bytes                   peak of one update: m with A = 1, 2, 8, and 8m with A = 1   target m_A8 <= 1.05 m_A1
+    peak_mem_bytes                   peak of one update: m with A = 1, 2, 8, and 8m with A = 1  target m_A8 <= 1.05 m_A1
     tokens_per_s                     supervised tokens per second, 1 process and 2 gloo ranks, same global batch
     mfu                              CUDA only: model FLOPs utilisation
 
@@ -50,13 +50,13 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch  # noqa: E402  (after the path fix above)
+from accumulation.build import build_optimizer  # noqa: E402
 from accumulation.config import Config, resolved_grad_scaler  # noqa: E402
 from accumulation.data import RowSet, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
+from accumulation.local_ranks import run_on_ranks  # noqa: E402
 from accumulation.model import GPT, GPTConfig  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
 from accumulation.step import Counters, StepResult, optimizer_step  # noqa: E402
-from accumulation.local_ranks import run_on_ranks  # noqa: E402
-from accumulation.build import build_optimizer  # noqa: E402
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 ACCUMULATION_STEPS = 8  # A on one rank, for every measurement
@@ -74,8 +74,18 @@ DEFAULT_PEAK_TFLOPS = 989.0
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
 # The collectives of torch.distributed that a training step could call directly.
 COLLECTIVES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "broadcast",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "barrier",
 )
 
 
@@ -101,7 +111,9 @@ def training_objects(model: torch.nn.Module, device: torch.device):
     """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler."""
     optimizer = build_optimizer(DEFAULTS, model, device)
     schedule = DEFAULTS.schedule
-    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio)
+    scheduler = build_scheduler(
+        optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(DEFAULTS))
     return optimizer, scheduler, scaler
 
@@ -110,8 +122,15 @@ def run_step(model, micro_batches, objects, device, autocast_dtype=None) -> Step
     """One step of the project's loop: `optimizer_step` with the default gradient clipping."""
     optimizer, scheduler, scaler = objects
     return optimizer_step(
-        model, micro_batches, optimizer, scheduler, scaler, Counters(),
-        grad_clip=DEFAULTS.optim.grad_clip, device=device, autocast_dtype=autocast_dtype,
+        model,
+        micro_batches,
+        optimizer,
+        scheduler,
+        scaler,
+        Counters(),
+        grad_clip=DEFAULTS.optim.grad_clip,
+        device=device,
+        autocast_dtype=autocast_dtype,
     )
 
 
@@ -175,12 +194,15 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
         if pair >= warmup_pairs:
             ours_seconds.append(ours)
             bare_seconds.append(bare)
-    ratios = [ours / bare for ours, bare in zip(ours_seconds, bare_seconds)]
+    ratios = [ours / bare for ours, bare in zip(ours_seconds, bare_seconds, strict=True)]
     lower_quartile, median_ratio, upper_quartile = statistics.quantiles(ratios, n=4)
     return {
         "overhead_ratio": median_ratio,
         "overhead_ratio_quartiles": [lower_quartile, upper_quartile],  # how much the pairs scatter
-        "seconds_per_step": {"optimizer_step": statistics.median(ours_seconds), "bare": statistics.median(bare_seconds)},
+        "seconds_per_step": {
+            "optimizer_step": statistics.median(ours_seconds),
+            "bare": statistics.median(bare_seconds),
+        },
     }
 
 
@@ -189,7 +211,9 @@ def tokens_per_second(model, batches_of_steps, device, autocast_dtype, warmup_st
     objects = training_objects(model, device)
     rates = []
     for index, micro_batches in enumerate(batches_of_steps):
-        result, seconds = timed(functools.partial(run_step, model, micro_batches, objects, device, autocast_dtype), device)
+        result, seconds = timed(
+            functools.partial(run_step, model, micro_batches, objects, device, autocast_dtype), device
+        )
         if index >= warmup_steps:
             rates.append(result.tokens / seconds)
     return statistics.median(rates)
@@ -255,7 +279,9 @@ def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) 
     """
     objects = training_objects(model, device)
     run_step(model, micro_batches, objects, device, autocast_dtype)  # creates the optimizer state
-    _, peak_bytes = peak_memory_bytes_of(lambda: run_step(model, micro_batches, objects, device, autocast_dtype), device)
+    _, peak_bytes = peak_memory_bytes_of(
+        lambda: run_step(model, micro_batches, objects, device, autocast_dtype), device
+    )
     return peak_bytes
 
 
@@ -317,7 +343,9 @@ def counting_calls(traffic: Traffic):
         for name in COLLECTIVES:
             patches.enter_context(mock.patch.object(dist, name, counted_collective(getattr(dist, name))))
         for name in HOST_READS:
-            patches.enter_context(mock.patch.object(torch.Tensor, name, counted_read(name, getattr(torch.Tensor, name))))
+            patches.enter_context(
+                mock.patch.object(torch.Tensor, name, counted_read(name, getattr(torch.Tensor, name)))
+            )
         yield
 
 
@@ -349,20 +377,27 @@ def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypa
             traffic.phase = "count"
             run_step(model, micro_batches, objects, torch.device("cpu"))
             traffic.phase = None
-            steps.append({
-                "micro_batches": len(micro_batches),
-                "grad_allreduce_bytes": traffic.grad_allreduce_bytes,
-                "scalar_collectives": traffic.scalar_collectives,
-                "host_reads_in_micro_batches": sum(phase == "micro-batches" for phase, _ in traffic.host_reads),
-                "host_reads_by_call": dict(Counter(call for _, call in traffic.host_reads)),
-            })
+            steps.append(
+                {
+                    "micro_batches": len(micro_batches),
+                    "grad_allreduce_bytes": traffic.grad_allreduce_bytes,
+                    "scalar_collectives": traffic.scalar_collectives,
+                    "host_reads_in_micro_batches": sum(phase == "micro-batches" for phase, _ in traffic.host_reads),
+                    "host_reads_by_call": dict(Counter(call for _, call in traffic.host_reads)),
+                }
+            )
     return {"grad_bytes": gradient_bytes(model), "steps": steps}
 
 
-def step_traffic(build_model, batches_of_steps_by_rank, bypass_no_sync: bool = False, timeout_s: float = 120.0) -> list[dict]:
+def step_traffic(
+    build_model, batches_of_steps_by_rank, bypass_no_sync: bool = False, timeout_s: float = 120.0
+) -> list[dict]:
     """traffic_worker on as many gloo ranks as there are lists of steps; the per-rank results in rank order."""
     return run_on_ranks(
-        traffic_worker, len(batches_of_steps_by_rank), args=(build_model, batches_of_steps_by_rank, bypass_no_sync), timeout_s=timeout_s
+        traffic_worker,
+        len(batches_of_steps_by_rank),
+        args=(build_model, batches_of_steps_by_rank, bypass_no_sync),
+        timeout_s=timeout_s,
     )
 
 
@@ -381,7 +416,8 @@ def cpu_model() -> str:
 
 def machine_description(device: torch.device, threads: int) -> str:
     accelerator = f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    return f"{cpu_model()} ({os.cpu_count()} logical cores){accelerator}; torch {torch.__version__}; {threads} intra-op threads"
+    cores = f"{os.cpu_count()} logical cores"
+    return f"{cpu_model()} ({cores}){accelerator}; torch {torch.__version__}; {threads} intra-op threads"
 
 
 def measure_time(rows, args, device, autocast_dtype) -> dict:
@@ -405,10 +441,15 @@ def measure_time(rows, args, device, autocast_dtype) -> dict:
     if device.type == "cpu":
         accumulation_per_rank = ACCUMULATION_STEPS // RANKS
         per_rank_steps = [
-            [step_micro_batches(rows, step % distinct_steps, m, accumulation_per_rank, RANKS, rank) for step in range(warmup_steps + timed_steps)]
+            [
+                step_micro_batches(rows, step % distinct_steps, m, accumulation_per_rank, RANKS, rank)
+                for step in range(warmup_steps + timed_steps)
+            ]
             for rank in range(RANKS)
         ]
-        tokens_per_s_two_ranks = run_on_ranks(throughput_worker, RANKS, args=(model_config, per_rank_steps, warmup_steps))[0]
+        tokens_per_s_two_ranks = run_on_ranks(
+            throughput_worker, RANKS, args=(model_config, per_rank_steps, warmup_steps)
+        )[0]
     results["tokens_per_s"] = {"ranks1": tokens_per_s_one_rank, "ranks2": tokens_per_s_two_ranks}
 
     if device.type == "cuda":
@@ -440,7 +481,10 @@ def measure_counts(rows, args) -> dict:
     """
     counted_steps = 2
     per_rank_steps = [
-        [step_micro_batches(rows, step, args.micro_batch_size, ACCUMULATION_STEPS, RANKS, rank) for step in range(counted_steps)]
+        [
+            step_micro_batches(rows, step, args.micro_batch_size, ACCUMULATION_STEPS, RANKS, rank)
+            for step in range(counted_steps)
+        ]
         for rank in range(RANKS)
     ]
     build_model = functools.partial(GPT, default_model_config(), seed=DEFAULTS.run.seed)
@@ -452,7 +496,9 @@ def measure_counts(rows, args) -> dict:
         "grad_allreduce_bytes_per_update": max(step["grad_allreduce_bytes"] for step in steps),
         "sync_every_bytes_per_update": max(step["grad_allreduce_bytes"] for step in synced_every_micro_batch["steps"]),
         "scalar_collectives_per_update": max(step["scalar_collectives"] for step in steps),
-        "host_syncs_per_micro_batch": max(step["host_reads_in_micro_batches"] / step["micro_batches"] for step in steps),
+        "host_syncs_per_micro_batch": max(
+            step["host_reads_in_micro_batches"] / step["micro_batches"] for step in steps
+        ),
         "host_syncs_per_update": max(sum(step["host_reads_by_call"].values()) for step in steps),
         "host_syncs_per_update_by_call": steps[-1]["host_reads_by_call"],
     }
@@ -490,27 +536,61 @@ def table(results: dict, args: argparse.Namespace) -> str:
     accumulation_bytes = memory["m_A8"] - memory["m_A1"]
     reads = ", ".join(f"{call} x{count}" for call, count in sorted(results["host_syncs_per_update_by_call"].items()))
     rows = [
-        ("overhead_ratio", f"{results['overhead_ratio']:.4f} (quartiles {lower_quartile:.4f}..{upper_quartile:.4f})",
-         f"<= {TARGET_OVERHEAD_RATIO}", mark(results["overhead_ratio"] <= TARGET_OVERHEAD_RATIO)),
+        (
+            "overhead_ratio",
+            f"{results['overhead_ratio']:.4f} (quartiles {lower_quartile:.4f}..{upper_quartile:.4f})",
+            f"<= {TARGET_OVERHEAD_RATIO}",
+            mark(results["overhead_ratio"] <= TARGET_OVERHEAD_RATIO),
+        ),
         ("  seconds_per_step", f"{seconds['optimizer_step']:.4f} vs bare {seconds['bare']:.4f}", "", ""),
         ("grad_bytes", f"{grad_bytes:,}", "", ""),
-        ("grad_allreduce_bytes_per_update", f"{results['grad_allreduce_bytes_per_update']:,}",
-         "= grad_bytes", mark(results["grad_allreduce_bytes_per_update"] == grad_bytes)),
-        ("sync_every_bytes_per_update", f"{results['sync_every_bytes_per_update']:,}", f"contrast: {ACCUMULATION_STEPS} x grad_bytes", ""),
-        ("scalar_collectives_per_update", f"{results['scalar_collectives_per_update']}",
-         f"<= {TARGET_SCALAR_COLLECTIVES}", mark(results["scalar_collectives_per_update"] <= TARGET_SCALAR_COLLECTIVES)),
-        ("host_syncs_per_micro_batch", f"{results['host_syncs_per_micro_batch']:g}", "0", mark(results["host_syncs_per_micro_batch"] == 0)),
+        (
+            "grad_allreduce_bytes_per_update",
+            f"{results['grad_allreduce_bytes_per_update']:,}",
+            "= grad_bytes",
+            mark(results["grad_allreduce_bytes_per_update"] == grad_bytes),
+        ),
+        (
+            "sync_every_bytes_per_update",
+            f"{results['sync_every_bytes_per_update']:,}",
+            f"contrast: {ACCUMULATION_STEPS} x grad_bytes",
+            "",
+        ),
+        (
+            "scalar_collectives_per_update",
+            f"{results['scalar_collectives_per_update']}",
+            f"<= {TARGET_SCALAR_COLLECTIVES}",
+            mark(results["scalar_collectives_per_update"] <= TARGET_SCALAR_COLLECTIVES),
+        ),
+        (
+            "host_syncs_per_micro_batch",
+            f"{results['host_syncs_per_micro_batch']:g}",
+            "0",
+            mark(results["host_syncs_per_micro_batch"] == 0),
+        ),
         ("host_syncs_per_update", f"{results['host_syncs_per_update']} ({reads})", "reported", ""),
         ("peak_mem_bytes m_A1", f"{memory['m_A1']:,}", "", ""),
         ("peak_mem_bytes m_A2", f"{memory['m_A2']:,}", "", ""),
-        ("peak_mem_bytes m_A8", f"{memory['m_A8']:,} ({memory_ratio:.3f} x m_A1)",
-         f"<= {TARGET_MEMORY_RATIO} x m_A1", mark(memory_ratio <= TARGET_MEMORY_RATIO)),
+        (
+            "peak_mem_bytes m_A8",
+            f"{memory['m_A8']:,} ({memory_ratio:.3f} x m_A1)",
+            f"<= {TARGET_MEMORY_RATIO} x m_A1",
+            mark(memory_ratio <= TARGET_MEMORY_RATIO),
+        ),
         ("  m_A8 - m_A1", f"{accumulation_bytes:,} ({accumulation_bytes / grad_bytes:.2f} x grad_bytes)", "", ""),
-        ("peak_mem_bytes 8m_A1", f"{memory['8m_A1']:,} ({memory['8m_A1'] / memory['m_A8']:.1f} x m_A8)",
-         f"> {MIN_8M_OVER_M_A8} x m_A8", mark(memory["8m_A1"] > MIN_8M_OVER_M_A8 * memory["m_A8"])),
+        (
+            "peak_mem_bytes 8m_A1",
+            f"{memory['8m_A1']:,} ({memory['8m_A1'] / memory['m_A8']:.1f} x m_A8)",
+            f"> {MIN_8M_OVER_M_A8} x m_A8",
+            mark(memory["8m_A1"] > MIN_8M_OVER_M_A8 * memory["m_A8"]),
+        ),
         ("tokens_per_s ranks1", f"{tokens['ranks1']:,.0f}", f"1 process, {threads['ranks1']} threads", ""),
-        ("tokens_per_s ranks2", "n/a on CUDA (the gloo ranks run on the CPU)" if tokens["ranks2"] is None else f"{tokens['ranks2']:,.0f}",
-         f"{RANKS} gloo ranks, {threads['ranks2']} thread each", ""),
+        (
+            "tokens_per_s ranks2",
+            "n/a on CUDA (the gloo ranks run on the CPU)" if tokens["ranks2"] is None else f"{tokens['ranks2']:,.0f}",
+            f"{RANKS} gloo ranks, {threads['ranks2']} thread each",
+            "",
+        ),
     ]
     if "mfu" in results:
         rows.append(("mfu", f"{results['mfu']:.3f}", f"of {args.peak_tflops:g} TFLOPS bf16", ""))
@@ -542,15 +622,27 @@ def table(results: dict, args: argparse.Namespace) -> str:
 def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--quick", action="store_true", help="few repetitions: checks that everything runs, timings are rough")
-    parser.add_argument("--micro-batch-size", type=int, default=DEFAULTS.batch.micro_batch_size, help="m, rows per micro-batch (default %(default)s)")
     parser.add_argument(
-        "--threads", type=int, default=torch.get_num_threads(),
-        help="intra-op threads of the single process (default %(default)s: torch's default, every core, as train.py runs); "
+        "--quick", action="store_true", help="few repetitions: checks that everything runs, timings are rough"
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=DEFAULTS.batch.micro_batch_size,
+        help="m, rows per micro-batch (default %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="intra-op threads of the single process "
+        "(default %(default)s: torch's default, every core, as train.py runs); "
         "the 2 gloo ranks take 1 thread each, so both use the same cores",
     )
     parser.add_argument(
-        "--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS,
+        "--peak-tflops",
+        type=float,
+        default=DEFAULT_PEAK_TFLOPS,
         help="the GPU's peak for mfu (default %(default)s: dense bf16 of an H100 or H200 SXM)",
     )
     return parser.parse_args(argv)

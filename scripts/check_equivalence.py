@@ -21,9 +21,9 @@ Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 """
 
 import argparse
-import dataclasses
 import contextlib
 import copy
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -38,9 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import accumulation.step  # noqa: E402  (after the path fix above)
 from accumulation.batching import IGNORE_INDEX, accumulation_steps, describe_batch  # noqa: E402
+from accumulation.build import autocast_dtype_for, check_config_for_world, gpt_config  # noqa: E402
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler  # noqa: E402
 from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, micro_batch, step_row_ids  # noqa: E402
-from accumulation.build import autocast_dtype_for, check_config_for_world, gpt_config  # noqa: E402
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
 from accumulation.model import GPT  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
@@ -89,7 +89,9 @@ def main(argv: list[str]) -> int:
         config = load_config(config_argv)
         check_config_for_world(config, world_size)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
-        row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
+        row_ids = step_row_ids(
+            corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
+        )
     except (ConfigError, DataError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -102,7 +104,9 @@ def main(argv: list[str]) -> int:
         teardown_distributed()
 
 
-def check(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, inject_bug: str | None) -> int:
+def check(
+    config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, inject_bug: str | None
+) -> int:
     device = context.device
     model = comparable_model(config, device)
     reference_model = copy.deepcopy(model) if context.is_main else None  # taken before the loop touches it
@@ -115,29 +119,42 @@ def check(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: Distri
         print(f"FAIL: the loop did not apply its update ({result.skip_reason}), so there is no gradient to compare")
         return 1
 
-    reference_gradients, reference_loss, reference_tokens = full_batch_reference(reference_model, corpus, row_ids, device)
+    reference_gradients, reference_loss, reference_tokens = full_batch_reference(
+        reference_model, corpus, row_ids, device
+    )
     names = [name for name, _ in model.named_parameters()]
-    errors = [(loop.double().cpu() - reference.cpu()).abs().max().item() for loop, reference in zip(loop_gradients, reference_gradients)]
+    errors = [
+        (loop.double().cpu() - reference.cpu()).abs().max().item()
+        for loop, reference in zip(loop_gradients, reference_gradients, strict=True)
+    ]
     largest_reference_entry = max(reference.abs().max().item() for reference in reference_gradients)
     worst = max(range(len(errors)), key=errors.__getitem__)
     relative_error = errors[worst] / largest_reference_entry
     loss_relative_error = abs(result.loss - reference_loss) / abs(reference_loss)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
 
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
     print(
-        f"check_equivalence: {describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)}; "
-        f"step 0: {len(row_ids)} examples, {reference_tokens:,} supervised tokens; device {device}; precision {config.precision.dtype}"
+        f"check_equivalence: {batch}"
+        f"; step 0: {len(row_ids)} examples, {reference_tokens:,} supervised tokens; device {device}; "
+        f"precision {config.precision.dtype}"
     )
     print(f"model: {model.num_parameters():,} parameters; compared with gradient clipping and dropout off")
     if inject_bug:
         print(f"SELF-TEST: --inject-bug {inject_bug}: the loop weights every micro-batch equally; this must FAIL")
-    print(f"examples: loop {result.examples}, reference {len(row_ids)}; supervised tokens: loop {result.tokens:,}, reference {reference_tokens:,}")
+    print(
+        f"examples: loop {result.examples}, reference {len(row_ids)}; "
+        f"supervised tokens: loop {result.tokens:,}, reference {reference_tokens:,}"
+    )
     print(f"loss: loop {result.loss:.8f}, reference {reference_loss:.8f} (relative error {loss_relative_error:.2e})")
     print(
         f"gradient: max absolute error {errors[worst]:.3e} (in {names[worst]}), largest reference entry "
         f"{largest_reference_entry:.3e}, max relative error {relative_error:.3e}"
     )
-    print(f"tolerance: {tolerance:g} relative ({config.precision.dtype} loop against a float64 reference; see RELATIVE_TOLERANCE)")
+    print(
+        f"tolerance: {tolerance:g} relative "
+        f"({config.precision.dtype} loop against a float64 reference; see RELATIVE_TOLERANCE)"
+    )
     passed = (
         result.examples == len(row_ids)
         and result.tokens == reference_tokens
@@ -186,11 +203,23 @@ def loop_step_gradients(config: Config, corpus: Corpus, row_ids: torch.Tensor, m
     or None when the update was skipped; the StepResult)."""
     wrapped, optimizer, scheduler, scaler, handed = gradient_probe(config, model, context)
     micro_batches = build_micro_batches(
-        corpus.train, row_ids, config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size, context.rank
+        corpus.train,
+        row_ids,
+        config.batch.global_batch_size,
+        config.batch.micro_batch_size,
+        context.world_size,
+        context.rank,
     )
     result = optimizer_step(
-        wrapped, micro_batches, optimizer, scheduler, scaler, Counters(),
-        grad_clip=0.0, device=context.device, autocast_dtype=autocast_dtype_for(config),
+        wrapped,
+        micro_batches,
+        optimizer,
+        scheduler,
+        scaler,
+        Counters(),
+        grad_clip=0.0,
+        device=context.device,
+        autocast_dtype=autocast_dtype_for(config),
     )
     return (handed[0] if result.applied else None), result
 
@@ -214,7 +243,9 @@ def mean_of_means_injected(config: Config, corpus: Corpus, row_ids: torch.Tensor
     differ. The step multiplies by D / N, so the gradient becomes that of the mean of the A·D micro-batch
     means. Only `accumulation.step.token_loss_sum` is replaced, and only while the context is open.
     """
-    accumulation_per_rank = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    accumulation_per_rank = accumulation_steps(
+        config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size
+    )
     tokens_global = int(corpus.train.supervised_tokens()[row_ids].sum())
     tokens_per_micro_batch = tokens_global / (accumulation_per_rank * context.world_size)
     correct_token_loss_sum = accumulation.step.token_loss_sum

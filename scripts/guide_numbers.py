@@ -21,7 +21,7 @@ def token_weighting() -> dict:
     """Two micro-batches with different token counts and mean losses."""
     tokens = [512, 1536]
     mean_losses = [2.0, 4.0]
-    token_weighted = sum(n * loss for n, loss in zip(tokens, mean_losses)) / sum(tokens)
+    token_weighted = sum(n * loss for n, loss in zip(tokens, mean_losses, strict=True)) / sum(tokens)
     unweighted = sum(mean_losses) / len(mean_losses)
     return {"weighting.token_weighted": token_weighted, "weighting.mean_of_means": unweighted}
 
@@ -39,7 +39,11 @@ def ddp_compensation() -> dict:
     loss_sums, total_tokens, ranks = [300.0, 60.0], 120, 2
     without_factor = sum(s / total_tokens for s in loss_sums) / ranks
     with_factor = sum(s * ranks / total_tokens for s in loss_sums) / ranks
-    return {"ddp.true_mean": sum(loss_sums) / total_tokens, "ddp.without_times_D": without_factor, "ddp.with_times_D": with_factor}
+    return {
+        "ddp.true_mean": sum(loss_sums) / total_tokens,
+        "ddp.without_times_D": without_factor,
+        "ddp.with_times_D": with_factor,
+    }
 
 
 def scheduler_unit() -> dict:

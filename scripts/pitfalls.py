@@ -36,9 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps  # noqa: E402  (after the path fix)
-from accumulation.local_ranks import run_on_ranks  # noqa: E402
 from accumulation.data import RowSet, build_micro_batches, epoch_permutation, make_rows, step_row_ids, steps_per_epoch  # noqa: E402
-from accumulation.model import VOCAB_SIZE, GPT, GPTConfig  # noqa: E402
+from accumulation.local_ranks import run_on_ranks  # noqa: E402
+from accumulation.model import GPT, VOCAB_SIZE, GPTConfig  # noqa: E402
 from accumulation.schedule import build_scheduler  # noqa: E402
 from accumulation.step import Counters, all_reduce_ints, count_supervised_tokens, optimizer_step, token_loss_sum  # noqa: E402
 
@@ -90,7 +90,12 @@ class Measurement:
     bug_shown: bool  # the buggy twin is off by at least the metric's threshold
 
     def as_json(self) -> dict:
-        return {"pitfall": self.pitfall, "metric": self.metric, "buggy": float(self.buggy), "correct": float(self.correct)}
+        return {
+            "pitfall": self.pitfall,
+            "metric": self.metric,
+            "buggy": float(self.buggy),
+            "correct": float(self.correct),
+        }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -160,7 +165,7 @@ def clip_like_pytorch(gradient: list[torch.Tensor], max_norm: float) -> list[tor
 def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """Largest entry-wise difference of two gradients, relative to the largest entry of the reference."""
     scale = max(float(r.abs().max()) for r in reference)
-    return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
+    return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
 
 
 def relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -189,7 +194,9 @@ def training_objects(model: nn.Module, warmup_updates: int = 0, scaler_enabled: 
     return optimizer, scheduler, scaler
 
 
-def correct_step(model: nn.Module, batches: list[MicroBatch], grad_clip: float = 0.0, scaler_enabled: bool = False) -> list[torch.Tensor]:
+def correct_step(
+    model: nn.Module, batches: list[MicroBatch], grad_clip: float = 0.0, scaler_enabled: bool = False
+) -> list[torch.Tensor]:
     """One step of the project's optimizer_step; returns the gradient the optimizer used (after unscaling
     and clipping), captured just before the update since the step sets .grad to None at its end."""
     optimizer, scheduler, scaler = training_objects(model, scaler_enabled=scaler_enabled)
@@ -303,7 +310,9 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
     correct_lr = optimizer.param_groups[0]["lr"]
 
     buggy, correct = (abs(lr - expected_lr) / expected_lr for lr in (buggy_lr, correct_lr))
-    return Measurement("6. scheduler stepped per micro-batch", LR_ERROR, buggy, correct, correct <= LR_RTOL, buggy >= BUG_MIN)
+    return Measurement(
+        "6. scheduler stepped per micro-batch", LR_ERROR, buggy, correct, correct <= LR_RTOL, buggy >= BUG_MIN
+    )
 
 
 def clip_threshold(batches: list[MicroBatch]) -> float:
@@ -399,7 +408,10 @@ def tail_leaking_into_next_epoch() -> Measurement:
     num_rows, global_batch_size, seed = rows().num_rows, len(STEP_IDS), 0
     buggy = rows_not_seen_once(leaky_data_order(num_rows, global_batch_size, seed, epochs=2)[1], num_rows)
     steps_in_epoch = steps_per_epoch(num_rows, global_batch_size, "partial")
-    epoch_1 = [step_row_ids(num_rows, global_batch_size, seed, step, "partial") for step in range(steps_in_epoch, 2 * steps_in_epoch)]
+    epoch_1 = [
+        step_row_ids(num_rows, global_batch_size, seed, step, "partial")
+        for step in range(steps_in_epoch, 2 * steps_in_epoch)
+    ]
     correct = rows_not_seen_once(epoch_1, num_rows)
     return Measurement("13. tail group leaking into next epoch", ROWS_NOT_ONCE, buggy, correct, correct == 0, buggy > 0)
 
@@ -452,8 +464,12 @@ def loss_summed_with_its_graph() -> Measurement:
     with saved_tensor_bytes() as correct:
         correct_step(gpt(), batches)
     return Measurement(
-        "14. loss summed with its graph", SAVED_BYTES, buggy["peak"], correct["peak"],
-        correct["peak"] == one_micro_batch["peak"], buggy["peak"] >= 2 * correct["peak"],
+        "14. loss summed with its graph",
+        SAVED_BYTES,
+        buggy["peak"],
+        correct["peak"],
+        correct["peak"] == one_micro_batch["peak"],
+        buggy["peak"] >= 2 * correct["peak"],
     )
 
 
@@ -530,15 +546,22 @@ def two_rank_pitfalls() -> list[Measurement]:
             max(relative_error(r["gradient"], reference) for r in correct),
         ),
         Measurement(
-            "9. forward outside no_sync", ALLREDUCE_BYTES, forward_outside["bytes"], correct[0]["bytes"],
+            "9. forward outside no_sync",
+            ALLREDUCE_BYTES,
+            forward_outside["bytes"],
+            correct[0]["bytes"],
             correct[0]["bytes"] == gradient_bytes,
             # Exactly this bug: A all-reduces instead of one, while the gradient itself stays right.
             forward_outside["bytes"] == ACCUMULATION_STEPS * gradient_bytes
             and relative_error(forward_outside["gradient"], reference) <= GRADIENT_RTOL,
         ),
         Measurement(
-            "10. sync boundary on the wrong micro-batch", RANK_DIVERGENCE, buggy_divergence, correct_divergence,
-            correct_divergence == 0, buggy_divergence >= BUG_MIN,
+            "10. sync boundary on the wrong micro-batch",
+            RANK_DIVERGENCE,
+            buggy_divergence,
+            correct_divergence,
+            correct_divergence == 0,
+            buggy_divergence >= BUG_MIN,
         ),
     ]
 
@@ -588,7 +611,10 @@ def table(measurements: list[Measurement]) -> str:
     header = ("pitfall", "metric", "buggy", "correct", "check")
     lines = [(m.pitfall, m.metric, number(m.buggy), number(m.correct), verdict(m)) for m in measurements]
     widths = [max(len(line[column]) for line in [header, *lines]) for column in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in [header, *lines])
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
+        for line in [header, *lines]
+    )
 
 
 def draw(measurements: list[Measurement], png_path: str) -> None:
@@ -602,7 +628,9 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
     positions = range(len(measurements))
     for offset, twin, colour in ((-0.2, "buggy", "tab:red"), (0.2, "correct", "tab:green")):
         values = [getattr(m, twin) for m in measurements]
-        bars = axes.barh([p + offset for p in positions], [max(v, floor) for v in values], height=0.4, color=colour, label=twin)
+        bars = axes.barh(
+            [p + offset for p in positions], [max(v, floor) for v in values], height=0.4, color=colour, label=twin
+        )
         axes.bar_label(bars, labels=["0" if v == 0 else f"{v:.2g}" for v in values], padding=3, fontsize=7)
     axes.set_xscale("log")
     axes.set_xlim(floor, 1e10)
@@ -616,7 +644,9 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the measurements as a JSON list instead of the table")
+    parser.add_argument(
+        "--json", action="store_true", help="print the measurements as a JSON list instead of the table"
+    )
     parser.add_argument("--png", default="pitfalls.png", help="where to write the figure (default: %(default)s)")
     args = parser.parse_args(argv)
 

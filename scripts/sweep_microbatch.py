@@ -1,6 +1,7 @@
 """Memory and speed of one optimizer update against the micro-batch size m, at a fixed global batch.
 
-    python scripts/sweep_microbatch.py [--micro 1,2,4,8,16,32] [--png FILE] [--json] [--config FILE] [section.key=value ...]
+    python scripts/sweep_microbatch.py [--micro 1,2,4,8,16,32] [--png FILE] [--json]
+        [--config FILE] [section.key=value ...]
     torchrun --standalone --nproc_per_node=N scripts/sweep_microbatch.py [same arguments]
 
 The global batch G stays as configured; for each m, A = G / (m·D) follows, and an m that does not give a
@@ -34,9 +35,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from accumulation.batching import accumulation_steps  # noqa: E402  (after the path fix above)
+from accumulation.build import autocast_dtype_for, check_device_available  # noqa: E402
 from accumulation.config import Config, ConfigError, load_config  # noqa: E402
 from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
-from accumulation.build import autocast_dtype_for, check_device_available  # noqa: E402
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
 from accumulation.step import Counters, optimizer_step  # noqa: E402
 from scripts.bench import peak_memory_bytes_of  # noqa: E402
@@ -59,13 +60,21 @@ TIMED_UPDATES = 3
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """This script's own flags, and the rest: `--config FILE` and `section.key=value`, as train.py takes them."""
     parser = argparse.ArgumentParser(
-        description="Peak memory and tokens/s of one optimizer update for several micro-batch sizes at a fixed global batch.",
+        description="Peak memory and tokens/s of one optimizer update for several micro-batch sizes "
+        "at a fixed global batch.",
         epilog="Config keys and their defaults: python train.py --help (batch.micro_batch_size is replaced by --micro)",
     )
     parser.add_argument("--config", help="TOML config file, as for train.py")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train.py")
-    parser.add_argument("--micro", type=positive_integers, default=[1, 2, 4, 8, 16, 32], help="micro-batch sizes m, comma-separated (default 1,2,4,8,16,32)")
-    parser.add_argument("--png", default="sweep_microbatch.png", help="where to write the figure (default sweep_microbatch.png)")
+    parser.add_argument(
+        "--micro",
+        type=positive_integers,
+        default=[1, 2, 4, 8, 16, 32],
+        help="micro-batch sizes m, comma-separated (default 1,2,4,8,16,32)",
+    )
+    parser.add_argument(
+        "--png", default="sweep_microbatch.png", help="where to write the figure (default sweep_microbatch.png)"
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of the table")
     arguments = parser.parse_intermixed_args(argv)
     config_argv = (["--config", arguments.config] if arguments.config else []) + arguments.overrides
@@ -92,12 +101,13 @@ def main(argv: list[str]) -> int:
         rows = planned_rows(config.batch.global_batch_size, arguments.micro, world_size)
         if all(row["skipped"] for row in rows):
             raise ConfigError(
-                f"--micro: none of {arguments.micro} gives a whole number of accumulation steps "
-                f"({rows[0]['skipped']})"
+                f"--micro: none of {arguments.micro} gives a whole number of accumulation steps ({rows[0]['skipped']})"
             )
         check_device_available(config)
         corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
-        row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
+        row_ids = step_row_ids(
+            corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
+        )
     except (ConfigError, DataError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -110,7 +120,10 @@ def main(argv: list[str]) -> int:
             return 0
         tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
         agree = gradients_agree(rows, tolerance)
-        setting = f"global batch {config.batch.global_batch_size}, {context.world_size} rank(s), {context.device}, {config.precision.dtype}"
+        setting = (
+            f"global batch {config.batch.global_batch_size}, {context.world_size} rank(s), "
+            f"{context.device}, {config.precision.dtype}"
+        )
         draw_figure(rows, arguments.png, setting)
         if arguments.json:
             print(json.dumps(rows))
@@ -150,7 +163,9 @@ def sweep(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: Distri
             continue
         gradients, measurements = measure_one_update(config, corpus, row_ids, context, row["micro_batch_size"])
         if gradients is None:
-            row["skipped"] = "no update was applied (non-finite gradient or no supervised tokens): no gradient to compare"
+            row["skipped"] = (
+                "no update was applied (non-finite gradient or no supervised tokens): no gradient to compare"
+            )
             continue
         row.update(measurements)
         first_gradients = gradients if first_gradients is None else first_gradients
@@ -158,18 +173,29 @@ def sweep(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: Distri
             row["grad_max_relative_difference"] = max_relative_difference(gradients, first_gradients)
 
 
-def measure_one_update(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, micro_batch_size: int):
+def measure_one_update(
+    config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, micro_batch_size: int
+):
     """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
     model = comparable_model(config, device)  # the same initial weights for every m
     wrapped, optimizer, scheduler, scaler, handed = gradient_probe(config, model, context)
-    micro_batches = build_micro_batches(corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank)
+    micro_batches = build_micro_batches(
+        corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank
+    )
 
     def one_update():
         return optimizer_step(
-            wrapped, micro_batches, optimizer, scheduler, scaler, Counters(),
-            grad_clip=config.optim.grad_clip, device=device, autocast_dtype=autocast_dtype_for(config),
+            wrapped,
+            micro_batches,
+            optimizer,
+            scheduler,
+            scaler,
+            Counters(),
+            grad_clip=config.optim.grad_clip,
+            device=device,
+            autocast_dtype=autocast_dtype_for(config),
         )
 
     one_update()
@@ -189,13 +215,20 @@ def measure_one_update(config: Config, corpus: Corpus, row_ids: torch.Tensor, co
         peak = torch.tensor([peak_bytes], dtype=torch.int64, device=device if context.backend == "nccl" else "cpu")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peak_bytes = int(peak.item())
-    return gradients, {"tokens": result.tokens, "time_s": seconds, "tokens_per_s": result.tokens / seconds, "peak_mem_bytes": peak_bytes}
+    return gradients, {
+        "tokens": result.tokens,
+        "time_s": seconds,
+        "tokens_per_s": result.tokens / seconds,
+        "peak_mem_bytes": peak_bytes,
+    }
 
 
 def max_relative_difference(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """max |gradients - reference| over all entries, relative to the largest entry of the reference."""
     largest = max(r.abs().max().item() for r in reference)
-    return max((g.double() - r.double()).abs().max().item() for g, r in zip(gradients, reference)) / largest
+    return (
+        max((g.double() - r.double()).abs().max().item() for g, r in zip(gradients, reference, strict=True)) / largest
+    )
 
 
 def gradients_agree(rows: list[dict], tolerance: float) -> bool:

@@ -15,8 +15,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "check_equivalence.py"
 
 TINY_CONFIG = [
-    "model.n_layer=1", "model.d_model=32", "model.n_head=2", "data.seq_len=32",
-    "batch.global_batch_size=8", "batch.micro_batch_size=2", "data.val_fraction=0",
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "data.seq_len=32",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=2",
+    "data.val_fraction=0",
 ]
 
 

@@ -249,9 +249,7 @@ def test_bool_keys_accept_only_true_or_false(text):
 
 def test_unknown_section():
     message = error_message(["modle.n_layer=2"])
-    assert message == (
-        "unknown section [modle] (sections: run, batch, data, model, optim, schedule, precision, dist)"
-    )
+    assert message == ("unknown section [modle] (sections: run, batch, data, model, optim, schedule, precision, dist)")
 
 
 def test_unknown_section_in_a_file(tmp_path):
@@ -287,7 +285,7 @@ def test_a_section_that_is_not_a_table(tmp_path):
         ("max_steps = [1]", "run.max_steps: expected an integer >= 0, got [1]"),
         ("name = 5", "run.name: expected a non-empty string, got 5"),
         ('name = ""', 'run.name: expected a non-empty string, got ""'),
-        ('resume = true', 'run.resume: expected one of "auto", "never", got true'),
+        ("resume = true", 'run.resume: expected one of "auto", "never", got true'),
     ],
 )
 def test_wrong_types_in_a_file(tmp_path, toml_line, message):

@@ -27,7 +27,11 @@ SENTENCES = {
 
 def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide():
     printed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "guide_numbers.py")], capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, str(REPO / "scripts" / "guide_numbers.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     guide = (REPO / "docs" / "accumulation.md").read_text()
     values = dict(line.split(": ", 1) for line in printed.strip().splitlines())

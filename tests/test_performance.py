@@ -69,7 +69,9 @@ def test_peak_memory_is_flat_under_accumulation():
 
     def peak_bytes(micro_batch_size: int, accumulation: int) -> int:
         model = GPT(bench.default_model_config(), seed=0)
-        return bench.peak_update_memory_bytes(model, bench.step_micro_batches(rows, 0, micro_batch_size, accumulation, 1, 0), cpu)
+        return bench.peak_update_memory_bytes(
+            model, bench.step_micro_batches(rows, 0, micro_batch_size, accumulation, 1, 0), cpu
+        )
 
     m_a1, m_a2, m_a8, eight_m_a1 = peak_bytes(m, 1), peak_bytes(m, 2), peak_bytes(m, 8), peak_bytes(8 * m, 1)
     grad_bytes = bench.gradient_bytes(GPT(bench.default_model_config(), seed=0))
@@ -91,10 +93,13 @@ def test_a_step_makes_at_most_two_scalar_collectives_and_no_host_read_in_its_mic
             assert step["grad_allreduce_bytes"] == grad_bytes
         # The counters see each mistake in every micro-batch: one more collective and one host read per
         # forward, and, with no_sync bypassed, a gradient all-reduce after every backward.
-        for honest_step, chatty_step in zip(honest[rank]["steps"], chatty[rank]["steps"]):
+        for honest_step, chatty_step in zip(honest[rank]["steps"], chatty[rank]["steps"], strict=True):
             assert chatty_step["scalar_collectives"] == honest_step["scalar_collectives"] + ACCUMULATION
             assert chatty_step["host_reads_in_micro_batches"] == ACCUMULATION
-            assert chatty_step["host_reads_by_call"]["item"] == honest_step["host_reads_by_call"].get("item", 0) + ACCUMULATION
+            assert (
+                chatty_step["host_reads_by_call"]["item"]
+                == honest_step["host_reads_by_call"].get("item", 0) + ACCUMULATION
+            )
             assert chatty_step["grad_allreduce_bytes"] == ACCUMULATION * grad_bytes
 
 

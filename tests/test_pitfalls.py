@@ -43,7 +43,10 @@ def gallery(tmp_path_factory):
     png_path = tmp_path_factory.mktemp("pitfalls") / "gallery.png"
     completed = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "pitfalls.py"), "--json", "--png", str(png_path)],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
     )
     return completed, png_path
 
@@ -99,7 +102,11 @@ def test_a_failed_check_is_named_in_the_table():
 
 def test_the_guide_quotes_the_gallery_as_measured(gallery):
     """docs/accumulation.md holds the gallery's table: each pitfall's row with the buggy value printed now."""
-    guide_rows = {line.split(" | ")[0].strip("| "): line for line in (REPO / "docs" / "accumulation.md").read_text().splitlines() if line.startswith("| ")}
+    guide_rows = {
+        line.split(" | ")[0].strip("| "): line
+        for line in (REPO / "docs" / "accumulation.md").read_text().splitlines()
+        if line.startswith("| ")
+    }
     for row in rows_of(gallery):
         assert row["pitfall"] in guide_rows, row["pitfall"]
         assert f"| {pitfalls.number(row['buggy'])} |" in guide_rows[row["pitfall"]], row["pitfall"]

@@ -29,8 +29,12 @@ REPO = Path(__file__).resolve().parent.parent
 # cosine horizon that does not move when a shorter session stops early, and no dropout (a change in the
 # number of ranks reseeds the dropout streams, see train.restore_rng_states).
 SETTINGS = {
-    "run.max_steps": 6, "run.checkpoint_every": 2, "run.keep_checkpoints": 4, "schedule.decay_updates": 6,
-    "run.sample_bytes": 0, "model.dropout": 0.0,
+    "run.max_steps": 6,
+    "run.checkpoint_every": 2,
+    "run.keep_checkpoints": 4,
+    "schedule.decay_updates": 6,
+    "run.sample_bytes": 0,
+    "model.dropout": 0.0,
 }
 
 
@@ -59,14 +63,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_torchrun(launcher_options: list[str], program: list[str], arguments: list[str], faults=(), fault_log=None) -> subprocess.Popen:
+def start_torchrun(
+    launcher_options: list[str], program: list[str], arguments: list[str], faults=(), fault_log=None
+) -> subprocess.Popen:
     """torchrun in the background, stdout and stderr together. `program` is ["train.py"] or, with faults,
     ["-m", "tests.faulty_train"]."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "ACCUMULATION_FAULTS": json.dumps(list(faults))}
     if fault_log is not None:
         environment["ACCUMULATION_FAULT_LOG"] = str(fault_log)
     command = [sys.executable, "-m", "torch.distributed.run", *launcher_options, *program, *arguments]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, cwd=REPO)
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment, cwd=REPO
+    )
 
 
 def finish(process: subprocess.Popen, deadline: float) -> tuple[int, str]:
@@ -119,14 +127,19 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, cor
     ]
     fault_log = tmp_path / "faults.jsonl"
     job = start_torchrun(
-        ["--standalone", "--nproc_per_node=2", "--max-restarts=3"], ["-m", "tests.faulty_train"],
-        tiny_settings(tmp_path, corpus, **SETTINGS), faults, fault_log,
+        ["--standalone", "--nproc_per_node=2", "--max-restarts=3"],
+        ["-m", "tests.faulty_train"],
+        tiny_settings(tmp_path, corpus, **SETTINGS),
+        faults,
+        fault_log,
     )
     status, output = finish(job, time.monotonic() + 240)
     assert status == 0, output[-4000:]
 
     fired = read_fault_log(fault_log)
-    assert [{key: entry[key] for key in fault} for entry, fault in zip(fired, faults)] == faults and len(fired) == 3
+    assert [{key: entry[key] for key in fault} for entry, fault in zip(fired, faults, strict=True)] == faults and len(
+        fired
+    ) == 3
     # The saves were killed with their temporary file complete on disk and not yet renamed into place.
     assert fired[0]["unpublished"] == ".step_000000.pt.tmp" and fired[0]["unpublished_bytes"] > 0
     assert fired[2]["unpublished"] == ".step_000004.pt.tmp" and fired[2]["unpublished_bytes"] > 0
@@ -143,9 +156,11 @@ def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpu
     fault_log = tmp_path / "faults.jsonl"
     started = time.monotonic()
     job = start_torchrun(
-        ["--standalone", "--nproc_per_node=2"], ["-m", "tests.faulty_train"],
+        ["--standalone", "--nproc_per_node=2"],
+        ["-m", "tests.faulty_train"],
         tiny_settings(tmp_path, corpus, **{"dist.timeout_s": 5, "run.sample_bytes": 0}),
-        [{"attempt": 0, "rank": 1, "hang_at_step": 2}], fault_log,
+        [{"attempt": 0, "rank": 1, "hang_at_step": 2}],
+        fault_log,
     )
     status, output = finish(job, started + 90)
     assert read_fault_log(fault_log) == [{"attempt": 0, "rank": 1, "hang_at_step": 2}]
@@ -165,7 +180,13 @@ def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpu
 def test_two_agents_with_c10d_rendezvous_equal_one_standalone_agent(tmp_path, corpus, reference):
     """--nnodes=2 --nproc_per_node=1 on this machine, as on two nodes: the same 2 ranks, the same data per
     rank and the same gloo reduction of two terms (a + b == b + a exactly), so the same bits."""
-    options = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=reliability"]
+    options = [
+        "--nnodes=2",
+        "--nproc_per_node=1",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--rdzv_id=reliability",
+    ]
     arguments = tiny_settings(tmp_path, corpus, **SETTINGS)  # one run directory: "storage both nodes share"
     deadline = time.monotonic() + 150
     agents = [start_torchrun(options, ["train.py"], arguments) for _ in range(2)]
@@ -241,7 +262,9 @@ def garbage(size_bytes: int) -> bytes:
     """Reproducible random bytes behind a pickle header (protocol 33): the unpickler gets far enough to warn
     about the protocol before it fails, and that warning must not reach the user's terminal."""
     generator = torch.Generator().manual_seed(size_bytes)
-    return bytes([0x80, 33]) + bytes(torch.randint(0, 256, (size_bytes,), generator=generator, dtype=torch.uint8).tolist())
+    return bytes([0x80, 33]) + bytes(
+        torch.randint(0, 256, (size_bytes,), generator=generator, dtype=torch.uint8).tolist()
+    )
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -252,7 +275,9 @@ def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_
     """keep_checkpoints = 2 keeps step files 3 and 4. Then latest.pt is truncated, step_000004.pt holds
     random bytes and metrics.jsonl ends in half a line, as after a crash: the resume warns about both
     files, continues from step 3 and ends with the same bits and the same metrics as before."""
-    arguments = tiny_settings(tmp_path, corpus, **{"run.checkpoint_every": 1, "run.keep_checkpoints": 2, "run.sample_bytes": 0})
+    arguments = tiny_settings(
+        tmp_path, corpus, **{"run.checkpoint_every": 1, "run.keep_checkpoints": 2, "run.sample_bytes": 0}
+    )
     assert run_in_process(arguments, capsys)[0] == 0
     run_dir = tmp_path / "runs" / "default"
     checkpoints = run_dir / "checkpoints"
@@ -287,15 +312,18 @@ def started_run(tmp_path, corpus, capsys) -> tuple[list[str], Path]:
     return arguments, tmp_path / "runs" / "default"
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"model.d_model": 32}, "model.d_model 16 -> 32"),
-    ({"batch.global_batch_size": 16}, "batch.global_batch_size 8 -> 16"),
-    ({"run.seed": 7}, "run.seed 1337 -> 7"),
-    ({"data.seq_len": 8}, "data.seq_len 16 -> 8"),
-    ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
-    ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
-    ("edited data", "training data fingerprint"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"model.d_model": 32}, "model.d_model 16 -> 32"),
+        ({"batch.global_batch_size": 16}, "batch.global_batch_size 8 -> 16"),
+        ({"run.seed": 7}, "run.seed 1337 -> 7"),
+        ({"data.seq_len": 8}, "data.seq_len 16 -> 8"),
+        ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
+        ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
+        ("edited data", "training data fingerprint"),
+    ],
+)
 def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, capsys, started_run, change, named):
     arguments, run_dir = started_run
     if change == "edited data":  # the same data.source and settings; every file has one more line
@@ -328,7 +356,10 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, star
 
     status, _, error = run_in_process(arguments, capsys)
     assert status == 2 and error.count("\n") == 1, error
-    assert "latest.pt cannot be read (the weights-only loader, which accepts tensors and plain values only, refused it" in error
+    assert (
+        "latest.pt cannot be read (the weights-only loader, which accepts tensors and plain values only, refused it"
+        in error
+    )
     assert not marker.exists()
     # The file is a working attack: an unrestricted load runs it.
     torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
@@ -347,25 +378,42 @@ def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
     def optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options):
         with monkeypatch.context() as patch:
             if counters.steps + 1 in bad_steps:
-                patch.setattr(accumulation.step, "token_loss_sum", lambda logits, labels: real_token_loss_sum(logits, labels) * math.nan)
+                patch.setattr(
+                    accumulation.step,
+                    "token_loss_sum",
+                    lambda logits, labels: real_token_loss_sum(logits, labels) * math.nan,
+                )
             return real_optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options)
 
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
 
 
-@pytest.mark.parametrize("on_nonfinite, grad_scaler, bad_steps, stops_at, stop_reason", [
-    ("skip", False, {2}, None, None),
-    ("skip", True, {2}, None, None),
-    ("stop", False, {2}, 2, "non-finite loss nan (optim.on_nonfinite=stop)"),
-    ("stop", True, {2}, 2, "non-finite loss nan (optim.on_nonfinite=stop)"),
-    ("skip", False, {2, 3}, 3, "2 skipped updates in a row (optim.max_consecutive_skips=2)"),
-])
-def test_a_non_finite_step_is_skipped_or_stops_the_run(tmp_path, corpus, capsys, monkeypatch, on_nonfinite, grad_scaler, bad_steps, stops_at, stop_reason):
+@pytest.mark.parametrize(
+    "on_nonfinite, grad_scaler, bad_steps, stops_at, stop_reason",
+    [
+        ("skip", False, {2}, None, None),
+        ("skip", True, {2}, None, None),
+        ("stop", False, {2}, 2, "non-finite loss nan (optim.on_nonfinite=stop)"),
+        ("stop", True, {2}, 2, "non-finite loss nan (optim.on_nonfinite=stop)"),
+        ("skip", False, {2, 3}, 3, "2 skipped updates in a row (optim.max_consecutive_skips=2)"),
+    ],
+)
+def test_a_non_finite_step_is_skipped_or_stops_the_run(
+    tmp_path, corpus, capsys, monkeypatch, on_nonfinite, grad_scaler, bad_steps, stops_at, stop_reason
+):
     make_loss_nan_at(monkeypatch, bad_steps)
-    arguments = tiny_settings(tmp_path, corpus, **{
-        "optim.on_nonfinite": on_nonfinite, "precision.grad_scaler": str(grad_scaler).lower(), "optim.max_consecutive_skips": 2,
-        "run.checkpoint_every": 1, "run.keep_checkpoints": 5, "run.sample_bytes": 0,
-    })
+    arguments = tiny_settings(
+        tmp_path,
+        corpus,
+        **{
+            "optim.on_nonfinite": on_nonfinite,
+            "precision.grad_scaler": str(grad_scaler).lower(),
+            "optim.max_consecutive_skips": 2,
+            "run.checkpoint_every": 1,
+            "run.keep_checkpoints": 5,
+            "run.sample_bytes": 0,
+        },
+    )
     status, _, error = run_in_process(arguments, capsys)
     run_dir = tmp_path / "runs" / "default"
     metrics = read_metrics(run_dir)
@@ -430,14 +478,21 @@ BAD_SETTINGS = [
     # contradictory
     ({"model.d_model": 30, "model.n_head": 4}, "model.d_model"),
     ({"batch.micro_batch_size": 16}, "batch.micro_batch_size"),
-    ({"batch.global_batch_size": 12, "batch.micro_batch_size": 8}, "micro_batch_size must be one of [1, 2, 3, 4, 6, 12]"),
+    (
+        {"batch.global_batch_size": 12, "batch.micro_batch_size": 8},
+        "micro_batch_size must be one of [1, 2, 3, 4, 6, 12]",
+    ),
     ({"schedule.warmup_updates": 10, "schedule.decay_updates": 5}, "schedule.warmup_updates"),
     ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device"),
     ({"optim.adam": 1}, "optim.adam"),
 ]
 
 
-@pytest.mark.parametrize("change, named", BAD_SETTINGS, ids=[" ".join(f"{key}={value}" for key, value in change.items()) for change, _ in BAD_SETTINGS])
+@pytest.mark.parametrize(
+    "change, named",
+    BAD_SETTINGS,
+    ids=[" ".join(f"{key}={value}" for key, value in change.items()) for change, _ in BAD_SETTINGS],
+)
 def test_a_bad_setting_is_one_line_and_nothing_written(tmp_path, corpus, capsys, change, named):
     status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **change), capsys)
     assert status == 2
@@ -464,13 +519,16 @@ def bad_data(folder: Path, kind: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("kind, named", [
-    ("empty folder", "has no usable text"),
-    ("binary files only", "has no usable text"),
-    ("invalid UTF-8 file", "is not a text file"),
-    ("one byte", "has no usable text"),
-    ("less than one global batch", "the training data has 3 rows, fewer than one global batch of 8"),
-])
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("empty folder", "has no usable text"),
+        ("binary files only", "has no usable text"),
+        ("invalid UTF-8 file", "is not a text file"),
+        ("one byte", "has no usable text"),
+        ("less than one global batch", "the training data has 3 rows, fewer than one global batch of 8"),
+    ],
+)
 def test_bad_data_is_one_line_and_nothing_written(tmp_path, capsys, kind, named):
     source = bad_data(tmp_path / "data", kind)
     status, _, error = run_in_process(tiny_settings(tmp_path, source, **{"data.val_fraction": 0.0}), capsys)
@@ -490,23 +548,29 @@ def damage(payload: dict, kind: str) -> dict:
     if kind == "config":
         return {**payload, "config": {**payload["config"], "optim": {**payload["config"]["optim"], "name": "adam"}}}
     if kind == "optimizer":
-        return {**payload, "optimizer": {**payload["optimizer"], "param_groups": payload["optimizer"]["param_groups"][:1]}}
+        return {
+            **payload,
+            "optimizer": {**payload["optimizer"], "param_groups": payload["optimizer"]["param_groups"][:1]},
+        }
     if kind == "missing parameter":
         return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
     assert kind == "wrong shape"  # the config matches; the tensor does not
     return {**payload, "model": {**payload["model"], "lm_head.weight": torch.zeros(256, 8)}}
 
 
-@pytest.mark.parametrize("kind, named", [
-    ("random bytes", "cannot be read"),
-    ("not a dict", "holds a list, not a checkpoint dict"),
-    ("wrong keys", "lacks the keys ['model', 'optimizer'"),
-    ("counters", "counters should be the non-negative integers"),
-    ("config", "holds a config this program does not accept (optim.name:"),
-    ("optimizer", "optimizer, scheduler or scaler state does not fit this run"),
-    ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
-    ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
-])
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("random bytes", "cannot be read"),
+        ("not a dict", "holds a list, not a checkpoint dict"),
+        ("wrong keys", "lacks the keys ['model', 'optimizer'"),
+        ("counters", "counters should be the non-negative integers"),
+        ("config", "holds a config this program does not accept (optim.name:"),
+        ("optimizer", "optimizer, scheduler or scaler state does not fit this run"),
+        ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
+        ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
+    ],
+)
 def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, kind, named):
     arguments, run_dir = started_run
     checkpoints = run_dir / "checkpoints"
@@ -534,7 +598,9 @@ def test_documented_fallbacks_train_instead_of_failing(tmp_path, capsys, started
 
     source = bad_data(tmp_path / "data", "less than one global batch")
     (source / "image.png").write_bytes(b"\x00\x01\x02" * 100)
-    small = tiny_settings(tmp_path, source, **{"data.val_fraction": 0.0, "batch.tail": "partial", "run.max_steps": 1, "run.name": "small"})
+    small = tiny_settings(
+        tmp_path, source, **{"data.val_fraction": 0.0, "batch.tail": "partial", "run.max_steps": 1, "run.name": "small"}
+    )
     status, output, error = run_in_process(small, capsys)
     assert status == 0, error
     assert "(1 non-text skipped)" in output
@@ -544,15 +610,20 @@ def test_documented_fallbacks_train_instead_of_failing(tmp_path, capsys, started
 def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
     """The exit status and stderr a shell sees: exit 2, one line, no traceback, for a checkpoint of random
     bytes and for a data file that is not UTF-8."""
-    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    settings = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
     checkpoints = tmp_path / "runs" / "default" / "checkpoints"
     checkpoints.mkdir(parents=True)
     (checkpoints / "latest.pt").write_bytes(garbage(3000))
     source = bad_data(tmp_path / "data", "invalid UTF-8 file")
-    for arguments, named in [(arguments, "latest.pt cannot be read"), (arguments + [f"data.source={source}"], "is not a text file")]:
+    for arguments, named in [
+        (settings, "latest.pt cannot be read"),
+        (settings + [f"data.source={source}"], "is not a text file"),
+    ]:
         completed = run_train(arguments)
         assert completed.returncode == 2
-        assert completed.stderr.count("\n") == 1 and named in completed.stderr and "Traceback" not in completed.stderr, completed.stderr
+        assert (
+            completed.stderr.count("\n") == 1 and named in completed.stderr and "Traceback" not in completed.stderr
+        ), completed.stderr
 
 
 @pytest.mark.slow
@@ -565,10 +636,21 @@ def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, corpus, caps
     port = free_port()
     ranks = []
     for rank, out_dir in [(0, tmp_path / "runs"), (1, tmp_path / "other_node_runs")]:
-        environment = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        environment = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         command = [sys.executable, str(REPO / "train.py"), *shared, "run.max_steps=2", f"run.out_dir={out_dir}"]
-        ranks.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO))
+        ranks.append(
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO
+            )
+        )
     deadline = time.monotonic() + 90
     results = []
     for process in ranks:

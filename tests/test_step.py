@@ -16,10 +16,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
+from accumulation.local_ranks import run_on_ranks
 from accumulation.model import GPT, GPTConfig
 from accumulation.schedule import build_scheduler
 from accumulation.step import Counters, optimizer_step
-from accumulation.local_ranks import run_on_ranks
 
 SEQ_LEN = 8
 MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=16)
@@ -65,7 +65,7 @@ def reference_gradient(model: torch.nn.Module, batches: list[MicroBatch]) -> lis
 
 def max_relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     scale = max(r.abs().max().item() for r in reference)
-    return max((g.double() - r).abs().max().item() for g, r in zip(grads, reference)) / scale
+    return max((g.double() - r).abs().max().item() for g, r in zip(grads, reference, strict=True)) / scale
 
 
 def capture_gradients(optimizer: torch.optim.Optimizer) -> list:
@@ -170,7 +170,7 @@ def test_clipping_happens_once_on_the_whole_gradient():
         )
         (loss_sum / total_tokens).backward()
         torch.nn.utils.clip_grad_norm_(share_model.parameters(), grad_clip)
-        for total, p in zip(per_micro_clipped, share_model.parameters()):
+        for total, p in zip(per_micro_clipped, share_model.parameters(), strict=True):
             total += p.grad
     assert max_relative_error(per_micro_clipped, clipped_reference) > 1e-3
 
@@ -185,7 +185,9 @@ def test_step_without_supervised_tokens_is_skipped_cleanly():
     before = copy.deepcopy(model.state_dict())
     optimizer, scheduler, scaler = training_objects(model)
     counters = Counters()
-    result = optimizer_step(model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+    result = optimizer_step(
+        model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu")
+    )
     assert not result.applied and result.skip_reason == "no supervised tokens in the step"
     assert math.isnan(result.loss)  # there is no token to average over; reported, never used as a number
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -201,7 +203,16 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     counters = Counters()
     cpu = torch.device("cpu")
-    optimizer_step(model, micro_batches([[8, 3], [5, 5]], seed=5), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=cpu)
+    optimizer_step(
+        model,
+        micro_batches([[8, 3], [5, 5]], seed=5),
+        optimizer,
+        scheduler,
+        scaler,
+        counters,
+        grad_clip=1.0,
+        device=cpu,
+    )
     assert counters.updates == 1
 
     weights = copy.deepcopy(model.state_dict())
@@ -216,7 +227,16 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
         return grad * math.inf if len(backward_calls) == 2 else grad
 
     handle = model.lm_head.weight.register_hook(poison)
-    result = optimizer_step(model, micro_batches([[8, 3], [5, 5], [2, 1]], seed=6), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=cpu)
+    result = optimizer_step(
+        model,
+        micro_batches([[8, 3], [5, 5], [2, 1]], seed=6),
+        optimizer,
+        scheduler,
+        scaler,
+        counters,
+        grad_clip=1.0,
+        device=cpu,
+    )
     handle.remove()
     assert len(backward_calls) == 3
     assert not result.applied and "non-finite" in result.skip_reason
@@ -237,7 +257,16 @@ def test_unscale_happens_once_per_step():
     calls = []
     original = scaler.unscale_
     scaler.unscale_ = lambda opt: (calls.append(1), original(opt))[1]
-    optimizer_step(model, micro_batches([[8], [3], [5], [1]], seed=8), optimizer, scheduler, scaler, Counters(), grad_clip=1.0, device=torch.device("cpu"))
+    optimizer_step(
+        model,
+        micro_batches([[8], [3], [5], [1]], seed=8),
+        optimizer,
+        scheduler,
+        scaler,
+        Counters(),
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+    )
     assert len(calls) == 1
 
 
@@ -273,7 +302,16 @@ def test_no_host_synchronisation_between_first_forward_and_boundary(monkeypatch)
     reads.clear()
     inside[0] = False
 
-    optimizer_step(model, micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9), optimizer, scheduler, scaler, Counters(), grad_clip=1.0, device=torch.device("cpu"))
+    optimizer_step(
+        model,
+        micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9),
+        optimizer,
+        scheduler,
+        scaler,
+        Counters(),
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+    )
     assert reads == []
 
 
@@ -283,7 +321,17 @@ def test_bf16_autocast_gradients_are_fp32_and_close_to_fp32():
     fp32_grads, _, _ = one_step_gradient(copy.deepcopy(model), batches)
     optimizer, scheduler, scaler = training_objects(model)
     captured = capture_gradients(optimizer)
-    optimizer_step(model, batches, optimizer, scheduler, scaler, Counters(), grad_clip=0.0, device=torch.device("cpu"), autocast_dtype=torch.bfloat16)
+    optimizer_step(
+        model,
+        batches,
+        optimizer,
+        scheduler,
+        scaler,
+        Counters(),
+        grad_clip=0.0,
+        device=torch.device("cpu"),
+        autocast_dtype=torch.bfloat16,
+    )
     bf16_grads = captured[0]
     assert all(g.dtype == torch.float32 for g in bf16_grads)
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -351,14 +399,23 @@ def two_rank_equivalence_worker(rank, world_size):
         before_boundary = []
         forwards = []
 
-        def snapshot(module, args):
+        def snapshot(module, args, forwards=forwards, before_boundary=before_boundary):
             forwards.append(1)
             if len(forwards) == 3:
                 before_boundary.append([p.grad.clone() for p in module.parameters()])
 
         model.module.register_forward_pre_hook(snapshot)
         counters = Counters()
-        result = optimizer_step(model, case_batches(case, rank), optimizer, scheduler, scaler, counters, grad_clip=0.0, device=torch.device("cpu"))
+        result = optimizer_step(
+            model,
+            case_batches(case, rank),
+            optimizer,
+            scheduler,
+            scaler,
+            counters,
+            grad_clip=0.0,
+            device=torch.device("cpu"),
+        )
         results[case] = {
             "after": captured[0],
             "before": before_boundary[0],
@@ -370,7 +427,16 @@ def two_rank_equivalence_worker(rank, world_size):
     model = DistributedDataParallel(new_model())
     optimizer, scheduler, scaler = training_objects(model)
     counters = Counters()
-    result = optimizer_step(model, micro_batches([[0, 0], [0, 0]], seed=rank), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+    result = optimizer_step(
+        model,
+        micro_batches([[0, 0], [0, 0]], seed=rank),
+        optimizer,
+        scheduler,
+        scaler,
+        counters,
+        grad_clip=1.0,
+        device=torch.device("cpu"),
+    )
     results["all empty"] = {"applied": result.applied, "counters": counters, "lr_steps": scheduler.last_epoch}
     return results
 
@@ -382,7 +448,7 @@ def test_two_ranks_equal_the_full_batch_and_sync_only_at_the_boundary():
         reference = reference_gradient(model, case_batches(case, 0) + case_batches(case, 1))
         after = [r[case]["after"] for r in per_rank]
         # Bit-identical after the boundary all-reduce, and equal to the reference.
-        assert all(torch.equal(a, b) for a, b in zip(after[0], after[1])), case
+        assert all(torch.equal(a, b) for a, b in zip(after[0], after[1], strict=True)), case
         assert max_relative_error(after[0], reference) < FLOAT64_RTOL, case
         total = sum(sum(map(sum, TWO_RANK_CASES[case][rank])) for rank in (0, 1))
         assert per_rank[0][case]["tokens"] == per_rank[1][case]["tokens"] == total
@@ -390,10 +456,12 @@ def test_two_ranks_equal_the_full_batch_and_sync_only_at_the_boundary():
         assert per_rank[0][case]["counters"].micro_batches == 3
     # Before the boundary each rank holds only its own unsynchronised partial sums (where it has tokens).
     before = [r["uneven everywhere"]["before"] for r in per_rank]
-    assert any(not torch.equal(a, b) for a, b in zip(before[0], before[1]))
+    assert any(not torch.equal(a, b) for a, b in zip(before[0], before[1], strict=True))
     for r in per_rank:
         assert r["all empty"]["applied"] is False and r["all empty"]["lr_steps"] == 0
-        assert r["all empty"]["counters"] == Counters(micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0)
+        assert r["all empty"]["counters"] == Counters(
+            micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0
+        )
 
 
 def counting_allreduce_hook(state: dict, bucket):
@@ -417,11 +485,19 @@ def communication_worker(rank, world_size, bypass_no_sync, accumulation):
         counts = [[8 - rank * 3, 2 + step]] * accumulation
         batches = micro_batches(counts, seed=10 * step + rank)
         state["bytes"] = 0
-        optimizer_step(model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+        optimizer_step(
+            model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu")
+        )
         bytes_per_step.append(state["bytes"])
         lrs.append(optimizer.param_groups[0]["lr"])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return {"bytes_per_step": bytes_per_step, "grad_bytes": grad_bytes, "lrs": lrs, "last_epoch": scheduler.last_epoch, "counters": counters}
+    return {
+        "bytes_per_step": bytes_per_step,
+        "grad_bytes": grad_bytes,
+        "lrs": lrs,
+        "last_epoch": scheduler.last_epoch,
+        "counters": counters,
+    }
 
 
 def test_one_gradient_all_reduce_per_step_counted_in_bytes():
@@ -450,7 +526,16 @@ def test_scheduler_counts_applied_updates_only(accumulation):
     counters = Counters()
     for step in range(6):
         counts = [[0, 0]] * accumulation if step == 2 else [[5, 3]] * accumulation  # step 2 has no tokens
-        optimizer_step(model, micro_batches(counts, seed=step), optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu"))
+        optimizer_step(
+            model,
+            micro_batches(counts, seed=step),
+            optimizer,
+            scheduler,
+            scaler,
+            counters,
+            grad_clip=1.0,
+            device=torch.device("cpu"),
+        )
     assert counters.updates == 5 and counters.skipped == 1
     assert scheduler.last_epoch == 5
     # Independent arithmetic of the schedule at 5 updates: cosine after 3 warm-up updates, horizon 8.

@@ -69,7 +69,9 @@ def test_peak_memory_of_a_known_allocation():
 def test_the_command_prints_json_rows_and_writes_the_png(tmp_path, capsys):
     corpus_folder = short_documents_corpus(tmp_path / "corpus")
     png = tmp_path / "sweep.png"
-    status = sweep_microbatch.main([*TINY_CONFIG, f"data.source={corpus_folder}", "--micro", "1,2,16", "--json", "--png", str(png)])
+    status = sweep_microbatch.main(
+        [*TINY_CONFIG, f"data.source={corpus_folder}", "--micro", "1,2,16", "--json", "--png", str(png)]
+    )
     assert status == 0
     rows = json.loads(capsys.readouterr().out)
     assert [row["micro_batch_size"] for row in rows] == [1, 2, 16]

@@ -15,7 +15,21 @@ from accumulation.checkpoint import REQUIRED_KEYS
 from accumulation.data import load_corpus, step_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
-CONTRACT_METRICS = {"micro_batches", "steps", "updates", "skipped", "examples", "tokens", "loss", "lr", "grad_norm", "scale", "tokens_per_s", "peak_mem_bytes", "time_s"}
+CONTRACT_METRICS = {
+    "micro_batches",
+    "steps",
+    "updates",
+    "skipped",
+    "examples",
+    "tokens",
+    "loss",
+    "lr",
+    "grad_norm",
+    "scale",
+    "tokens_per_s",
+    "peak_mem_bytes",
+    "time_s",
+}
 TIMING_KEYS = {"tokens_per_s", "peak_mem_bytes", "time_s"}  # measured, so never bit-identical between runs
 
 
@@ -58,7 +72,11 @@ def run_train(arguments: list[str], ranks: int = 1, timeout_s: float = 180) -> s
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
         launcher + [str(REPO / "train.py")] + arguments,
-        capture_output=True, text=True, timeout=timeout_s, env=environment, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=environment,
+        cwd=REPO,
     )
     return completed
 
@@ -108,9 +126,20 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, ranks
 
 def test_one_sgd_step_is_the_same_for_every_split_of_the_global_batch(tmp_path, corpus):
     """(m, A, D) in (8,1,1), (2,4,1), (4,1,2), (1,4,2): the same 8 examples of step 0, so the same update."""
-    plain_sgd = dict(**{"optim.name": "sgd", "optim.momentum": 0.0, "optim.weight_decay": 0.0, "optim.grad_clip": 0.0,
-                        "optim.lr": 1.0, "schedule.name": "constant", "schedule.warmup_updates": 0,
-                        "run.max_steps": 1, "run.eval_every": 0, "run.sample_bytes": 0})
+    plain_sgd = dict(
+        **{
+            "optim.name": "sgd",
+            "optim.momentum": 0.0,
+            "optim.weight_decay": 0.0,
+            "optim.grad_clip": 0.0,
+            "optim.lr": 1.0,
+            "schedule.name": "constant",
+            "schedule.warmup_updates": 0,
+            "run.max_steps": 1,
+            "run.eval_every": 0,
+            "run.sample_bytes": 0,
+        }
+    )
     weights = {}
     for micro, ranks in [(8, 1), (2, 1), (4, 2), (1, 2)]:
         name = f"m{micro}_D{ranks}"
@@ -149,7 +178,9 @@ def test_resume_is_bit_exact_with_dropout(tmp_path, corpus, ranks):
     straight = run_train(tiny_settings(tmp_path, corpus, **common, **{"run.name": "straight"}), ranks=ranks)
     assert straight.returncode == 0, straight.stderr
     # The interrupted run: stop after step 3, then continue with the same config.
-    first = run_train(tiny_settings(tmp_path, corpus, **{**common, "run.max_steps": 3, "run.name": "resumed"}), ranks=ranks)
+    first = run_train(
+        tiny_settings(tmp_path, corpus, **{**common, "run.max_steps": 3, "run.name": "resumed"}), ranks=ranks
+    )
     assert first.returncode == 0, first.stderr
     second = run_train(tiny_settings(tmp_path, corpus, **common, **{"run.name": "resumed"}), ranks=ranks)
     assert second.returncode == 0, second.stderr
@@ -162,7 +193,9 @@ def test_resume_is_bit_exact_with_dropout(tmp_path, corpus, ranks):
 
 def test_resume_discards_metric_lines_after_the_checkpoint(tmp_path, corpus):
     """A run killed after step 5 with its last checkpoint at step 4: the lines of step 5 are run again, once."""
-    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 5, "run.checkpoint_every": 4, "run.keep_checkpoints": 5})
+    arguments = tiny_settings(
+        tmp_path, corpus, **{"run.max_steps": 5, "run.checkpoint_every": 4, "run.keep_checkpoints": 5}
+    )
     assert run_train(arguments).returncode == 0
     run_dir = tmp_path / "runs" / "default"
     checkpoints = run_dir / "checkpoints"
