@@ -1,4 +1,4 @@
-"""Train a byte-level GPT with exact gradient accumulation, on one process or under torchrun.
+"""Train a model with exact gradient accumulation, on one process or under torchrun.
 
     python train.py [--config FILE] [section.key=value ...]
     torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]
@@ -7,9 +7,12 @@ Units: m = batch.micro_batch_size examples per forward/backward per rank, A = ac
 D = ranks, global batch G = m·A·D examples per optimizer step. A "step" is one optimizer step attempt (one
 accumulation group); an "update" is a step whose update was applied. `accumulation/step.py` holds the
 maths of one step; this file is the loop around it: set-up, the training section, and diagnostics.
+
+Read top-down: `main` checks everything a user can get wrong, `train` builds the run and holds the training
+section, and the helpers follow. A fork changes three things, each in one place: the model and the loss
+(accumulation/models.py) and the data (accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
-import dataclasses
 import json
 import math
 import os
@@ -23,30 +26,16 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import describe_batch
-from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, gpt_config
-from accumulation.checkpoint import (
-    CheckpointError,
-    check_model_state,
-    newest_readable_checkpoint,
-    save_checkpoint,
-    step_checkpoints,
-)
-from accumulation.config import (
-    Config,
-    ConfigError,
-    config_from_dict,
-    config_to_dict,
-    config_to_toml,
-    help_text,
-    load_config,
-    resolved_grad_scaler,
-)
+from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world
+from accumulation.checkpoint import CheckpointError, save_checkpoint
+from accumulation.config import Config, ConfigError, config_to_toml, help_text, load_config, resolved_grad_scaler
+from accumulation.counters import Counters
 from accumulation.data import (
-    Corpus,
+    Data,
     DataError,
+    build_data,
     build_micro_batches,
     eval_micro_batches,
-    load_corpus,
     rows_dropped_per_epoch,
     step_row_ids,
     steps_per_epoch,
@@ -58,41 +47,17 @@ from accumulation.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from accumulation.model import GPT
-from accumulation.schedule import build_scheduler, set_learning_rates
-from accumulation.step import (
-    Counters,
-    StepResult,
-    all_reduce_ints,
-    count_supervised_tokens,
-    optimizer_step,
-    token_loss_sum,
+from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.resume import (
+    STOPPED_FILE,
+    check_ranks_agree_on_resume,
+    checkpoint_payload,
+    find_resume_point,
+    restore_rng_states,
+    seed_dropout,
 )
-
-# Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
-# each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
-# value would be silently replaced by the stored one. Everything else (max_steps, logging cadence,
-# micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
-MUST_MATCH_ON_RESUME = [
-    ("model", "n_layer"),
-    ("model", "n_head"),
-    ("model", "d_model"),
-    ("data", "source"),
-    ("data", "seq_len"),
-    ("data", "val_fraction"),
-    ("batch", "global_batch_size"),
-    ("batch", "tail"),
-    ("run", "seed"),
-    ("optim", "name"),
-    ("optim", "lr"),
-    ("optim", "weight_decay"),
-    ("optim", "momentum"),
-    ("optim", "beta2"),
-]
-
-DROPOUT_SEED_OFFSET = 2**40
-
-STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
+from accumulation.schedule import build_scheduler, set_learning_rates
+from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -111,13 +76,17 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(argv)
         check_config_for_world(config, world_size)
-        check_model_fits_in_memory(config)
-        corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
-        steps_per_epoch(
-            corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail
-        )  # a DataError when the rows cannot fill one global batch
+        # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
+        # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
+        check_model_fits_in_memory(config, vocab_size=max(config.model.vocab_size, 1))
+        data = build_data(config)
+        # a DataError when the rows cannot fill one global batch
+        steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+        vocab_size = resolved_vocab_size(config, data.vocab_size)
         run_dir = Path(config.run.out_dir) / config.run.name
-        resume = find_resume_point(config, corpus, run_dir, say)
+        with torch.device("meta"):  # every parameter's shape, no memory
+            model_shapes = {name: tensor.shape for name, tensor in build_model(config, vocab_size).state_dict().items()}
+        resume = find_resume_point(config, data.summary.fingerprint, model_shapes, run_dir, say)
     except (ConfigError, DataError, CheckpointError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -126,7 +95,7 @@ def main(argv: list[str]) -> int:
     try:
         context = setup_distributed(config.device, config.dist.timeout_s)
         check_ranks_agree_on_resume(context, resume, run_dir)
-        return train(config, corpus, run_dir, resume, context, say)
+        return train(config, data, vocab_size, run_dir, resume, context, say)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -141,188 +110,14 @@ def main(argv: list[str]) -> int:
         teardown_distributed()
 
 
-def meta_model(config: Config, n_layer: int) -> GPT:
-    """The configured model with n_layer blocks on PyTorch's "meta" device: every shape, no memory, no values."""
-    with torch.device("meta"):
-        return GPT(dataclasses.replace(gpt_config(config), n_layer=n_layer), seed=config.run.seed)
-
-
-def check_model_fits_in_memory(config: Config) -> None:
-    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
-    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
-    # Every block has the same parameters, so models of 1 and 2 blocks give the count for any depth
-    # without building an absurd n_layer's worth of modules.
-    one_block, two_blocks = (meta_model(config, n_layer).num_parameters() for n_layer in (1, 2))
-    parameters = one_block + (config.model.n_layer - 1) * (two_blocks - one_block)
-    if config.device != "cpu" and torch.cuda.is_available():
-        where, memory_bytes = (
-            "the GPU",
-            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
-        )
-    else:
-        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
-    if needed_bytes > memory_bytes:
-        raise ConfigError(
-            f"model.d_model / model.n_layer / data.seq_len: the model has {parameters:,} parameters and needs at least "
-            f"{needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each), more than the "
-            f"{memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
-        )
-
-
-def find_resume_point(config: Config, corpus: Corpus, run_dir: Path, say) -> dict | None:
-    """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory."""
-    checkpoint_dir = run_dir / "checkpoints"
-    stopped = run_dir / STOPPED_FILE
-    if config.run.resume == "auto" and stopped.exists():
-        raise ConfigError(
-            f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
-            f"continue from its last checkpoint, or start a new run.name"
-        )
-    found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
-    if found is None:
-        leftovers = [name for name in ("metrics.jsonl", "tensorboard") if (run_dir / name).exists()]
-        # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
-        # it is killed while writing its step-0 checkpoint (the temporary file was never renamed).
-        if step_checkpoints(checkpoint_dir) or (checkpoint_dir / "latest.pt").exists():
-            leftovers.append("checkpoints")
-        if leftovers:
-            raise ConfigError(
-                f"run.name: {run_dir} already holds a run ({', '.join(leftovers)}); continue it with "
-                f"run.resume=auto, or choose another run.name, or delete the directory"
-            )
-        return None
-    path, payload = found
-    try:
-        stored = config_from_dict(payload["config"])
-    except ConfigError as error:
-        raise CheckpointError(f"checkpoint {path} holds a config this program does not accept ({error})") from None
-    differences = [
-        f"{section}.{key} {getattr(getattr(stored, section), key)!r} -> {getattr(getattr(config, section), key)!r}"
-        for section, key in MUST_MATCH_ON_RESUME
-        if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
-    ]
-    if payload["data"].get("fingerprint") != corpus.summary.fingerprint:
-        differences.append(
-            f"training data fingerprint {payload['data'].get('fingerprint')} -> {corpus.summary.fingerprint}"
-        )
-    if differences:
-        raise CheckpointError(
-            f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
-            f"use the original settings, another run.name, or run.resume=never in a new directory"
-        )
-    if payload["counters"]["steps"] > config.run.max_steps:
-        raise ConfigError(
-            f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
-            f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
-        )
-    expected_shapes = {
-        name: tensor.shape for name, tensor in meta_model(config, config.model.n_layer).state_dict().items()
-    }
-    check_model_state(path, payload["model"], expected_shapes)
-    say(f"resuming from {path} at step {payload['counters']['steps']}")
-    return payload
-
-
-def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:
-    """Every rank reads the checkpoint itself. Where nodes do not share the run directory, ranks on another
-    node find no checkpoint and would start afresh beside a resuming rank 0: refused instead."""
-    if context.world_size == 1:
-        return
-    steps_seen = [None] * context.world_size
-    dist.all_gather_object(steps_seen, None if resume is None else resume["counters"]["steps"])
-    if len(set(steps_seen)) > 1:
-        seen = ", ".join(
-            f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen)
-        )
-        raise CheckpointError(
-            f"the ranks found different checkpoints in {run_dir / 'checkpoints'} ({seen}); "
-            f"run.out_dir must be on storage that every node shares"
-        )
-
-
-def rng_states(context: DistributedContext) -> dict:
-    """Every rank's random-number-generator states (dropout draws from them), gathered for rank 0 to save."""
-    mine = {"cpu": torch.get_rng_state()}
-    if context.device.type == "cuda":
-        mine["cuda"] = torch.cuda.get_rng_state(context.device)
-    if context.world_size == 1:
-        return {"per_rank": [mine]}
-    everyone = [None] * context.world_size
-    dist.all_gather_object(everyone, mine)
-    return {"per_rank": everyone}
-
-
-def restore_rng_states(saved: dict, context: DistributedContext, config: Config, steps: int) -> None:
-    """Exact continuation when the number of ranks is unchanged; with another D each rank starts a fresh
-    stream from (seed, steps, rank), since its examples (and so its dropout masks) are regrouped anyway."""
-    per_rank = saved["per_rank"]
-    if len(per_rank) == context.world_size:
-        torch.set_rng_state(per_rank[context.rank]["cpu"])
-        if context.device.type == "cuda" and "cuda" in per_rank[context.rank]:
-            torch.cuda.set_rng_state(per_rank[context.rank]["cuda"], context.device)
-    else:
-        torch.manual_seed(config.run.seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + context.rank)
-
-
-def checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, counters, context) -> dict:
-    return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "counters": vars(counters).copy(),
-        "config": config_to_dict(config),
-        "rng": rng_states(context),
-        # The data order is a pure function of (seed, step, global batch), so the position is the step
-        # count; the fingerprint lets a resume refuse data that changed underneath it.
-        "data": {
-            "next_step": counters.steps,
-            "fingerprint": corpus.summary.fingerprint,
-            "train_rows": corpus.train.num_rows,
-        },
-    }
-
-
-@torch.no_grad()
-def validation_loss(model: GPT, corpus: Corpus, config: Config, context: DistributedContext) -> float:
-    """Token-weighted mean loss over the whole validation split: sums of token losses and token counts are
-    added over every micro-batch and rank, then divided once (the same weighting as training)."""
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
-    tokens = 0
-    autocast_dtype = autocast_dtype_for(config)
-    for micro_batch in eval_micro_batches(corpus.val, config.batch.micro_batch_size, context.world_size, context.rank):
-        with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(micro_batch.inputs.to(context.device))
-        loss_sum += token_loss_sum(logits, micro_batch.labels.to(context.device))
-        tokens += count_supervised_tokens(micro_batch.labels)
-    model.train()
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-    [tokens_global] = all_reduce_ints([tokens], context.device)
-    return loss_sum.item() / max(tokens_global, 1)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def finite_or_none(value: float) -> float | None:
-    """JSON has no NaN or inf: a non-finite value is written as null."""
-    return value if math.isfinite(value) else None
-
-
-def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, context: DistributedContext, say) -> int:
+def train(
+    config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, context: DistributedContext, say
+) -> int:
     session_start = time.perf_counter()
     device = context.device
-    # Dropout draws from the global generator: a different stream on each rank, and apart from the data
-    # order's per-epoch seeds (seed * 1_000_003 + epoch), which never reach the offset 2**40.
-    torch.manual_seed(config.run.seed * 1_000_003 + DROPOUT_SEED_OFFSET + context.rank)
-    model = GPT(gpt_config(config), seed=config.run.seed).to(device)  # same initial weights on every rank
+    seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
+    model = build_model(config, vocab_size).to(device)  # the same initial weights on every rank
+    loss_sum_fn = loss_sum_fn_for(config)
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(
@@ -353,7 +148,9 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
     checkpoint_dir = run_dir / "checkpoints"
 
     def save(counters: Counters) -> None:
-        payload = checkpoint_payload(config, corpus, model, optimizer, scheduler, scaler, counters, context)
+        payload = checkpoint_payload(
+            config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, context
+        )
         if context.is_main:
             save_checkpoint(payload, checkpoint_dir, counters.steps, config.run.keep_checkpoints)
 
@@ -373,12 +170,11 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
         f"device {device} ({context.backend or 'single process'})"
     )
     say(
-        f"model: {model.num_parameters():,} parameters ({config.model.n_layer} layers, d_model {config.model.d_model}, "
-        f"{config.model.n_head} heads); precision {config.precision.dtype}, "
+        f"model: {model.describe()}; precision {config.precision.dtype}, "
         f"grad scaler {'on' if scaler.is_enabled() else 'off'}"
     )
-    say(corpus.summary.describe())
-    dropped = rows_dropped_per_epoch(corpus.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+    say(data.summary.describe())
+    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
     say(
         f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
         if dropped
@@ -397,14 +193,14 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
                 torch.cuda.reset_peak_memory_stats(device)
             # The examples of this step depend on (seed, step, G) only; this rank takes its fixed slices.
             row_ids = step_row_ids(
-                corpus.train.num_rows,
+                data.train.num_rows,
                 config.batch.global_batch_size,
                 config.run.seed,
                 counters.steps,
                 config.batch.tail,
             )
             micro_batches = build_micro_batches(
-                corpus.train,
+                data.train,
                 row_ids,
                 config.batch.global_batch_size,
                 config.batch.micro_batch_size,
@@ -421,13 +217,15 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
                 wrapped,
                 micro_batches,
                 optimizer,
-                scheduler,
-                scaler,
-                counters,
-                grad_clip=config.optim.grad_clip,
                 device=device,
+                scaler=scaler,
+                loss_sum_fn=loss_sum_fn,
+                grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
             )
+            if result.applied:
+                scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance it
+            counters.add(result)
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
             # Everything below is diagnostics and bookkeeping.
@@ -452,8 +250,8 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
             finished = counters.steps == config.run.max_steps
             # Validation on its own cadence of steps, never depending on where a session happens to end,
             # so an interrupted and resumed run writes the same lines as an uninterrupted one.
-            if corpus.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-                record["val_loss"] = finite_or_none(validation_loss(model, corpus, config, context))
+            if data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
+                record["val_loss"] = finite_or_none(validation_loss(model, data, config, context))
             write_metrics(context, metrics_file, writers, record)
             if counters.steps % config.run.log_every == 0 or finished:
                 say(progress_line(counters, config, record, window))
@@ -474,12 +272,12 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
 
         ran_steps = trained_seconds > 0
         final_val_loss = None
-        if ran_steps and corpus.val is not None:
+        if ran_steps and data.val is not None:
             # The last step's validation when it had one, else one more pass (every rank takes part).
             final_val_loss = (
                 record["val_loss"]
                 if "val_loss" in record
-                else finite_or_none(validation_loss(model, corpus, config, context))
+                else finite_or_none(validation_loss(model, data, config, context))
             )
         if context.is_main and ran_steps:
             wall_seconds = time.perf_counter() - session_start
@@ -493,6 +291,7 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
                 trained_seconds,
                 wall_seconds,
                 model,
+                data.train,
             )
     finally:
         if metrics_file is not None:
@@ -500,6 +299,58 @@ def train(config: Config, corpus: Corpus, run_dir: Path, resume: dict | None, co
         for writer in writers:
             writer.close()
     return 0
+
+
+def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
+    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
+    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
+    parameters = count_parameters(config, vocab_size)
+    if config.device != "cpu" and torch.cuda.is_available():
+        where, memory_bytes = (
+            "the GPU",
+            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+        )
+    else:
+        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
+    if needed_bytes > memory_bytes:
+        raise ConfigError(
+            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
+            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each), "
+            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, data: Data, config: Config, context: DistributedContext) -> float:
+    """Token-weighted mean loss over the whole validation split: sums of token losses and token counts are
+    added over every micro-batch and rank, then divided once (the same weighting as training)."""
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
+    tokens = 0
+    autocast_dtype = autocast_dtype_for(config)
+    for micro_batch in eval_micro_batches(data.val, config.batch.micro_batch_size, context.world_size, context.rank):
+        with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            outputs = model(micro_batch.inputs.to(context.device))
+        loss_sum += loss_sum_fn_for(config)(outputs, micro_batch.labels.to(context.device))
+        tokens += count_supervised_tokens(micro_batch.labels)
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    [tokens_global] = all_reduce_ints([tokens], context.device)
+    return loss_sum.item() / max(tokens_global, 1)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or inf: a non-finite value is written as null."""
+    return value if math.isfinite(value) else None
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutive_skips: int) -> str | None:
@@ -576,8 +427,19 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
 
 
 def print_summary(
-    config, counters, first_loss, last_loss, final_val_loss, trained_tokens, trained_seconds, wall_seconds, model
+    config,
+    counters,
+    first_loss,
+    last_loss,
+    final_val_loss,
+    trained_tokens,
+    trained_seconds,
+    wall_seconds,
+    model,
+    prompt_source,
 ) -> None:
+    """The session's last lines: losses, speed, counters, and a sample from the model (bytes decoded as
+    UTF-8) when it has generate(). `prompt_source` is the training rows, whose first example gives the prompt."""
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
     print(
         f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
@@ -585,11 +447,18 @@ def print_summary(
         f"steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
     )
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
-    if config.run.sample_bytes > 0:
-        model.eval()
-        prompt = torch.tensor(list(b"def "), device=next(model.parameters()).device)
-        sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
-        print("sample:\n" + bytes(sample.tolist()).decode("utf-8", errors="replace"))
+    if config.run.sample_bytes == 0:
+        return
+    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
+        print(f"sample: skipped, the {config.model.name} model has no generate()")
+        return
+    # The prompt: the first training example's prompt, or its first four tokens when it has none.
+    example = prompt_source.raw_example(0)
+    prompt_tokens = example.prompt or example.response[:4]
+    model.eval()
+    prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
+    sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
+    print("sample:\n" + bytes(sample.tolist()).decode("utf-8", errors="replace"))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """What train.py and the scripts derive from a Config in the same way: the checks that need the world size,
-the model's shape, the optimizer, and the autocast dtype."""
+the optimizer, and the autocast dtype. The model is built by accumulation/models.py."""
 
 import torch
 
 from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError
-from accumulation.model import GPTConfig
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -27,12 +26,6 @@ def check_device_available(config: Config) -> None:
 def autocast_dtype_for(config: Config) -> torch.dtype | None:
     """The dtype autocast runs matrix products in; None for plain fp32. Parameters and gradients stay fp32."""
     return AUTOCAST_DTYPES[config.precision.dtype]
-
-
-def gpt_config(config: Config) -> GPTConfig:
-    return GPTConfig(
-        config.data.seq_len, config.model.n_layer, config.model.n_head, config.model.d_model, config.model.dropout
-    )
 
 
 def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from accumulation.step import Counters
+from accumulation.counters import Counters
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "counters", "config", "rng", "data")
 COUNTER_NAMES = [field.name for field in dataclasses.fields(Counters)]

@@ -73,7 +73,11 @@ class RunConfig:
     )
     keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
     sample_bytes: int = setting(
-        200, "bytes of text generated from the model at the end (0 = none)", "bytes", at_least=0
+        200,
+        "bytes generated at the end after the first training example's prompt (or its first 4 tokens); "
+        "0 = none; skipped for a model without generate()",
+        "bytes",
+        at_least=0,
     )
 
 
@@ -104,9 +108,26 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    n_layer: int = setting(4, "transformer blocks", "layers", at_least=1)
-    n_head: int = setting(4, "attention heads per block; must divide d_model", "heads", at_least=1)
-    d_model: int = setting(128, "width of the residual stream", "features", at_least=1)
+    name: str = setting(
+        "gpt",
+        "the architecture, built by accumulation/models.py: a GPT transformer, or a GRU language model",
+        choices=("gpt", "gru"),
+    )
+    # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
+    # model on the meta device, which takes time in proportion to its number of modules.
+    n_layer: int = setting(
+        4, "transformer blocks (gpt) or stacked GRU layers (gru)", "layers", at_least=1, at_most=1024
+    )
+    n_head: int = setting(4, "attention heads per block; must divide d_model (gpt only)", "heads", at_least=1)
+    d_model: int = setting(
+        128, "width of the model: the residual stream (gpt), the hidden state (gru)", "features", at_least=1
+    )
+    vocab_size: int = setting(
+        0,
+        "0 = from the data (bytes: 256); else the vocabulary size, at least the data's (larger leaves ids unused)",
+        "tokens",
+        at_least=0,
+    )
     dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
     compile: bool = setting(False, "wrap the model in torch.compile")
 
@@ -294,8 +315,10 @@ def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
     which knows the world size.)"""
     model, batch, schedule = config.model, config.batch, config.schedule
-    if model.d_model % model.n_head != 0:
-        raise ConfigError(f"model.d_model: expected a multiple of model.n_head ({model.n_head}), got {model.d_model}")
+    if model.name == "gpt" and model.d_model % model.n_head != 0:  # the heads split d_model evenly
+        raise ConfigError(
+            f"model.d_model: expected a multiple of model.n_head ({model.n_head}) for the gpt, got {model.d_model}"
+        )
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "

@@ -1,10 +1,24 @@
-"""Byte-level data: documents from text files, rows of seq_len + 1 tokens, and the data order.
+"""The data a fork keeps: the rows interface, the data order and micro-batches.
 
-A token is one byte (vocabulary 256), so text is never decoded for training; it is only checked to be
-UTF-8 so that binary files do not slip in.
+The interface
+-------------
+The training loop sees a split of the data only as a `Rows` object:
 
-The pipeline, in the order the functions below appear:
-    source  ->  text files  ->  train/validation split by file  ->  documents  ->  rows (RowSet)
+    num_rows             rows in the split
+    seq_len              input positions per row
+    examples(row_ids)    (inputs, labels), both int64 [len(row_ids), seq_len]: labels[i, j] is the token that
+                         input position j of row i must predict, or IGNORE_INDEX (-100) where that position has
+                         no target (a prompt, padding past the row's end)
+    raw_example(row_id)  RawExample: the prompt and response tokens the row was made from, untouched by the
+                         masking and batching below, so that a checker can build reference labels its own way
+
+RowSet, below, implements it for tokens held in memory. A fork with its own task or tokenizer writes a
+source that returns RowSets (make_rows and make_example_rows build them) and adds a branch to build_data.
+
+The pipeline:
+    config.data  ->  build_data  ->  a source  ->  train and validation RowSets
+        "stdlib", a text file or a folder: accumulation/text_corpus.py (the embedded demo corpus)
+        a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/jsonl.py
 and, every optimizer step:
     (seed, step, global_batch_size)  ->  row ids of the step  ->  this rank's micro-batches
 """
@@ -12,26 +26,27 @@ and, every optimizer step:
 import functools
 import hashlib
 import math
-import os
-import sysconfig
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
+from accumulation.config import Config
 
-# Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
-# packages, and test suites (large, repetitive, and full of deliberately odd code).
-STDLIB_EXCLUDED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+# Both sources shipped here tokenize text as its UTF-8 bytes: one token per byte.
+BYTE_VOCAB_SIZE = 256
 
 # Each epoch's permutation comes from a generator seeded with seed * EPOCH_SEED_STRIDE + epoch.
 EPOCH_SEED_STRIDE = 1_000_003
 
 TAILS = ("drop", "partial")
+
+# Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
+FINGERPRINT_CHUNK_ROWS = 65_536
 
 
 class DataError(ValueError):
@@ -39,23 +54,93 @@ class DataError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rows
+# The interface
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
+class RawExample:
+    """What a row was made from: the row's tokens are (prompt + response)[:seq_len + 1].
+
+    The target at token index t (predicted by input position t - 1) is supervised exactly when
+    t >= len(prompt). A row cut from a plain document has an empty prompt, and its response is the row's
+    window of the document, so every target is supervised. A prompt/response example keeps its whole
+    response here even when the row truncates it.
+    """
+
+    prompt: list[int]
+    response: list[int]
+
+
+class Rows(Protocol):
+    """One split of the data, as the training loop reads it (see the module docstring)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def raw_example(self, row_id: int) -> RawExample: ...
+
+
+def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+    """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else.
+
+    The only place where a supervision mask becomes labels.
+    """
+    return torch.where(supervised, targets, IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows held in memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest unsigned integer type that holds every token id 0..vocab_size - 1."""
+    if not 1 <= vocab_size <= 2**32:
+        raise ValueError(f"vocab_size must be in 1..2**32, got {vocab_size}")
+    if vocab_size <= 2**8:
+        return torch.uint8
+    if vocab_size <= 2**16:
+        return torch.uint16
+    return torch.uint32
+
+
+@dataclass
 class RowSet:
-    """Training or validation rows, stored compactly (one byte per token).
+    """Rows of one split, stored compactly, with what each row was cut from.
 
-    tokens   uint8 [num_rows, seq_len + 1]: the row's bytes, then zeros after its real length
-    lengths  int32 [num_rows]: real tokens in the row, 2..seq_len + 1
+    tokens       token_dtype(vocab_size) [num_rows, seq_len + 1]: the row's tokens, then zeros past its length
+    lengths      int32 [num_rows]: real tokens in the row, 2..seq_len + 1
+    supervised   bool [num_rows, seq_len]: whether input position j's target, token j + 1, is trained on;
+                 always False for j >= length - 1, where there is no target
+    vocab_size   token ids lie in 0..vocab_size - 1
 
-    A row of `length` real tokens supervises `length - 1` next-token targets: input position j predicts
-    token j + 1 for j < length - 1.
+    Where row i came from, for raw_example: tokens [starts[i], ends[i]) of texts[text_ids[i]], whose tokens
+    before prompt_ends[i] are prompt (prompt_ends is 0 for a plain document). For a document the span is
+    exactly the row; for a prompt/response example it is the whole example, which the row may truncate.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
+    supervised: torch.Tensor
+    vocab_size: int
+    texts: list[bytes]  # byte tokens here; a fork with a wider vocabulary keeps its token sequences
+    text_ids: np.ndarray  # int64 [num_rows]
+    starts: np.ndarray  # int64 [num_rows], tokens
+    ends: np.ndarray  # int64 [num_rows], tokens
+    prompt_ends: np.ndarray  # int64 [num_rows], tokens
+
+    def __post_init__(self):
+        num_rows, tokens_per_row = self.tokens.shape
+        if self.tokens.dtype != token_dtype(self.vocab_size):
+            raise ValueError(f"tokens of a vocabulary of {self.vocab_size} are {token_dtype(self.vocab_size)}")
+        if self.lengths.shape != (num_rows,) or self.supervised.shape != (num_rows, tokens_per_row - 1):
+            raise ValueError("lengths must be [num_rows] and supervised [num_rows, seq_len]")
 
     @property
     def num_rows(self) -> int:
@@ -66,12 +151,25 @@ class RowSet:
         return self.tokens.shape[1] - 1
 
     def supervised_tokens(self) -> torch.Tensor:
-        """int64 [num_rows]: next-token targets of each row."""
-        return self.lengths.long() - 1
+        """int64 [num_rows]: supervised targets of each row."""
+        return self.supervised.sum(dim=1)
+
+    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of the rows, int64 [len(row_ids), seq_len]: a row's tokens shifted by one."""
+        tokens = self.tokens[row_ids].long()  # int64 copy of these rows only
+        return tokens[:, :-1], labels_from_mask(tokens[:, 1:], self.supervised[row_ids])
+
+    def raw_example(self, row_id: int) -> RawExample:
+        """The span the row was cut from, split at its prompt's end; reads neither `tokens` nor `supervised`."""
+        row_id = int(row_id)
+        text = self.texts[self.text_ids[row_id]]
+        start, end = int(self.starts[row_id]), int(self.ends[row_id])
+        prompt_end = max(start, int(self.prompt_ends[row_id]))
+        return RawExample(prompt=list(text[start:prompt_end]), response=list(text[prompt_end:end]))
 
 
 def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
-    """Cut every document into rows of seq_len + 1 tokens with stride seq_len.
+    """Cut every document into rows of seq_len + 1 byte tokens with stride seq_len, all targets supervised.
 
     Row i of a document covers bytes [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
     byte, the last input of one row being the first input of the next, so each of the document's L - 1
@@ -100,140 +198,84 @@ def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
     windows = np.lib.stride_tricks.sliding_window_view(concatenated, tokens_per_row)
     tokens = windows[row_starts]  # fancy indexing copies: a fresh uint8 array, no int64 intermediate
     tokens[np.arange(tokens_per_row) >= lengths[:, None]] = 0
-    return RowSet(tokens=torch.from_numpy(tokens), lengths=torch.from_numpy(lengths.astype(np.int32)))
+    supervised = np.arange(seq_len) < lengths[:, None] - 1  # every target the row has
+    return RowSet(
+        tokens=torch.from_numpy(tokens),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        supervised=torch.from_numpy(supervised),
+        vocab_size=BYTE_VOCAB_SIZE,
+        texts=kept,
+        text_ids=row_document,
+        starts=offset_in_document,
+        ends=offset_in_document + lengths,
+        prompt_ends=np.zeros(len(row_document), dtype=np.int64),
+    )
+
+
+class ExampleRows(NamedTuple):
+    """What make_example_rows returns: the rows, and what became of the examples that do not fit."""
+
+    rows: RowSet
+    dropped: int  # examples without a supervised target within seq_len + 1 tokens: no row
+    truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
+
+
+def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> ExampleRows:
+    """One row per (prompt, response) example, its tokens the bytes of prompt then response; only the
+    targets that predict response bytes are supervised.
+
+    An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
+    With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
+    (index 0 is never a target), so an example with L <= max(P, 1) has nothing to learn and is dropped.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    tokens_per_row = seq_len + 1
+    kept = [
+        (prompt, response)
+        for prompt, response in examples
+        if min(len(prompt) + len(response), tokens_per_row) > max(len(prompt), 1)
+    ]
+    prompt_bytes = np.array([len(prompt) for prompt, _ in kept], dtype=np.int64)
+    example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
+    lengths = np.minimum(example_bytes, tokens_per_row)
+
+    texts = [prompt + response for prompt, response in kept]
+    tokens = np.zeros((len(kept), tokens_per_row), dtype=np.uint8)
+    for row, text in enumerate(texts):
+        tokens[row, : lengths[row]] = np.frombuffer(text[:tokens_per_row], dtype=np.uint8)
+    # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
+    targets = np.arange(1, tokens_per_row)
+    supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
+    rows = RowSet(
+        tokens=torch.from_numpy(tokens),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        supervised=torch.from_numpy(supervised),
+        vocab_size=BYTE_VOCAB_SIZE,
+        texts=texts,
+        text_ids=np.arange(len(kept), dtype=np.int64),
+        starts=np.zeros(len(kept), dtype=np.int64),
+        ends=example_bytes,
+        prompt_ends=prompt_bytes,
+    )
+    return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
 
 
 def row_fingerprint(rows: RowSet) -> str:
-    """First 16 hex digits of sha256 over the rows' shape, tokens and lengths.
+    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask.
 
-    A checkpoint stores it so that resuming on different data (another source, seq_len or split) is noticed.
+    A checkpoint stores it so that resuming on different data (another source, seq_len, split or prompt
+    mask) is noticed. Tokens are hashed as little-endian uint32 whatever their storage type, so the
+    fingerprint is a function of the token values alone and does not move when token_dtype picks another width.
     """
     digest = hashlib.sha256()
     digest.update(f"{tuple(rows.tokens.shape)}".encode())
-    digest.update(rows.tokens.numpy().tobytes())
+    tokens = rows.tokens.numpy()
+    for first in range(0, rows.num_rows, FINGERPRINT_CHUNK_ROWS):
+        digest.update(tokens[first : first + FINGERPRINT_CHUNK_ROWS].astype("<u4").tobytes())
     digest.update(rows.lengths.numpy().astype("<i4").tobytes())
+    digest.update(rows.supervised.numpy().tobytes())  # one byte, 0 or 1, per position
     return digest.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Reading the source
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TextFile:
-    relative_path: str  # '/'-separated, relative to the source folder; the file name for a single file
-    data: bytes
-
-
-def is_text(data: bytes) -> bool:
-    """Text means valid UTF-8 without NUL bytes (NUL is the usual sign of a binary file)."""
-    if b"\0" in data:
-        return False
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def read_bytes(path: Path, source: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise DataError(
-            f"cannot read {path} ({error.strerror or error}); make it readable or remove it from data.source {source!r}"
-        ) from None
-
-
-def stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def stdlib_file_paths(root: Path) -> list[Path]:
-    """Every *.py file below the standard library, sorted by relative path, without the excluded folders."""
-    paths = []
-    for folder, subfolders, file_names in os.walk(root):
-        # Pruning in place stops os.walk from descending into site-packages, which can be huge.
-        subfolders[:] = [name for name in subfolders if name not in STDLIB_EXCLUDED_FOLDERS]
-        paths.extend(Path(folder, name) for name in file_names if name.endswith(".py"))
-    return sorted(paths, key=lambda path: path.relative_to(root).as_posix())
-
-
-def folder_file_paths(root: Path) -> list[Path]:
-    """Every regular file below `root`, recursively, sorted by relative path."""
-    paths = [path for path in root.rglob("*") if path.is_file()]
-    return sorted(paths, key=lambda path: path.relative_to(root).as_posix())
-
-
-def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
-    """The source's root, its text files in sorted order, and how many non-text files were skipped.
-
-    "stdlib" is this interpreter's standard library; any other string is a path to a text file or to a
-    folder. In a folder (and in the standard library) non-text files are skipped and counted; a single
-    file that is not text is an error.
-    """
-    if source == "stdlib":
-        root = stdlib_root()
-        if not root.is_dir():
-            raise DataError(
-                f"the standard library's source is not installed at {root}; set data.source to a text file or folder"
-            )
-        paths = stdlib_file_paths(root)
-    else:
-        root = Path(source)
-        if not root.exists():
-            raise DataError(
-                f'data.source {source!r} does not exist; set it to a text file, a folder of text files, or "stdlib"'
-            )
-        if root.is_file():
-            data = read_bytes(root, source)
-            if not is_text(data):
-                raise DataError(
-                    f"data.source {source!r} is not a text file (it contains a NUL byte or is not valid UTF-8); "
-                    f"point data.source at a UTF-8 text file or a folder of them"
-                )
-            return root, [TextFile(root.name, data)], 0
-        if not root.is_dir():
-            raise DataError(f"data.source {source!r} is neither a file nor a folder; point it at a text file or folder")
-        paths = folder_file_paths(root)
-
-    files = []
-    skipped_files = 0
-    for path in paths:
-        data = read_bytes(path, source)
-        if is_text(data):
-            files.append(TextFile(path.relative_to(root).as_posix(), data))
-        else:
-            skipped_files += 1
-    return root, files, skipped_files
-
-
-def split_top_level_blocks(text: bytes) -> list[bytes]:
-    """Split Python source into its top-level blocks, which joined give back `text` exactly.
-
-    Rule: a new block starts at a line whose first character is not whitespace (code, a decorator or a
-    comment) when the line before it is blank (empty or only whitespace). A comment or decorator
-    that heads a definition therefore stays with it, and the blank lines after a block belong to it.
-    Leading blank lines never form a block of their own.
-    """
-    blocks = []
-    block_lines: list[bytes] = []
-    block_has_content = False
-    previous_blank = False
-    for line in text.splitlines(keepends=True):
-        blank = not line.strip()
-        starts_at_column_0 = not blank and not line[:1].isspace()
-        if starts_at_column_0 and previous_blank and block_has_content:
-            blocks.append(b"".join(block_lines))
-            block_lines = []
-            block_has_content = False
-        block_lines.append(line)
-        block_has_content = block_has_content or not blank
-        previous_blank = blank
-    if block_lines:
-        blocks.append(b"".join(block_lines))
-    return blocks
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,163 +283,151 @@ def split_top_level_blocks(text: bytes) -> list[bytes]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def path_hash(relative_path: str) -> float:
-    """A stable hash of a path in [0, 1): crc32 is the same on every machine and Python version."""
-    return zlib.crc32(relative_path.encode("utf-8")) / 2**32
+def key_hash(key: str) -> float:
+    """A stable hash of a string in [0, 1): crc32 is the same on every machine and Python version."""
+    return zlib.crc32(key.encode("utf-8")) / 2**32
 
 
-def validation_paths(relative_paths: list[str], val_fraction: float) -> set[str]:
-    """The files whose path hash falls below val_fraction.
+def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
+    """The keys (file paths, example lines) whose hash falls below val_fraction.
 
-    Hashing the path (not the position in the listing) keeps a file on its side of the split when
-    other files are added or removed. When nothing falls below val_fraction but there are at least two
-    files, the file with the smallest hash is used, so that a small corpus still has a validation set.
+    Hashing the key (not its position) keeps an item on its side of the split when other items are added
+    or removed, and puts identical items on the same side. When nothing falls below val_fraction but there
+    are at least two distinct keys, the key with the smallest hash is used, so that a small source still
+    has a validation set.
     """
     if val_fraction == 0:
         return set()
-    chosen = {path for path in relative_paths if path_hash(path) < val_fraction}
-    if not chosen and len(relative_paths) >= 2:
-        chosen = {min(relative_paths, key=path_hash)}
+    chosen = {key for key in keys if key_hash(key) < val_fraction}
+    if not chosen and len(set(keys)) >= 2:
+        chosen = {min(keys, key=key_hash)}
     return chosen
 
 
-def split_at_newline(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
-    """Split one file into (train, validation): the tail after the newline nearest to (1 - val_fraction)·size.
-
-    The newline stays with the training part. A newline that is the file's last byte is not a candidate
-    (it would leave the tail empty); with no candidate the cut is at the byte position itself.
-    """
-    target = round((1 - val_fraction) * len(data))
-    candidates = []
-    before = data.rfind(b"\n", 0, target)
-    if before != -1:
-        candidates.append(before + 1)
-    after = data.find(b"\n", target, len(data) - 1)
-    if after != -1:
-        candidates.append(after + 1)
-    cut = min(candidates, key=lambda position: abs(position - target)) if candidates else target
-    return data[:cut], data[cut:]
-
-
 # ---------------------------------------------------------------------------------------------------
-# The corpus
+# The data of a run
 # ---------------------------------------------------------------------------------------------------
 
 
 @dataclass
-class CorpusSummary:
+class DataSummary:
     source: str  # data.source as given
     root: str  # the file or folder it resolved to
     seq_len: int
-    files: int  # text files used, training and validation
-    val_files: int  # of those, files in the validation split (0 or 1 for a single file split at a newline)
+    vocab_size: int
+    files: int  # files used, training and validation
+    val_files: int  # of those, files in the validation split (0 or 1 for a single file split within itself)
     skipped_files: int  # non-text files left out
-    bytes: int  # bytes of the text files used
-    documents: int
-    dropped_documents: int  # documents under 2 bytes: nothing to predict
+    bytes: int  # bytes of the files used
+    documents: int  # documents (text) or examples (JSONL lines) read
+    dropped_documents: int  # of those, with no target to predict: no rows
+    truncated_documents: int  # of those, cut short to one row of seq_len + 1 tokens
     train_rows: int
     val_rows: int
     min_supervised_tokens: int  # per training row
     median_supervised_tokens: float
     max_supervised_tokens: int
-    padding_fraction: float  # padding positions / all label positions, training rows
+    padding_fraction: float  # label positions past a row's last target / all label positions, training rows
+    prompt_fraction: float  # label positions whose target is prompt, not response / all label positions, training
     fingerprint: str  # row_fingerprint of the training rows
 
     def describe(self) -> str:
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
-        dropped = f" ({self.dropped_documents:,} under 2 bytes dropped)" if self.dropped_documents else ""
+        losses = [
+            f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
+            f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
+        ]
+        losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
         validation = f"{self.val_rows:,} validation rows" if self.val_rows else "no validation set"
         location = self.source if self.source == self.root else f"{self.source} ({self.root})"
+        prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
         return (
             f"data {location}: {self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
-            f"{self.documents:,} documents{dropped}; {self.train_rows:,} training rows and {validation} "
-            f"of seq_len {self.seq_len}, supervised tokens per training row "
+            f"{self.documents:,} documents{losses_text}; {self.train_rows:,} training rows and {validation} "
+            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size}, supervised tokens per training row "
             f"min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
             f"/ max {self.max_supervised_tokens}, "
-            f"{100 * self.padding_fraction:.1f}% padding; fingerprint {self.fingerprint}"
+            f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
         )
 
 
 @dataclass
-class Corpus:
+class Data:
     train: RowSet
     val: RowSet | None  # None when val_fraction == 0
-    summary: CorpusSummary
+    summary: DataSummary
+    vocab_size: int  # the model's vocabulary: 256 for byte tokens
 
 
-def documents_of(data: bytes, is_python_source: bool) -> list[bytes]:
-    """A Python file of the standard library gives one document per top-level block; any other file is one."""
-    return split_top_level_blocks(data) if is_python_source else [data]
-
-
-def load_corpus(source: str, seq_len: int, val_fraction: float) -> Corpus:
-    """Read `source`, split it into training and validation by file, and cut both into rows.
-
-    With two or more files the split is by file (validation_paths); a lone file is split at a newline
-    (split_at_newline). val_fraction == 0 means no validation set.
-    """
-    if not 0 <= val_fraction < 1:
-        raise DataError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    root, files, skipped_files = read_text_files(source)
-    is_python_source = source == "stdlib"
-
-    train_documents: list[bytes] = []
-    val_documents: list[bytes] = []
-    val_files = 0
-    if len(files) == 1 and val_fraction > 0:
-        train_part, val_part = split_at_newline(files[0].data, val_fraction)
-        train_documents += documents_of(train_part, is_python_source)
-        val_documents += documents_of(val_part, is_python_source)
-        val_files = 1
-    else:
-        chosen = validation_paths([file.relative_path for file in files], val_fraction)
-        for file in files:
-            documents = documents_of(file.data, is_python_source)
-            if file.relative_path in chosen:
-                val_documents += documents
-                val_files += 1
-            else:
-                train_documents += documents
-
-    train = make_rows(train_documents, seq_len)
-    val = make_rows(val_documents, seq_len)
-    if train.num_rows + val.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r} has no usable text (no text file with at least 2 bytes); "
-            f'add UTF-8 text to {root} or set data.source="stdlib"'
-        )
+def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
+    """A DataError when the split left training without rows, or a requested validation set empty.
+    (Each source first reports a source without any usable row in its own words.)"""
     if train.num_rows == 0:
         raise DataError(
-            f"data.source {source!r}: all its text fell into the validation split (data.val_fraction={val_fraction}); "
-            f"lower data.val_fraction or add more files"
+            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
+            f"lower data.val_fraction or add more data"
         )
     if val_fraction > 0 and val.num_rows == 0:
         raise DataError(
             f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to predict; "
-            f"raise data.val_fraction, add more text, or set data.val_fraction=0"
+            f"raise data.val_fraction, add more data, or set data.val_fraction=0"
         )
 
-    all_documents = train_documents + val_documents
+
+def data_from_rows(
+    source: str,
+    train: RowSet,
+    val: RowSet,
+    val_fraction: float,
+    *,
+    root: str,
+    files: int,
+    val_files: int,
+    skipped_files: int,
+    bytes: int,
+    documents: int,
+    dropped_documents: int,
+    truncated_documents: int,
+) -> Data:
+    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
+    check_split_sizes(source, train, val, val_fraction)
     supervised = train.supervised_tokens()
-    summary = CorpusSummary(
+    label_positions = train.num_rows * train.seq_len
+    targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
+    summary = DataSummary(
         source=source,
-        root=str(root),
-        seq_len=seq_len,
-        files=len(files),
+        root=root,
+        seq_len=train.seq_len,
+        vocab_size=train.vocab_size,
+        files=files,
         val_files=val_files,
         skipped_files=skipped_files,
-        bytes=sum(len(file.data) for file in files),
-        documents=len(all_documents),
-        dropped_documents=sum(1 for document in all_documents if len(document) < 2),
+        bytes=bytes,
+        documents=documents,
+        dropped_documents=dropped_documents,
+        truncated_documents=truncated_documents,
         train_rows=train.num_rows,
         val_rows=val.num_rows,
         min_supervised_tokens=int(supervised.min()),
         median_supervised_tokens=float(np.median(supervised.numpy())),
         max_supervised_tokens=int(supervised.max()),
-        padding_fraction=1 - int(supervised.sum()) / (train.num_rows * seq_len),
+        padding_fraction=1 - targets / label_positions,
+        prompt_fraction=(targets - int(supervised.sum())) / label_positions,
         fingerprint=row_fingerprint(train),
     )
-    return Corpus(train=train, val=val if val_fraction > 0 else None, summary=summary)
+    return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
+
+
+def build_data(config: Config) -> Data:
+    """The training and validation rows that config.data describes: a path ending in .jsonl is read as
+    prompt/response examples (accumulation/jsonl.py), anything else as text (accumulation/text_corpus.py)."""
+    # The sources build on this module (DataError, make_rows, data_from_rows), so they are imported here.
+    from accumulation import jsonl, text_corpus
+
+    source, seq_len, val_fraction = config.data.source, config.data.seq_len, config.data.val_fraction
+    if source.endswith(".jsonl"):
+        return jsonl.load_jsonl(source, seq_len, val_fraction)
+    return text_corpus.load_text(source, seq_len, val_fraction)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -466,25 +496,21 @@ def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, ta
 # ---------------------------------------------------------------------------------------------------
 
 
-def micro_batch(rows: RowSet, row_ids: torch.Tensor, micro_batch_size: int) -> MicroBatch:
-    """Inputs and labels for `row_ids`, then padding rows up to micro_batch_size.
+def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int) -> MicroBatch:
+    """Inputs and labels for `row_ids` (rows.examples), then padding rows up to micro_batch_size.
 
     A padding row has inputs 0 and no supervised label, so every micro-batch has the same shape and
     padding adds nothing to the loss or to num_examples.
     """
     num_real = len(row_ids)
-    tokens = rows.tokens[row_ids].long()  # int64 copy of these rows only
-    targets_per_row = rows.lengths[row_ids].long() - 1
     inputs = torch.zeros(micro_batch_size, rows.seq_len, dtype=torch.long)
     labels = torch.full((micro_batch_size, rows.seq_len), IGNORE_INDEX, dtype=torch.long)
-    inputs[:num_real] = tokens[:, :-1]
-    supervised = torch.arange(rows.seq_len) < targets_per_row[:, None]
-    labels[:num_real] = torch.where(supervised, tokens[:, 1:], IGNORE_INDEX)
+    inputs[:num_real], labels[:num_real] = rows.examples(row_ids)
     return MicroBatch(inputs=inputs, labels=labels, num_examples=num_real)
 
 
 def build_micro_batches(
-    rows: RowSet,
+    rows: Rows,
     step_ids: torch.Tensor,
     global_batch_size: int,
     micro_batch_size: int,
@@ -509,7 +535,7 @@ def eval_micro_batch_count(num_rows: int, micro_batch_size: int, world_size: int
     return math.ceil(total / world_size)
 
 
-def eval_micro_batches(rows: RowSet, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:
+def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:
     """This rank's share of the validation rows, in fixed-size micro-batches, built one at a time.
 
     The rows are cut, in order, into micro-batches of micro_batch_size (the last one padded); rank r

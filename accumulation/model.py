@@ -1,8 +1,9 @@
-"""A small byte-level GPT: pre-norm transformer blocks with causal attention.
+"""A small GPT: pre-norm transformer blocks with causal attention.
 
 Nothing here knows about accumulation; the model maps token ids [rows, seq_len] to logits
-[rows, seq_len, vocab]. Initialisation is drawn from an explicit generator, so the same seed gives the same
-weights on every rank and in every dtype (build in float32, then `.double()` for float64 references).
+[rows, seq_len, vocab_size], and the data decides vocab_size (256 for bytes). Initialisation is drawn from
+an explicit generator, so the same seed gives the same weights on every rank and in every dtype (build in
+float32, then `.double()` for float64 references). accumulation/models.py builds it from a Config.
 """
 
 from dataclasses import dataclass
@@ -11,8 +12,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB_SIZE = 256  # one token per byte
-
 
 @dataclass
 class GPTConfig:
@@ -20,6 +19,7 @@ class GPTConfig:
     n_layer: int
     n_head: int
     d_model: int
+    vocab_size: int  # token ids run from 0 to vocab_size - 1
     dropout: float = 0.0
 
 
@@ -64,12 +64,12 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, seed: int):
         super().__init__()
         self.config = config
-        self.token_embedding = nn.Embedding(VOCAB_SIZE, config.d_model)
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
         self.embed_dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, VOCAB_SIZE, bias=False)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.initialise(seed)
 
     @torch.no_grad()
@@ -98,9 +98,17 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def describe(self) -> str:
+        """The banner's line, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads, vocab 256)"."""
+        config = self.config
+        return (
+            f"gpt: {self.num_parameters():,} parameters ({config.n_layer} layers, d_model {config.d_model}, "
+            f"{config.n_head} heads, vocab {config.vocab_size})"
+        )
+
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, num_new_tokens: int, generator: torch.Generator) -> torch.Tensor:
-        """Sample `num_new_tokens` bytes after `prompt` (1-D token ids), each from the softmax of the logits."""
+        """Sample `num_new_tokens` tokens after `prompt` (1-D token ids), each from the softmax of the logits."""
         tokens = prompt.view(1, -1)
         for _ in range(num_new_tokens):
             logits = self(tokens[:, -self.config.seq_len :])[0, -1].float()

@@ -20,10 +20,16 @@ and after accumulation and DDP's mean the gradient is
 
 N is known before the first forward: it is counted from the labels on the host and summed over ranks with
 one all-reduce.
+
+This file is the whole contract a fork relies on. A fork may change the model (any `forward(inputs) ->
+outputs`), the loss (any `loss_sum_fn(outputs, labels)` that returns the SUM of the losses of the supervised
+targets) and the data (any labels with -100 where there is no target, of any shape); the algebra above holds
+for all of them, because it only needs per-target sums and the count N of supervised targets.
 """
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -35,38 +41,32 @@ from accumulation.batching import IGNORE_INDEX, MicroBatch
 
 
 @dataclass
-class Counters:
-    """Cumulative over the whole run, resumes included. Each name says its unit."""
-
-    micro_batches: int = 0  # forward+backward passes on one rank
-    steps: int = 0  # optimizer step attempts (accumulation groups)
-    updates: int = 0  # optimizer updates actually applied
-    skipped: int = 0  # steps whose update was not applied
-    examples: int = 0  # real examples consumed, all ranks (padding rows excluded)
-    tokens: int = 0  # supervised tokens, all ranks (padding and ignored positions excluded)
-
-
-@dataclass
 class StepResult:
-    loss: float  # global token-mean loss of the step, L above; nan when the step had no supervised tokens
-    grad_norm: float  # total gradient norm before clipping (of the unscaled gradient)
-    lr: float  # learning rate this step used
+    """What one optimizer step did. The caller steps the scheduler and adds this to its counters."""
+
+    loss: float  # global mean loss over supervised targets, L above; nan when the step had none
+    tokens: int  # supervised targets in this step, all ranks (N)
+    examples: int  # real examples in this step, all ranks (padding rows excluded)
     applied: bool  # whether the optimizer update was applied
-    skip_reason: str | None  # why not, when it was not
-    tokens: int  # supervised tokens in this step, all ranks (N)
-    examples: int  # real examples in this step, all ranks
+    grad_norm: float  # total gradient norm before clipping (of the unscaled gradient)
+    skip_reason: str | None  # why the update was not applied, when it was not
+    lr: float  # learning rate of the optimizer's first parameter group during this step
+    micro_batches: int  # forward+backward passes on this rank (A)
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """S: the SUM of per-token cross-entropy over supervised positions.
+def token_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The default loss: S, the SUM of cross-entropy over supervised targets (labels != -100).
 
-    Computed in at least float32 (bf16/fp16 logits from autocast are upcast; float64 stays float64)."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    `outputs` are logits with the classes last: [rows, seq_len, vocab] for a language model with labels
+    [rows, seq_len], or [rows, classes] for one class per example with labels [rows]. Computed in at least
+    float32 (bf16/fp16 logits from autocast are upcast; float64 stays float64)."""
+    outputs = outputs.to(torch.promote_types(outputs.dtype, torch.float32))
+    logits = outputs.reshape(-1, outputs.shape[-1])
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 def count_supervised_tokens(labels: torch.Tensor) -> int:
-    """Positions that have a target. `labels` live on the host, so this reads no device memory."""
+    """Targets that count, whatever the shape of `labels`. They live on the host: no device read."""
     return int((labels != IGNORE_INDEX).sum())
 
 
@@ -105,25 +105,27 @@ def optimizer_step(
     model: torch.nn.Module,
     micro_batches: list[MicroBatch],
     optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    scaler: torch.amp.GradScaler,
-    counters: Counters,
     *,
-    grad_clip: float,
     device: torch.device,
+    scaler: torch.amp.GradScaler | None = None,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum,
+    grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
-    `model` is the DDP-wrapped model when more than one rank trains, the plain module otherwise.
-    `scaler` is always given; a disabled GradScaler makes its calls pass-throughs. Every rank must call
-    this with the same number of micro-batches: collectives are matched call by call.
+    `model` is the DDP-wrapped model when more than one rank trains, the plain module otherwise; its
+    outputs go to `loss_sum_fn(outputs, micro_batch.labels)`, which must return the SUM of the losses of
+    the supervised targets. `scaler` is a GradScaler for fp16, or None. `grad_clip` > 0 clips the total
+    gradient norm. Every rank must call this with the same number of micro-batches: the syncing backward
+    and the two scalar all-reduces below are matched across ranks.
     """
     if not micro_batches:
         raise ValueError("an optimizer step needs at least one micro-batch")
     world_size = data_parallel_size()
     if world_size > 1 and not isinstance(model, DistributedDataParallel):
         raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel")
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
 
     # 1. The global denominator N, before any forward: one collective on host-side counts.
     tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
@@ -145,11 +147,10 @@ def optimizer_step(
         skip_sync = k < last and isinstance(model, DistributedDataParallel)
         with model.no_sync() if skip_sync else contextlib.nullcontext():
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = model(inputs)
-            loss_sum = token_loss_sum(logits, labels)  # S_rk
+                outputs = model(inputs)
+            loss_sum = loss_sum_fn(outputs, labels)  # S_rk
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         loss_sum_local += loss_sum.detach()
-    counters.micro_batches += len(micro_batches)
 
     # 3. The boundary: one more scalar collective for the exact logged loss, then one update.
     loss_sum_global = loss_sum_local
@@ -180,14 +181,7 @@ def optimizer_step(
             applied = True
         else:
             skip_reason = "non-finite gradient"
-    if applied:
-        scheduler.step()  # the schedule's unit is applied updates
     optimizer.zero_grad(set_to_none=True)
-
-    # 4. Counters.
-    counters.steps += 1
-    counters.updates += int(applied)
-    counters.skipped += int(not applied)
-    counters.examples += examples_global
-    counters.tokens += tokens_global
-    return StepResult(loss, grad_norm, lr, applied, skip_reason, tokens_global, examples_global)
+    return StepResult(
+        loss, tokens_global, examples_global, applied, grad_norm, skip_reason, lr, micro_batches=len(micro_batches)
+    )

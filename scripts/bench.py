@@ -22,7 +22,7 @@ and A = 8 micro-batches per step on one rank:
 The counts come from 2 gloo ranks on the CPU whatever the hardware: they are properties of the code. The
 timings and the memory peaks run on the GPU when there is one, else on the CPU. Threads: the single process
 uses --threads (default: torch's default, every core, as `python train.py` runs); each gloo rank uses one
-(accumulation/local_ranks.py), so on a 2-core CPU both tokens_per_s runs use the same two cores. The functions that
+(testkit/ranks.py), so on a 2-core CPU both tokens_per_s runs use the same two cores. The functions that
 measure are plain and importable; tests/test_performance.py asserts the invariants with the same functions.
 """
 
@@ -42,21 +42,20 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.autograd.profiler import MEMORY_EVENT_NAME
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-# Run as `python scripts/bench.py`, Python puts scripts/ on the path, not the project root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from accumulation.batching import IGNORE_INDEX, MicroBatch  # noqa: E402  (after the path fix above)
-from accumulation.build import build_optimizer  # noqa: E402
-from accumulation.config import Config, resolved_grad_scaler  # noqa: E402
-from accumulation.data import RowSet, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
-from accumulation.local_ranks import run_on_ranks  # noqa: E402
-from accumulation.model import GPT, GPTConfig  # noqa: E402
-from accumulation.schedule import build_scheduler  # noqa: E402
-from accumulation.step import Counters, StepResult, optimizer_step  # noqa: E402
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.build import build_optimizer
+from accumulation.config import Config, resolved_grad_scaler
+from accumulation.counters import Counters
+from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_data, build_micro_batches, step_row_ids
+from accumulation.model import GPT, GPTConfig
+from accumulation.models import gpt_config, loss_sum_fn_for
+from accumulation.schedule import build_scheduler
+from accumulation.step import StepResult, optimizer_step
+from testkit.memory import peak_memory_bytes_of
+from testkit.ranks import run_on_ranks
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 ACCUMULATION_STEPS = 8  # A on one rank, for every measurement
@@ -95,7 +94,7 @@ COLLECTIVES = (
 
 
 def default_model_config() -> GPTConfig:
-    return GPTConfig(DEFAULTS.data.seq_len, DEFAULTS.model.n_layer, DEFAULTS.model.n_head, DEFAULTS.model.d_model)
+    return gpt_config(DEFAULTS, BYTE_VOCAB_SIZE)
 
 
 def step_micro_batches(
@@ -107,31 +106,45 @@ def step_micro_batches(
     return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank)
 
 
-def training_objects(model: torch.nn.Module, device: torch.device):
-    """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler."""
+@dataclass
+class LoopState:
+    """What train.py keeps across optimizer steps besides the model."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    counters: Counters
+
+
+def default_loop_state(model: torch.nn.Module, device: torch.device) -> LoopState:
+    """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler, and fresh
+    counters."""
     optimizer = build_optimizer(DEFAULTS, model, device)
     schedule = DEFAULTS.schedule
     scheduler = build_scheduler(
         optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(DEFAULTS))
-    return optimizer, scheduler, scaler
+    return LoopState(optimizer, scheduler, scaler, Counters())
 
 
-def run_step(model, micro_batches, objects, device, autocast_dtype=None) -> StepResult:
-    """One step of the project's loop: `optimizer_step` with the default gradient clipping."""
-    optimizer, scheduler, scaler = objects
-    return optimizer_step(
+def run_step(model, micro_batches, loop: LoopState, device, autocast_dtype=None) -> StepResult:
+    """One step of the project's loop as train.py runs it: `optimizer_step` with the default loss and gradient
+    clipping, then the scheduler (once per applied update) and the counters."""
+    result = optimizer_step(
         model,
         micro_batches,
-        optimizer,
-        scheduler,
-        scaler,
-        Counters(),
-        grad_clip=DEFAULTS.optim.grad_clip,
+        loop.optimizer,
         device=device,
+        scaler=loop.scaler,
+        loss_sum_fn=loss_sum_fn_for(DEFAULTS),
+        grad_clip=DEFAULTS.optim.grad_clip,
         autocast_dtype=autocast_dtype,
     )
+    if result.applied:
+        loop.scheduler.step()
+    loop.counters.add(result)
+    return result
 
 
 def bare_step(model, micro_batches, optimizer, device, autocast_dtype=None) -> None:
@@ -180,12 +193,12 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
     """
     ours_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
     bare_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
-    ours_objects = training_objects(ours_model, device)
+    ours_loop = default_loop_state(ours_model, device)
     bare_optimizer = build_optimizer(DEFAULTS, bare_model, device)
     ours_seconds, bare_seconds = [], []
     for pair in range(warmup_pairs + timed_pairs):
         micro_batches = batches_of_steps[pair % len(batches_of_steps)]
-        run_ours = functools.partial(run_step, ours_model, micro_batches, ours_objects, device, autocast_dtype)
+        run_ours = functools.partial(run_step, ours_model, micro_batches, ours_loop, device, autocast_dtype)
         run_bare = functools.partial(bare_step, bare_model, micro_batches, bare_optimizer, device, autocast_dtype)
         if pair % 2 == 0:
             (_, bare), (_, ours) = timed(run_bare, device), timed(run_ours, device)
@@ -208,12 +221,10 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
 
 def tokens_per_second(model, batches_of_steps, device, autocast_dtype, warmup_steps: int) -> float:
     """Median, over the steps after the warm-up, of the step's supervised tokens (all ranks) per second."""
-    objects = training_objects(model, device)
+    loop = default_loop_state(model, device)
     rates = []
     for index, micro_batches in enumerate(batches_of_steps):
-        result, seconds = timed(
-            functools.partial(run_step, model, micro_batches, objects, device, autocast_dtype), device
-        )
+        result, seconds = timed(functools.partial(run_step, model, micro_batches, loop, device, autocast_dtype), device)
         if index >= warmup_steps:
             rates.append(result.tokens / seconds)
     return statistics.median(rates)
@@ -243,33 +254,6 @@ def flops_per_token(model: GPT) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 
-def peak_memory_bytes_of(fn, device: torch.device) -> tuple[object, int]:
-    """Run fn() and return (its result, the most bytes it held allocated at once on `device`, beyond what
-    was already allocated when it began).
-
-    CUDA: the caching allocator counts its own peak. The CPU allocator keeps no such counter, so the
-    profiler records every allocation (+bytes) and free (-bytes) with its time; the running sum in time
-    order is what fn holds at each moment, and its maximum is the peak.
-    """
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        bytes_before = torch.cuda.memory_allocated(device)
-        result = fn()
-        torch.cuda.synchronize(device)
-        return result, torch.cuda.max_memory_allocated(device) - bytes_before
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
-        result = fn()
-    # The raw records: profile.events() would fold each allocation into the operator that made it, hiding
-    # a peak that lasts only inside one operator.
-    records = [record for record in profile.profiler.kineto_results.events() if record.name() == MEMORY_EVENT_NAME]
-    held_bytes = peak_bytes = 0
-    for record in sorted(records, key=lambda record: record.start_ns()):
-        held_bytes += record.nbytes()  # negative for a free
-        peak_bytes = max(peak_bytes, held_bytes)
-    return result, peak_bytes
-
-
 def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) -> int:
     """Peak bytes allocated during one optimizer_step, above what was already live when it began.
 
@@ -277,11 +261,9 @@ def peak_update_memory_bytes(model, micro_batches, device, autocast_dtype=None) 
     are not: the step sets them to None at its end. CUDA reads the allocator's peak; the CPU has no such
     counter, so a profiler records every allocation and free of the step.
     """
-    objects = training_objects(model, device)
-    run_step(model, micro_batches, objects, device, autocast_dtype)  # creates the optimizer state
-    _, peak_bytes = peak_memory_bytes_of(
-        lambda: run_step(model, micro_batches, objects, device, autocast_dtype), device
-    )
+    loop = default_loop_state(model, device)
+    run_step(model, micro_batches, loop, device, autocast_dtype)  # creates the optimizer state
+    _, peak_bytes = peak_memory_bytes_of(lambda: run_step(model, micro_batches, loop, device, autocast_dtype), device)
     return peak_bytes
 
 
@@ -361,21 +343,20 @@ def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypa
     traffic = Traffic()
     model.register_comm_hook(traffic, counting_allreduce_hook)
     model.register_forward_pre_hook(lambda module, args: setattr(traffic, "phase", "micro-batches"))
-    objects = training_objects(model, torch.device("cpu"))
-    scaler = objects[2]
-    unscale = scaler.unscale_
+    loop = default_loop_state(model, torch.device("cpu"))
+    unscale = loop.scaler.unscale_
 
     def unscale_at_the_boundary(optimizer):
         traffic.phase = "boundary"
         unscale(optimizer)
 
-    scaler.unscale_ = unscale_at_the_boundary
+    loop.scaler.unscale_ = unscale_at_the_boundary
     steps = []
     with counting_calls(traffic):
         for micro_batches in batches_of_steps_by_rank[rank]:
             traffic.grad_allreduce_bytes, traffic.scalar_collectives, traffic.host_reads = 0, 0, []
             traffic.phase = "count"
-            run_step(model, micro_batches, objects, torch.device("cpu"))
+            run_step(model, micro_batches, loop, torch.device("cpu"))
             traffic.phase = None
             steps.append(
                 {
@@ -508,7 +489,7 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None  # GPUs train in bf16 (configs/gpu_8x.toml)
     torch.set_num_threads(args.threads)
-    rows = load_corpus(DEFAULTS.data.source, DEFAULTS.data.seq_len, DEFAULTS.data.val_fraction).train
+    rows = build_data(DEFAULTS).train
     return {
         **measure_time(rows, args, device, autocast_dtype),
         **measure_memory(rows, args, device, autocast_dtype),

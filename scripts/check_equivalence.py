@@ -1,50 +1,50 @@
-"""Check that one optimizer step of the loop follows the gradient of the full-batch token-mean loss.
+"""Check that one optimizer step of the loop follows the gradient of the full-batch mean loss.
 
-For anyone who changed the model, the loss or the step: run it with the config you train with.
+For anyone who changed the model, the loss, the data or the step: run it with the config you train with.
 
-    python scripts/check_equivalence.py [--config FILE] [section.key=value ...]
-    torchrun --standalone --nproc_per_node=N scripts/check_equivalence.py [--config FILE] [section.key=value ...]
+    python scripts/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug mean-of-means|mask]
+    torchrun --standalone --nproc_per_node=N scripts/check_equivalence.py [same arguments]
 
-The loop side is one optimizer step exactly as train.py runs it: the model built from the config, the
-examples of step 0 of the data order, split into this rank's A micro-batches of m rows, and
-`accumulation.step.optimizer_step` (the same function train.py calls) with the configured precision.
+The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
+train.py uses), the examples of step 0 of the data order, split into this rank's A micro-batches of m rows
+by the loop's own batching and masking code, and `optimizer_step` with the configured loss and precision.
 The gradient is read when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce and
-unscaling. Two settings are switched off for the comparison, because the reference could not reproduce
-them: gradient clipping (it rescales the gradient by the step's own norm) and dropout (its random masks).
+unscaling. Two settings are switched off, because no reference could reproduce them: gradient clipping
+(it rescales the gradient by the step's own norm) and dropout (its random masks).
 
-The reference is computed independently, on rank 0 only: a float64 copy of the same initial model, one
-forward and backward over every real row of step 0 at once, with PyTorch's own
-`F.cross_entropy(..., ignore_index=-100, reduction="mean")`. No micro-batches, no ranks, no weighting
-of ours.
+The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (the
+prompt and response tokens each row was made from) with the simplest possible code, not with the loop's
+batching or masking. Then one float64 forward and backward over all of the step's rows at once, of the
+configured loss's SUM divided by the number of supervised targets N: the mean loss of the whole global
+batch, which is what every update must follow. No micro-batches, no ranks, no weighting of ours.
+
+What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and
+logged loss equal the full-batch ones within the precision's tolerance, every rank starts from the same
+weights, and the step saw the same examples and supervised tokens as the reference. What it does not:
+anything about clipping, dropout, later steps, the optimizer's update rule, or the correctness of the loss
+function itself (the reference uses the same loss; it checks how the loop weights and masks it).
 
 Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 """
 
 import argparse
-import contextlib
-import copy
 import dataclasses
+import hashlib
 import os
 import sys
-from pathlib import Path
-from unittest import mock
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-# Run as `python scripts/check_equivalence.py`, Python puts scripts/ on the path, not the project root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import accumulation.step  # noqa: E402  (after the path fix above)
-from accumulation.batching import IGNORE_INDEX, accumulation_steps, describe_batch  # noqa: E402
-from accumulation.build import autocast_dtype_for, check_config_for_world, gpt_config  # noqa: E402
-from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler  # noqa: E402
-from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, micro_batch, step_row_ids  # noqa: E402
-from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
-from accumulation.model import GPT  # noqa: E402
-from accumulation.schedule import build_scheduler  # noqa: E402
-from accumulation.step import Counters, optimizer_step  # noqa: E402
+from accumulation.batching import IGNORE_INDEX, describe_batch
+from accumulation.build import autocast_dtype_for, check_config_for_world
+from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
+from accumulation.data import Data, DataError, RowSet, build_data, build_micro_batches, step_row_ids
+from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.models import build_model, loss_sum_fn_for, resolved_vocab_size
+from accumulation.step import count_supervised_tokens, optimizer_step
+from testkit.reference import max_relative_error
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -59,7 +59,10 @@ from accumulation.step import Counters, optimizer_step  # noqa: E402
 # autocast did not break the model.
 RELATIVE_TOLERANCE = {"fp32": 3e-5, "bf16": 5e-2, "fp16": 1e-2}
 
-INJECTABLE_BUGS = ("mean-of-means",)
+INJECTABLE_BUGS = {
+    "mean-of-means": "the loop weights every micro-batch equally (each micro-batch's mean loss)",
+    "mask": "the loop supervises the prompt positions too (the prompt mask is ignored)",
+}
 
 
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -72,9 +75,9 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train.py")
     parser.add_argument(
         "--inject-bug",
-        choices=INJECTABLE_BUGS,
-        help="self-test of this checker: make the loop weight every micro-batch equally (a known wrong "
-        "normalization); the check must then FAIL",
+        choices=list(INJECTABLE_BUGS),
+        help="self-test of this checker: put a known bug into the loop only; the check must then FAIL. "
+        + "; ".join(f"{name}: {effect}" for name, effect in INJECTABLE_BUGS.items()),
     )
     arguments = parser.parse_intermixed_args(argv)
     config_argv = (["--config", arguments.config] if arguments.config else []) + arguments.overrides
@@ -88,10 +91,16 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(config_argv)
         check_config_for_world(config, world_size)
-        corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+        data = build_data(config)
+        vocab_size = resolved_vocab_size(config, data.vocab_size)
         row_ids = step_row_ids(
-            corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
+            data.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
         )
+        if arguments.inject_bug == "mask" and not any(data.train.raw_example(i).prompt for i in row_ids.tolist()):
+            raise DataError(
+                "--inject-bug mask needs rows with prompt positions, and step 0 of this data has none; "
+                "run it on prompt/response data, e.g. --config configs/sft.toml"
+            )
     except (ConfigError, DataError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -99,61 +108,54 @@ def main(argv: list[str]) -> int:
 
     context = setup_distributed(config.device, config.dist.timeout_s)
     try:
-        return check(config, corpus, row_ids, context, arguments.inject_bug)
+        return check(config, data, vocab_size, row_ids, context, arguments.inject_bug)
     finally:
         teardown_distributed()
 
 
 def check(
-    config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, inject_bug: str | None
+    config: Config, data: Data, vocab_size: int, row_ids: torch.Tensor, context: DistributedContext, bug: str | None
 ) -> int:
-    device = context.device
-    model = comparable_model(config, device)
-    reference_model = copy.deepcopy(model) if context.is_main else None  # taken before the loop touches it
+    # Dropout off: its masks are random, and no reference could draw the same ones.
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+    model = build_model(config, vocab_size).to(context.device)
+    reference_model = build_model(config, vocab_size).double()  # a second build: it must equal the first
+    same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
 
-    with mean_of_means_injected(config, corpus, row_ids, context) if inject_bug else contextlib.nullcontext():
-        loop_gradients, result = loop_step_gradients(config, corpus, row_ids, model, context)
+    loop_gradients, result = loop_step_gradients(config, data, row_ids, model, context, bug)
     if not context.is_main:
         return 0
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    print(
+        f"check_equivalence: {batch}; step 0: {len(row_ids)} examples; device {context.device}; "
+        f"precision {config.precision.dtype}"
+    )
+    print(f"model: {type(model).__name__} ({config.model.name}), {count_parameters(model):,} parameters, built by ")
+    print("       accumulation.models.build_model; compared with gradient clipping and dropout off")
+    if bug:
+        print(f"SELF-TEST: --inject-bug {bug}: {INJECTABLE_BUGS[bug]}; this must FAIL")
+    if not same_initial_weights:
+        print("initial weights: two builds from the same seed, or two ranks, differ: initialise from config.run.seed")
+        print("FAIL")
+        return 1
     if loop_gradients is None:
         print(f"FAIL: the loop did not apply its update ({result.skip_reason}), so there is no gradient to compare")
         return 1
 
-    reference_gradients, reference_loss, reference_tokens = full_batch_reference(
-        reference_model, corpus, row_ids, device
-    )
-    names = [name for name, _ in model.named_parameters()]
-    errors = [
-        (loop.double().cpu() - reference.cpu()).abs().max().item()
-        for loop, reference in zip(loop_gradients, reference_gradients, strict=True)
-    ]
-    largest_reference_entry = max(reference.abs().max().item() for reference in reference_gradients)
-    worst = max(range(len(errors)), key=errors.__getitem__)
-    relative_error = errors[worst] / largest_reference_entry
+    inputs, labels = reference_rows(data.train, row_ids, config.data.seq_len)
+    reference_gradients, reference_loss = float64_full_batch(reference_model, inputs, labels, config)
+    reference_tokens = count_supervised_tokens(labels)
+    relative_error = max_relative_error(loop_gradients, reference_gradients)
     loss_relative_error = abs(result.loss - reference_loss) / abs(reference_loss)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
-
-    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
-    print(
-        f"check_equivalence: {batch}"
-        f"; step 0: {len(row_ids)} examples, {reference_tokens:,} supervised tokens; device {device}; "
-        f"precision {config.precision.dtype}"
-    )
-    print(f"model: {model.num_parameters():,} parameters; compared with gradient clipping and dropout off")
-    if inject_bug:
-        print(f"SELF-TEST: --inject-bug {inject_bug}: the loop weights every micro-batch equally; this must FAIL")
     print(
         f"examples: loop {result.examples}, reference {len(row_ids)}; "
-        f"supervised tokens: loop {result.tokens:,}, reference {reference_tokens:,}"
+        f"supervised targets: loop {result.tokens:,}, reference {reference_tokens:,}"
     )
     print(f"loss: loop {result.loss:.8f}, reference {reference_loss:.8f} (relative error {loss_relative_error:.2e})")
+    print(f"gradient: max relative error {relative_error:.3e} (largest |loop - reference| / largest |reference|)")
     print(
-        f"gradient: max absolute error {errors[worst]:.3e} (in {names[worst]}), largest reference entry "
-        f"{largest_reference_entry:.3e}, max relative error {relative_error:.3e}"
-    )
-    print(
-        f"tolerance: {tolerance:g} relative "
-        f"({config.precision.dtype} loop against a float64 reference; see RELATIVE_TOLERANCE)"
+        f"tolerance: {tolerance:g} ({config.precision.dtype} loop against a float64 reference; see RELATIVE_TOLERANCE)"
     )
     passed = (
         result.examples == len(row_ids)
@@ -165,96 +167,114 @@ def check(
     return 0 if passed else 1
 
 
-def comparable_model(config: Config, device: torch.device) -> GPT:
-    """The config's model with dropout off (its masks are random: no reference could draw the same ones),
-    with the same initial weights on every rank and at every call."""
-    return GPT(dataclasses.replace(gpt_config(config), dropout=0.0), seed=config.run.seed).to(device)
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
-def gradient_probe(config: Config, model: GPT, context: DistributedContext):
-    """What optimizer_step needs to run the loop's update on `model`, and a record of the gradients.
+def weights_agree_across_builds_and_ranks(
+    model: torch.nn.Module, second_build: torch.nn.Module, context: DistributedContext
+) -> bool:
+    """A model must start from the same weights on every rank (DDP broadcasts rank 0's, but a resume or a
+    checkpoint taken on another rank would not), which holds when it initialises from config.run.seed only.
+    Two builds in this process must be bit-identical, and every rank's weights must hash the same."""
+    first = [p.detach().cpu() for p in model.parameters()]
+    second = [p.detach().float().cpu() for p in second_build.parameters()]  # built float32, then .double()
+    same_here = all(torch.equal(a, b.to(a.dtype)) for a, b in zip(first, second, strict=True))
+    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in first)).hexdigest()
+    if context.world_size == 1:
+        return same_here
+    everyone = [None] * context.world_size
+    dist.all_gather_object(everyone, (same_here, digest))
+    return all(agree for agree, _ in everyone) and len({digest for _, digest in everyone}) == 1
 
-    Returns (the model wrapped as train.py wraps it: torch.compile when configured, DDP over several ranks;
-    optimizer; scheduler; scaler; handed). The optimizer does not matter, only the gradient it is handed:
-    SGD with learning rate 0, so the weights never move, and without momentum, so it holds no state. Its
-    hook puts into `handed` the gradients of the first applied update, as the optimizer sees them: after
-    accumulation, DDP's all-reduce, unscaling and (when on) clipping. Later updates add nothing, so that
-    memory measured around them holds no copies of the probe's.
-    """
-    device = context.device
+
+def loop_step_gradients(config, data: Data, row_ids, model, context: DistributedContext, bug: str | None):
+    """One optimizer step the loop's way, without clipping; returns (the gradients the optimizer was handed,
+    or None when the update was skipped; the StepResult).
+
+    The optimizer is SGD with learning rate 0, so the weights never move, and its pre-step hook records the
+    gradient of the update as the optimizer sees it."""
     wrapped = torch.compile(model) if config.model.compile else model
     if context.world_size > 1:
-        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+        device_ids = [context.device.index] if context.device.type == "cuda" else None
+        wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    scheduler = build_scheduler(optimizer, "constant", 0, 0, 1.0)
-    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     handed = []
-
-    def record_first_gradient(opt, args, kwargs):
-        if not handed:
-            handed.append([p.grad.detach().clone() for p in model.parameters()])
-
-    optimizer.register_step_pre_hook(record_first_gradient)
-    return wrapped, optimizer, scheduler, scaler, handed
-
-
-def loop_step_gradients(config: Config, corpus: Corpus, row_ids: torch.Tensor, model: GPT, context: DistributedContext):
-    """One optimizer step the loop's way, without clipping; returns (the gradients the optimizer was handed,
-    or None when the update was skipped; the StepResult)."""
-    wrapped, optimizer, scheduler, scaler, handed = gradient_probe(config, model, context)
+    optimizer.register_step_pre_hook(lambda *_: handed.append([p.grad.detach().clone() for p in model.parameters()]))
+    loss_sum_fn = loss_sum_fn_for(config)
+    rows = data.train
+    if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
+        rows = dataclasses.replace(rows, supervised=every_real_target(rows))
     micro_batches = build_micro_batches(
-        corpus.train,
+        rows,
         row_ids,
         config.batch.global_batch_size,
         config.batch.micro_batch_size,
         context.world_size,
         context.rank,
     )
+    if bug == "mean-of-means":
+        loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
     result = optimizer_step(
         wrapped,
         micro_batches,
         optimizer,
-        scheduler,
-        scaler,
-        Counters(),
-        grad_clip=0.0,
         device=context.device,
+        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
+        loss_sum_fn=loss_sum_fn,
         autocast_dtype=autocast_dtype_for(config),
     )
     return (handed[0] if result.applied else None), result
 
 
-def full_batch_reference(model: GPT, corpus: Corpus, row_ids: torch.Tensor, device: torch.device):
-    """∇ of the token-mean loss over every real row of the step as one float64 batch; also the loss and N."""
-    model = model.double()
-    batch = micro_batch(corpus.train, row_ids, len(row_ids))  # all of the step's rows, no padding rows
-    inputs, labels = batch.inputs.to(device), batch.labels.to(device)
-    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
-    loss.backward()
-    return [p.grad for p in model.parameters()], loss.item(), int((labels != IGNORE_INDEX).sum())
+def reference_rows(rows: RowSet, row_ids: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs and labels rebuilt from the raw examples, one row per example.
+
+    A row is the example's tokens, prompt then response, cut to seq_len + 1. Input position j predicts token
+    j + 1, which is supervised exactly when it is a response token. Unused positions are padding."""
+    inputs = torch.zeros(len(row_ids), seq_len, dtype=torch.long)
+    labels = torch.full((len(row_ids), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, row_id in enumerate(row_ids.tolist()):
+        example = rows.raw_example(row_id)
+        tokens = (example.prompt + example.response)[: seq_len + 1]
+        for j in range(len(tokens) - 1):
+            inputs[row, j] = tokens[j]
+            if j + 1 >= len(example.prompt):
+                labels[row, j] = tokens[j + 1]
+    return inputs, labels
 
 
-def mean_of_means_injected(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext):
-    """SELF-TEST ONLY: a context in which the loop makes the classic accumulation mistake.
+def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, config: Config):
+    """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
+    loss_sum_fn = loss_sum_fn_for(config)
+    mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
+    mean_loss.backward()
+    return [p.grad for p in model.parameters()], mean_loss.item()
 
-    Inside it, the per-micro-batch loss the step backpropagates is the micro-batch's token MEAN, rescaled
-    by the average token count per micro-batch so that the overall size of the gradient stays right:
-    every micro-batch then weighs the same, whatever its token count, which is wrong whenever the counts
-    differ. The step multiplies by D / N, so the gradient becomes that of the mean of the A·D micro-batch
-    means. Only `accumulation.step.token_loss_sum` is replaced, and only while the context is open.
-    """
-    accumulation_per_rank = accumulation_steps(
-        config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size
-    )
-    tokens_global = int(corpus.train.supervised_tokens()[row_ids].sum())
-    tokens_per_micro_batch = tokens_global / (accumulation_per_rank * context.world_size)
-    correct_token_loss_sum = accumulation.step.token_loss_sum
 
-    def micro_batch_mean_times_average_count(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def every_real_target(rows: RowSet) -> torch.Tensor:
+    """SELF-TEST ONLY: the supervision mask with the prompt forgotten: every target of the row's real tokens."""
+    return torch.arange(rows.seq_len) < (rows.lengths[:, None].long() - 1)
+
+
+def mean_of_means_loss(loss_sum_fn, micro_batches, context: DistributedContext):
+    """SELF-TEST ONLY: the classic accumulation mistake as a loss. Each micro-batch backpropagates its MEAN
+    loss, rescaled by the average token count per micro-batch so that the overall size of the gradient stays
+    right: every micro-batch then weighs the same, whatever its token count, which is wrong whenever the
+    counts differ. The step multiplies by D / N, so the gradient becomes that of the mean of micro-batch means."""
+    tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
+    tokens_global = tokens_local
+    if context.world_size > 1:
+        counted = torch.tensor([tokens_local])
+        dist.all_reduce(counted)
+        tokens_global = int(counted)
+    tokens_per_micro_batch = tokens_global / (len(micro_batches) * context.world_size)
+
+    def micro_batch_mean_times_average_count(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)  # an empty micro-batch still adds exactly zero
-        return correct_token_loss_sum(logits, labels) / tokens * tokens_per_micro_batch
+        return loss_sum_fn(outputs, labels) / tokens * tokens_per_micro_batch
 
-    return mock.patch.object(accumulation.step, "token_loss_sum", micro_batch_mean_times_average_count)
+    return micro_batch_mean_times_average_count
 
 
 if __name__ == "__main__":

@@ -6,15 +6,11 @@ Each line is `name: value`; tests/test_guide.py checks that every value appears 
 cannot drift from what the code does.
 """
 
-import sys
-from pathlib import Path
-
 import numpy
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
-from accumulation.batching import accumulation_steps, describe_batch  # noqa: E402
-from accumulation.schedule import lr_multiplier  # noqa: E402
+from accumulation.batching import accumulation_steps, describe_batch
+from accumulation.schedule import lr_multiplier
 
 
 def token_weighting() -> dict:

@@ -16,7 +16,6 @@ which it spawns itself.
 
 import argparse
 import contextlib
-import copy
 import functools
 import json
 import math
@@ -24,26 +23,28 @@ import sys
 import warnings
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-# Run as `python scripts/pitfalls.py`, Python puts scripts/ on the path, not the project root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps  # noqa: E402  (after the path fix)
-from accumulation.data import RowSet, build_micro_batches, epoch_permutation, make_rows, step_row_ids, steps_per_epoch  # noqa: E402
-from accumulation.local_ranks import run_on_ranks  # noqa: E402
-from accumulation.model import GPT, VOCAB_SIZE, GPTConfig  # noqa: E402
-from accumulation.schedule import build_scheduler  # noqa: E402
-from accumulation.step import Counters, all_reduce_ints, count_supervised_tokens, optimizer_step, token_loss_sum  # noqa: E402
+from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps
+from accumulation.data import RowSet, build_micro_batches, epoch_permutation, make_rows, step_row_ids, steps_per_epoch
+from accumulation.model import GPT, GPTConfig
+from accumulation.schedule import build_scheduler
+from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from testkit.ranks import run_on_ranks
+from testkit.reference import (
+    capture_gradients,
+    counting_allreduce_hook,
+    float64_reference_gradient,
+    max_relative_error,
+)
 
 SEQ_LEN = 16
-MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=32)
+VOCAB_SIZE = 256  # byte tokens, as make_rows cuts them
+MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=32, vocab_size=VOCAB_SIZE)
 MODEL_SEED = 7
 MICRO_BATCH_SIZE = 2  # m
 LR = 0.1
@@ -145,16 +146,6 @@ def norm_model(norm_class: type[nn.Module]) -> nn.Sequential:
     return model.double()
 
 
-def reference_gradient(model: nn.Module, batches: list[MicroBatch]) -> list[torch.Tensor]:
-    """∇ of the token-mean loss over all given micro-batches as one big float64 batch, by PyTorch alone."""
-    model = copy.deepcopy(model).double()
-    inputs = torch.cat([mb.inputs for mb in batches])
-    labels = torch.cat([mb.labels for mb in batches])
-    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def clip_like_pytorch(gradient: list[torch.Tensor], max_norm: float) -> list[torch.Tensor]:
     """The whole gradient scaled to norm max_norm, as clip_grad_norm_ does (its documented 1e-6 guard included)."""
     total_norm = math.sqrt(sum(float((g**2).sum()) for g in gradient))
@@ -168,10 +159,6 @@ def relative_difference(a: list[torch.Tensor], b: list[torch.Tensor], reference:
     return max(float((x - y).abs().max()) for x, y in zip(a, b, strict=True)) / scale
 
 
-def relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    return relative_difference(gradient, reference, reference)
-
-
 def gradients(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters()]
 
@@ -183,26 +170,29 @@ def tokens_in(batches: list[MicroBatch]) -> int:
 
 def loss_sum(model: nn.Module, micro_batch: MicroBatch) -> torch.Tensor:
     """S_k: the sum of token losses of one micro-batch."""
-    return token_loss_sum(model(micro_batch.inputs), micro_batch.labels)
+    return token_cross_entropy_sum(model(micro_batch.inputs), micro_batch.labels)
 
 
-def training_objects(model: nn.Module, warmup_updates: int = 0, scaler_enabled: bool = False):
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    scheduler = build_scheduler(optimizer, "constant", warmup_updates, 0, 1.0)
-    # A power-of-two scale multiplies and divides float64 gradients exactly.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaler_enabled)
-    return optimizer, scheduler, scaler
+def sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=LR)
+
+
+def loss_scaler() -> torch.amp.GradScaler:
+    """An fp16 run's GradScaler, here on float64: a power-of-two scale multiplies and divides exactly."""
+    return torch.amp.GradScaler("cpu", init_scale=2.0**10)
 
 
 def correct_step(
-    model: nn.Module, batches: list[MicroBatch], grad_clip: float = 0.0, scaler_enabled: bool = False
+    model: nn.Module,
+    batches: list[MicroBatch],
+    grad_clip: float = 0.0,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> list[torch.Tensor]:
-    """One step of the project's optimizer_step; returns the gradient the optimizer used (after unscaling
-    and clipping), captured just before the update since the step sets .grad to None at its end."""
-    optimizer, scheduler, scaler = training_objects(model, scaler_enabled=scaler_enabled)
-    captured = []
-    optimizer.register_step_pre_hook(lambda opt, args, kwargs: captured.append(gradients(model)))
-    optimizer_step(model, batches, optimizer, scheduler, scaler, Counters(), grad_clip=grad_clip, device=CPU)
+    """One step of the project's optimizer_step with SGD; returns the gradient the optimizer used (after
+    unscaling and clipping), captured just before the update since the step sets .grad to None at its end."""
+    optimizer = sgd(model)
+    captured = capture_gradients(optimizer)
+    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=grad_clip)
     return captured[0]
 
 
@@ -213,9 +203,9 @@ def gradient_measurement(pitfall: str, buggy: float, correct: float) -> Measurem
 def against_one_step(pitfall: str, buggy_model: nn.Module, batches: list[MicroBatch]) -> Measurement:
     """The buggy twin's accumulated .grad and the correct twin (optimizer_step on a fresh model), both judged
     against the reference gradient of the same step at the initial weights."""
-    reference = reference_gradient(gpt(), batches)
-    buggy = relative_error(gradients(buggy_model), reference)
-    correct = relative_error(correct_step(gpt(), batches), reference)
+    reference = float64_reference_gradient(gpt(), batches)
+    buggy = max_relative_error(gradients(buggy_model), reference)
+    correct = max_relative_error(correct_step(gpt(), batches), reference)
     return gradient_measurement(pitfall, buggy, correct)
 
 
@@ -250,7 +240,7 @@ def zero_grad_inside_the_group() -> Measurement:
     """4. zero_grad at the top of the micro-batch loop: only the last micro-batch's gradient reaches the update."""
     batches = step_batches(STEP_IDS)
     model = gpt()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = sgd(model)
     tokens = tokens_in(batches)
     for mb in batches:
         optimizer.zero_grad()
@@ -264,21 +254,21 @@ def missing_zero_grad_between_groups() -> Measurement:
     Each twin's reference is the gradient of the second step's batch at that twin's weights after step one."""
     groups = [step_batches(STEP_IDS), step_batches(NEXT_STEP_IDS)]
     model = gpt()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = sgd(model)
     for batches in groups:
-        reference = reference_gradient(model, batches)
+        reference = float64_reference_gradient(model, batches)
         tokens = tokens_in(batches)
         for mb in batches:
             (loss_sum(model, mb) / tokens).backward()
         optimizer.step()
         # The mistake: no optimizer.zero_grad() here.
-    buggy = relative_error(gradients(model), reference)
+    buggy = max_relative_error(gradients(model), reference)
 
     model = gpt()
     for batches in groups:
-        reference = reference_gradient(model, batches)
+        reference = float64_reference_gradient(model, batches)
         used = correct_step(model, batches)
-    correct = relative_error(used, reference)
+    correct = max_relative_error(used, reference)
     return gradient_measurement("5. no zero_grad between groups", buggy, correct)
 
 
@@ -290,7 +280,8 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
     groups = [step_batches(STEP_IDS), step_batches(NEXT_STEP_IDS)]
 
     model = gpt()
-    optimizer, scheduler, _ = training_objects(model, warmup_updates)
+    optimizer = sgd(model)
+    scheduler = build_scheduler(optimizer, "constant", warmup_updates, 0, 1.0)
     with warnings.catch_warnings():
         # PyTorch warns when a scheduler steps before the first optimizer.step(): the very mistake shown here.
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)`")
@@ -304,9 +295,12 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
     buggy_lr = optimizer.param_groups[0]["lr"]
 
     model = gpt()
-    optimizer, scheduler, scaler = training_objects(model, warmup_updates)
+    optimizer = sgd(model)
+    scheduler = build_scheduler(optimizer, "constant", warmup_updates, 0, 1.0)
     for batches in groups:
-        optimizer_step(model, batches, optimizer, scheduler, scaler, Counters(), grad_clip=0.0, device=CPU)
+        result = optimizer_step(model, batches, optimizer, device=CPU)
+        if result.applied:
+            scheduler.step()  # as train.py does: the schedule's unit is applied updates
     correct_lr = optimizer.param_groups[0]["lr"]
 
     buggy, correct = (abs(lr - expected_lr) / expected_lr for lr in (buggy_lr, correct_lr))
@@ -317,7 +311,7 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
 
 def clip_threshold(batches: list[MicroBatch]) -> float:
     """A clipping threshold that bites: a tenth of the norm of the step's true gradient."""
-    reference = reference_gradient(gpt(), batches)
+    reference = float64_reference_gradient(gpt(), batches)
     return 0.1 * math.sqrt(sum(float((g**2).sum()) for g in reference))
 
 
@@ -326,15 +320,15 @@ def clipped_per_micro_batch() -> Measurement:
     micro-batches count less than late ones, and the direction of the update changes."""
     batches = step_batches(STEP_IDS)
     max_norm = clip_threshold(batches)
-    clipped_reference = clip_like_pytorch(reference_gradient(gpt(), batches), max_norm)
+    clipped_reference = clip_like_pytorch(float64_reference_gradient(gpt(), batches), max_norm)
     model = gpt()
     tokens = tokens_in(batches)
     for mb in batches:
         (loss_sum(model, mb) / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the mistake: inside the loop
-    buggy = relative_error(gradients(model), clipped_reference)
+    buggy = max_relative_error(gradients(model), clipped_reference)
 
-    correct = relative_error(correct_step(gpt(), batches, grad_clip=max_norm), clipped_reference)
+    correct = max_relative_error(correct_step(gpt(), batches, grad_clip=max_norm), clipped_reference)
     return gradient_measurement("7. clipped per micro-batch", buggy, correct)
 
 
@@ -343,18 +337,21 @@ def clipped_before_unscale() -> Measurement:
     the threshold is applied to s·g, and the update ends up s times too small (here s = 1024)."""
     batches = step_batches(STEP_IDS)
     max_norm = clip_threshold(batches)
-    clipped_reference = clip_like_pytorch(reference_gradient(gpt(), batches), max_norm)
+    clipped_reference = clip_like_pytorch(float64_reference_gradient(gpt(), batches), max_norm)
     model = gpt()
-    optimizer, _, scaler = training_objects(model, scaler_enabled=True)
+    optimizer = sgd(model)
+    scaler = loss_scaler()
     tokens = tokens_in(batches)
     for mb in batches:
         scaler.scale(loss_sum(model, mb) / tokens).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the mistake: no scaler.unscale_ before
     scaler.step(optimizer)  # unscales now, after the clip
     scaler.update()
-    buggy = relative_error(gradients(model), clipped_reference)
+    buggy = max_relative_error(gradients(model), clipped_reference)
 
-    correct = relative_error(correct_step(gpt(), batches, grad_clip=max_norm, scaler_enabled=True), clipped_reference)
+    correct = max_relative_error(
+        correct_step(gpt(), batches, grad_clip=max_norm, scaler=loss_scaler()), clipped_reference
+    )
     return gradient_measurement("8. clipped before unscale_", buggy, correct)
 
 
@@ -378,8 +375,8 @@ def batch_norm_under_micro_batching() -> Measurement:
     errors = []
     for norm_class in (nn.BatchNorm1d, nn.LayerNorm):
         model = norm_model(norm_class)
-        reference = reference_gradient(model, batches)
-        errors.append(relative_error(correct_step(model, batches), reference))
+        reference = float64_reference_gradient(model, batches)
+        errors.append(max_relative_error(correct_step(model, batches), reference))
     return gradient_measurement("12. BatchNorm under micro-batching", *errors)
 
 
@@ -478,12 +475,6 @@ def loss_summed_with_its_graph() -> Measurement:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def counting_allreduce_hook(state: dict, bucket):
-    """DDP's own all-reduce, counting the bytes of each bucket it sends."""
-    state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return default_hooks.allreduce_hook(None, bucket)
-
-
 def counted_ddp_model() -> tuple[DistributedDataParallel, dict]:
     model = DistributedDataParallel(gpt())
     state = {"bytes": 0}
@@ -533,7 +524,7 @@ def two_rank_twins(rank: int, world_size: int) -> dict:
 def two_rank_pitfalls() -> list[Measurement]:
     per_rank = run_on_ranks(two_rank_twins, WORLD_SIZE)
     batches = [mb for rank in range(WORLD_SIZE) for mb in step_batches(TWO_RANK_STEP_IDS, WORLD_SIZE, rank)]
-    reference = reference_gradient(gpt(), batches)
+    reference = float64_reference_gradient(gpt(), batches)
     gradient_bytes = sum(p.numel() * p.element_size() for p in gpt().parameters())
     correct = [r["correct"] for r in per_rank]
     forward_outside = per_rank[0]["forward outside no_sync"]
@@ -542,8 +533,8 @@ def two_rank_pitfalls() -> list[Measurement]:
     return [
         gradient_measurement(
             "2. no cross-rank token normalization",
-            relative_error(per_rank[0]["per-rank means"], reference),
-            max(relative_error(r["gradient"], reference) for r in correct),
+            max_relative_error(per_rank[0]["per-rank means"], reference),
+            max(max_relative_error(r["gradient"], reference) for r in correct),
         ),
         Measurement(
             "9. forward outside no_sync",
@@ -553,7 +544,7 @@ def two_rank_pitfalls() -> list[Measurement]:
             correct[0]["bytes"] == gradient_bytes,
             # Exactly this bug: A all-reduces instead of one, while the gradient itself stays right.
             forward_outside["bytes"] == ACCUMULATION_STEPS * gradient_bytes
-            and relative_error(forward_outside["gradient"], reference) <= GRADIENT_RTOL,
+            and max_relative_error(forward_outside["gradient"], reference) <= GRADIENT_RTOL,
         ),
         Measurement(
             "10. sync boundary on the wrong micro-batch",

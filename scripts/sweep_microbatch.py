@@ -12,36 +12,36 @@ several times:
   1. warm-up: first-call costs (allocator growth, DDP's buckets, torch.compile) stay out of the numbers;
      the gradient the optimizer is handed is kept for the comparison across m;
   2. timed, TIMED_UPDATES times: supervised tokens (all ranks) per second of wall time, of the fastest;
-  3. profiled: peak memory (see scripts/bench.py, peak_memory_bytes_of).
+  3. profiled: peak memory (see testkit/memory.py, peak_memory_bytes_of).
 
-The model and the optimizer are those of scripts/check_equivalence.py (comparable_model, gradient_probe):
-dropout off, and SGD with learning rate 0, so the weights never move: every update of every m sees the same
-model, and the gradients of different m must agree. That SGD holds no state, so the peak is what depends
-on m (activations, gradients, temporaries); AdamW would add 2 x 4 bytes per parameter to every row.
+The model is the config's (accumulation.models.build_model) with dropout off, trained with the config's loss
+and precision, and the optimizer is SGD with learning rate 0, so the weights never move: every update of
+every m sees the same model, and the gradients of different m must agree. That SGD holds no state, so the
+peak is what depends on m (activations, gradients, temporaries); AdamW would add 2 x 4 bytes per parameter
+to every row.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
-# Run as `python scripts/sweep_microbatch.py`, Python puts scripts/ on the path, not the project root.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from accumulation.batching import accumulation_steps  # noqa: E402  (after the path fix above)
-from accumulation.build import autocast_dtype_for, check_device_available  # noqa: E402
-from accumulation.config import Config, ConfigError, load_config  # noqa: E402
-from accumulation.data import Corpus, DataError, build_micro_batches, load_corpus, step_row_ids  # noqa: E402
-from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed  # noqa: E402
-from accumulation.step import Counters, optimizer_step  # noqa: E402
-from scripts.bench import peak_memory_bytes_of  # noqa: E402
-from scripts.check_equivalence import comparable_model, gradient_probe  # noqa: E402
+from accumulation.batching import accumulation_steps
+from accumulation.build import autocast_dtype_for, check_device_available
+from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
+from accumulation.data import Data, DataError, build_data, build_micro_batches, step_row_ids
+from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.models import build_model, loss_sum_fn_for, resolved_vocab_size
+from accumulation.step import optimizer_step
+from testkit.memory import peak_memory_bytes_of
+from testkit.reference import max_relative_error
 
 # Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
 # Different m add the same terms in a different order (other micro-batch sums, other matrix shapes).
@@ -104,7 +104,8 @@ def main(argv: list[str]) -> int:
                 f"--micro: none of {arguments.micro} gives a whole number of accumulation steps ({rows[0]['skipped']})"
             )
         check_device_available(config)
-        corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+        corpus = build_data(config)
+        vocab_size = resolved_vocab_size(config, corpus.vocab_size)
         row_ids = step_row_ids(
             corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
         )
@@ -115,7 +116,7 @@ def main(argv: list[str]) -> int:
 
     context = setup_distributed(config.device, config.dist.timeout_s)
     try:
-        sweep(config, corpus, row_ids, context, rows)
+        sweep(config, corpus, vocab_size, row_ids, context, rows)
         if not context.is_main:
             return 0
         tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
@@ -154,14 +155,23 @@ def planned_rows(global_batch_size: int, micro_batch_sizes: list[int], world_siz
     return rows
 
 
-def sweep(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, rows: list[dict]) -> None:
+def sweep(
+    config: Config,
+    corpus: Data,
+    vocab_size: int,
+    row_ids: torch.Tensor,
+    context: DistributedContext,
+    rows: list[dict],
+) -> None:
     """Measure every row that is not skipped, adding tokens, time_s, tokens_per_s, peak_mem_bytes and, on
     rank 0, grad_max_relative_difference against the first measured m."""
     first_gradients = None
     for row in rows:
         if row["skipped"]:
             continue
-        gradients, measurements = measure_one_update(config, corpus, row_ids, context, row["micro_batch_size"])
+        gradients, measurements = measure_one_update(
+            config, corpus, vocab_size, row_ids, context, row["micro_batch_size"]
+        )
         if gradients is None:
             row["skipped"] = (
                 "no update was applied (non-finite gradient or no supervised tokens): no gradient to compare"
@@ -170,17 +180,53 @@ def sweep(config: Config, corpus: Corpus, row_ids: torch.Tensor, context: Distri
         row.update(measurements)
         first_gradients = gradients if first_gradients is None else first_gradients
         if context.is_main:
-            row["grad_max_relative_difference"] = max_relative_difference(gradients, first_gradients)
+            row["grad_max_relative_difference"] = max_relative_error(gradients, first_gradients)
+
+
+def comparable_model(config: Config, vocab_size: int, device: torch.device) -> torch.nn.Module:
+    """The config's model with dropout off (its masks are random, so two m would see different models), with
+    the same initial weights at every call."""
+    without_dropout = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+    return build_model(without_dropout, vocab_size).to(device)
+
+
+def gradient_probe(config: Config, model: torch.nn.Module, context: DistributedContext):
+    """(the model wrapped as train.py wraps it: torch.compile when configured, DDP over several ranks;
+    an optimizer that never moves the weights; handed).
+
+    The optimizer is SGD with learning rate 0 and without momentum, so it holds no state. Its hook puts into
+    `handed` the gradients of the first applied update, as the optimizer sees them: after accumulation, DDP's
+    all-reduce, unscaling and (when on) clipping. Later updates add nothing, so that memory measured around
+    them holds no copies of the probe's."""
+    device = context.device
+    wrapped = torch.compile(model) if config.model.compile else model
+    if context.world_size > 1:
+        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+
+    def record_first_gradient(opt, args, kwargs):
+        if not handed:
+            handed.append([p.grad.detach().clone() for p in model.parameters()])
+
+    optimizer.register_step_pre_hook(record_first_gradient)
+    return wrapped, optimizer, handed
 
 
 def measure_one_update(
-    config: Config, corpus: Corpus, row_ids: torch.Tensor, context: DistributedContext, micro_batch_size: int
+    config: Config,
+    corpus: Data,
+    vocab_size: int,
+    row_ids: torch.Tensor,
+    context: DistributedContext,
+    micro_batch_size: int,
 ):
     """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
-    model = comparable_model(config, device)  # the same initial weights for every m
-    wrapped, optimizer, scheduler, scaler, handed = gradient_probe(config, model, context)
+    model = comparable_model(config, vocab_size, device)  # the same initial weights for every m
+    wrapped, optimizer, handed = gradient_probe(config, model, context)
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     micro_batches = build_micro_batches(
         corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank
     )
@@ -190,11 +236,10 @@ def measure_one_update(
             wrapped,
             micro_batches,
             optimizer,
-            scheduler,
-            scaler,
-            Counters(),
-            grad_clip=config.optim.grad_clip,
             device=device,
+            scaler=scaler,
+            loss_sum_fn=loss_sum_fn_for(config),
+            grad_clip=config.optim.grad_clip,
             autocast_dtype=autocast_dtype_for(config),
         )
 
@@ -221,14 +266,6 @@ def measure_one_update(
         "tokens_per_s": result.tokens / seconds,
         "peak_mem_bytes": peak_bytes,
     }
-
-
-def max_relative_difference(gradients: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """max |gradients - reference| over all entries, relative to the largest entry of the reference."""
-    largest = max(r.abs().max().item() for r in reference)
-    return (
-        max((g.double() - r.double()).abs().max().item() for g, r in zip(gradients, reference, strict=True)) / largest
-    )
 
 
 def gradients_agree(rows: list[dict], tolerance: float) -> bool:

@@ -13,7 +13,7 @@ first restart, ...), the rank, and one of
 Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
 file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired.
 
-train.py itself is not changed: two functions it imports are wrapped before it runs as __main__.
+train.py itself is not changed: three functions it imports are wrapped before it runs as __main__.
 """
 
 import json
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import accumulation.checkpoint
+import accumulation.data
 import accumulation.step
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
@@ -51,11 +52,19 @@ def kill_this_process(fault: dict, **observed) -> None:
 
 FAULT = this_process_fault()
 real_optimizer_step = accumulation.step.optimizer_step
+real_step_row_ids = accumulation.data.step_row_ids
 real_save_checkpoint = accumulation.checkpoint.save_checkpoint
+step_running = 0  # the step whose examples were fetched last, counted from 1: the one about to run
 
 
-def optimizer_step_with_fault(model, micro_batches, optimizer, scheduler, scaler, counters, **options):
-    step = counters.steps + 1  # the step about to run, counted from 1
+def step_row_ids_noting_the_step(num_rows, global_batch_size, seed, step, tail):
+    global step_running
+    step_running = step + 1
+    return real_step_row_ids(num_rows, global_batch_size, seed, step, tail)
+
+
+def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
+    step = step_running
     if FAULT.get("hang_at_step") == step:
         log_fault(FAULT)
         time.sleep(3600)  # the other ranks wait for this one in their next collective
@@ -72,7 +81,7 @@ def optimizer_step_with_fault(model, micro_batches, optimizer, scheduler, scaler
 
         hook = model.register_forward_pre_hook(before_forward)
     try:
-        return real_optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options)
+        return real_optimizer_step(model, micro_batches, optimizer, **options)
     finally:
         if hook is not None:
             hook.remove()
@@ -90,5 +99,6 @@ def save_checkpoint_with_fault(payload, checkpoint_dir, steps, keep):
 
 # train.py binds these names when it is imported, so they are replaced in their modules first.
 accumulation.step.optimizer_step = optimizer_step_with_fault
+accumulation.data.step_row_ids = step_row_ids_noting_the_step
 accumulation.checkpoint.save_checkpoint = save_checkpoint_with_fault
 runpy.run_path(str(TRAIN_PY), run_name="__main__")

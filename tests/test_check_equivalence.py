@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from scripts import check_equivalence
 
@@ -88,3 +89,67 @@ def test_a_bad_config_exits_2_with_one_line(capsys, arguments, named):
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.splitlines()) == 1 and named in captured.err
+
+
+SFT_CONFIG = str(REPO / "configs" / "sft.toml")
+SMALL_SFT = ["--config", SFT_CONFIG, "model.n_layer=1", "model.d_model=32", "model.n_head=2"]
+
+
+def run_on_sft(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
+    """The checker on the prompt/response data of configs/sft.toml (prompt never supervised)."""
+    if ranks == 1:
+        status = check_equivalence.main([*SMALL_SFT, *arguments])
+        return status, capsys.readouterr().out
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    completed = subprocess.run(
+        launcher + [str(SCRIPT), *SMALL_SFT, *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+        cwd=REPO,
+    )
+    assert completed.returncode in (0, 1), completed.stdout + completed.stderr
+    return completed.returncode, completed.stdout
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_prompt_masked_data_passes_and_an_injected_mask_bug_fails(tmp_path, capsys, ranks):
+    status, stdout = run_on_sft(tmp_path, [], ranks, capsys)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    status, stdout = run_on_sft(tmp_path, ["--inject-bug", "mask"], ranks, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    # The loop then counts prompt targets too: more supervised targets than the reference.
+    loop, reference = re.search(r"supervised targets: loop ([0-9,]+), reference ([0-9,]+)", stdout).groups()
+    assert int(loop.replace(",", "")) > int(reference.replace(",", ""))
+
+
+def test_the_mask_self_test_needs_prompts(tmp_path, capsys):
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "mask"]) == 2
+    assert "needs rows with prompt positions" in capsys.readouterr().err
+
+
+def test_the_second_model_passes_and_is_named(tmp_path, capsys):
+    status, stdout = run_checker(tmp_path, ["model.name=gru"], 1, capsys)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    assert "model: GRULanguageModel (gru)" in stdout
+
+
+def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys, monkeypatch):
+    """A fork's model that draws its initial weights from the global generator starts differently on each
+    rank (dropout seeds it per rank) and in each build: the checker refuses it."""
+    real_build_model = check_equivalence.build_model
+
+    def unseeded_build_model(config, vocab_size):
+        model = real_build_model(config, vocab_size)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.normal_(0, 0.02)  # the global generator, which moves on between builds
+        return model
+
+    monkeypatch.setattr(check_equivalence, "build_model", unseeded_build_model)
+    status, stdout = run_checker(tmp_path, [], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert "initial weights" in stdout

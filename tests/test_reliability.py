@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import accumulation.step
 import train
 from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
 
@@ -373,18 +372,21 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, star
 
 def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
     """The loss of each step in bad_steps (counted from 1) is multiplied by nan, and so is every gradient."""
-    real_optimizer_step, real_token_loss_sum = train.optimizer_step, accumulation.step.token_loss_sum
+    real_optimizer_step, real_step_row_ids = train.optimizer_step, train.step_row_ids
+    step_running = []  # the step whose examples were fetched last, counted from 1
 
-    def optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options):
-        with monkeypatch.context() as patch:
-            if counters.steps + 1 in bad_steps:
-                patch.setattr(
-                    accumulation.step,
-                    "token_loss_sum",
-                    lambda logits, labels: real_token_loss_sum(logits, labels) * math.nan,
-                )
-            return real_optimizer_step(model, micro_batches, optimizer, scheduler, scaler, counters, **options)
+    def step_row_ids(num_rows, global_batch_size, seed, step, tail):
+        step_running.append(step + 1)
+        return real_step_row_ids(num_rows, global_batch_size, seed, step, tail)
 
+    def optimizer_step(model, micro_batches, optimizer, *, loss_sum_fn, **options):
+        if step_running[-1] in bad_steps:
+            return real_optimizer_step(
+                model, micro_batches, optimizer, loss_sum_fn=lambda *args: loss_sum_fn(*args) * math.nan, **options
+            )
+        return real_optimizer_step(model, micro_batches, optimizer, loss_sum_fn=loss_sum_fn, **options)
+
+    monkeypatch.setattr(train, "step_row_ids", step_row_ids)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
 
 

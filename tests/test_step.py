@@ -1,8 +1,13 @@
 """The accumulation core: one optimizer step equals the full-batch update.
 
 The reference in every equivalence test is computed independently of `accumulation.step`: one forward and
-backward of PyTorch's own token-mean cross-entropy (`reduction="mean"` with `ignore_index`) over the
-concatenation of every micro-batch of every rank, in float64, on one process.
+backward of PyTorch's own mean loss over the supervised targets (`reduction="mean"` with `ignore_index`) of
+the concatenation of every micro-batch of every rank, in float64, on one process (testkit/reference.py).
+The step's own loss sums and its weighting by D / N never enter it.
+
+Three label shapes are checked: byte-level language-model rows (the project's GPT, targets masked by
+length), prompt-masked language-model rows (the first P targets of a row are -100), and a per-example
+classifier (one label per row, -100 for an unsupervised example), the last also with a custom loss_sum_fn.
 """
 
 import contextlib
@@ -11,18 +16,28 @@ import math
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
-from accumulation.local_ranks import run_on_ranks
+from accumulation.counters import Counters
 from accumulation.model import GPT, GPTConfig
-from accumulation.schedule import build_scheduler
-from accumulation.step import Counters, optimizer_step
+from accumulation.schedule import build_scheduler, lr_multiplier
+from accumulation.step import StepResult, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from testkit.ranks import run_on_ranks
+from testkit.reference import (
+    capture_gradients,
+    counting_allreduce_hook,
+    float64_reference_gradient,
+    full_batch_mean_loss,
+    max_relative_error,
+)
 
+CPU = torch.device("cpu")
 SEQ_LEN = 8
-MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=16)
+VOCAB_SIZE = 256  # byte tokens
+MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=16, vocab_size=VOCAB_SIZE)
 
 # float64 runs of the step and of the reference differ only in the order in which the same float64 terms
 # are added (per micro-batch, then across micro-batches and ranks, versus one big sum). Each reordering
@@ -34,8 +49,8 @@ FLOAT64_RTOL = 1e-10
 def rows(supervised_counts: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random token rows; row i supervises its first supervised_counts[i] positions (0: a padding row)."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = torch.randint(0, 256, (len(supervised_counts), SEQ_LEN), generator=generator)
-    labels = torch.randint(0, 256, (len(supervised_counts), SEQ_LEN), generator=generator)
+    inputs = torch.randint(0, VOCAB_SIZE, (len(supervised_counts), SEQ_LEN), generator=generator)
+    labels = torch.randint(0, VOCAB_SIZE, (len(supervised_counts), SEQ_LEN), generator=generator)
     for row, count in enumerate(supervised_counts):
         labels[row, count:] = IGNORE_INDEX
     return inputs, labels
@@ -53,46 +68,26 @@ def new_model(dtype=torch.float64) -> GPT:
     return GPT(MODEL, seed=7).to(dtype)
 
 
-def reference_gradient(model: torch.nn.Module, batches: list[MicroBatch]) -> list[torch.Tensor]:
-    """∇ of the token-mean loss over all given micro-batches, as one big float64 batch."""
-    model = copy.deepcopy(model).double()
-    inputs = torch.cat([mb.inputs for mb in batches])
-    labels = torch.cat([mb.labels for mb in batches])
-    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    loss.backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
-def max_relative_error(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    scale = max(r.abs().max().item() for r in reference)
-    return max((g.double() - r).abs().max().item() for g, r in zip(grads, reference, strict=True)) / scale
-
-
-def capture_gradients(optimizer: torch.optim.Optimizer) -> list:
-    """Record the gradients the optimizer sees when it steps (after unscaling and clipping)."""
-    captured = []
-    optimizer.register_step_pre_hook(
-        lambda opt, args, kwargs: captured.append([p.grad.clone() for g in opt.param_groups for p in g["params"]])
-    )
-    return captured
-
-
-def training_objects(model, lr=0.1, scaler_enabled=False):
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    scheduler = build_scheduler(optimizer, "constant", 0, 0, 1.0)
-    scaler = torch.amp.GradScaler("cpu", enabled=scaler_enabled)
-    return optimizer, scheduler, scaler
-
-
-def one_step_gradient(model, batches, grad_clip=0.0):
-    optimizer, scheduler, scaler = training_objects(model)
+def one_step_gradient(model, batches, grad_clip=0.0, loss_sum_fn=token_cross_entropy_sum):
+    """One optimizer_step with plain SGD; (the gradient the optimizer was handed, the StepResult)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    counters = Counters()
-    result = optimizer_step(
-        model, batches, optimizer, scheduler, scaler, counters, grad_clip=grad_clip, device=torch.device("cpu")
-    )
-    return captured[0], result, counters
+    result = optimizer_step(model, batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, grad_clip=grad_clip)
+    return captured[0], result
 
+
+def training_step(model, batches, optimizer, scheduler, counters, **options) -> StepResult:
+    """What train.py does with one accumulation group: the step, then the scheduler, whose unit is applied
+    updates, and the run's counters."""
+    result = optimizer_step(model, batches, optimizer, device=CPU, **options)
+    if result.applied:
+        scheduler.step()
+    counters.add(result)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Byte-level language-model rows on one process.
 
 # Supervised-token counts per row, grouped into micro-batches. Same 8 rows in the first two cases.
 EIGHT_ROWS = [8, 1, 5, 3, 8, 2, 7, 4]
@@ -110,15 +105,13 @@ SINGLE_PROCESS_CASES = {
 def test_one_step_equals_full_batch_float64_reference(case):
     batches = micro_batches(SINGLE_PROCESS_CASES[case], seed=1)
     model = new_model()
-    reference = reference_gradient(model, batches)
-    grads, result, counters = one_step_gradient(model, batches)
+    reference = float64_reference_gradient(model, batches)
+    grads, result = one_step_gradient(model, batches)
     assert max_relative_error(grads, reference) < FLOAT64_RTOL
     supervised = sum(sum(counts) for counts in SINGLE_PROCESS_CASES[case])
     real_rows = sum(1 for counts in SINGLE_PROCESS_CASES[case] for c in counts if c > 0)
-    assert (result.tokens, result.examples) == (supervised, real_rows)
-    assert counters == Counters(
-        micro_batches=len(batches), steps=1, updates=1, skipped=0, examples=real_rows, tokens=supervised
-    )
+    assert (result.tokens, result.examples, result.micro_batches) == (supervised, real_rows, len(batches))
+    assert result.applied and result.skip_reason is None
 
 
 def test_logged_loss_is_the_exact_global_token_mean():
@@ -127,8 +120,8 @@ def test_logged_loss_is_the_exact_global_token_mean():
     inputs = torch.cat([mb.inputs for mb in batches])
     labels = torch.cat([mb.labels for mb in batches])
     with torch.no_grad():
-        expected = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-    _, result, _ = one_step_gradient(model, batches)
+        expected = full_batch_mean_loss(model(inputs), labels)
+    _, result = one_step_gradient(model, batches)
     assert result.loss == pytest.approx(expected.item(), rel=FLOAT64_RTOL)
 
 
@@ -137,16 +130,13 @@ def test_mean_of_micro_batch_means_is_wrong_on_the_same_data():
     token counts it weights a token of a short micro-batch more, and the comparison above catches it."""
     batches = micro_batches(SINGLE_PROCESS_CASES["token counts 1..full length"], seed=1)
     model = new_model()
-    reference = reference_gradient(model, batches)
+    reference = float64_reference_gradient(model, batches)
     wrong_model = copy.deepcopy(model)
     for mb in batches:
-        micro_mean = F.cross_entropy(
-            wrong_model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX
-        )
-        (micro_mean / len(batches)).backward()
+        (full_batch_mean_loss(wrong_model(mb.inputs), mb.labels) / len(batches)).backward()
     wrong = [p.grad for p in wrong_model.parameters()]
     assert max_relative_error(wrong, reference) > 1e-3 > FLOAT64_RTOL
-    correct, _, _ = one_step_gradient(model, batches)
+    correct, _ = one_step_gradient(model, batches)
     assert max_relative_error(correct, reference) < FLOAT64_RTOL
 
 
@@ -154,7 +144,7 @@ def test_clipping_happens_once_on_the_whole_gradient():
     """Clip the accumulated gradient, not each micro-batch's share: with a small threshold the two differ."""
     batches = micro_batches([[8, 8], [1, 0], [4, 2]], seed=3)
     model = new_model()
-    reference = reference_gradient(model, batches)
+    reference = float64_reference_gradient(model, batches)
     reference_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in reference]))
     grad_clip = 0.1 * reference_norm.item()
     # clip_grad_norm_ scales by max_norm / (norm + 1e-6); the 1e-6 is its documented guard against norm 0.
@@ -174,7 +164,7 @@ def test_clipping_happens_once_on_the_whole_gradient():
             total += p.grad
     assert max_relative_error(per_micro_clipped, clipped_reference) > 1e-3
 
-    grads, result, _ = one_step_gradient(model, batches, grad_clip=grad_clip)
+    grads, result = one_step_gradient(model, batches, grad_clip=grad_clip)
     assert max_relative_error(grads, clipped_reference) < FLOAT64_RTOL
     assert result.grad_norm == pytest.approx(reference_norm.item(), rel=FLOAT64_RTOL)  # norm before clipping
 
@@ -183,17 +173,16 @@ def test_step_without_supervised_tokens_is_skipped_cleanly():
     batches = micro_batches([[0, 0], [0, 0]], seed=4)
     model = new_model()
     before = copy.deepcopy(model.state_dict())
-    optimizer, scheduler, scaler = training_objects(model)
-    counters = Counters()
-    result = optimizer_step(
-        model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu")
-    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = optimizer_step(model, batches, optimizer, device=CPU, grad_clip=1.0)
     assert not result.applied and result.skip_reason == "no supervised tokens in the step"
     assert math.isnan(result.loss)  # there is no token to average over; reported, never used as a number
+    assert (result.micro_batches, result.examples, result.tokens) == (2, 0, 0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert scheduler.last_epoch == 0
-    assert counters == Counters(micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0)
     assert all(p.grad is None for p in model.parameters())
+    counters = Counters()
+    counters.add(result)
+    assert counters == Counters(micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0)
 
 
 def test_grad_scaler_skips_a_step_with_an_inf_gradient():
@@ -202,17 +191,8 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
     scheduler = build_scheduler(optimizer, "cosine", 2, 10, 0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     counters = Counters()
-    cpu = torch.device("cpu")
-    optimizer_step(
-        model,
-        micro_batches([[8, 3], [5, 5]], seed=5),
-        optimizer,
-        scheduler,
-        scaler,
-        counters,
-        grad_clip=1.0,
-        device=cpu,
-    )
+    options = {"scaler": scaler, "grad_clip": 1.0}
+    training_step(model, micro_batches([[8, 3], [5, 5]], seed=5), optimizer, scheduler, counters, **options)
     assert counters.updates == 1
 
     weights = copy.deepcopy(model.state_dict())
@@ -227,15 +207,8 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
         return grad * math.inf if len(backward_calls) == 2 else grad
 
     handle = model.lm_head.weight.register_hook(poison)
-    result = optimizer_step(
-        model,
-        micro_batches([[8, 3], [5, 5], [2, 1]], seed=6),
-        optimizer,
-        scheduler,
-        scaler,
-        counters,
-        grad_clip=1.0,
-        device=cpu,
+    result = training_step(
+        model, micro_batches([[8, 3], [5, 5], [2, 1]], seed=6), optimizer, scheduler, counters, **options
     )
     handle.remove()
     assert len(backward_calls) == 3
@@ -245,6 +218,7 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
     for index, state in optimizer_state["state"].items():
         assert all(torch.equal(state[key], state_after[index][key]) for key in state)
     assert scaler.get_scale() < scale_before
+    assert result.lr == lr_before
     assert scheduler.last_epoch == 1 and optimizer.param_groups[0]["lr"] == lr_before
     assert (counters.steps, counters.updates, counters.skipped) == (2, 1, 1)
 
@@ -252,21 +226,13 @@ def test_grad_scaler_skips_a_step_with_an_inf_gradient():
 def test_unscale_happens_once_per_step():
     """GradScaler raises if unscale_ is called twice per update; count the calls directly as well."""
     model = new_model(torch.float32)
-    optimizer, scheduler, _ = training_objects(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     calls = []
     original = scaler.unscale_
     scaler.unscale_ = lambda opt: (calls.append(1), original(opt))[1]
-    optimizer_step(
-        model,
-        micro_batches([[8], [3], [5], [1]], seed=8),
-        optimizer,
-        scheduler,
-        scaler,
-        Counters(),
-        grad_clip=1.0,
-        device=torch.device("cpu"),
-    )
+    batches = micro_batches([[8], [3], [5], [1]], seed=8)
+    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=1.0)
     assert len(calls) == 1
 
 
@@ -274,7 +240,7 @@ def test_no_host_synchronisation_between_first_forward_and_boundary(monkeypatch)
     """Patch every way of reading a tensor back to Python and count the calls made while the micro-batches run
     (from the first forward until the step reaches its boundary, marked by scaler.unscale_)."""
     model = new_model(torch.float32)
-    optimizer, scheduler, _ = training_objects(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     inside = [False]
     reads = []
@@ -302,36 +268,18 @@ def test_no_host_synchronisation_between_first_forward_and_boundary(monkeypatch)
     reads.clear()
     inside[0] = False
 
-    optimizer_step(
-        model,
-        micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9),
-        optimizer,
-        scheduler,
-        scaler,
-        Counters(),
-        grad_clip=1.0,
-        device=torch.device("cpu"),
-    )
+    batches = micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9)
+    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=1.0)
     assert reads == []
 
 
 def test_bf16_autocast_gradients_are_fp32_and_close_to_fp32():
     batches = micro_batches([[8, 3], [5, 5], [2, 1]], seed=10)
     model = new_model(torch.float32)
-    fp32_grads, _, _ = one_step_gradient(copy.deepcopy(model), batches)
-    optimizer, scheduler, scaler = training_objects(model)
+    fp32_grads, _ = one_step_gradient(copy.deepcopy(model), batches)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    optimizer_step(
-        model,
-        batches,
-        optimizer,
-        scheduler,
-        scaler,
-        Counters(),
-        grad_clip=0.0,
-        device=torch.device("cpu"),
-        autocast_dtype=torch.bfloat16,
-    )
+    optimizer_step(model, batches, optimizer, device=CPU, autocast_dtype=torch.bfloat16)
     bf16_grads = captured[0]
     assert all(g.dtype == torch.float32 for g in bf16_grads)
     assert all(p.dtype == torch.float32 for p in model.parameters())
@@ -374,6 +322,138 @@ def test_batch_arithmetic_and_layout():
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Other label shapes on one process: a per-example classifier and prompt-masked language-model rows.
+
+FEATURES, HIDDEN, CLASSES = 6, 12, 5
+LABEL_SMOOTHING = 0.1
+
+
+def classifier() -> nn.Sequential:
+    """A per-example classifier in float64: features [rows, FEATURES] -> logits [rows, CLASSES]. The same
+    weights at every call, without touching the caller's random state."""
+    with torch.random.fork_rng():
+        torch.manual_seed(11)
+        model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, CLASSES))
+    return model.double()
+
+
+def classifier_micro_batches(labelled_per_micro_batch: list[list[int]], seed: int) -> list[MicroBatch]:
+    """One micro-batch per list, one example per entry: random float64 features, and a random class where
+    the entry is 1 or -100 (an unsupervised example, still a real one) where it is 0. Labels: [rows]."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for labelled in labelled_per_micro_batch:
+        features = torch.randn(len(labelled), FEATURES, generator=generator, dtype=torch.float64)
+        classes = torch.randint(0, CLASSES, (len(labelled),), generator=generator)
+        labels = torch.where(torch.tensor(labelled, dtype=torch.bool), classes, IGNORE_INDEX)
+        batches.append(MicroBatch(features, labels, num_examples=len(labelled)))
+    return batches
+
+
+def label_smoothed_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """A custom loss_sum_fn, written by hand: the SUM over supervised examples of label-smoothed
+    cross-entropy, (1 - ε)·(-log p_label) + ε·(mean over the classes of -log p_class)."""
+    supervised = labels != IGNORE_INDEX
+    log_probabilities = F.log_softmax(outputs[supervised], dim=-1)
+    label_term = -log_probabilities.gather(1, labels[supervised].unsqueeze(1)).squeeze(1)
+    uniform_term = -log_probabilities.mean(dim=-1)
+    return ((1 - LABEL_SMOOTHING) * label_term + LABEL_SMOOTHING * uniform_term).sum()
+
+
+def label_smoothed_reference_gradient(model: nn.Module, batches: list[MicroBatch]) -> list[torch.Tensor]:
+    """∇ of PyTorch's own label-smoothed mean cross-entropy over every supervised example, as one float64
+    batch: the reference of the hand-written sum above, sharing no code with it."""
+    model = copy.deepcopy(model).double()
+    features = torch.cat([mb.inputs for mb in batches])
+    labels = torch.cat([mb.labels for mb in batches])
+    mean_loss = F.cross_entropy(model(features), labels, ignore_index=IGNORE_INDEX, label_smoothing=LABEL_SMOOTHING)
+    mean_loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# loss name -> (the loss_sum_fn the step is given, the float64 reference gradient of the same loss's mean)
+CLASSIFIER_LOSSES = {
+    "cross-entropy (the default)": (token_cross_entropy_sum, float64_reference_gradient),
+    "label-smoothed, written by hand": (label_smoothed_cross_entropy_sum, label_smoothed_reference_gradient),
+}
+
+# Per micro-batch of m = 4 examples, 1 for a labelled example and 0 for an unsupervised one: 4, 1, 0 and 3
+# supervised examples.
+CLASSIFIER_MICRO_BATCHES = [[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1]]
+
+
+def prompt_masked_micro_batches(shapes_per_micro_batch: list[list[tuple[int, int]]], seed: int) -> list[MicroBatch]:
+    """Instruction-tuning rows for the GPT. A row (prompt, length) holds `length` real tokens and is trained
+    on its targets after the first `prompt`: the prompt's targets and the padding after `length` are -100.
+    (0, 0) is a padding row; (P, P) a real row whose targets are all prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for shapes in shapes_per_micro_batch:
+        inputs = torch.randint(0, VOCAB_SIZE, (len(shapes), SEQ_LEN), generator=generator)
+        labels = torch.randint(0, VOCAB_SIZE, (len(shapes), SEQ_LEN), generator=generator)
+        for row, (prompt, length) in enumerate(shapes):
+            inputs[row, length:] = 0  # byte 0 is the padding, as in accumulation/data.py
+            labels[row, :prompt] = IGNORE_INDEX
+            labels[row, length:] = IGNORE_INDEX
+        batches.append(MicroBatch(inputs, labels, num_examples=sum(1 for _, length in shapes if length > 0)))
+    return batches
+
+
+# (prompt, length) per row, two rows per micro-batch: 6 + 3, 2 + 0, 0 + 6 and 1 + 0 supervised targets.
+PROMPT_MASKED_MICRO_BATCHES = [
+    [(2, 8), (5, 8)],
+    [(1, 3), (0, 0)],  # a padding row
+    [(4, 4), (0, 6)],  # a row that is all prompt; a row without prompt
+    [(7, 8), (0, 0)],
+]
+
+
+def supervised_and_real(batches: list[MicroBatch]) -> tuple[int, int]:
+    """(supervised targets, counted here from the labels; real examples) of the given micro-batches."""
+    supervised = sum(int((mb.labels != IGNORE_INDEX).sum()) for mb in batches)
+    return supervised, sum(mb.num_examples for mb in batches)
+
+
+@pytest.mark.parametrize("loss", CLASSIFIER_LOSSES)
+def test_per_example_classifier_equals_full_batch_float64_reference(loss):
+    loss_sum_fn, reference_gradient = CLASSIFIER_LOSSES[loss]
+    batches = classifier_micro_batches(CLASSIFIER_MICRO_BATCHES, seed=20)
+    model = classifier()
+    reference = reference_gradient(model, batches)
+    gradient, result = one_step_gradient(model, batches, loss_sum_fn=loss_sum_fn)
+    assert max_relative_error(gradient, reference) < FLOAT64_RTOL
+    assert (result.tokens, result.examples) == supervised_and_real(batches) == (8, 16)
+
+
+def test_prompt_masked_rows_equal_full_batch_float64_reference():
+    batches = prompt_masked_micro_batches(PROMPT_MASKED_MICRO_BATCHES, seed=21)
+    model = new_model()
+    reference = float64_reference_gradient(model, batches)
+    gradient, result = one_step_gradient(model, batches)
+    assert max_relative_error(gradient, reference) < FLOAT64_RTOL
+    assert (result.tokens, result.examples) == supervised_and_real(batches) == (18, 6)
+
+
+def test_a_mean_of_means_loss_fails_the_prompt_masked_comparison():
+    """The same comparison catches the classic weighting given to the step as its loss_sum_fn: each
+    micro-batch's MEAN, times the average targets per micro-batch N / A so that the gradient keeps its overall
+    size. The step's 1 / N then leaves the mean of the A micro-batch means (an empty micro-batch adds 0)."""
+    batches = prompt_masked_micro_batches(PROMPT_MASKED_MICRO_BATCHES, seed=21)
+    targets_per_micro_batch = supervised_and_real(batches)[0] / len(batches)
+
+    def micro_batch_mean_times_average_count(outputs, labels):
+        targets = max(count_supervised_tokens(labels), 1)
+        return token_cross_entropy_sum(outputs, labels) / targets * targets_per_micro_batch
+
+    model = new_model()
+    reference = float64_reference_gradient(model, batches)
+    wrong, _ = one_step_gradient(copy.deepcopy(model), batches, loss_sum_fn=micro_batch_mean_times_average_count)
+    assert max_relative_error(wrong, reference) > 1e-3 > FLOAT64_RTOL
+    right, _ = one_step_gradient(model, batches)
+    assert max_relative_error(right, reference) < FLOAT64_RTOL
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Two gloo ranks.
 
 # Per-rank micro-batches (supervised-token counts per row) of each two-rank scenario.
@@ -393,7 +473,7 @@ def two_rank_equivalence_worker(rank, world_size):
     results = {}
     for case in TWO_RANK_CASES:
         model = DistributedDataParallel(new_model())
-        optimizer, scheduler, scaler = training_objects(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         captured = capture_gradients(optimizer)
         # The accumulated gradients just before the boundary micro-batch's forward.
         before_boundary = []
@@ -405,39 +485,14 @@ def two_rank_equivalence_worker(rank, world_size):
                 before_boundary.append([p.grad.clone() for p in module.parameters()])
 
         model.module.register_forward_pre_hook(snapshot)
-        counters = Counters()
-        result = optimizer_step(
-            model,
-            case_batches(case, rank),
-            optimizer,
-            scheduler,
-            scaler,
-            counters,
-            grad_clip=0.0,
-            device=torch.device("cpu"),
-        )
-        results[case] = {
-            "after": captured[0],
-            "before": before_boundary[0],
-            "tokens": result.tokens,
-            "loss": result.loss,
-            "counters": counters,
-        }
+        result = optimizer_step(model, case_batches(case, rank), optimizer, device=CPU)
+        results[case] = {"after": captured[0], "before": before_boundary[0], "result": result}
     # A step with no supervised token anywhere: skipped on both ranks, nobody hangs.
     model = DistributedDataParallel(new_model())
-    optimizer, scheduler, scaler = training_objects(model)
-    counters = Counters()
-    result = optimizer_step(
-        model,
-        micro_batches([[0, 0], [0, 0]], seed=rank),
-        optimizer,
-        scheduler,
-        scaler,
-        counters,
-        grad_clip=1.0,
-        device=torch.device("cpu"),
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    results["all empty"] = optimizer_step(
+        model, micro_batches([[0, 0], [0, 0]], seed=rank), optimizer, device=CPU, grad_clip=1.0
     )
-    results["all empty"] = {"applied": result.applied, "counters": counters, "lr_steps": scheduler.last_epoch}
     return results
 
 
@@ -445,28 +500,74 @@ def test_two_ranks_equal_the_full_batch_and_sync_only_at_the_boundary():
     per_rank = run_on_ranks(two_rank_equivalence_worker, world_size=2)
     model = new_model()
     for case in TWO_RANK_CASES:
-        reference = reference_gradient(model, case_batches(case, 0) + case_batches(case, 1))
+        reference = float64_reference_gradient(model, case_batches(case, 0) + case_batches(case, 1))
         after = [r[case]["after"] for r in per_rank]
         # Bit-identical after the boundary all-reduce, and equal to the reference.
         assert all(torch.equal(a, b) for a, b in zip(after[0], after[1], strict=True)), case
         assert max_relative_error(after[0], reference) < FLOAT64_RTOL, case
         total = sum(sum(map(sum, TWO_RANK_CASES[case][rank])) for rank in (0, 1))
-        assert per_rank[0][case]["tokens"] == per_rank[1][case]["tokens"] == total
-        assert per_rank[0][case]["loss"] == per_rank[1][case]["loss"]
-        assert per_rank[0][case]["counters"].micro_batches == 3
+        results = [r[case]["result"] for r in per_rank]
+        assert results[0].tokens == results[1].tokens == total
+        assert results[0].loss == results[1].loss
+        assert results[0].micro_batches == 3
     # Before the boundary each rank holds only its own unsynchronised partial sums (where it has tokens).
     before = [r["uneven everywhere"]["before"] for r in per_rank]
     assert any(not torch.equal(a, b) for a, b in zip(before[0], before[1], strict=True))
     for r in per_rank:
-        assert r["all empty"]["applied"] is False and r["all empty"]["lr_steps"] == 0
-        assert r["all empty"]["counters"] == Counters(
-            micro_batches=2, steps=1, updates=0, skipped=1, examples=0, tokens=0
-        )
+        result = r["all empty"]
+        assert result.applied is False and result.skip_reason == "no supervised tokens in the step"
+        assert (result.micro_batches, result.examples, result.tokens) == (2, 0, 0)
 
 
-def counting_allreduce_hook(state: dict, bucket):
-    state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
-    return default_hooks.allreduce_hook(None, bucket)
+# Per-rank micro-batches of the other label shapes, with very uneven counts: the classifier's ranks hold
+# 11 and 1 supervised examples, the prompt-masked rows' ranks 40 and 2 targets.
+TWO_RANK_CLASSIFIER = {0: [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1]], 1: [[0, 1, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]}
+TWO_RANK_PROMPT_MASKED = {
+    0: [[(0, 8), (1, 8)], [(2, 8), (0, 8)], [(3, 7), (1, 8)]],
+    1: [[(6, 8), (0, 0)], [(5, 5), (0, 0)], [(0, 0), (0, 0)]],
+}
+
+
+def two_rank_label_shape_cases(rank: int) -> dict:
+    """case -> (the model, rank `rank`'s micro-batches, the step's loss_sum_fn, the reference gradient)."""
+    classifier_batches = classifier_micro_batches(TWO_RANK_CLASSIFIER[rank], seed=200 + rank)
+    cases = {
+        f"classifier, {loss}": (classifier(), classifier_batches, loss_sum_fn, reference_gradient)
+        for loss, (loss_sum_fn, reference_gradient) in CLASSIFIER_LOSSES.items()
+    }
+    prompt_masked_batches = prompt_masked_micro_batches(TWO_RANK_PROMPT_MASKED[rank], seed=300 + rank)
+    cases["prompt-masked GPT rows"] = (
+        new_model(),
+        prompt_masked_batches,
+        token_cross_entropy_sum,
+        float64_reference_gradient,
+    )
+    return cases
+
+
+def two_rank_label_shapes_worker(rank, world_size):
+    """One step per case on this rank; the gradient the optimizer was handed, and the StepResult."""
+    results = {}
+    for case, (model, batches, loss_sum_fn, _) in two_rank_label_shape_cases(rank).items():
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        captured = capture_gradients(optimizer)
+        result = optimizer_step(wrapped, batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
+        results[case] = {"gradient": captured[0], "result": result}
+    return results
+
+
+def test_two_ranks_equal_the_full_batch_for_a_classifier_and_prompt_masked_rows():
+    per_rank = run_on_ranks(two_rank_label_shapes_worker, world_size=2)
+    cases_by_rank = [two_rank_label_shape_cases(rank) for rank in (0, 1)]
+    for case, (model, rank0_batches, _, reference_gradient) in cases_by_rank[0].items():
+        all_batches = rank0_batches + cases_by_rank[1][case][1]
+        reference = reference_gradient(model, all_batches)
+        gradients = [r[case]["gradient"] for r in per_rank]
+        assert all(torch.equal(a, b) for a, b in zip(gradients[0], gradients[1], strict=True)), case
+        assert max_relative_error(gradients[0], reference) < FLOAT64_RTOL, case
+        for r in per_rank:
+            assert (r[case]["result"].tokens, r[case]["result"].examples) == supervised_and_real(all_batches), case
 
 
 def communication_worker(rank, world_size, bypass_no_sync, accumulation):
@@ -478,16 +579,13 @@ def communication_worker(rank, world_size, bypass_no_sync, accumulation):
     model.register_comm_hook(state, counting_allreduce_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = build_scheduler(optimizer, "cosine", 2, 5, 0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     counters = Counters()
     bytes_per_step, lrs = [], []
     for step in range(3):  # DDP rebuilds its buckets after the first iteration: count every step
         counts = [[8 - rank * 3, 2 + step]] * accumulation
         batches = micro_batches(counts, seed=10 * step + rank)
         state["bytes"] = 0
-        optimizer_step(
-            model, batches, optimizer, scheduler, scaler, counters, grad_clip=1.0, device=torch.device("cpu")
-        )
+        training_step(model, batches, optimizer, scheduler, counters, grad_clip=1.0)
         bytes_per_step.append(state["bytes"])
         lrs.append(optimizer.param_groups[0]["lr"])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -517,25 +615,13 @@ def test_one_gradient_all_reduce_per_step_counted_in_bytes():
 @pytest.mark.parametrize("accumulation", [1, 3])
 def test_scheduler_counts_applied_updates_only(accumulation):
     """After k applied updates, for any A: last_epoch == k and the lr is the schedule's value at k."""
-    from accumulation.schedule import lr_multiplier
-
     model = new_model(torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scheduler = build_scheduler(optimizer, "cosine", 3, 8, 0.1)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
     counters = Counters()
     for step in range(6):
         counts = [[0, 0]] * accumulation if step == 2 else [[5, 3]] * accumulation  # step 2 has no tokens
-        optimizer_step(
-            model,
-            micro_batches(counts, seed=step),
-            optimizer,
-            scheduler,
-            scaler,
-            counters,
-            grad_clip=1.0,
-            device=torch.device("cpu"),
-        )
+        training_step(model, micro_batches(counts, seed=step), optimizer, scheduler, counters, grad_clip=1.0)
     assert counters.updates == 5 and counters.skipped == 1
     assert scheduler.last_epoch == 5
     # Independent arithmetic of the schedule at 5 updates: cosine after 3 warm-up updates, horizon 8.

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import accumulation.step
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config import load_config
-from accumulation.data import load_corpus, step_row_ids
+from accumulation.data import build_data, step_row_ids
 from accumulation.distributed import DistributedContext
-from scripts import bench, sweep_microbatch
+from scripts import sweep_microbatch
+from testkit.memory import peak_memory_bytes_of
 from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus
 
 SINGLE_CPU_PROCESS = DistributedContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend=None)
@@ -21,10 +21,10 @@ SINGLE_CPU_PROCESS = DistributedContext(rank=0, local_rank=0, world_size=1, devi
 def swept_rows(tmp_path, micro_batch_sizes: list[int]) -> list[dict]:
     corpus_folder = short_documents_corpus(tmp_path / "corpus")
     config = load_config([*TINY_CONFIG, f"data.source={corpus_folder}"])
-    corpus = load_corpus(config.data.source, config.data.seq_len, config.data.val_fraction)
+    corpus = build_data(config)
     row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
     rows = sweep_microbatch.planned_rows(config.batch.global_batch_size, micro_batch_sizes, world_size=1)
-    sweep_microbatch.sweep(config, corpus, row_ids, SINGLE_CPU_PROCESS, rows)
+    sweep_microbatch.sweep(config, corpus, corpus.vocab_size, row_ids, SINGLE_CPU_PROCESS, rows)
     return rows
 
 
@@ -50,7 +50,7 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     def micro_batch_mean(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
 
-    monkeypatch.setattr(accumulation.step, "token_loss_sum", micro_batch_mean)
+    monkeypatch.setattr(sweep_microbatch, "loss_sum_fn_for", lambda config: micro_batch_mean)
     rows = swept_rows(tmp_path, [1, 8])
     assert rows[1]["grad_max_relative_difference"] > 1e-2
     assert not sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])
@@ -61,7 +61,7 @@ def test_peak_memory_of_a_known_allocation():
         block = torch.ones(1_000_000, dtype=torch.float32)  # 4 MB, freed on return
         return float(block.sum())
 
-    result, peak_bytes = bench.peak_memory_bytes_of(allocate_and_free, torch.device("cpu"))
+    result, peak_bytes = peak_memory_bytes_of(allocate_and_free, torch.device("cpu"))
     assert result == 1_000_000.0
     assert 4_000_000 <= peak_bytes < 4_100_000
 

@@ -12,7 +12,8 @@ import torch
 import train
 from accumulation.batching import accumulation_steps
 from accumulation.checkpoint import REQUIRED_KEYS
-from accumulation.data import load_corpus, step_row_ids
+from accumulation.config import load_config
+from accumulation.data import build_data, step_row_ids
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT_METRICS = {
@@ -102,7 +103,7 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, ranks
     metrics = read_metrics(run_dir)
     assert [m["steps"] for m in metrics] == [1, 2, 3, 4]
     accum = accumulation_steps(8, 2, ranks)
-    loaded = load_corpus(str(corpus), 16, 0.1)
+    loaded = build_data(load_config([f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.1"]))
     consumed_tokens = 0
     for line in metrics:
         assert CONTRACT_METRICS <= line.keys()

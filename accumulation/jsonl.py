@@ -1,0 +1,121 @@
+"""Supervised fine-tuning data: a JSONL file of examples, one example per row.
+
+Every non-blank line is one JSON object, of either kind (they may be mixed):
+
+    {"prompt": "Q: 37 + 48 =", "response": " 85\\n"}   tokens: the UTF-8 bytes of the prompt, then of the response;
+                                                      only the targets that predict response bytes are supervised
+    {"text": "a whole document"}                      every target supervised (as with a prompt of "")
+
+Other keys are ignored. A line that is not such an object is a DataError naming the file and the line.
+
+The byte vocabulary has no end-of-response token: a model learns where a response stops only from the
+response text itself (the worked example, data/sft_arithmetic.jsonl, ends every response with a newline).
+
+An example is one row, right-padded to seq_len + 1 tokens. A longer one keeps its first seq_len + 1 tokens
+and is counted as truncated; one left without a supervised target (its response cut off entirely, or under
+2 tokens in all) is dropped and counted. An example goes to validation when the crc32 hash of its line falls
+below data.val_fraction (data.validation_keys), so adding lines never moves another line across the split.
+"""
+
+import json
+from pathlib import Path
+
+from accumulation.data import Data, DataError, data_from_rows, make_example_rows, validation_keys
+
+LINE_FORMAT = 'each line must be a JSON object {"prompt": "...", "response": "..."} or {"text": "..."}'
+
+JSON_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}
+
+
+def json_type_name(value) -> str:
+    if isinstance(value, bool):  # bool is a subclass of int: ask first
+        return "a boolean"
+    if value is None:
+        return "null"
+    return JSON_TYPE_NAMES[type(value)]
+
+
+def utf8(source: str, line_number: int, key: str, value) -> bytes:
+    """The UTF-8 bytes of a string value, which must be a string."""
+    if not isinstance(value, str):
+        raise DataError(f"data.source {source!r}, line {line_number}: {key!r} is {json_type_name(value)}, not a string")
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON escapes can spell lone surrogates, which UTF-8 cannot encode
+        raise DataError(
+            f"data.source {source!r}, line {line_number}: {key!r} holds a lone surrogate escape; UTF-8 cannot encode it"
+        ) from None
+
+
+def parse_example(source: str, line_number: int, line: str) -> tuple[bytes, bytes]:
+    """(prompt bytes, response bytes) of one line; a {"text"} line is a prompt of b""."""
+    where = f"data.source {source!r}, line {line_number}"
+    try:
+        example = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); {LINE_FORMAT}") from None
+    if not isinstance(example, dict):
+        raise DataError(f"{where}: {json_type_name(example)}, not an object; {LINE_FORMAT}")
+    has_text = "text" in example
+    has_pair = "prompt" in example or "response" in example
+    if has_text and has_pair:
+        raise DataError(f'{where}: has both "text" and "prompt"/"response"; {LINE_FORMAT}')
+    if has_text:
+        return b"", utf8(source, line_number, "text", example["text"])
+    if not ("prompt" in example and "response" in example):
+        raise DataError(f"{where}: has the keys {json.dumps(sorted(example))}; {LINE_FORMAT}")
+    return utf8(source, line_number, "prompt", example["prompt"]), utf8(
+        source, line_number, "response", example["response"]
+    )
+
+
+def read_examples(source: str) -> tuple[bytes, list[tuple[bytes, bytes]], list[str]]:
+    """The file's bytes, its examples in line order, and the stripped text of each example's line."""
+    path = Path(source)
+    if not path.is_file():
+        raise DataError(f"data.source {source!r} does not exist or is not a file; point it at a JSONL file of examples")
+    try:
+        contents = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"cannot read {path} ({error.strerror or error}); make it readable") from None
+    examples, lines = [], []
+    # A UTF-8 multi-byte character never contains the byte of "\n", so the bytes may be split before decoding.
+    for line_number, line_bytes in enumerate(contents.split(b"\n"), start=1):
+        try:
+            line = line_bytes.decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise DataError(f"data.source {source!r}, line {line_number}: not valid UTF-8") from None
+        if line:
+            examples.append(parse_example(source, line_number, line))
+            lines.append(line)
+    return contents, examples, lines
+
+
+def load_jsonl(source: str, seq_len: int, val_fraction: float) -> Data:
+    """Read the examples of a JSONL file, split them by a hash of their lines, and make one row of each."""
+    contents, examples, lines = read_examples(source)
+    chosen = validation_keys(lines, val_fraction)
+    train_examples, val_examples = [], []
+    for example, line in zip(examples, lines, strict=True):
+        (val_examples if line in chosen else train_examples).append(example)
+    train = make_example_rows(train_examples, seq_len)
+    val = make_example_rows(val_examples, seq_len)
+    if train.rows.num_rows + val.rows.num_rows == 0:
+        raise DataError(
+            f"data.source {source!r} has no example with a supervised target ({len(examples)} examples, "
+            f"seq_len {seq_len}); add examples whose response fits in data.seq_len + 1 bytes with the prompt"
+        )
+    return data_from_rows(
+        source,
+        train.rows,
+        val.rows,
+        val_fraction,
+        root=source,
+        files=1,
+        val_files=1 if val_fraction > 0 else 0,
+        skipped_files=0,
+        bytes=len(contents),
+        documents=len(examples),
+        dropped_documents=train.dropped + val.dropped,
+        truncated_documents=train.truncated + val.truncated,
+    )

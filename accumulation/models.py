@@ -1,0 +1,90 @@
+"""The model factory and the loss: the places a fork adds or swaps an architecture or an objective.
+
+`build_model(config, vocab_size)` is used everywhere a model is made; `model.name` chooses the architecture.
+To add one, add its name to the choices of `model.name` in accumulation/config.py and a branch below.
+`loss_sum_fn_for(config)` is the loss train.py, validation and the equivalence checker use.
+
+The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
+
+    forward(inputs) -> outputs
+        inputs: int64 token ids [rows, seq_len]. outputs: whatever loss_sum_fn_for(config) accepts with the
+        labels (the default, accumulation.step.token_cross_entropy_sum, takes logits [rows, seq_len, vocab_size]).
+        Labels hold -100 where a position has no target (padding, prompt, ignored positions); the model never
+        sees them. The loss is a SUM over supervised positions, so outputs at unsupervised positions are harmless.
+    the same initial weights on every rank
+        drawn from a generator seeded with config.run.seed, never from the global RNG (which dropout uses and
+        which differs by rank), so that DDP starts every replica equal. Building under
+        `with torch.device("meta"):` must work too: count_parameters does that, allocating nothing.
+    describe() -> str
+        the one-line banner for this model, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads,
+        vocab 256)": it comes from the model, so no caller reads architecture-specific keys.
+    generate(prompt, num_new_tokens, generator) -> token ids (optional)
+        prompt: 1-D int64 token ids; returns them followed by num_new_tokens sampled ones, drawn with the
+        given torch.Generator. A model without it (the GRU here) gets no end-of-run sample.
+
+The vocabulary size comes from the data (256 for bytes) unless model.vocab_size asks for more:
+resolved_vocab_size decides, and build_model takes the result.
+"""
+
+from collections.abc import Callable
+
+import torch
+
+from accumulation.config import Config, ConfigError
+from accumulation.gru import GRULanguageModel
+from accumulation.model import GPT, GPTConfig
+from accumulation.step import token_cross_entropy_sum
+
+
+def resolved_vocab_size(config: Config, data_vocab_size: int) -> int:
+    """model.vocab_size when set (> 0), else the data's. A vocabulary smaller than the data's would give
+    token ids with no embedding row, so it is refused; a larger one only leaves ids that never occur."""
+    asked = config.model.vocab_size
+    if asked == 0:
+        return data_vocab_size
+    if asked < data_vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: expected 0 (from the data) or an integer >= {data_vocab_size}, the data's "
+            f"vocabulary size, got {asked}"
+        )
+    return asked
+
+
+def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
+    model = config.model
+    return GPTConfig(
+        seq_len=config.data.seq_len,
+        n_layer=model.n_layer,
+        n_head=model.n_head,
+        d_model=model.d_model,
+        vocab_size=vocab_size,
+        dropout=model.dropout,
+    )
+
+
+def build_model(config: Config, vocab_size: int) -> torch.nn.Module:
+    """The model config.model.name names, with vocab_size tokens (see resolved_vocab_size), initialised
+    from config.run.seed. Built on the current default device: call `.to(device)` afterwards."""
+    name = config.model.name
+    if name == "gpt":
+        return GPT(gpt_config(config, vocab_size), seed=config.run.seed)
+    if name == "gru":
+        model = config.model
+        return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=config.run.seed)
+    # Only reachable in a fork that added a choice to model.name in config.py but no branch here.
+    raise ConfigError(f'model.name: no model is built for "{name}"; add it to build_model in accumulation/models.py')
+
+
+def count_parameters(config: Config, vocab_size: int) -> int:
+    """The configured model's parameter count, from a build on PyTorch's "meta" device: every shape, no
+    memory and no values, so any depth or width is counted exactly and at once."""
+    with torch.device("meta"):
+        model = build_model(config, vocab_size)
+    return sum(param.numel() for param in model.parameters())
+
+
+def loss_sum_fn_for(config: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The loss of every model here: loss_sum_fn(outputs, labels) -> the SUM of the losses of the supervised
+    targets (labels != -100), never their mean: the step divides by the global count N itself. A fork with
+    another objective (label smoothing, a per-example classifier's loss, a regression) returns it here."""
+    return token_cross_entropy_sum

@@ -1,0 +1,165 @@
+"""Resuming a run: which checkpoint to continue from, what it must share with this run, and the state
+(random-number generators included) that makes the continuation bit-identical.
+
+A run's position is its counters: the data order is a pure function of (seed, step, global batch), so the
+step count says which examples come next. What else must be restored is the model, the optimizer, the
+scheduler, the GradScaler and every rank's random-number generator (dropout draws from it).
+"""
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, step_checkpoints
+from accumulation.config import Config, ConfigError, config_from_dict, config_to_dict
+from accumulation.distributed import DistributedContext
+
+# Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
+# each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
+# value would be silently replaced by the stored one. Everything else (max_steps, logging cadence,
+# micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
+MUST_MATCH_ON_RESUME = [
+    ("model", "name"),
+    ("model", "n_layer"),
+    ("model", "n_head"),
+    ("model", "d_model"),
+    ("data", "source"),
+    ("data", "seq_len"),
+    ("data", "val_fraction"),
+    ("batch", "global_batch_size"),
+    ("batch", "tail"),
+    ("run", "seed"),
+    ("optim", "name"),
+    ("optim", "lr"),
+    ("optim", "weight_decay"),
+    ("optim", "momentum"),
+    ("optim", "beta2"),
+]
+
+STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
+
+# Dropout draws from the global generator, seeded per rank. The data order's per-epoch seeds
+# (seed * 1_000_003 + epoch) never reach this offset, so the two streams never coincide.
+DROPOUT_SEED_OFFSET = 2**40
+
+
+def seed_dropout(seed: int, rank: int, steps: int = 0) -> None:
+    """A fresh dropout stream for `rank`: at the start of a run (steps = 0), or after a resume with another
+    number of ranks, where the saved per-rank streams no longer fit (steps = where the run resumes)."""
+    torch.manual_seed(seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + rank)
+
+
+def find_resume_point(
+    config: Config, data_fingerprint: str, model_shapes: dict[str, torch.Size], run_dir: Path, say
+) -> dict | None:
+    """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory,
+    and a checkpoint whose settings, training data (`data_fingerprint`) or model (`model_shapes`, the
+    configured model's parameter shapes) differ from this run's."""
+    checkpoint_dir = run_dir / "checkpoints"
+    stopped = run_dir / STOPPED_FILE
+    if config.run.resume == "auto" and stopped.exists():
+        raise ConfigError(
+            f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
+            f"continue from its last checkpoint, or start a new run.name"
+        )
+    found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
+    if found is None:
+        leftovers = [name for name in ("metrics.jsonl", "tensorboard") if (run_dir / name).exists()]
+        # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
+        # it is killed while writing its step-0 checkpoint (the temporary file was never renamed).
+        if step_checkpoints(checkpoint_dir) or (checkpoint_dir / "latest.pt").exists():
+            leftovers.append("checkpoints")
+        if leftovers:
+            raise ConfigError(
+                f"run.name: {run_dir} already holds a run ({', '.join(leftovers)}); continue it with "
+                f"run.resume=auto, or choose another run.name, or delete the directory"
+            )
+        return None
+    path, payload = found
+    try:
+        stored = config_from_dict(payload["config"])
+    except ConfigError as error:
+        raise CheckpointError(f"checkpoint {path} holds a config this program does not accept ({error})") from None
+    differences = [
+        f"{section}.{key} {getattr(getattr(stored, section), key)!r} -> {getattr(getattr(config, section), key)!r}"
+        for section, key in MUST_MATCH_ON_RESUME
+        if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
+    ]
+    if payload["data"].get("fingerprint") != data_fingerprint:
+        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {data_fingerprint}")
+    if differences:
+        raise CheckpointError(
+            f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
+            f"use the original settings, another run.name, or run.resume=never in a new directory"
+        )
+    if payload["counters"]["steps"] > config.run.max_steps:
+        raise ConfigError(
+            f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
+            f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
+        )
+    check_model_state(path, payload["model"], model_shapes)
+    say(f"resuming from {path} at step {payload['counters']['steps']}")
+    return payload
+
+
+def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:
+    """Every rank reads the checkpoint itself. Where nodes do not share the run directory, ranks on another
+    node find no checkpoint and would start afresh beside a resuming rank 0: refused instead."""
+    if context.world_size == 1:
+        return
+    steps_seen = [None] * context.world_size
+    dist.all_gather_object(steps_seen, None if resume is None else resume["counters"]["steps"])
+    if len(set(steps_seen)) > 1:
+        seen = ", ".join(
+            f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen)
+        )
+        raise CheckpointError(
+            f"the ranks found different checkpoints in {run_dir / 'checkpoints'} ({seen}); "
+            f"run.out_dir must be on storage that every node shares"
+        )
+
+
+def rng_states(context: DistributedContext) -> dict:
+    """Every rank's random-number-generator states (dropout draws from them), gathered for rank 0 to save."""
+    mine = {"cpu": torch.get_rng_state()}
+    if context.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(context.device)
+    if context.world_size == 1:
+        return {"per_rank": [mine]}
+    everyone = [None] * context.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"per_rank": everyone}
+
+
+def restore_rng_states(saved: dict, context: DistributedContext, config: Config, steps: int) -> None:
+    """Exact continuation when the number of ranks is unchanged; with another D each rank starts a fresh
+    stream from (seed, steps, rank), since its examples (and so its dropout masks) are regrouped anyway."""
+    per_rank = saved["per_rank"]
+    if len(per_rank) == context.world_size:
+        torch.set_rng_state(per_rank[context.rank]["cpu"])
+        if context.device.type == "cuda" and "cuda" in per_rank[context.rank]:
+            torch.cuda.set_rng_state(per_rank[context.rank]["cuda"], context.device)
+    else:
+        seed_dropout(config.run.seed, context.rank, steps)
+
+
+def checkpoint_payload(
+    config: Config, data_fingerprint: str, model, optimizer, scheduler, scaler, counters, context
+) -> dict:
+    """Everything a resume needs, with the keys CONTRACT.md names. `model` is the unwrapped module."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "counters": vars(counters).copy(),
+        "config": config_to_dict(config),
+        "rng": rng_states(context),
+        # The data order is a pure function of (seed, step, global batch), so the position is the step
+        # count; the fingerprint lets a resume refuse data that changed underneath it.
+        "data": {
+            "next_step": counters.steps,
+            "fingerprint": data_fingerprint,
+        },
+    }

@@ -1,0 +1,83 @@
+"""The two worked forks of docs/forking.md, through the real entry point: supervised fine-tuning on
+prompt/response JSONL (configs/sft.toml) and a model of another family (model.name = "gru")."""
+
+import pytest
+import torch
+
+from accumulation.config import load_config
+from accumulation.data import build_data, step_row_ids
+from tests.test_train import REPO, final_weights, read_metrics, run_train
+
+SFT_CONFIG = str(REPO / "configs" / "sft.toml")
+
+
+def small_sft(tmp_path, **overrides) -> list[str]:
+    """configs/sft.toml cut down to a few steps of a one-layer model."""
+    settings = {
+        "run.out_dir": str(tmp_path / "runs"),
+        "run.max_steps": 4,
+        "run.log_every": 2,
+        "run.eval_every": 2,
+        "run.checkpoint_every": 2,
+        "model.n_layer": 1,
+        "model.d_model": 32,
+        "model.n_head": 2,
+        "model.dropout": 0.1,  # so that exact resume has random state to restore
+        "batch.global_batch_size": 8,
+        "batch.micro_batch_size": 2,
+    }
+    settings.update(overrides)
+    return ["--config", SFT_CONFIG, *[f"{key}={value}" for key, value in settings.items()]]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
+    completed = run_train(small_sft(tmp_path), ranks=ranks)
+    assert completed.returncode == 0, completed.stderr
+    metrics = read_metrics(tmp_path / "runs" / "sft")
+    assert [line["steps"] for line in metrics] == [1, 2, 3, 4]
+    # Counted independently from the raw examples: every response byte is one supervised target (the
+    # prompt, at least one byte, is never supervised; no example of this file is truncated at seq_len 100).
+    data = build_data(load_config(["--config", SFT_CONFIG]))
+    expected_tokens = 0
+    for line in metrics:
+        row_ids = step_row_ids(data.train.num_rows, 8, 1337, line["steps"] - 1, "drop")
+        expected_tokens += sum(len(data.train.raw_example(row_id).response) for row_id in row_ids.tolist())
+        assert line["tokens"] == expected_tokens
+        assert line["examples"] == 8 * line["steps"]
+    assert metrics[1]["val_loss"] is not None
+
+
+def test_sft_resume_is_bit_identical(tmp_path):
+    straight = run_train(small_sft(tmp_path / "straight"))
+    assert straight.returncode == 0, straight.stderr
+    first_half = run_train(small_sft(tmp_path / "resumed", **{"run.max_steps": 2}))
+    assert first_half.returncode == 0, first_half.stderr
+    second_half = run_train(small_sft(tmp_path / "resumed"))
+    assert second_half.returncode == 0, second_half.stderr
+    assert "resuming from" in second_half.stdout
+    expected = final_weights(tmp_path / "straight" / "runs" / "sft")
+    resumed = final_weights(tmp_path / "resumed" / "runs" / "sft")
+    assert all(torch.equal(expected[name], resumed[name]) for name in expected)
+    # The metrics too, one line per step, except the measured timings.
+    timing = ("tokens_per_s", "peak_mem_bytes", "time_s")
+    for run in (tmp_path / "straight", tmp_path / "resumed"):
+        lines = read_metrics(run / "runs" / "sft")
+        assert [line["steps"] for line in lines] == [1, 2, 3, 4]
+    straight_lines, resumed_lines = (
+        read_metrics(run / "runs" / "sft") for run in (tmp_path / "straight", tmp_path / "resumed")
+    )
+    for a, b in zip(straight_lines, resumed_lines, strict=True):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+
+
+def test_gru_trains_through_the_entry_point_and_skips_the_sample(tmp_path):
+    arguments = small_sft(tmp_path, **{"model.name": "gru", "model.dropout": 0.0, "run.sample_bytes": 8})
+    completed = run_train(arguments)
+    assert completed.returncode == 0, completed.stderr
+    assert "model: gru:" in completed.stdout
+    assert "sample: skipped, the gru model has no generate()" in completed.stdout
+    metrics = read_metrics(tmp_path / "runs" / "sft")
+    assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learns
+    weights = final_weights(tmp_path / "runs" / "sft")
+    assert any(name.startswith("gru.") for name in weights)
