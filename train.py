@@ -23,10 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import describe_batch
-from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world
+from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, wrap_for_training
 from accumulation.checkpoint import CheckpointError, save_checkpoint
 from accumulation.config import Config, ConfigError, config_to_toml, help_text, load_config, resolved_grad_scaler
 from accumulation.counters import Counters
@@ -141,9 +140,7 @@ def train(
         set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
-    wrapped = torch.compile(model) if config.model.compile else model
-    if context.world_size > 1:
-        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+    wrapped = wrap_for_training(model, config, context)  # DistributedDataParallel over more than one rank
     autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
 

@@ -1,10 +1,13 @@
 """What train.py and the scripts derive from a Config in the same way: the checks that need the world size,
-the optimizer, and the autocast dtype. The model is built by accumulation/models.py."""
+the optimizer, the autocast dtype, and the module the optimizer step runs. The model itself is built by
+accumulation/models.py."""
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError
+from accumulation.distributed import DistributedContext
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,3 +43,14 @@ def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device
         return torch.optim.SGD(groups, lr=config.optim.lr, momentum=config.optim.momentum)
     betas = (config.optim.momentum, config.optim.beta2)
     return torch.optim.AdamW(groups, lr=config.optim.lr, betas=betas, fused=device.type == "cuda")
+
+
+def wrap_for_training(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
+    """The module the step runs, as train.py runs it: torch.compile first when model.compile is set, then
+    DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
+    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`."""
+    wrapped = torch.compile(model) if config.model.compile else model
+    if context.world_size == 1:
+        return wrapped
+    device_ids = [context.device.index] if context.device.type == "cuda" else None
+    return DistributedDataParallel(wrapped, device_ids=device_ids)

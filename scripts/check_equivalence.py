@@ -35,16 +35,15 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
-from accumulation.build import autocast_dtype_for, check_config_for_world
+from accumulation.build import autocast_dtype_for, check_config_for_world, wrap_for_training
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
 from accumulation.data import Data, DataError, RowSet, build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.models import build_model, loss_sum_fn_for, resolved_vocab_size
-from accumulation.step import count_supervised_tokens, optimizer_step
-from testkit.reference import max_relative_error
+from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step
+from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -116,8 +115,7 @@ def main(argv: list[str]) -> int:
 def check(
     config: Config, data: Data, vocab_size: int, row_ids: torch.Tensor, context: DistributedContext, bug: str | None
 ) -> int:
-    # Dropout off: its masks are random, and no reference could draw the same ones.
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+    config = without_dropout(config)
     model = build_model(config, vocab_size).to(context.device)
     reference_model = build_model(config, vocab_size).double()  # a second build: it must equal the first
     same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
@@ -130,8 +128,10 @@ def check(
         f"check_equivalence: {batch}; step 0: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
     )
-    print(f"model: {type(model).__name__} ({config.model.name}), {count_parameters(model):,} parameters, built by ")
-    print("       accumulation.models.build_model; compared with gradient clipping and dropout off")
+    print(
+        f"model: {type(model).__name__} ({config.model.name}), {count_parameters(config, vocab_size):,} parameters "
+        f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
+    )
     if bug:
         print(f"SELF-TEST: --inject-bug {bug}: {INJECTABLE_BUGS[bug]}; this must FAIL")
     if not same_initial_weights:
@@ -167,10 +167,6 @@ def check(
     return 0 if passed else 1
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
 def weights_agree_across_builds_and_ranks(
     model: torch.nn.Module, second_build: torch.nn.Module, context: DistributedContext
 ) -> bool:
@@ -192,15 +188,9 @@ def loop_step_gradients(config, data: Data, row_ids, model, context: Distributed
     """One optimizer step the loop's way, without clipping; returns (the gradients the optimizer was handed,
     or None when the update was skipped; the StepResult).
 
-    The optimizer is SGD with learning rate 0, so the weights never move, and its pre-step hook records the
-    gradient of the update as the optimizer sees it."""
-    wrapped = torch.compile(model) if config.model.compile else model
-    if context.world_size > 1:
-        device_ids = [context.device.index] if context.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    handed = []
-    optimizer.register_step_pre_hook(lambda *_: handed.append([p.grad.detach().clone() for p in model.parameters()]))
+    The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
+    wrapped = wrap_for_training(model, config, context)
+    optimizer, handed = first_update_probe(model)
     loss_sum_fn = loss_sum_fn_for(config)
     rows = data.train
     if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
@@ -262,12 +252,7 @@ def mean_of_means_loss(loss_sum_fn, micro_batches, context: DistributedContext):
     loss, rescaled by the average token count per micro-batch so that the overall size of the gradient stays
     right: every micro-batch then weighs the same, whatever its token count, which is wrong whenever the
     counts differ. The step multiplies by D / N, so the gradient becomes that of the mean of micro-batch means."""
-    tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
-    tokens_global = tokens_local
-    if context.world_size > 1:
-        counted = torch.tensor([tokens_local])
-        dist.all_reduce(counted)
-        tokens_global = int(counted)
+    [tokens_global] = all_reduce_ints([sum(count_supervised_tokens(mb.labels) for mb in micro_batches)], context.device)
     tokens_per_micro_batch = tokens_global / (len(micro_batches) * context.world_size)
 
     def micro_batch_mean_times_average_count(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

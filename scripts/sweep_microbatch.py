@@ -22,7 +22,6 @@ to every row.
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -31,17 +30,16 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
-from accumulation.build import autocast_dtype_for, check_device_available
+from accumulation.build import autocast_dtype_for, check_device_available, wrap_for_training
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
 from accumulation.data import Data, DataError, build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
 from accumulation.models import build_model, loss_sum_fn_for, resolved_vocab_size
 from accumulation.step import optimizer_step
 from testkit.memory import peak_memory_bytes_of
-from testkit.reference import max_relative_error
+from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
 # Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
 # Different m add the same terms in a different order (other micro-batch sums, other matrix shapes).
@@ -183,36 +181,6 @@ def sweep(
             row["grad_max_relative_difference"] = max_relative_error(gradients, first_gradients)
 
 
-def comparable_model(config: Config, vocab_size: int, device: torch.device) -> torch.nn.Module:
-    """The config's model with dropout off (its masks are random, so two m would see different models), with
-    the same initial weights at every call."""
-    without_dropout = dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
-    return build_model(without_dropout, vocab_size).to(device)
-
-
-def gradient_probe(config: Config, model: torch.nn.Module, context: DistributedContext):
-    """(the model wrapped as train.py wraps it: torch.compile when configured, DDP over several ranks;
-    an optimizer that never moves the weights; handed).
-
-    The optimizer is SGD with learning rate 0 and without momentum, so it holds no state. Its hook puts into
-    `handed` the gradients of the first applied update, as the optimizer sees them: after accumulation, DDP's
-    all-reduce, unscaling and (when on) clipping. Later updates add nothing, so that memory measured around
-    them holds no copies of the probe's."""
-    device = context.device
-    wrapped = torch.compile(model) if config.model.compile else model
-    if context.world_size > 1:
-        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    handed = []
-
-    def record_first_gradient(opt, args, kwargs):
-        if not handed:
-            handed.append([p.grad.detach().clone() for p in model.parameters()])
-
-    optimizer.register_step_pre_hook(record_first_gradient)
-    return wrapped, optimizer, handed
-
-
 def measure_one_update(
     config: Config,
     corpus: Data,
@@ -224,8 +192,9 @@ def measure_one_update(
     """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
-    model = comparable_model(config, vocab_size, device)  # the same initial weights for every m
-    wrapped, optimizer, handed = gradient_probe(config, model, context)
+    model = build_model(without_dropout(config), vocab_size).to(device)  # the same initial weights for every m
+    wrapped = wrap_for_training(model, config, context)
+    optimizer, handed = first_update_probe(model)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     micro_batches = build_micro_batches(
         corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank

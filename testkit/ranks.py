@@ -8,10 +8,8 @@ the interpreter's own exit can abort a finished gloo rank (about 1 spawn in 20 o
 """
 
 import os
-import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -19,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from accumulation.distributed import run_and_exit
+
 
 def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, timeout_s: float, fn, args) -> None:
-    status = 0
-    try:
+    def work(_argv: list[str]) -> int:
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
@@ -34,12 +33,9 @@ def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, tim
         result = fn(rank, world_size, *args)
         torch.save(result, Path(result_dir) / f"rank{rank}.pt")
         dist.destroy_process_group()
-    except BaseException:
-        traceback.print_exc()
-        status = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
+        return 0
+
+    run_and_exit(work, [])  # a raise prints its traceback and exits 1; flushed, then os._exit either way
 
 
 def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 120.0) -> list:

@@ -7,6 +7,7 @@ it is right whatever the split.
 """
 
 import copy
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.config import Config
 
 
 def full_batch_mean_loss(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -53,3 +55,24 @@ def counting_allreduce_hook(state: dict, bucket: dist.GradBucket) -> torch.futur
     """DDP's own averaging all-reduce of one gradient bucket, adding its bytes to state["bytes"]."""
     state["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
     return default_hooks.allreduce_hook(None, bucket)
+
+
+def without_dropout(config: Config) -> Config:
+    """The config with dropout off: its masks are random, and no reference (or second run) draws the same."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+
+
+def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+    """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
+    holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
+    apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
+    nothing, so that memory measured around them holds no copies of the probe's."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+
+    def record_first_gradient(opt, args, kwargs):
+        if not handed:
+            handed.append([p.grad.detach().clone() for p in model.parameters()])
+
+    optimizer.register_step_pre_hook(record_first_gradient)
+    return optimizer, handed
