@@ -11,6 +11,10 @@ The training loop sees a split of the data only as a `Rows` object:
                          no target (a prompt, padding past the row's end)
     raw_example(row_id)  RawExample: the prompt and response tokens the row was made from, untouched by the
                          masking and batching below, so that a checker can build reference labels its own way
+    supervised_counts(row_ids)
+                         int64 [len(row_ids)]: supervised targets of each row, the count of labels != -100 that
+                         examples(row_ids) would give, computed without building the rows where possible; every
+                         rank sums it over the step's row ids to know the step's N with no collective
 
 RowSet, below, implements it for tokens held in memory. A fork with its own task or tokenizer writes a
 source that returns RowSets (make_rows and make_example_rows build them) and adds a branch to build_data.
@@ -85,6 +89,8 @@ class Rows(Protocol):
 
     def raw_example(self, row_id: int) -> RawExample: ...
 
+    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor: ...
+
 
 def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
     """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else.
@@ -153,6 +159,10 @@ class RowSet:
     def supervised_tokens(self) -> torch.Tensor:
         """int64 [num_rows]: supervised targets of each row."""
         return self.supervised.sum(dim=1)
+
+    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [len(row_ids)]: supervised targets of the given rows, read from the mask alone."""
+        return self.supervised[row_ids].sum(dim=1)
 
     def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of the rows, int64 [len(row_ids), seq_len]: a row's tokens shifted by one."""

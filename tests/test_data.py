@@ -567,6 +567,13 @@ def test_eval_micro_batches_cover_every_row_once_over_all_ranks(any_rows, micro_
     assert supervised == int(any_rows.supervised_tokens().sum())
 
 
+def test_supervised_counts_equal_the_labels_that_examples_gives(any_rows):
+    # The host-side count every rank uses for N must be the count of labels the loss will actually see.
+    row_ids = torch.randperm(any_rows.num_rows, generator=torch.Generator().manual_seed(3))[:7]
+    _, labels = any_rows.examples(row_ids)
+    assert any_rows.supervised_counts(row_ids).tolist() == (labels != IGNORE_INDEX).sum(dim=1).tolist()
+
+
 def test_a_missing_standard_library_or_a_special_file_is_an_error(tmp_path, monkeypatch):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
