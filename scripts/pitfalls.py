@@ -7,11 +7,16 @@ correct twin is this project's `optimizer_step` (or its data order), so the gall
 Most pairs are judged against an independent reference: PyTorch's own token-mean cross-entropy
 (`reduction="mean"`, `ignore_index=-100`) over one big float64 batch made of every micro-batch of the step.
 
-The table on stdout (or, with --json, a list of {"pitfall", "metric", "buggy", "correct"}) shows one number
-per twin; the figure (--png, default pitfalls.png) shows the same numbers as bars on a log scale. The exit
-status is 1 when a correct twin disagrees with its reference or a buggy twin fails to show its bug, so the
-gallery doubles as a test. It takes about ten seconds on 2 CPU cores; three pitfalls need 2 gloo ranks,
-which it spawns itself.
+The table on stdout (or, with --json, a list of {"pitfall", "metric", "buggy", "correct", "cosine",
+"norm_ratio", "reference"}) shows one number per twin. Where the twins are gradients or updates, two more
+numbers split the error into its direction and its scale: the cosine between the buggy and the correct
+vector (1 = same direction) and the ratio of their norms (1 = same length). A bug with cosine 1 is "only a
+scale", which Adam largely absorbs and SGD does not; a cosine below 1 changes where the model goes.
+`reference` says what the correct column is compared with. The figure (--png, default pitfalls.png) draws
+the rows in panels by kind of metric: relative errors, cosines, norm ratios, bytes and counts each on an
+axis of their own. The exit status is 1 when a correct twin disagrees with its reference or a buggy twin
+fails to show its bug, so the gallery doubles as a test. It takes about ten seconds on 2 CPU cores; five
+pitfalls need 2 gloo ranks, which it spawns itself.
 """
 
 import argparse
@@ -39,6 +44,7 @@ from testkit.reference import (
     capture_gradients,
     counting_allreduce_hook,
     float64_reference_gradient,
+    full_batch_mean_loss,
     max_relative_error,
 )
 
@@ -48,6 +54,7 @@ MODEL = GPTConfig(seq_len=SEQ_LEN, n_layer=1, n_head=2, d_model=32, vocab_size=V
 MODEL_SEED = 7
 MICRO_BATCH_SIZE = 2  # m
 LR = 0.1
+ADAM_LR = 1e-3
 CPU = torch.device("cpu")
 
 # Documents of uneven lengths cut into rows by the project's own pipeline (make_rows, then micro_batch), so
@@ -60,6 +67,8 @@ STEP_IDS = [0, 1, 3, 13, 5, 2, 6, 16]  # 32, 3, 23, 7: one micro-batch holds ove
 NEXT_STEP_IDS = [7, 8, 9, 4, 10, 17, 14, 11]  # 32, 13, 23, 27: a second step, for pitfalls across steps
 # Two ranks: rank 0 takes the first 8 ids (full rows, 128 tokens), rank 1 the last 8 (short rows, 37 tokens).
 TWO_RANK_STEP_IDS = [0, 1, 5, 7, 8, 10, 11, 12, 3, 13, 6, 16, 9, 2, 17, 4]
+# A partial last group: 4 full rows (16 tokens each), 2 of the A = 4 micro-batches of m = 2.
+PARTIAL_STEP_IDS = [0, 1, 5, 7]
 WORLD_SIZE = 2
 ACCUMULATION_STEPS = accumulation_steps(len(STEP_IDS), MICRO_BATCH_SIZE, 1)  # A = 8 / (2 · 1) = 4
 assert ACCUMULATION_STEPS == accumulation_steps(len(TWO_RANK_STEP_IDS), MICRO_BATCH_SIZE, WORLD_SIZE)
@@ -72,11 +81,16 @@ GRADIENT_RTOL = 1e-10
 BUG_MIN = 1e-3
 # The learning rate is one product base · multiplier; the expected value is the same product in another order.
 LR_RTOL = 1e-12
+# Adam's first update is lr · g / (|g| + eps) entry by entry: the float64 gradients' reordering errors pass
+# through at most |δg| / eps relative to lr, and the entries that decide the max have |g| far above eps.
+UPDATE_RTOL = 1e-10
 
 GRADIENT_ERROR = "relative gradient error vs float64 full batch"
 ALLREDUCE_BYTES = "gradient bytes all-reduced per update"
 RANK_DIVERGENCE = "gradient difference between ranks (relative)"
 LR_ERROR = "relative lr error after 2 updates"
+UPDATE_ERROR = "relative update error vs float64 full batch"
+LOSS_ERROR = "relative error of the logged loss"
 ROWS_NOT_ONCE = "rows of epoch 1 seen twice or never"
 SAVED_BYTES = "peak bytes saved for backward"
 
@@ -89,6 +103,9 @@ class Measurement:
     correct: float
     correct_agrees: bool  # the correct twin matches its reference within the metric's tolerance
     bug_shown: bool  # the buggy twin is off by at least the metric's threshold
+    reference: str  # what the correct column is compared with
+    cosine: float | None = None  # cos(buggy, reference) of gradients or updates: 1 = right direction
+    norm_ratio: float | None = None  # |buggy| / |reference|: 1 = right length
 
     def as_json(self) -> dict:
         return {
@@ -96,6 +113,9 @@ class Measurement:
             "metric": self.metric,
             "buggy": float(self.buggy),
             "correct": float(self.correct),
+            "cosine": self.cosine,
+            "norm_ratio": self.norm_ratio,
+            "reference": self.reference,
         }
 
 
@@ -115,9 +135,18 @@ def rows() -> RowSet:
     return make_rows(documents, SEQ_LEN)
 
 
-def step_batches(step_ids: list[int], world_size: int = 1, rank: int = 0) -> list[MicroBatch]:
-    """This rank's A micro-batches of a step, laid out by the project's own batch builder."""
-    return build_micro_batches(rows(), torch.tensor(step_ids), len(step_ids), MICRO_BATCH_SIZE, world_size, rank)
+def step_batches(
+    step_ids: list[int],
+    world_size: int = 1,
+    rank: int = 0,
+    micro_batch_size: int = MICRO_BATCH_SIZE,
+    global_batch_size: int | None = None,
+) -> list[MicroBatch]:
+    """This rank's A micro-batches of a step, laid out by the project's own batch builder. A global batch
+    larger than the ids makes a partial step: the missing rows become fully masked padding rows."""
+    global_batch_size = global_batch_size or len(step_ids)
+    ids = torch.tensor(step_ids)
+    return build_micro_batches(rows(), ids, global_batch_size, micro_batch_size, world_size, rank)
 
 
 def gpt() -> GPT:
@@ -196,17 +225,50 @@ def correct_step(
     return captured[0]
 
 
-def gradient_measurement(pitfall: str, buggy: float, correct: float) -> Measurement:
-    return Measurement(pitfall, GRADIENT_ERROR, buggy, correct, correct <= GRADIENT_RTOL, buggy >= BUG_MIN)
+def flat(vectors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([v.double().flatten() for v in vectors])
+
+
+def direction_and_scale(buggy: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, float]:
+    """(cosine, norm ratio) of the buggy vector against the reference, both flattened over all parameters.
+
+    For SGD the update is -lr · gradient, so the gradients' cosine and norm ratio are the updates'."""
+    b, r = flat(buggy), flat(reference)
+    cosine = float(b @ r / (b.norm() * r.norm()))
+    return round(cosine, 12), float(b.norm() / r.norm())  # rounded: a parallel pair prints 1, not 0.9999999999
+
+
+def gradient_measurement(
+    pitfall: str,
+    buggy_gradient: list[torch.Tensor],
+    correct_gradient: list[torch.Tensor],
+    reference: list[torch.Tensor],
+    buggy_reference: list[torch.Tensor] | None = None,
+    described: str = "float64 full batch",
+) -> Measurement:
+    """Both twins' gradients against the reference (the buggy twin's own, when its weights differ)."""
+    buggy_reference = reference if buggy_reference is None else buggy_reference
+    buggy = max_relative_error(buggy_gradient, buggy_reference)
+    correct = max_relative_error(correct_gradient, reference)
+    cosine, norm_ratio = direction_and_scale(buggy_gradient, buggy_reference)
+    return Measurement(
+        pitfall,
+        GRADIENT_ERROR,
+        buggy,
+        correct,
+        correct <= GRADIENT_RTOL,
+        buggy >= BUG_MIN,
+        described,
+        cosine,
+        norm_ratio,
+    )
 
 
 def against_one_step(pitfall: str, buggy_model: nn.Module, batches: list[MicroBatch]) -> Measurement:
     """The buggy twin's accumulated .grad and the correct twin (optimizer_step on a fresh model), both judged
     against the reference gradient of the same step at the initial weights."""
     reference = float64_reference_gradient(gpt(), batches)
-    buggy = max_relative_error(gradients(buggy_model), reference)
-    correct = max_relative_error(correct_step(gpt(), batches), reference)
-    return gradient_measurement(pitfall, buggy, correct)
+    return gradient_measurement(pitfall, gradients(buggy_model), correct_step(gpt(), batches), reference)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -216,7 +278,9 @@ def against_one_step(pitfall: str, buggy_model: nn.Module, batches: list[MicroBa
 
 def mean_of_micro_batch_means() -> Measurement:
     """1. Each micro-batch's mean loss, averaged over the A micro-batches. A token of the 3-token micro-batch
-    then weighs 32/3 times a token of the 32-token one; the objective is the mean over all N tokens."""
+    then weighs 32/3 times a token of the 32-token one; the token-mean objective is the mean over all N
+    tokens. The Hugging Face Trainer did this until October 2024, and still does for a model whose forward
+    takes no count of items (https://github.com/huggingface/transformers/issues/37766)."""
     batches = step_batches(STEP_IDS)
     model = gpt()
     for mb in batches:
@@ -256,25 +320,28 @@ def missing_zero_grad_between_groups() -> Measurement:
     model = gpt()
     optimizer = sgd(model)
     for batches in groups:
-        reference = float64_reference_gradient(model, batches)
+        buggy_reference = float64_reference_gradient(model, batches)
         tokens = tokens_in(batches)
         for mb in batches:
             (loss_sum(model, mb) / tokens).backward()
         optimizer.step()
         # The mistake: no optimizer.zero_grad() here.
-    buggy = max_relative_error(gradients(model), reference)
+    buggy = gradients(model)
 
     model = gpt()
     for batches in groups:
         reference = float64_reference_gradient(model, batches)
         used = correct_step(model, batches)
-    correct = max_relative_error(used, reference)
-    return gradient_measurement("5. no zero_grad between groups", buggy, correct)
+    return gradient_measurement(
+        "5. no zero_grad between groups", buggy, used, reference, buggy_reference, "float64 full batch of step 2"
+    )
 
 
 def scheduler_stepped_per_micro_batch() -> Measurement:
     """6. scheduler.step() inside the micro-batch loop: the schedule advances A times per update, so an 8-update
-    warm-up is over after 2 updates. Expected after k updates of a linear warm-up over W: lr·(k + 1)/(W + 1)."""
+    warm-up is over after 2 updates. Expected after k updates of a linear warm-up over W: lr·(k + 1)/(W + 1).
+    Accelerate's scheduler wrapper stepped on accumulation steps that applied no update
+    (https://github.com/huggingface/accelerate/issues/963)."""
     warmup_updates, updates = 8, 2
     expected_lr = LR * (updates + 1) / (warmup_updates + 1)
     groups = [step_batches(STEP_IDS), step_batches(NEXT_STEP_IDS)]
@@ -305,7 +372,13 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
 
     buggy, correct = (abs(lr - expected_lr) / expected_lr for lr in (buggy_lr, correct_lr))
     return Measurement(
-        "6. scheduler stepped per micro-batch", LR_ERROR, buggy, correct, correct <= LR_RTOL, buggy >= BUG_MIN
+        "6. scheduler stepped per micro-batch",
+        LR_ERROR,
+        buggy,
+        correct,
+        correct <= LR_RTOL,
+        buggy >= BUG_MIN,
+        "lr · (k + 1) / (W + 1), the warm-up's formula",
     )
 
 
@@ -326,10 +399,14 @@ def clipped_per_micro_batch() -> Measurement:
     for mb in batches:
         (loss_sum(model, mb) / tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the mistake: inside the loop
-    buggy = max_relative_error(gradients(model), clipped_reference)
-
-    correct = max_relative_error(correct_step(gpt(), batches, grad_clip=max_norm), clipped_reference)
-    return gradient_measurement("7. clipped per micro-batch", buggy, correct)
+    correct = correct_step(gpt(), batches, grad_clip=max_norm)
+    return gradient_measurement(
+        "7. clipped per micro-batch",
+        gradients(model),
+        correct,
+        clipped_reference,
+        described="float64 full batch, clipped",
+    )
 
 
 def clipped_before_unscale() -> Measurement:
@@ -347,12 +424,14 @@ def clipped_before_unscale() -> Measurement:
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)  # the mistake: no scaler.unscale_ before
     scaler.step(optimizer)  # unscales now, after the clip
     scaler.update()
-    buggy = max_relative_error(gradients(model), clipped_reference)
-
-    correct = max_relative_error(
-        correct_step(gpt(), batches, grad_clip=max_norm, scaler=loss_scaler()), clipped_reference
+    correct = correct_step(gpt(), batches, grad_clip=max_norm, scaler=loss_scaler())
+    return gradient_measurement(
+        "8. clipped before unscale_",
+        gradients(model),
+        correct,
+        clipped_reference,
+        described="float64 full batch, clipped",
     )
-    return gradient_measurement("8. clipped before unscale_", buggy, correct)
 
 
 def denominator_counts_unshifted_tokens() -> Measurement:
@@ -368,16 +447,18 @@ def denominator_counts_unshifted_tokens() -> Measurement:
 
 def batch_norm_under_micro_batching() -> Measurement:
     """12. BatchNorm normalises with the statistics of the batch it sees: m rows per micro-batch instead of all
-    m·A rows of the step, so no accumulation can give the full-batch gradient. Both twins run optimizer_step
-    and are compared with the full batch of the same model; the correct twin normalises per token
-    (LayerNorm, as the project's GPT does), so micro-batching does not change it."""
-    batches = step_batches(STEP_IDS)
-    errors = []
-    for norm_class in (nn.BatchNorm1d, nn.LayerNorm):
-        model = norm_model(norm_class)
-        reference = float64_reference_gradient(model, batches)
-        errors.append(max_relative_error(correct_step(model, batches), reference))
-    return gradient_measurement("12. BatchNorm under micro-batching", *errors)
+    m·A rows of the step, so no accumulation can give the full-batch gradient (and its running statistics
+    take A momentum updates per step, each from m rows). Both twins run optimizer_step on the same BatchNorm
+    model; the buggy twin accumulates A = 4 micro-batches of m = 2, the correct twin runs the step's 8 rows
+    as one micro-batch (A = 1), the only layout whose statistics are the full batch's."""
+    micro_batches = step_batches(STEP_IDS)
+    whole_batch = step_batches(STEP_IDS, micro_batch_size=len(STEP_IDS))
+    reference = float64_reference_gradient(norm_model(nn.BatchNorm1d), micro_batches)
+    buggy = correct_step(norm_model(nn.BatchNorm1d), micro_batches)
+    correct = correct_step(norm_model(nn.BatchNorm1d), whole_batch)
+    return gradient_measurement(
+        "12. BatchNorm under micro-batching", buggy, correct, reference, described="float64 full batch (same model)"
+    )
 
 
 def leaky_data_order(num_rows: int, global_batch_size: int, seed: int, epochs: int) -> list[list[torch.Tensor]]:
@@ -401,7 +482,10 @@ def rows_not_seen_once(step_ids: list[torch.Tensor], num_rows: int) -> int:
 def tail_leaking_into_next_epoch() -> Measurement:
     """13. 18 rows in steps of 8: each epoch leaves 2. Leaked into the next epoch, they are seen twice there
     while as many of that epoch's own rows wait for the epoch after. The project's data order
-    (batch.tail="partial") runs a short last step instead: every row exactly once per epoch."""
+    (batch.tail="partial") runs a short last step instead: every row exactly once per epoch. With the default
+    batch.tail="drop" the 2 rows are simply left out of each epoch (a different 2 each epoch, as each epoch
+    draws its own permutation), which is also every row at most once; "partial" is measured because it is the
+    setting where leftover rows are run at all."""
     num_rows, global_batch_size, seed = rows().num_rows, len(STEP_IDS), 0
     buggy = rows_not_seen_once(leaky_data_order(num_rows, global_batch_size, seed, epochs=2)[1], num_rows)
     steps_in_epoch = steps_per_epoch(num_rows, global_batch_size, "partial")
@@ -410,7 +494,15 @@ def tail_leaking_into_next_epoch() -> Measurement:
         for step in range(steps_in_epoch, 2 * steps_in_epoch)
     ]
     correct = rows_not_seen_once(epoch_1, num_rows)
-    return Measurement("13. tail group leaking into next epoch", ROWS_NOT_ONCE, buggy, correct, correct == 0, buggy > 0)
+    return Measurement(
+        "13. tail group leaking into next epoch",
+        ROWS_NOT_ONCE,
+        buggy,
+        correct,
+        correct == 0,
+        buggy > 0,
+        "every row once (step_row_ids: the data order, no step runs)",
+    )
 
 
 @contextlib.contextmanager
@@ -445,6 +537,9 @@ def loss_summed_with_its_graph() -> Measurement:
     the activations of all A micro-batches are alive at once, the memory accumulation exists to save. The
     correct loop backpropagates each micro-batch at once and keeps only `loss.detach()` for the log.
 
+    torchtune's first fix of its normalization did this and restored a backward per micro-batch in
+    https://github.com/meta-pytorch/torchtune/pull/1917.
+
     (Summing the attached loss only for the log, with a backward per micro-batch, leaks less: backward frees
     the saved tensors, and what the sum keeps is the chain of graph nodes, growing over the run.)"""
     batches = step_batches(STEP_IDS)
@@ -467,7 +562,135 @@ def loss_summed_with_its_graph() -> Measurement:
         correct["peak"],
         correct["peak"] == one_micro_batch["peak"],
         buggy["peak"] >= 2 * correct["peak"],
+        "one micro-batch's forward",
     )
+
+
+def partial_group_divided_by_a() -> Measurement:
+    """16. The classic loop divides each micro-batch's loss by A. The last group of an epoch may hold fewer
+    micro-batches (here 2 of A = 4, full rows only, so the mean-of-means weighting plays no part): its
+    gradient is 2/4 of the right one, a silently halved learning rate on that step. Lightning was reported
+    to do this (https://github.com/Lightning-AI/pytorch-lightning/issues/19987). The project pads the partial
+    step with fully masked rows and divides by its true token count."""
+    batches = step_batches(PARTIAL_STEP_IDS, global_batch_size=len(STEP_IDS))  # 2 real micro-batches, 2 padding
+    real_batches = [mb for mb in batches if mb.num_examples > 0]
+    model = gpt()
+    for mb in real_batches:
+        micro_mean = F.cross_entropy(model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX)
+        (micro_mean / ACCUMULATION_STEPS).backward()  # the mistake: A, though only 2 micro-batches ran
+    return against_one_step("16. partial last group divided by A", model, batches)
+
+
+def adam(model: nn.Module) -> torch.optim.Adam:
+    return torch.optim.Adam(model.parameters(), lr=ADAM_LR)
+
+
+def update_of(model: nn.Module, run) -> list[torch.Tensor]:
+    """Weights after `run(model)` minus the weights before: the update that was applied."""
+    before = [p.detach().clone() for p in model.parameters()]
+    run(model)
+    return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+
+
+def optimizer_step_per_micro_batch() -> Measurement:
+    """18. optimizer.step() and zero_grad() after every backward (the `if (k + 1) % A == 0` forgotten): A updates
+    per step, each from one micro-batch. With Adam each update has about lr per weight whatever the
+    gradient's size, so the step moves about A times as far, in a direction no single batch asked for.
+    Judged on the update (weights after minus before) against one Adam update with the float64 full-batch
+    gradient."""
+    batches = step_batches(STEP_IDS)
+    tokens = tokens_in(batches)
+
+    def apply_reference(model: nn.Module) -> None:
+        for parameter, gradient in zip(model.parameters(), float64_reference_gradient(model, batches), strict=True):
+            parameter.grad = gradient
+        adam(model).step()
+
+    def buggy_loop(model: nn.Module) -> None:
+        optimizer = adam(model)
+        for mb in batches:
+            (loss_sum(model, mb) / tokens).backward()
+            optimizer.step()  # the mistake: inside the loop
+            optimizer.zero_grad()
+
+    reference = update_of(gpt(), apply_reference)
+    buggy = update_of(gpt(), buggy_loop)
+    correct = update_of(gpt(), lambda model: optimizer_step(model, batches, adam(model), device=CPU))
+    buggy_error, correct_error = (max_relative_error(u, reference) for u in (buggy, correct))
+    return Measurement(
+        "18. optimizer.step per micro-batch",
+        UPDATE_ERROR,
+        buggy_error,
+        correct_error,
+        correct_error <= UPDATE_RTOL,
+        buggy_error >= BUG_MIN,
+        "one Adam update from the float64 full batch",
+        *direction_and_scale(buggy, reference),
+    )
+
+
+def scaler_update_per_micro_batch() -> Measurement:
+    """19. scaler.update() inside the micro-batch loop. On its own it raises at the first micro-batch
+    (AssertionError "No inf checks were recorded prior to update": only unscale_ or step record them). With
+    unscale_ per micro-batch too (to log or clip each micro-batch's gradient) it runs silently: update()
+    clears the "already unscaled" mark, so each later unscale_ divides the whole running sum by the scale s
+    again, and scaler.step divides once more. Micro-batch k ends up divided by s^(A - k + 1) on top of its
+    own unscaling: the update is all but zero."""
+    batches = step_batches(STEP_IDS)
+    reference = float64_reference_gradient(gpt(), batches)
+    model = gpt()
+    optimizer = sgd(model)
+    handed = capture_gradients(optimizer)
+    scaler = loss_scaler()
+    tokens = tokens_in(batches)
+    for mb in batches:
+        scaler.scale(loss_sum(model, mb) / tokens).backward()
+        scaler.unscale_(optimizer)  # e.g. to log each micro-batch's gradient norm
+        scaler.update()  # the mistake: once per step, after scaler.step
+    scaler.step(optimizer)
+    scaler.update()
+    correct = correct_step(gpt(), batches, scaler=loss_scaler())
+    return gradient_measurement("19. scaler.update per micro-batch", handed[0], correct, reference)
+
+
+def logged_loss_of_last_micro_batch() -> Measurement:
+    """20. The gradient is right (S_k / N per micro-batch), but the loop logs the last micro-batch's mean loss
+    (nanoGPT logs `loss.item() * A` of the last micro-batch, an estimate its author chose to avoid a host
+    read: https://github.com/karpathy/nanoGPT/pull/207). The logged curve then follows whichever
+    micro-batch came last. The project logs the exact global token mean (loss sums all-reduced once)."""
+    batches = step_batches(STEP_IDS)
+    inputs, labels = torch.cat([mb.inputs for mb in batches]), torch.cat([mb.labels for mb in batches])
+    with torch.no_grad():
+        reference_loss = float(full_batch_mean_loss(gpt()(inputs), labels))
+    model = gpt()
+    tokens = tokens_in(batches)
+    for mb in batches:
+        loss = loss_sum(model, mb)
+        (loss / tokens).backward()
+        logged = float(loss.detach()) / count_supervised_tokens(mb.labels)  # the mistake: the last one wins
+    result = optimizer_step(gpt(), batches, sgd(gpt()), device=CPU)
+    buggy, correct = (abs(value - reference_loss) / reference_loss for value in (logged, result.loss))
+    return Measurement(
+        "20. logged loss of the last micro-batch",
+        LOSS_ERROR,
+        buggy,
+        correct,
+        correct <= GRADIENT_RTOL,
+        buggy >= BUG_MIN,
+        "float64 full-batch mean loss",
+    )
+
+
+def micro_batch_means_summed() -> Measurement:
+    """21. Each micro-batch's mean loss backpropagated as it is, neither divided by A nor weighted by tokens:
+    the gradient is about A times too large, and short micro-batches still weigh too much (both errors at
+    once). Reported against nanoGPT in https://github.com/karpathy/nanoGPT/issues/206 (a false alarm there:
+    nanoGPT does divide by A)."""
+    batches = step_batches(STEP_IDS)
+    model = gpt()
+    for mb in batches:
+        F.cross_entropy(model(mb.inputs).flatten(0, 1), mb.labels.flatten(), ignore_index=IGNORE_INDEX).backward()
+    return against_one_step("21. micro-batch means summed, not divided by A", model, batches)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -483,7 +706,7 @@ def counted_ddp_model() -> tuple[DistributedDataParallel, dict]:
 
 
 def two_rank_twins(rank: int, world_size: int) -> dict:
-    """Runs on each rank: the correct step, then the three buggy loops, each on a fresh DDP model."""
+    """Runs on each rank: the correct step, then the buggy loops, each on a fresh DDP model."""
     batches = step_batches(TWO_RANK_STEP_IDS, world_size, rank)
     last = len(batches) - 1
     results = {}
@@ -492,7 +715,8 @@ def two_rank_twins(rank: int, world_size: int) -> dict:
     results["correct"] = {"gradient": correct_step(model, batches), "bytes": sent["bytes"]}
 
     # 2. Each rank divides by its own token count; DDP then averages the D per-rank means, so a token on the
-    # rank with 37 tokens weighs 128/37 times one on the rank with 128.
+    # rank with 37 tokens weighs 128/37 times one on the rank with 128. torchtitan normalised per rank until
+    # https://github.com/pytorch/torchtitan/pull/2206.
     model = DistributedDataParallel(gpt())
     tokens_local = tokens_in(batches)
     for k, mb in enumerate(batches):
@@ -518,6 +742,21 @@ def two_rank_twins(rank: int, world_size: int) -> dict:
         with model.no_sync() if k > 0 else contextlib.nullcontext():
             (loss_sum(model, mb) * loss_multiplier).backward()
     results["wrong sync boundary"] = gradients(model)
+
+    # 15. Each loss divided by the global N, but not multiplied by D: DDP's mean over the ranks then divides
+    # once more, so the gradient is the true one over D. TRL divides its count by the process count for this
+    # reason (https://github.com/huggingface/trl/issues/5619 shows the line).
+    model = DistributedDataParallel(gpt())
+    for k, mb in enumerate(batches):
+        with model.no_sync() if k < last else contextlib.nullcontext():
+            (loss_sum(model, mb) / tokens_global).backward()  # the mistake: no × D
+    results["times D forgotten"] = gradients(model)
+
+    # 17. No sharding: every rank reads the same examples (rank 0's share, as a loader without a distributed
+    # sampler does). The step itself is the project's, so the gradient is exactly that of half the batch,
+    # counted twice: the other half of the global batch is never seen.
+    model = DistributedDataParallel(gpt())
+    results["same data on every rank"] = correct_step(model, step_batches(TWO_RANK_STEP_IDS, world_size, 0))
     return results
 
 
@@ -530,11 +769,16 @@ def two_rank_pitfalls() -> list[Measurement]:
     forward_outside = per_rank[0]["forward outside no_sync"]
     correct_divergence = relative_difference(correct[0]["gradient"], correct[1]["gradient"], reference)
     buggy_divergence = relative_difference(*(r["wrong sync boundary"] for r in per_rank), reference)
+    correct_gradient = correct[0]["gradient"]  # rank 1's is bit-identical (row 10's correct column)
     return [
         gradient_measurement(
-            "2. no cross-rank token normalization",
-            max_relative_error(per_rank[0]["per-rank means"], reference),
-            max(max_relative_error(r["gradient"], reference) for r in correct),
+            "2. no cross-rank token normalization", per_rank[0]["per-rank means"], correct_gradient, reference
+        ),
+        gradient_measurement(
+            "15. ×D compensation forgotten", per_rank[0]["times D forgotten"], correct_gradient, reference
+        ),
+        gradient_measurement(
+            "17. same data on every rank", per_rank[0]["same data on every rank"], correct_gradient, reference
         ),
         Measurement(
             "9. forward outside no_sync",
@@ -545,6 +789,7 @@ def two_rank_pitfalls() -> list[Measurement]:
             # Exactly this bug: A all-reduces instead of one, while the gradient itself stays right.
             forward_outside["bytes"] == ACCUMULATION_STEPS * gradient_bytes
             and max_relative_error(forward_outside["gradient"], reference) <= GRADIENT_RTOL,
+            "one gradient's bytes",
         ),
         Measurement(
             "10. sync boundary on the wrong micro-batch",
@@ -553,6 +798,7 @@ def two_rank_pitfalls() -> list[Measurement]:
             correct_divergence,
             correct_divergence == 0,
             buggy_divergence >= BUG_MIN,
+            "0: ranks bit-identical",
         ),
     ]
 
@@ -573,6 +819,11 @@ SINGLE_PROCESS_PITFALLS = [
     batch_norm_under_micro_batching,
     tail_leaking_into_next_epoch,
     loss_summed_with_its_graph,
+    partial_group_divided_by_a,
+    optimizer_step_per_micro_batch,
+    scaler_update_per_micro_batch,
+    logged_loss_of_last_micro_batch,
+    micro_batch_means_summed,
 ]
 
 
@@ -598,9 +849,24 @@ def number(value: float) -> str:
     return f"{value:,.0f}" if float(value).is_integer() else f"{value:.3g}"
 
 
+def optional_number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
 def table(measurements: list[Measurement]) -> str:
-    header = ("pitfall", "metric", "buggy", "correct", "check")
-    lines = [(m.pitfall, m.metric, number(m.buggy), number(m.correct), verdict(m)) for m in measurements]
+    header = ("pitfall", "metric", "buggy", "correct", "cosine", "norm ratio", "check")
+    lines = [
+        (
+            m.pitfall,
+            m.metric,
+            number(m.buggy),
+            number(m.correct),
+            optional_number(m.cosine),
+            optional_number(m.norm_ratio),
+            verdict(m),
+        )
+        for m in measurements
+    ]
     widths = [max(len(line[column]) for line in [header, *lines]) for column in range(len(header))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip()
@@ -608,29 +874,80 @@ def table(measurements: list[Measurement]) -> str:
     )
 
 
+# The figure's panels: each kind of metric on an axis of its own, so bytes, rows and ratios never share a scale.
+RELATIVE_ERRORS = (GRADIENT_ERROR, UPDATE_ERROR, LR_ERROR, LOSS_ERROR, RANK_DIVERGENCE)
+BYTES = (ALLREDUCE_BYTES, SAVED_BYTES)
+COUNTS = (ROWS_NOT_ONCE,)
+
+
 def draw(measurements: list[Measurement], png_path: str) -> None:
-    """Horizontal bars on a log scale, buggy and correct side by side for each pitfall. Units differ from row
-    to row (each row names its metric); a value of exactly 0 is drawn at the axis floor and marked "0"."""
+    """Five panels. Top row, one line per pitfall measured as a relative error: the error of each twin (log
+    scale; exactly 0 drawn at the floor and marked "0"), then for the rows with vectors the buggy twin's
+    direction (cosine with the correct vector) and scale (norm ratio, log scale). Bottom row: the rows
+    measured in bytes, and in rows of data."""
     from matplotlib.figure import Figure  # imported here: only drawing needs matplotlib
 
+    errors = [m for m in measurements if m.metric in RELATIVE_ERRORS]
+    byte_rows = [m for m in measurements if m.metric in BYTES]
+    count_rows = [m for m in measurements if m.metric in COUNTS]
+    figure = Figure(figsize=(13, 0.32 * len(errors) + 3.2), layout="constrained")
+    panels = figure.subplot_mosaic(
+        [["error", "cosine", "scale"], ["bytes", "bytes", "counts"]],
+        height_ratios=[len(errors), 2.2],
+        width_ratios=[1.5, 1, 1],
+    )
     floor = 1e-18
-    figure = Figure(figsize=(11, 0.55 * len(measurements) + 1.2), layout="constrained")
-    axes = figure.subplots()
-    positions = range(len(measurements))
-    for offset, twin, colour in ((-0.2, "buggy", "tab:red"), (0.2, "correct", "tab:green")):
-        values = [getattr(m, twin) for m in measurements]
-        bars = axes.barh(
-            [p + offset for p in positions], [max(v, floor) for v in values], height=0.4, color=colour, label=twin
-        )
-        axes.bar_label(bars, labels=["0" if v == 0 else f"{v:.2g}" for v in values], padding=3, fontsize=7)
+    positions = list(range(len(errors)))
+    labels = [m.pitfall for m in errors]
+
+    def twin_bars(axes, rows, scale_floor=None):
+        for offset, twin, colour in ((-0.2, "buggy", "tab:red"), (0.2, "correct", "tab:green")):
+            values = [getattr(m, twin) for m in rows]
+            drawn = [max(v, scale_floor) for v in values] if scale_floor else values
+            bars = axes.barh([p + offset for p in range(len(rows))], drawn, height=0.4, color=colour, label=twin)
+            axes.bar_label(bars, labels=["0" if v == 0 else number(v) for v in values], padding=3, fontsize=7)
+
+    axes = panels["error"]
+    twin_bars(axes, errors, floor)
     axes.set_xscale("log")
-    axes.set_xlim(floor, 1e10)
-    axes.set_xlabel(f"each row's own metric, log scale (exactly 0 is drawn at {floor:g})")
-    axes.set_yticks(list(positions), [f"{m.pitfall}\n{m.metric}" for m in measurements], fontsize=7)
-    axes.invert_yaxis()
-    axes.set_title("Gradient-accumulation pitfalls: buggy twin vs the correct update")
-    figure.legend(loc="outside upper right")
-    figure.savefig(png_path, dpi=120)
+    axes.set_xlim(floor, 1e6)  # room on the right for the legend
+    axes.set_yticks(positions, labels, fontsize=7)
+    axes.set_ylim(len(errors) - 0.5, -0.5)  # the first pitfall on top, in every panel of this row
+    axes.set_title("relative error against the reference (log)", fontsize=9)
+    axes.legend(fontsize=7, loc="lower right")
+
+    for key, field, title in (
+        ("cosine", "cosine", "direction: cos(buggy, correct)"),
+        ("scale", "norm_ratio", "scale: |buggy| / |correct| (log)"),
+    ):
+        axes = panels[key]
+        values = [getattr(m, field) for m in errors]
+        shown = [p for p, v in zip(positions, values, strict=True) if v is not None]
+        bars = axes.barh(shown, [v for v in values if v is not None], height=0.5, color="tab:red")
+        axes.bar_label(bars, labels=[f"{v:.3g}" for v in values if v is not None], padding=3, fontsize=7)
+        axes.set_yticks(positions, [""] * len(positions))
+        axes.set_title(title, fontsize=9)
+    panels["cosine"].set_xlim(-0.2, 1.25)
+    panels["cosine"].axvline(1.0, color="grey", linewidth=0.8)
+    panels["scale"].set_xscale("log")
+    panels["scale"].set_xlim(1e-6, 1e3)
+    panels["scale"].axvline(1.0, color="grey", linewidth=0.8)
+
+    for key, rows, unit in (("bytes", byte_rows, "bytes"), ("counts", count_rows, "rows")):
+        axes = panels[key]
+        twin_bars(axes, rows)
+        axes.set_xlim(0, 1.3 * max(max(m.buggy, m.correct) for m in rows))
+        axes.set_xlabel(unit, fontsize=8)
+        axes.invert_yaxis()
+    panels["bytes"].set_yticks(range(len(byte_rows)), [f"{m.pitfall}\n{m.metric}" for m in byte_rows], fontsize=7)
+    panels["counts"].set_yticks([])  # one row: named in the title, so the column keeps the width of the others
+    panels["counts"].set_title("\n".join(f"{m.pitfall}\n{m.metric}" for m in count_rows), fontsize=7)
+    for key in ("cosine", "scale"):
+        panels[key].set_ylim(panels["error"].get_ylim())
+    for axes in panels.values():
+        axes.tick_params(labelsize=7)
+    figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=10)
+    figure.savefig(png_path, dpi=90)
 
 
 def main(argv: list[str]) -> int:

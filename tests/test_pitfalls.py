@@ -22,6 +22,8 @@ GRADIENT_BYTES = sum(p.numel() * 8 for p in GPT(pitfalls.MODEL, seed=0).paramete
 # metric -> (the correct twin agrees with its reference, the buggy twin is measurably off), each on one row.
 RULES = {
     pitfalls.GRADIENT_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfalls.UPDATE_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfalls.LOSS_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
     pitfalls.LR_ERROR: (lambda row: row["correct"] < 1e-12, lambda row: row["buggy"] > 1e-3),
     pitfalls.RANK_DIVERGENCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] > 1e-3),
     pitfalls.ROWS_NOT_ONCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] >= 1),
@@ -66,12 +68,59 @@ def test_the_gallery_passes_its_own_checks_and_draws_the_figure(gallery):
 
 def test_json_is_a_list_of_pitfall_metric_buggy_correct(gallery):
     rows = rows_of(gallery)
-    assert isinstance(rows, list) and len(rows) >= 12
+    assert isinstance(rows, list) and len(rows) >= 20
     for row in rows:
-        assert set(row) == {"pitfall", "metric", "buggy", "correct"}
-        assert isinstance(row["pitfall"], str) and isinstance(row["metric"], str)
+        assert set(row) == {"pitfall", "metric", "buggy", "correct", "cosine", "norm_ratio", "reference"}
+        assert isinstance(row["pitfall"], str) and isinstance(row["metric"], str) and row["reference"]
         assert isinstance(row["buggy"], float) and isinstance(row["correct"], float)
+        # Direction and scale belong to the rows that compare vectors, and to all of them.
+        has_vectors = row["metric"] in (pitfalls.GRADIENT_ERROR, pitfalls.UPDATE_ERROR)
+        assert (row["cosine"] is not None) == has_vectors == (row["norm_ratio"] is not None), row
     assert len({row["pitfall"] for row in rows}) == len(rows)
+
+
+def row_named(rows: list[dict], start: str) -> dict:
+    [row] = [row for row in rows if row["pitfall"].split(". ", 1)[1].startswith(start)]
+    return row
+
+
+def test_the_issue_pitfalls_are_all_there(gallery):
+    rows = rows_of(gallery)
+    for start in (
+        "×D compensation forgotten",
+        "partial last group divided by A",
+        "same data on every rank",
+        "optimizer.step per micro-batch",
+        "scaler.update per micro-batch",
+        "logged loss of the last micro-batch",
+    ):
+        row_named(rows, start)
+
+
+def test_scale_only_bugs_keep_the_direction_and_have_the_predicted_length(gallery):
+    """Four bugs multiply the true gradient by one number, worked out from the set-up, not read off the run:
+    dividing by A again (1/A), forgetting ×D (1/D), a 2-of-4 partial group divided by A (2/4), and clipping
+    s·g at the threshold meant for g (1/s, s = 1024; PyTorch's 1e-6 guard in the clip factor moves it by less
+    than 1e-6 relative). Float64 keeps the cosine within 1e-12 of 1."""
+    rows = rows_of(gallery)
+    expected_ratio = {
+        "divided by A on top of N": 1 / ACCUMULATION_STEPS,
+        "×D compensation forgotten": 1 / pitfalls.WORLD_SIZE,
+        "partial last group divided by A": 2 / ACCUMULATION_STEPS,
+        "clipped before unscale_": 1 / 1024,
+    }
+    for start, ratio in expected_ratio.items():
+        row = row_named(rows, start)
+        assert row["cosine"] == pytest.approx(1.0, abs=1e-12), row
+        assert row["norm_ratio"] == pytest.approx(ratio, rel=1e-5), row
+
+
+def test_direction_bugs_turn_the_gradient(gallery):
+    """Weighting tokens differently (mean of means, per-rank means) or dropping micro-batches turns the
+    vector: the cosine is measurably below 1."""
+    rows = rows_of(gallery)
+    for start in ("mean of micro-batch means", "no cross-rank token normalization", "zero_grad inside the group"):
+        assert row_named(rows, start)["cosine"] < 0.99
 
 
 def test_every_correct_twin_agrees_with_its_reference(gallery):
@@ -89,19 +138,26 @@ def test_every_buggy_twin_shows_its_bug(gallery):
 def test_a_failed_check_is_named_in_the_table():
     """What makes the exit status 1: each way a pair can fail is reported on its own row."""
     measurements = [
-        pitfalls.Measurement("1. fine", pitfalls.GRADIENT_ERROR, 0.5, 1e-16, correct_agrees=True, bug_shown=True),
-        pitfalls.Measurement("2. loop broken", pitfalls.GRADIENT_ERROR, 0.5, 0.3, correct_agrees=False, bug_shown=True),
-        pitfalls.Measurement("3. bug hidden", pitfalls.SAVED_BYTES, 1000, 1000, correct_agrees=True, bug_shown=False),
+        pitfalls.Measurement(
+            "1. fine", pitfalls.GRADIENT_ERROR, 0.5, 1e-16, correct_agrees=True, bug_shown=True, reference="r"
+        ),
+        pitfalls.Measurement(
+            "2. loop broken", pitfalls.GRADIENT_ERROR, 0.5, 0.3, correct_agrees=False, bug_shown=True, reference="r"
+        ),
+        pitfalls.Measurement(
+            "3. bug hidden", pitfalls.SAVED_BYTES, 1000, 1000, correct_agrees=True, bug_shown=False, reference="r"
+        ),
     ]
     lines = pitfalls.table(measurements).splitlines()
-    assert lines[0].split() == ["pitfall", "metric", "buggy", "correct", "check"]
+    assert lines[0].split() == ["pitfall", "metric", "buggy", "correct", "cosine", "norm", "ratio", "check"]
     assert lines[1].endswith("ok")
     assert lines[2].endswith("FAIL: correct twin disagrees")
     assert lines[3].endswith("FAIL: bug not shown") and "1,000" in lines[3]
 
 
 def test_the_guide_quotes_the_gallery_as_measured(gallery):
-    """docs/accumulation.md holds the gallery's table: each pitfall's row with the buggy value printed now."""
+    """docs/accumulation.md holds the gallery's table: each pitfall's row with the buggy and the correct value,
+    the cosine and the norm ratio as printed now."""
     guide_rows = {
         line.split(" | ")[0].strip("| "): line
         for line in (REPO / "docs" / "accumulation.md").read_text().splitlines()
@@ -109,4 +165,11 @@ def test_the_guide_quotes_the_gallery_as_measured(gallery):
     }
     for row in rows_of(gallery):
         assert row["pitfall"] in guide_rows, row["pitfall"]
-        assert f"| {pitfalls.number(row['buggy'])} |" in guide_rows[row["pitfall"]], row["pitfall"]
+        cells = [cell.strip() for cell in guide_rows[row["pitfall"]].strip("| ").split(" | ")]
+        printed = [
+            pitfalls.number(row["buggy"]),
+            pitfalls.number(row["correct"]),
+            pitfalls.optional_number(row["cosine"]),
+            pitfalls.optional_number(row["norm_ratio"]),
+        ]
+        assert cells[-4:] == printed, (row["pitfall"], cells, printed)
