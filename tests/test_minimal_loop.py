@@ -1,0 +1,56 @@
+"""scripts/minimal_loop.py, the loop to read first: short, and checked against optimizer_step."""
+
+import io
+import subprocess
+import sys
+import tokenize
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "minimal_loop.py"
+
+
+def run(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: comments, blank lines and docstrings (a string that is a whole statement) excluded,
+    counted with Python's tokenizer as the README counts step.py."""
+    lines = set()
+    previous = tokenize.NEWLINE
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
+            previous = token.type if token.type != tokenize.COMMENT else previous
+            continue
+        if token.type == tokenize.ENDMARKER:
+            continue
+        docstring = token.type == tokenize.STRING and previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+        previous = token.type
+        if not docstring:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines)
+
+
+def test_the_minimal_loop_has_at_most_80_lines_of_code():
+    assert code_lines("x = 1\n# c\n\ndef f():\n    '''doc'''\n    return 2\n") == 3  # the counter itself
+    assert code_lines(SCRIPT.read_text()) <= 80
+
+
+def test_the_minimal_loop_matches_optimizer_step_and_the_classic_loop_does_not():
+    completed = run()
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    lines = completed.stdout.splitlines()
+    assert lines[-1] == "PASS"
+    ours = float(lines[-3].split(": ")[1].split()[0])
+    classic = float(lines[-2].split(": ")[1])
+    assert ours <= 1e-5  # the script's own tolerance, stated and justified there
+    assert classic > 1e-3  # the mean of micro-batch means ends measurably elsewhere
+
+
+def test_the_check_fails_when_the_loop_uses_the_classic_line():
+    completed = run("--classic")
+    assert completed.returncode == 1, completed.stdout + completed.stderr
+    assert completed.stdout.splitlines()[-1] == "FAIL"
