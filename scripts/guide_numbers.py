@@ -9,8 +9,11 @@ cannot drift from what the code does.
 import numpy
 import torch
 
-from accumulation.batching import accumulation_steps, describe_batch
+from accumulation.batching import MicroBatch, accumulation_steps, describe_batch
+from accumulation.config import DistConfig
+from accumulation.data import rows_dropped_per_epoch, steps_per_epoch
 from accumulation.schedule import lr_multiplier
+from accumulation.step import optimizer_step
 
 
 def token_weighting() -> dict:
@@ -56,26 +59,95 @@ def scheduler_unit() -> dict:
 
 
 def float_sums() -> dict:
-    """The same 4096 gradient-like values (positive and negative) added in two orders in fp32, and added
-    into a bf16 running sum."""
+    """The same 4096 gradient-like values (positive and negative) added in two orders in fp32."""
     generator = numpy.random.default_rng(0)
     values = generator.standard_normal(4096) * 1e-3
     exact = values.sum()  # float64
     # add.accumulate adds strictly left to right, so the two orders are two different chains of roundings.
     in_order = numpy.add.accumulate(values.astype(numpy.float32))[-1]
     shuffled = numpy.add.accumulate(generator.permutation(values).astype(numpy.float32))[-1]
-    positives = numpy.abs(values) * 1e-3  # a sum that keeps growing, like a gradient accumulated over micro-batches
-    bf16_running = torch.zeros((), dtype=torch.bfloat16)
-    for value in torch.from_numpy(positives).to(torch.bfloat16):
-        bf16_running += value
+    return {"float.fp32_reorder_relative_difference": f"{abs(in_order - shuffled) / abs(exact):.1e}"}
+
+
+def accumulated_in(accumulator_dtype: torch.dtype, terms: torch.Tensor) -> torch.Tensor:
+    """A running sum over the first dimension (the A micro-batches), rounded to `accumulator_dtype` after each add."""
+    running = torch.zeros(terms.shape[1:], dtype=accumulator_dtype)
+    for term in terms:
+        running += term.to(accumulator_dtype)
+    return running
+
+
+def bf16_accumulation() -> dict:
+    """Accumulation adds A terms per gradient entry, one per micro-batch. Here each of 4096 entries receives A
+    bf16 micro-batch gradients of one sign (|N(0, 1)| · 1e-3: estimates of one gradient mostly agree in sign,
+    the case where a running sum keeps growing), added into a bf16 running sum, and into an fp32 running sum
+    of the same bf16 terms. Error: |sum - exact float64 sum| over all entries, relative to |exact|."""
+    errors = {}
+    for accumulation in (8, 32, 512):
+        generator = numpy.random.default_rng(accumulation)
+        terms = torch.from_numpy(numpy.abs(generator.standard_normal((accumulation, 4096))) * 1e-3)
+        exact = terms.sum(dim=0)
+        bf16_terms = terms.to(torch.bfloat16)  # what a bf16 backward hands over: already rounded to 2^-9
+        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            error = (accumulated_in(dtype, bf16_terms).double() - exact).norm() / exact.norm()
+            errors[f"float.{name}_accumulation_error_A{accumulation}"] = f"{float(error):.1e}"
+    return errors
+
+
+def clipping_before_unscale() -> dict:
+    """A GradScaler's scale s = 1024 and a true gradient of norm 0.5, clipped at max_norm 1: clipping the
+    scaled gradient s·g (norm 512) brings it to norm 1, which unscales to 1/s; the true gradient would not
+    have been clipped at all."""
+    scale, max_norm = 1024.0, 1.0
+    gradient = torch.tensor([0.3, 0.4], dtype=torch.float64)  # norm 0.5
+    parameter = torch.zeros(2, dtype=torch.float64, requires_grad=True)
+    parameter.grad = gradient * scale
+    torch.nn.utils.clip_grad_norm_([parameter], max_norm)  # the mistake: before unscaling
+    clipped_then_unscaled = float((parameter.grad / scale).norm())
     return {
-        "float.fp32_reorder_relative_difference": f"{abs(in_order - shuffled) / abs(exact):.1e}",
-        "float.bf16_accumulation_relative_error": f"{abs(bf16_running.item() - positives.sum()) / positives.sum():.2f}",
+        "clip.true_gradient_norm": float(gradient.norm()),
+        "clip.effective_threshold": max_norm / scale,
+        "clip.update_norm_when_clipped_scaled": f"{clipped_then_unscaled:.3g}",
     }
 
 
+def batch_norm_momentum_updates() -> dict:
+    """One optimizer_step of A = 4 micro-batches through a BatchNorm layer: its running statistics are
+    updated once per forward, so 4 times per optimizer step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    micro_batches = [MicroBatch(torch.randn(2, 3), torch.tensor([0, 2]), 2) for _ in range(4)]
+    optimizer_step(model, micro_batches, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"))
+    return {"batchnorm.momentum_updates_per_step": int(model[1].num_batches_tracked)}
+
+
+def tails() -> dict:
+    """The gallery's 18 rows in global batches of 8, under the default tail "drop" and under "partial"."""
+    return {
+        "tail.drop_steps_per_epoch": steps_per_epoch(18, 8, "drop"),
+        "tail.drop_rows_left_out_per_epoch": rows_dropped_per_epoch(18, 8, "drop"),
+        "tail.partial_steps_per_epoch": steps_per_epoch(18, 8, "partial"),
+    }
+
+
+def collectives() -> dict:
+    return {"dist.timeout_s_default": DistConfig().timeout_s}
+
+
 def main() -> None:
-    for part in (token_weighting, batch_arithmetic, ddp_compensation, scheduler_unit, float_sums):
+    parts = (
+        token_weighting,
+        batch_arithmetic,
+        ddp_compensation,
+        scheduler_unit,
+        float_sums,
+        bf16_accumulation,
+        clipping_before_unscale,
+        batch_norm_momentum_updates,
+        tails,
+        collectives,
+    )
+    for part in parts:
         for name, value in part().items():
             print(f"{name}: {value}")
 
