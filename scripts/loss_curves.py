@@ -5,12 +5,14 @@
 Supervised fine-tuning on data/sft_arithmetic.jsonl (configs/sft.toml: one prompt/response per row, only the
 response supervised, 3 to 85 supervised tokens per row) with a smaller GPT, on 2 gloo ranks the script
 spawns itself, global batch 32 = micro 4 x accum 4 x ranks 2, AdamW with the config's warm-up, cosine decay
-and clipping at 1.0. Four runs from the same initial weights on the same examples, step by step:
+and clipping at 1.0. Four runs from the same initial weights on the same examples, step by step, and a fifth for scale:
 
   correct                      the project's optimizer_step: each rank backpropagates S_rk · D / N
   mean of micro-batch means    each micro-batch's mean loss / A (the classic loop; gallery row 1)
   per-rank N                   S_rk / N_r with each rank's own token count (gallery row 2)
   ×D forgotten                 S_rk / N, no × D: the gradient is half the true one (gallery row 15)
+  correct, other data order    the correct step on the examples of run.seed + 1: how far two correct
+                               runs land apart by chance, the yardstick for the differences above
 
 Every run logs the same quantity, the step's exact global token-mean loss, so the curves are comparable;
 the validation loss (token mean over the validation split) is measured at the end. The table on stdout
@@ -48,7 +50,7 @@ CONFIG_ARGUMENTS = [
     "model.d_model=48",
     "model.n_head=2",
 ]
-VARIANTS = ("correct", "mean of micro-batch means", "per-rank N", "×D forgotten")
+VARIANTS = ("correct", "mean of micro-batch means", "per-rank N", "×D forgotten", "correct, other data order")
 SMOOTHING = 25  # steps in the moving average of the figure
 FINAL_WINDOW = 50  # the final training loss is the mean over the last this many steps
 CPU = torch.device("cpu")
@@ -113,11 +115,12 @@ def train_all_variants(rank: int, world_size: int, steps: int) -> dict:
         scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
         losses = []
         for step in range(steps):
-            row_ids = step_row_ids(data.train.num_rows, batch.global_batch_size, config.run.seed, step, batch.tail)
+            seed = config.run.seed + 1 if variant == "correct, other data order" else config.run.seed
+            row_ids = step_row_ids(data.train.num_rows, batch.global_batch_size, seed, step, batch.tail)
             micro_batches = build_micro_batches(
                 data.train, row_ids, batch.global_batch_size, batch.micro_batch_size, world_size, rank
             )
-            if variant == "correct":
+            if variant.startswith("correct"):
                 result = optimizer_step(wrapped, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
                 losses.append(result.loss)
             else:
@@ -160,10 +163,12 @@ def draw(curves: dict, png_path: str) -> None:
     for variant, curve in curves.items():
         smoothed = moving_average(curve["train"], window)
         steps = range(1, len(smoothed) + 1)
-        loss_axes.plot(steps, smoothed, label=f"{variant} (val {curve['val']:.3f})", linewidth=1.2)
-        difference_axes.plot(steps, [s - c for s, c in zip(smoothed, correct, strict=True)], linewidth=1.2)
+        style = {"color": "grey", "linestyle": "--"} if variant == "correct, other data order" else {}
+        loss_axes.plot(steps, smoothed, label=f"{variant} (val {curve['val']:.3f})", linewidth=1.2, **style)
+        differences = [s - c for s, c in zip(smoothed, correct, strict=True)]
+        difference_axes.plot(steps, differences, linewidth=1.2, **style)
     loss_axes.set_xlabel("optimizer updates")
-    loss_axes.set_ylabel(f"training loss, token mean (moving average of {window} steps)")
+    loss_axes.set_ylabel(f"training loss (token mean, average of {window} steps)")
     loss_axes.legend(fontsize=8)
     difference_axes.axhline(0.0, color="grey", linewidth=0.8)
     difference_axes.set_xlabel("optimizer updates")

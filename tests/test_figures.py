@@ -38,7 +38,13 @@ def test_loss_curves_on_two_ranks_write_the_figure_and_a_row_per_run(tmp_path):
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert_drawn(png_path)
     rows = json.loads(completed.stdout)
-    assert [row["variant"] for row in rows] == ["correct", "mean of micro-batch means", "per-rank N", "×D forgotten"]
+    assert [row["variant"] for row in rows] == [
+        "correct",
+        "mean of micro-batch means",
+        "per-rank N",
+        "×D forgotten",
+        "correct, other data order",
+    ]
     assert rows[0]["train_minus_correct"] == 0.0
     # Three steps from the same weights: the mean of means already moves the weights elsewhere.
     assert rows[1]["train_minus_correct"] != 0.0

@@ -21,7 +21,21 @@ SENTENCES = {
     "schedule.lr_factor_if_stepped_per_micro_batch": "but is {}, and",
     "schedule.warmup_done_after_updates_when_wrong": "warm-up is over after {} updates",
     "float.fp32_reorder_relative_difference": "in fp32 differs by {} relative",
-    "float.bf16_accumulation_relative_error": "running sum loses {} of the total",
+    # The table of section 10: one row per A, the bf16 cell then the fp32 cell.
+    "float.bf16_accumulation_error_A8": "| 8 | {} |",
+    "float.fp32_accumulation_error_A8": " | {} |\n| 32 |",
+    "float.bf16_accumulation_error_A32": "| 32 | {} |",
+    "float.fp32_accumulation_error_A32": " | {} |\n| 512 |",
+    "float.bf16_accumulation_error_A512": "| 512 | {} |",
+    "float.fp32_accumulation_error_A512": " | {} |\n\nUp to A = 32",
+    "clip.true_gradient_norm": "a true gradient of norm {}, clipped at 1",
+    "clip.effective_threshold": "The effective threshold is\n{}.",
+    "clip.update_norm_when_clipped_scaled": "once unscaled, has norm {}: s times",
+    "batchnorm.momentum_updates_per_step": "A = 4 micro-batches gives the layer {} momentum updates",
+    "tail.drop_steps_per_epoch": "that is {} steps per epoch",
+    "tail.drop_rows_left_out_per_epoch": "and {} rows\n  left out of each epoch",
+    "tail.partial_steps_per_epoch": "short last step ({} steps per epoch here)",
+    "dist.timeout_s_default": "`dist.timeout_s` (default\n{} seconds)",
 }
 
 
