@@ -916,7 +916,7 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
     axes.set_yticks(positions, labels, fontsize=7)
     axes.set_ylim(len(errors) - 0.5, -0.5)  # the first pitfall on top, in every panel of this row
     axes.set_title("relative error against the reference (log)", fontsize=9)
-    axes.legend(fontsize=7, loc="lower right")
+    axes.legend(fontsize=7, loc="upper right")
 
     for key, field, title in (
         ("cosine", "cosine", "direction: cos(buggy, correct)"),
