@@ -18,7 +18,7 @@ Every run logs the same quantity, the step's exact global token-mean loss, so th
 the validation loss (token mean over the validation split) is measured at the end. The table on stdout
 (or --json) gives each run's final numbers and their difference from the correct run; the figure shows the
 training curves (a moving average over SMOOTHING steps) and each run's difference from the correct one.
-About two minutes for 300 steps on 2 CPU cores.
+About three minutes for 300 steps on 2 CPU cores.
 """
 
 import argparse
