@@ -118,4 +118,5 @@ def load_jsonl(source: str, seq_len: int, val_fraction: float) -> Data:
         documents=len(examples),
         dropped_documents=train.dropped + val.dropped,
         truncated_documents=train.truncated + val.truncated,
+        format="JSONL",
     )

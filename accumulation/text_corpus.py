@@ -159,8 +159,19 @@ def documents_of(data: bytes, is_python_source: bool) -> list[bytes]:
     return split_top_level_blocks(data) if is_python_source else [data]
 
 
-def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
-    """Read `source`, split it into training and validation by file, and cut both into rows.
+def packed(documents: list[bytes], seq_len: int) -> list[bytes]:
+    """The documents as one, cut to 1 + k·seq_len bytes so that make_rows gives k full rows, no padding.
+
+    The byte vocabulary has no separator token, so documents are joined as they are (text files and the
+    standard library's blocks mostly end in a newline); the last, incomplete row's bytes are left out."""
+    joined = b"".join(documents)
+    full_rows = max(0, (len(joined) - 1) // seq_len)
+    return [joined[: 1 + full_rows * seq_len]] if full_rows else []
+
+
+def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: bool = False) -> Data:
+    """Read `source`, split it into training and validation by file, and cut both into rows: one
+    document per row (padded), or with packed_layout every split's documents joined into full rows.
 
     With two or more files the split is by a hash of each file's path (data.validation_keys); a lone file
     is split at a newline (split_at_newline). val_fraction == 0 means no validation set.
@@ -186,8 +197,12 @@ def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
             else:
                 train_documents += documents
 
-    train = make_rows(train_documents, seq_len)
-    val = make_rows(val_documents, seq_len)
+    if packed_layout:
+        train = make_rows(packed(train_documents, seq_len), seq_len)
+        val = make_rows(packed(val_documents, seq_len), seq_len)
+    else:
+        train = make_rows(train_documents, seq_len)
+        val = make_rows(val_documents, seq_len)
     if train.num_rows + val.num_rows == 0:
         raise DataError(
             f"data.source {source!r} has no usable text (no text file with at least 2 bytes); "
@@ -207,4 +222,5 @@ def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
         documents=len(all_documents),
         dropped_documents=sum(1 for document in all_documents if len(document) < 2),
         truncated_documents=0,  # a long document is cut into several rows, never truncated
+        layout="packed" if packed_layout else "documents",
     )
