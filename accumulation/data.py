@@ -45,8 +45,10 @@ from accumulation.config import Config
 # Both sources shipped here tokenize text as its UTF-8 bytes: one token per byte.
 BYTE_VOCAB_SIZE = 256
 
-# Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids).
-FEISTEL_ROUNDS = 4
+# Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
+# when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
+# lands that a chi-square test over epochs sees, and eight do not (tests/test_data_scale.py).
+FEISTEL_ROUNDS = 8
 
 TAILS = ("drop", "partial")
 
@@ -136,7 +138,7 @@ class RowSet:
     lengths: torch.Tensor
     supervised: torch.Tensor
     vocab_size: int
-    texts: list[bytes]  # byte tokens here; a fork with a wider vocabulary keeps its token sequences
+    texts: list  # token sequences: bytes (one token per byte), or numpy arrays of ids from a tokenizer
     text_ids: np.ndarray  # int64 [num_rows]
     starts: np.ndarray  # int64 [num_rows], tokens
     ends: np.ndarray  # int64 [num_rows], tokens
@@ -176,16 +178,33 @@ class RowSet:
         text = self.texts[self.text_ids[row_id]]
         start, end = int(self.starts[row_id]), int(self.ends[row_id])
         prompt_end = max(start, int(self.prompt_ends[row_id]))
-        return RawExample(prompt=list(text[start:prompt_end]), response=list(text[prompt_end:end]))
+        return RawExample(prompt=token_list(text[start:prompt_end]), response=token_list(text[prompt_end:end]))
 
 
-def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
-    """Cut every document into rows of seq_len + 1 byte tokens with stride seq_len, all targets supervised.
+def token_list(tokens) -> list[int]:
+    """Python ints of a token sequence: bytes or a numpy array of ids."""
+    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+
+
+def token_array(tokens) -> np.ndarray:
+    """A token sequence as a numpy array (bytes as uint8, without a copy)."""
+    return np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
+
+
+def numpy_token_dtype(vocab_size: int) -> np.dtype:
+    """token_dtype as numpy spells it."""
+    return {torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32}[token_dtype(vocab_size)]
+
+
+def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> RowSet:
+    """Cut every document into rows of seq_len + 1 tokens with stride seq_len, all targets supervised.
+
+    A document is bytes (one token per byte, vocab_size 256) or a numpy array of token ids < vocab_size.
 
     Row i of a document covers bytes [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
-    byte, the last input of one row being the first input of the next, so each of the document's L - 1
+    token, the last input of one row being the first input of the next, so each of the document's L - 1
     targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
-    document; the last row of a document is right-padded with zeros. Documents shorter than 2 bytes give no rows.
+    document; the last row of a document is right-padded with zeros. Documents shorter than 2 tokens give no rows.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
@@ -205,16 +224,18 @@ def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
 
     # Trailing zeros so that every row start has a full window; the window of a document's last row runs
     # into the next document (or these zeros), and everything past the row's length is zeroed below.
-    concatenated = np.frombuffer(b"".join(kept) + bytes(tokens_per_row), dtype=np.uint8)
+    storage = numpy_token_dtype(vocab_size)
+    pieces = [token_array(document) for document in kept] + [np.zeros(tokens_per_row, dtype=storage)]
+    concatenated = np.concatenate(pieces).astype(storage, copy=False)
     windows = np.lib.stride_tricks.sliding_window_view(concatenated, tokens_per_row)
-    tokens = windows[row_starts]  # fancy indexing copies: a fresh uint8 array, no int64 intermediate
+    tokens = windows[row_starts]  # fancy indexing copies: a fresh array of the storage type, no int64 intermediate
     tokens[np.arange(tokens_per_row) >= lengths[:, None]] = 0
     supervised = np.arange(seq_len) < lengths[:, None] - 1  # every target the row has
     return RowSet(
         tokens=torch.from_numpy(tokens),
         lengths=torch.from_numpy(lengths.astype(np.int32)),
         supervised=torch.from_numpy(supervised),
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         texts=kept,
         text_ids=row_document,
         starts=offset_in_document,
@@ -231,9 +252,10 @@ class ExampleRows(NamedTuple):
     truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
 
 
-def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> ExampleRows:
-    """One row per (prompt, response) example, its tokens the bytes of prompt then response; only the
-    targets that predict response bytes are supervised.
+def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
+    """One row per (prompt, response) example, its tokens those of prompt then response; only the
+    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
+    or numpy arrays of token ids < vocab_size.
 
     An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
     With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
@@ -251,10 +273,13 @@ def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> Exam
     example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
     lengths = np.minimum(example_bytes, tokens_per_row)
 
-    texts = [prompt + response for prompt, response in kept]
-    tokens = np.zeros((len(kept), tokens_per_row), dtype=np.uint8)
+    texts = [
+        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
+        for prompt, response in kept
+    ]
+    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
     for row, text in enumerate(texts):
-        tokens[row, : lengths[row]] = np.frombuffer(text[:tokens_per_row], dtype=np.uint8)
+        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
     # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
     targets = np.arange(1, tokens_per_row)
     supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
@@ -262,7 +287,7 @@ def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> Exam
         tokens=torch.from_numpy(tokens),
         lengths=torch.from_numpy(lengths.astype(np.int32)),
         supervised=torch.from_numpy(supervised),
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         texts=texts,
         text_ids=np.arange(len(kept), dtype=np.int64),
         starts=np.zeros(len(kept), dtype=np.int64),
@@ -446,6 +471,7 @@ def data_from_rows(
     truncated_documents: int,
     layout: str = "documents",
     format: str = "text",
+    vocab_from: str = "bytes",
 ) -> Data:
     """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
     check_split_sizes(source, train, val, val_fraction)
@@ -474,6 +500,7 @@ def data_from_rows(
         fingerprint=row_fingerprint(train),
         layout=layout,
         format=format,
+        vocab_from=vocab_from,
         val_rows_read=val.num_rows,
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
@@ -493,6 +520,10 @@ def build_data(config: Config) -> Data:
     settings = config.data
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
     found_token_files = token_files.open_token_files(source)
+    # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample).
+    tokenizer = None
+    if settings.tokenizer != "bytes" and found_token_files is None:
+        tokenizer = token_files.load_tokenizer(settings.tokenizer)
     if found_token_files is not None:
         if layout == "documents":
             raise DataError(
@@ -506,9 +537,9 @@ def build_data(config: Config) -> Data:
                 f'data.layout="packed": {source!r} is a JSONL file of examples, one example per row so that each '
                 f'keeps its own prompt mask; use data.layout="documents" (or "auto")'
             )
-        built = jsonl.load_jsonl(source, seq_len, val_fraction)
+        built = jsonl.load_jsonl(source, seq_len, val_fraction, tokenizer)
     else:
-        built = text_corpus.load_text(source, seq_len, val_fraction, packed_layout=layout == "packed")
+        built = text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
     if built.val is not None:
         built.val = validation_subset(built.val, settings.val_rows)
         built.summary.val_rows_read = built.val.num_rows
@@ -549,9 +580,9 @@ def rows_dropped_per_epoch(num_rows: int, global_batch_size: int, tail: str) -> 
 
 
 def feistel_round_keys(seed: int, epoch: int) -> np.ndarray:
-    """uint64 [FEISTEL_ROUNDS]: the keys of epoch `epoch`'s order, from sha256 of "seed:epoch"."""
-    digest = hashlib.sha256(f"{seed}:{epoch}".encode()).digest()
-    return np.frombuffer(digest[: 8 * FEISTEL_ROUNDS], dtype="<u8").astype(np.uint64)
+    """uint64 [FEISTEL_ROUNDS]: the keys of epoch `epoch`'s order, from a BLAKE2b hash of "seed:epoch"."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
 
 
 def mix64(values: np.ndarray) -> np.ndarray:
@@ -572,8 +603,8 @@ def feistel(values: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
 
     x is split into halves (L, R) of half_bits bits; each round maps (L, R) -> (R, L xor F(R)), with
     F(R) = mix64(R xor key) cut to half_bits bits. Each round is invertible whatever F is
-    ((L, R) = (R' xor F(L'), L')), so the network is a permutation; four rounds with independent keys make
-    it look random (Luby and Rackoff).
+    ((L, R) = (R' xor F(L'), L')), so the network is a permutation; enough rounds with independent keys
+    make it look random (Luby and Rackoff: four, for wide halves).
     """
     shift, mask = np.uint64(half_bits), np.uint64((1 << half_bits) - 1)
     left, right = values >> shift, values & mask

@@ -339,3 +339,57 @@ def load_token_files(source: TokenSource, config_source: str, seq_len: int, val_
         val_rows_read=val.num_rows if val_fraction > 0 else 0,
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers: reading text in (JSONL, text with data.tokenizer) and showing tokens as text
+# ---------------------------------------------------------------------------------------------------
+
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # the end-of-document tokens looked for, in order
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from its tokenizer.json; a DataError when the optional package or the file is
+    missing or unreadable."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(
+            f"data.tokenizer {path!r} needs the optional Hugging Face tokenizers package: "
+            f'pip install -r requirements-bpe.txt (or set data.tokenizer="bytes")'
+        ) from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises its own Exception types, e.g. for a missing file or bad JSON
+        raise DataError(f"data.tokenizer {path!r}: cannot load it as a tokenizer.json ({error})") from None
+
+
+def end_of_text_token(tokenizer) -> int | None:
+    """The id of the vocabulary's end-of-document token, if it has one of END_OF_TEXT_TOKENS."""
+    for token in END_OF_TEXT_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def sample_decoder(config) -> tuple[object, str]:
+    """(decode, "") where decode turns token ids into text for the end-of-run sample, or (None, why not).
+
+    data.tokenizer when it names a tokenizer.json; for token files, the tokenizer.json beside them, or
+    bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
+    """
+    if config.data.tokenizer != "bytes":
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+    found = find_token_files(config.data.source)
+    if found is None:
+        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+    folder = found[1]
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
+        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+    meta = read_meta(folder)
+    if meta is not None and meta[0].get("tokenizer") == "bytes":
+        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+    return None, f"no tokenizer.json beside the token files in {folder} to decode it with (or set data.tokenizer)"
