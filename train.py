@@ -436,7 +436,8 @@ def print_summary(
     prompt_source,
 ) -> None:
     """The session's last lines: losses, speed, counters, and a sample from the model (bytes decoded as
-    UTF-8, or the data's tokenizer) when it has generate(). `prompt_source` is the training rows, whose first example gives the prompt."""
+    UTF-8, or decoded by the data's tokenizer) when it has generate(). `prompt_source` is the training
+    rows, whose first example gives the prompt."""
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
     print(
         f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
