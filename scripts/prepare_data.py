@@ -19,8 +19,9 @@
                        document is preceded by the special token <|endoftext|>, as in GPT-2's data
 
 A document goes to validation when the crc32 hash of its key (its path in a folder, its line in JSONL)
-falls below --val-fraction (data.validation_keys's rule, so the split is stable when documents are
-added); a single text file is split at the newline nearest the cut (text_corpus.split_at_newline).
+falls below --val-fraction, so the split is stable when documents are added (data.validation_keys's rule;
+a folder in which no path falls below it sends the one with the smallest hash, as the text source does).
+A single text file is split at the newline nearest the cut (text_corpus.split_at_newline).
 Everything is written under a temporary folder and moved into place at the end: a failed run leaves
 nothing. Bad input is one line on stderr and exit status 2.
 """
@@ -36,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data import DataError, key_hash
+from accumulation.data import DataError, key_hash, validation_keys
 from accumulation.jsonl import parse_example
 from accumulation.text_corpus import folder_file_paths, is_text, split_at_newline
 from accumulation.token_files import LLMC_HEADER_INT32, LLMC_MAGIC
@@ -58,13 +59,14 @@ class PrepareError(Exception):
 def documents(input_path: Path, val_fraction: float, skipped: list) -> Iterator[tuple[str, str]]:
     """("train" or "val", text) for every document of the input, in order."""
     if input_path.is_dir():
-        for path in folder_file_paths(input_path):
+        paths = folder_file_paths(input_path)
+        chosen = validation_keys([path.relative_to(input_path).as_posix() for path in paths], val_fraction)
+        for path in paths:
             data = path.read_bytes()
             if not is_text(data):
                 skipped.append(path)
                 continue
-            key = path.relative_to(input_path).as_posix()
-            yield ("val" if key_hash(key) < val_fraction else "train"), data.decode("utf-8")
+            yield ("val" if path.relative_to(input_path).as_posix() in chosen else "train"), data.decode("utf-8")
     elif input_path.suffix == ".jsonl":
         with open(input_path, encoding="utf-8") as file:
             for line_number, line in enumerate(file, start=1):
