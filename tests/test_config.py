@@ -144,7 +144,7 @@ def test_default_global_batch_divides_for_1_2_4_and_8_ranks():
 def test_gpu_configs_fit_their_world_sizes():
     gpu_8x = load_config(["--config", str(REPO_ROOT / "configs" / "gpu_8x.toml")])
     assert gpu_8x.device == "cuda" and gpu_8x.precision.dtype == "bf16"
-    assert gpu_8x.batch.global_batch_size == gpu_8x.batch.micro_batch_size * 4 * 8
+    assert gpu_8x.batch.global_batch_size == gpu_8x.batch.micro_batch_size * 2 * 8
     multinode = load_config(["--config", str(REPO_ROOT / "configs" / "multinode.toml")])
     assert multinode.batch.global_batch_size % (16 * multinode.batch.micro_batch_size) == 0
     text = (REPO_ROOT / "configs" / "multinode.toml").read_text(encoding="utf-8")
