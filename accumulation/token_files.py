@@ -86,7 +86,7 @@ def find_token_files(source: str) -> tuple[str, Path, list[Path], list[Path]] | 
         if not shards:
             return None
         folder = path
-    elif any(character in source for character in "*?["):
+    elif not path.exists() and any(character in source for character in "*?["):  # an existing file is text
         shards = sorted(Path(p) for p in glob.glob(source) if Path(p).is_file())
         if not shards:
             raise DataError(f"data.source {source!r}: the glob matches no file; point it at llm.c shards (*.bin)")

@@ -104,8 +104,12 @@ def test_llmc_shards_give_the_rows_of_each_shard_and_none_across_shards(tmp_path
             assert built.train.raw_example(row_id + row_in_shard).response == shard[row_in_shard * 16 :][:17].tolist()
         row_id += rows_per_shard[index]
     assert built.vocab_size == vocab
-    # A glob names the same shards.
+    # A glob names the same shards; a text file whose name looks like a glob is still text.
     assert build(str(tmp_path / "shards" / "corpus_*.bin")).summary.fingerprint == built.summary.fingerprint
+    (tmp_path / "notes [draft].txt").write_text("some text\n" * 10)
+    assert build(str(tmp_path / "notes [draft].txt"), "data.val_fraction=0").summary.format == "text"
+    with pytest.raises(DataError, match="the glob matches no file"):
+        build(str(tmp_path / "shards" / "other_*.bin"))
 
 
 def test_a_packed_text_layout_joins_documents_into_full_rows(tmp_path):
@@ -334,6 +338,7 @@ def uneven_sft(path: Path) -> Path:
     return jsonl(path, *lines)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source_kind", ["packed token files", "uneven JSONL"])
 def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_kind):
     """(m, A, D) = (8,1,1), (4,1,2), (1,4,2): the same update, and it is the float64 full-batch one."""
