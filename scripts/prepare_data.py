@@ -201,6 +201,10 @@ def prepare(arguments: argparse.Namespace) -> dict:
         raise PrepareError(f"{out_dir} exists and is not an empty folder; choose a new OUT_DIR")
     if not 0 <= arguments.val_fraction < 1:
         raise PrepareError(f"--val-fraction must be >= 0 and < 1, got {arguments.val_fraction}")
+    if arguments.tokenizer == "bpe" and not BYTE_VOCAB_SIZE < arguments.vocab_size <= 2**32:
+        raise PrepareError(f"--vocab-size must exceed the 256 byte tokens, got {arguments.vocab_size}")
+    if arguments.shard_tokens < 1:
+        raise PrepareError(f"--shard-tokens must be a positive integer, got {arguments.shard_tokens}")
 
     tokenizer = None
     if arguments.tokenizer == "bpe":
