@@ -594,8 +594,11 @@ def mix64(values: np.ndarray) -> np.ndarray:
 
 
 def feistel_half_bits(num_rows: int) -> int:
-    """Bits of each half of the Feistel network's domain: the smallest h >= 1 with 4**h >= num_rows."""
-    return max(1, math.ceil(math.log2(num_rows) / 2)) if num_rows > 1 else 1
+    """Bits of each half of the Feistel network's domain: the smallest h >= 1 with 4**h >= num_rows.
+
+    Row ids 0..num_rows - 1 need b = (num_rows - 1).bit_length() bits; halves of ceil(b / 2) bits hold them,
+    and the domain, 4**h <= 2**(b + 1), stays below 4·num_rows."""
+    return max(1, ((num_rows - 1).bit_length() + 1) // 2)
 
 
 def feistel(values: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
