@@ -42,7 +42,7 @@ import torch
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 from accumulation.config import Config
 
-# Both sources shipped here tokenize text as its UTF-8 bytes: one token per byte.
+# Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
 BYTE_VOCAB_SIZE = 256
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
@@ -201,7 +201,7 @@ def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) 
 
     A document is bytes (one token per byte, vocab_size 256) or a numpy array of token ids < vocab_size.
 
-    Row i of a document covers bytes [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
+    Row i of a document covers tokens [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
     token, the last input of one row being the first input of the next, so each of the document's L - 1
     targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
     document; the last row of a document is right-padded with zeros. Documents shorter than 2 tokens give no rows.
@@ -520,10 +520,9 @@ def build_data(config: Config) -> Data:
     settings = config.data
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
     found_token_files = token_files.open_token_files(source)
-    # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample).
-    tokenizer = None
-    if settings.tokenizer != "bytes" and found_token_files is None:
-        tokenizer = token_files.load_tokenizer(settings.tokenizer)
+    # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
+    # but it is loaded here for them too, so that a bad path is reported before training, not after.
+    tokenizer = None if settings.tokenizer == "bytes" else token_files.load_tokenizer(settings.tokenizer)
     if found_token_files is not None:
         if layout == "documents":
             raise DataError(
