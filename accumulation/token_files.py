@@ -215,10 +215,10 @@ def token_vocab_size(source: TokenSource, asked_vocab_size: int) -> tuple[int, s
 
 def check_token_ids(token_file: TokenFile, first: int, tokens: np.ndarray, vocab_size: int, vocab_from: str) -> None:
     """A DataError naming the file when a token id in `tokens` (the file's tokens from `first` on) is too large."""
-    if len(tokens) and int(tokens.max()) >= vocab_size:
-        position = first + int(np.argmax(tokens >= vocab_size))
+    if len(tokens) and int(tokens.max()) >= vocab_size:  # one pass in the common case; the rest only for the message
+        offset = int(np.argmax(tokens >= vocab_size))
         raise DataError(
-            f"{token_file.path}: token {position:,} has id {int(tokens.max())} (or more), not below the vocabulary "
+            f"{token_file.path}: token {first + offset:,} has id {int(tokens[offset])}, not below the vocabulary "
             f"size {vocab_size} from {vocab_from}; set model.vocab_size (or meta.json) to the tokenizer's size"
         )
 
