@@ -152,7 +152,8 @@ def test_a_token_id_outside_the_vocabulary_is_an_error_naming_the_file(tmp_path)
     tokens = tokens_of(3000, 1)
     tokens[5] = VOCAB  # inside the first sampled block: found at start-up
     (folder / "train.bin").write_bytes(tokens.astype("<u2").tobytes())
-    with pytest.raises(DataError, match=rf"train.bin: token 5 has id {VOCAB} .*vocabulary size {VOCAB} from meta.json"):
+    message = rf"train.bin: token 5 has id {VOCAB}, not below the vocabulary size {VOCAB} from meta.json"
+    with pytest.raises(DataError, match=message):
         build(folder)
     # Outside the sampled blocks (a file longer than they reach): found when the row is read, before any forward.
     long_tokens = tokens_of(100_000, 1)
