@@ -21,7 +21,9 @@
 A document goes to validation when the crc32 hash of its key (its path in a folder, its line in JSONL)
 falls below --val-fraction, so the split is stable when documents are added (data.validation_keys's rule;
 a folder in which no path falls below it sends the one with the smallest hash, as the text source does).
-A single text file is split at the newline nearest the cut (text_corpus.split_at_newline).
+A single text file is split at the newline nearest the cut (text_corpus.split_at_newline), which reads
+it whole; a folder or a JSONL file is read one document at a time, so give one of those for a corpus
+larger than memory.
 Everything is written under a temporary folder and moved into place at the end: a failed run leaves
 nothing. Bad input is one line on stderr and exit status 2.
 """
