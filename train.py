@@ -436,7 +436,8 @@ def print_summary(
     prompt_source,
 ) -> None:
     """The session's last lines: losses, speed, counters, and a sample from the model (bytes decoded as
-    UTF-8) when it has generate(). `prompt_source` is the training rows, whose first example gives the prompt."""
+    UTF-8, or decoded by the data's tokenizer) when it has generate(). `prompt_source` is the training
+    rows, whose first example gives the prompt."""
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
     print(
         f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
@@ -449,13 +450,19 @@ def print_summary(
     if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")
         return
+    from accumulation.token_files import sample_decoder  # imported here: the sample is this function's alone
+
+    decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
+    if decode is None:
+        print(f"sample: skipped, {why_not}")
+        return
     # The prompt: the first training example's prompt, or its first four tokens when it has none.
     example = prompt_source.raw_example(0)
     prompt_tokens = example.prompt or example.response[:4]
     model.eval()
     prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
     sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
-    print("sample:\n" + bytes(sample.tolist()).decode("utf-8", errors="replace"))
+    print("sample:\n" + decode(sample.tolist()))
 
 
 if __name__ == "__main__":

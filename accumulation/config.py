@@ -101,9 +101,39 @@ class BatchConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = setting("stdlib", '"stdlib" (the embedded corpus) or a path to your own text file or folder')
+    source: str = setting(
+        "stdlib",
+        '"stdlib" (the embedded corpus), a text file or folder, a .jsonl file of {"prompt", "response"} or '
+        '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
+        "glob of *_train_*.bin / *_val_*.bin); scripts/prepare_data.py writes both",
+    )
     seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
-    val_fraction: float = setting(0.01, "share of the data held out for validation", "fraction", at_least=0, below=1)
+    val_fraction: float = setting(
+        0.01,
+        "share of text or JSONL held out for validation; token files bring their own split, and 0 turns "
+        "validation off for every source",
+        "fraction",
+        at_least=0,
+        below=1,
+    )
+    layout: str = setting(
+        "auto",
+        "documents: one document (or example) per row, padded; packed: documents concatenated and cut into full "
+        "rows, every target supervised; auto: packed for token files, documents for text and JSONL",
+        choices=("auto", "documents", "packed"),
+    )
+    tokenizer: str = setting(
+        "bytes",
+        'how text and JSONL become tokens: "bytes" (UTF-8 bytes, vocabulary 256) or the path of a Hugging Face '
+        "tokenizer.json (needs the optional `tokenizers` package, requirements-bpe.txt)",
+    )
+    val_rows: int = setting(
+        1024,
+        "validation reads at most this many rows, evenly spaced over the split (the same rows for every m, A, D); "
+        "0 = every row",
+        "rows",
+        at_least=0,
+    )
 
 
 @dataclass(frozen=True)

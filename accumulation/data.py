@@ -16,18 +16,19 @@ The training loop sees a split of the data only as a `Rows` object:
                          examples(row_ids) would give, computed without building the rows where possible; every
                          rank sums it over the step's row ids to know the step's N with no collective
 
-RowSet, below, implements it for tokens held in memory. A fork with its own task or tokenizer writes a
-source that returns RowSets (make_rows and make_example_rows build them) and adds a branch to build_data.
+RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/token_files.py)
+for memory-mapped token files. A fork with its own task or tokenizer writes a source that returns Rows
+(make_rows and make_example_rows build RowSets) and adds a branch to build_data.
 
 The pipeline:
-    config.data  ->  build_data  ->  a source  ->  train and validation RowSets
+    config.data  ->  build_data  ->  a source  ->  train and validation Rows
         "stdlib", a text file or a folder: accumulation/text_corpus.py (the embedded demo corpus)
         a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/jsonl.py
+        token files (nanoGPT's train.bin/val.bin, llm.c shards): accumulation/token_files.py
 and, every optimizer step:
     (seed, step, global_batch_size)  ->  row ids of the step  ->  this rank's micro-batches
 """
 
-import functools
 import hashlib
 import math
 import zlib
@@ -41,11 +42,13 @@ import torch
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 from accumulation.config import Config
 
-# Both sources shipped here tokenize text as its UTF-8 bytes: one token per byte.
+# Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
 BYTE_VOCAB_SIZE = 256
 
-# Each epoch's permutation comes from a generator seeded with seed * EPOCH_SEED_STRIDE + epoch.
-EPOCH_SEED_STRIDE = 1_000_003
+# Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
+# when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
+# lands that a chi-square test over epochs sees, and eight do not (tests/test_data_scale.py).
+FEISTEL_ROUNDS = 8
 
 TAILS = ("drop", "partial")
 
@@ -135,7 +138,7 @@ class RowSet:
     lengths: torch.Tensor
     supervised: torch.Tensor
     vocab_size: int
-    texts: list[bytes]  # byte tokens here; a fork with a wider vocabulary keeps its token sequences
+    texts: list  # token sequences: bytes (one token per byte), or numpy arrays of ids from a tokenizer
     text_ids: np.ndarray  # int64 [num_rows]
     starts: np.ndarray  # int64 [num_rows], tokens
     ends: np.ndarray  # int64 [num_rows], tokens
@@ -175,16 +178,33 @@ class RowSet:
         text = self.texts[self.text_ids[row_id]]
         start, end = int(self.starts[row_id]), int(self.ends[row_id])
         prompt_end = max(start, int(self.prompt_ends[row_id]))
-        return RawExample(prompt=list(text[start:prompt_end]), response=list(text[prompt_end:end]))
+        return RawExample(prompt=token_list(text[start:prompt_end]), response=token_list(text[prompt_end:end]))
 
 
-def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
-    """Cut every document into rows of seq_len + 1 byte tokens with stride seq_len, all targets supervised.
+def token_list(tokens) -> list[int]:
+    """Python ints of a token sequence: bytes or a numpy array of ids."""
+    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
 
-    Row i of a document covers bytes [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
-    byte, the last input of one row being the first input of the next, so each of the document's L - 1
+
+def token_array(tokens) -> np.ndarray:
+    """A token sequence as a numpy array (bytes as uint8, without a copy)."""
+    return np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
+
+
+def numpy_token_dtype(vocab_size: int) -> np.dtype:
+    """token_dtype as numpy spells it."""
+    return {torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32}[token_dtype(vocab_size)]
+
+
+def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> RowSet:
+    """Cut every document into rows of seq_len + 1 tokens with stride seq_len, all targets supervised.
+
+    A document is bytes (one token per byte, vocab_size 256) or a numpy array of token ids < vocab_size.
+
+    Row i of a document covers tokens [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
+    token, the last input of one row being the first input of the next, so each of the document's L - 1
     targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
-    document; the last row of a document is right-padded with zeros. Documents shorter than 2 bytes give no rows.
+    document; the last row of a document is right-padded with zeros. Documents shorter than 2 tokens give no rows.
     """
     if seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
@@ -204,16 +224,18 @@ def make_rows(documents: list[bytes], seq_len: int) -> RowSet:
 
     # Trailing zeros so that every row start has a full window; the window of a document's last row runs
     # into the next document (or these zeros), and everything past the row's length is zeroed below.
-    concatenated = np.frombuffer(b"".join(kept) + bytes(tokens_per_row), dtype=np.uint8)
+    storage = numpy_token_dtype(vocab_size)
+    pieces = [token_array(document) for document in kept] + [np.zeros(tokens_per_row, dtype=storage)]
+    concatenated = np.concatenate(pieces).astype(storage, copy=False)
     windows = np.lib.stride_tricks.sliding_window_view(concatenated, tokens_per_row)
-    tokens = windows[row_starts]  # fancy indexing copies: a fresh uint8 array, no int64 intermediate
+    tokens = windows[row_starts]  # fancy indexing copies: a fresh array of the storage type, no int64 intermediate
     tokens[np.arange(tokens_per_row) >= lengths[:, None]] = 0
     supervised = np.arange(seq_len) < lengths[:, None] - 1  # every target the row has
     return RowSet(
         tokens=torch.from_numpy(tokens),
         lengths=torch.from_numpy(lengths.astype(np.int32)),
         supervised=torch.from_numpy(supervised),
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         texts=kept,
         text_ids=row_document,
         starts=offset_in_document,
@@ -230,9 +252,10 @@ class ExampleRows(NamedTuple):
     truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
 
 
-def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> ExampleRows:
-    """One row per (prompt, response) example, its tokens the bytes of prompt then response; only the
-    targets that predict response bytes are supervised.
+def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
+    """One row per (prompt, response) example, its tokens those of prompt then response; only the
+    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
+    or numpy arrays of token ids < vocab_size.
 
     An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
     With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
@@ -250,10 +273,13 @@ def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> Exam
     example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
     lengths = np.minimum(example_bytes, tokens_per_row)
 
-    texts = [prompt + response for prompt, response in kept]
-    tokens = np.zeros((len(kept), tokens_per_row), dtype=np.uint8)
+    texts = [
+        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
+        for prompt, response in kept
+    ]
+    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
     for row, text in enumerate(texts):
-        tokens[row, : lengths[row]] = np.frombuffer(text[:tokens_per_row], dtype=np.uint8)
+        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
     # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
     targets = np.arange(1, tokens_per_row)
     supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
@@ -261,7 +287,7 @@ def make_example_rows(examples: list[tuple[bytes, bytes]], seq_len: int) -> Exam
         tokens=torch.from_numpy(tokens),
         lengths=torch.from_numpy(lengths.astype(np.int32)),
         supervised=torch.from_numpy(supervised),
-        vocab_size=BYTE_VOCAB_SIZE,
+        vocab_size=vocab_size,
         texts=texts,
         text_ids=np.arange(len(kept), dtype=np.int64),
         starts=np.zeros(len(kept), dtype=np.int64),
@@ -329,17 +355,22 @@ class DataSummary:
     val_files: int  # of those, files in the validation split (0 or 1 for a single file split within itself)
     skipped_files: int  # non-text files left out
     bytes: int  # bytes of the files used
-    documents: int  # documents (text) or examples (JSONL lines) read
+    documents: int  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
     dropped_documents: int  # of those, with no target to predict: no rows
     truncated_documents: int  # of those, cut short to one row of seq_len + 1 tokens
     train_rows: int
-    val_rows: int
+    val_rows: int  # rows in the validation split
     min_supervised_tokens: int  # per training row
     median_supervised_tokens: float
     max_supervised_tokens: int
     padding_fraction: float  # label positions past a row's last target / all label positions, training rows
     prompt_fraction: float  # label positions whose target is prompt, not response / all label positions, training
-    fingerprint: str  # row_fingerprint of the training rows
+    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
+    layout: str = "documents"  # data.layout as resolved: "documents" or "packed"
+    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files"
+    tokens: int = 0  # token files: tokens in the files used
+    vocab_from: str = "bytes"  # where the vocabulary size came from
+    val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
 
     def describe(self) -> str:
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
@@ -348,14 +379,21 @@ class DataSummary:
             f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
         ]
         losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
-        validation = f"{self.val_rows:,} validation rows" if self.val_rows else "no validation set"
+        contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
+        if not self.val_rows:
+            validation = "no validation set"
+        elif self.val_rows_read < self.val_rows:
+            validation = f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
+        else:
+            validation = f"{self.val_rows:,} validation rows"
         location = self.source if self.source == self.root else f"{self.source} ({self.root})"
         prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
+        kind = "" if self.format == "text" else f"{self.format}, "
         return (
-            f"data {location}: {self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
-            f"{self.documents:,} documents{losses_text}; {self.train_rows:,} training rows and {validation} "
-            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size}, supervised tokens per training row "
-            f"min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
+            f"data {location}: {kind}{self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
+            f"{contents}; layout {self.layout}: {self.train_rows:,} training rows and {validation} "
+            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size} ({self.vocab_from}), supervised tokens per "
+            f"training row min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
             f"/ max {self.max_supervised_tokens}, "
             f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
         )
@@ -363,10 +401,43 @@ class DataSummary:
 
 @dataclass
 class Data:
-    train: RowSet
-    val: RowSet | None  # None when val_fraction == 0
+    train: Rows
+    val: Rows | None  # None when val_fraction == 0
     summary: DataSummary
-    vocab_size: int  # the model's vocabulary: 256 for byte tokens
+    vocab_size: int  # the data's vocabulary: 256 for byte tokens
+
+
+class RowSubset:
+    """Some rows of another Rows object, renumbered 0..len(row_ids) - 1 (the Rows interface)."""
+
+    def __init__(self, rows: Rows, row_ids: torch.Tensor):
+        self.rows, self.row_ids = rows, row_ids
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.seq_len
+
+    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.examples(self.row_ids[row_ids])
+
+    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
+        return self.rows.supervised_counts(self.row_ids[row_ids])
+
+    def raw_example(self, row_id: int) -> RawExample:
+        return self.rows.raw_example(int(self.row_ids[row_id]))
+
+
+def validation_subset(rows: Rows, max_rows: int) -> Rows:
+    """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split
+    (row ids floor(i · num_rows / max_rows)), so a pass costs the same however large the split, and the
+    rows are a function of the split and max_rows alone, never of m, A or D. max_rows == 0 means all."""
+    if max_rows == 0 or rows.num_rows <= max_rows:
+        return rows
+    return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)
 
 
 def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
@@ -398,6 +469,9 @@ def data_from_rows(
     documents: int,
     dropped_documents: int,
     truncated_documents: int,
+    layout: str = "documents",
+    format: str = "text",
+    vocab_from: str = "bytes",
 ) -> Data:
     """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
     check_split_sizes(source, train, val, val_fraction)
@@ -424,20 +498,51 @@ def data_from_rows(
         padding_fraction=1 - targets / label_positions,
         prompt_fraction=(targets - int(supervised.sum())) / label_positions,
         fingerprint=row_fingerprint(train),
+        layout=layout,
+        format=format,
+        vocab_from=vocab_from,
+        val_rows_read=val.num_rows,
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
 
 
 def build_data(config: Config) -> Data:
-    """The training and validation rows that config.data describes: a path ending in .jsonl is read as
-    prompt/response examples (accumulation/jsonl.py), anything else as text (accumulation/text_corpus.py)."""
-    # The sources build on this module (DataError, make_rows, data_from_rows), so they are imported here.
-    from accumulation import jsonl, text_corpus
+    """The training and validation rows that config.data describes.
 
-    source, seq_len, val_fraction = config.data.source, config.data.seq_len, config.data.val_fraction
-    if source.endswith(".jsonl"):
-        return jsonl.load_jsonl(source, seq_len, val_fraction)
-    return text_corpus.load_text(source, seq_len, val_fraction)
+    Token files (a nanoGPT folder, llm.c shards): accumulation/token_files.py, packed; a path ending in
+    .jsonl: prompt/response examples (accumulation/jsonl.py), one per row; anything else: text
+    (accumulation/text_corpus.py), one document per row or packed. Validation then reads at most
+    data.val_rows of its rows (validation_subset).
+    """
+    # The sources build on this module (DataError, make_rows, data_from_rows), so they are imported here.
+    from accumulation import jsonl, text_corpus, token_files
+
+    settings = config.data
+    source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
+    found_token_files = token_files.open_token_files(source)
+    # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
+    # but it is loaded here for them too, so that a bad path is reported before training, not after.
+    tokenizer = None if settings.tokenizer == "bytes" else token_files.load_tokenizer(settings.tokenizer)
+    if found_token_files is not None:
+        if layout == "documents":
+            raise DataError(
+                f'data.layout="documents": {source!r} holds {found_token_files.format} token files, whose documents '
+                f'are already concatenated; use data.layout="packed" (or "auto")'
+            )
+        built = token_files.load_token_files(found_token_files, source, seq_len, val_fraction, config.model.vocab_size)
+    elif source.endswith(".jsonl"):
+        if layout == "packed":
+            raise DataError(
+                f'data.layout="packed": {source!r} is a JSONL file of examples, one example per row so that each '
+                f'keeps its own prompt mask; use data.layout="documents" (or "auto")'
+            )
+        built = jsonl.load_jsonl(source, seq_len, val_fraction, tokenizer)
+    else:
+        built = text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
+    if built.val is not None:
+        built.val = validation_subset(built.val, settings.val_rows)
+        built.summary.val_rows_read = built.val.num_rows
+    return built
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,32 +578,82 @@ def rows_dropped_per_epoch(num_rows: int, global_batch_size: int, tail: str) -> 
     return num_rows - full_steps * global_batch_size if tail == "drop" else 0
 
 
-@functools.lru_cache(maxsize=2)
-def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
-    """The order of all row ids in epoch `epoch`: torch.randperm from a generator seeded with
-    seed * 1_000_003 + epoch (reduced mod 2**64, the range manual_seed accepts).
+def feistel_round_keys(seed: int, epoch: int) -> np.ndarray:
+    """uint64 [FEISTEL_ROUNDS]: the keys of epoch `epoch`'s order, from a BLAKE2b hash of "seed:epoch"."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
+    return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
 
-    Cached, because every step of an epoch reads the same permutation; callers must not modify it.
+
+def mix64(values: np.ndarray) -> np.ndarray:
+    """A 64-bit mixing function (splitmix64's finalizer): every output bit depends on every input bit.
+    uint64 arithmetic wraps modulo 2**64, which is what the constants are chosen for."""
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
+def feistel_half_bits(num_rows: int) -> int:
+    """Bits of each half of the Feistel network's domain: the smallest h >= 1 with 4**h >= num_rows.
+
+    Row ids 0..num_rows - 1 need b = (num_rows - 1).bit_length() bits; halves of ceil(b / 2) bits hold them,
+    and the domain, 4**h <= 2**(b + 1), stays below 4·num_rows."""
+    return max(1, ((num_rows - 1).bit_length() + 1) // 2)
+
+
+def feistel(values: np.ndarray, keys: np.ndarray, half_bits: int) -> np.ndarray:
+    """A bijection of 0..4**half_bits - 1 (uint64 in, uint64 out): a balanced Feistel network.
+
+    x is split into halves (L, R) of half_bits bits; each round maps (L, R) -> (R, L xor F(R)), with
+    F(R) = mix64(R xor key) cut to half_bits bits. Each round is invertible whatever F is
+    ((L, R) = (R' xor F(L'), L')), so the network is a permutation; enough rounds with independent keys
+    make it look random (Luby and Rackoff: four, for wide halves).
     """
-    generator = torch.Generator()
-    generator.manual_seed((seed * EPOCH_SEED_STRIDE + epoch) % 2**64)
-    return torch.randperm(num_rows, generator=generator)
+    shift, mask = np.uint64(half_bits), np.uint64((1 << half_bits) - 1)
+    left, right = values >> shift, values & mask
+    for key in keys:
+        left, right = right, left ^ (mix64(right ^ key) & mask)
+    return (left << shift) | right
+
+
+def epoch_row_ids(num_rows: int, seed: int, epoch: int, positions: torch.Tensor) -> torch.Tensor:
+    """int64 row ids at the given positions (0..num_rows - 1) of epoch `epoch`'s order of all rows.
+
+    The order is a pseudo-random permutation of 0..num_rows - 1, a function of (num_rows, seed, epoch),
+    computed position by position: no table of num_rows entries, so its memory does not grow with the
+    data (10**11 rows cost what 10 do). The Feistel network permutes the 4**h >= num_rows ids of its
+    domain (fewer than 4·num_rows); "cycle walking" applies it again to any value >= num_rows until the
+    value lands in range. Following a bijection's cycle from an in-range point always returns to an
+    in-range point, so the walk ends, and the result is a bijection of 0..num_rows - 1.
+    """
+    keys, half_bits = feistel_round_keys(seed, epoch), feistel_half_bits(num_rows)
+    values = feistel(positions.numpy().astype(np.uint64), keys, half_bits)
+    outside = values >= num_rows
+    while outside.any():  # on average fewer than 4 passes: at least a quarter of the domain is in range
+        values[outside] = feistel(values[outside], keys, half_bits)
+        outside = values >= num_rows
+    return torch.from_numpy(values.astype(np.int64))
+
+
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
+    """Epoch `epoch`'s whole order of row ids, materialized: for small row counts (tests, illustrations)."""
+    return epoch_row_ids(num_rows, seed, epoch, torch.arange(num_rows))
 
 
 def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, tail: str) -> torch.Tensor:
     """int64 row ids of optimizer step `step` (counted from 0 over the whole run).
 
     A function of (num_rows, G, seed, step, tail) only, so m, A, D and resuming cannot change it. Step s
-    belongs to epoch s // steps_per_epoch and takes the next G positions of that epoch's permutation; a
-    partial last step takes what is left and no row leaks into the next epoch.
+    belongs to epoch s // steps_per_epoch and takes the next G positions of that epoch's order
+    (epoch_row_ids); a partial last step takes what is left and no row leaks into the next epoch.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     steps_in_epoch = steps_per_epoch(num_rows, global_batch_size, tail)
     epoch, step_in_epoch = divmod(step, steps_in_epoch)
     first = step_in_epoch * global_batch_size
-    # The slice stops at the end of the permutation: that is what makes a partial last step shorter.
-    return epoch_permutation(num_rows, seed, epoch)[first : first + global_batch_size].clone()
+    # The range stops at the end of the epoch: that is what makes a partial last step shorter.
+    positions = torch.arange(first, min(first + global_batch_size, num_rows))
+    return epoch_row_ids(num_rows, seed, epoch, positions)
 
 
 # ---------------------------------------------------------------------------------------------------

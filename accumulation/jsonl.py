@@ -8,8 +8,11 @@ Every non-blank line is one JSON object, of either kind (they may be mixed):
 
 Other keys are ignored. A line that is not such an object is a DataError naming the file and the line.
 
-The byte vocabulary has no end-of-response token: a model learns where a response stops only from the
-response text itself (the worked example, data/sft_arithmetic.jsonl, ends every response with a newline).
+Tokens are the UTF-8 bytes by default. The byte vocabulary has no end-of-response token: a model learns
+where a response stops only from the response text itself (the worked example, data/sft_arithmetic.jsonl,
+ends every response with a newline). With data.tokenizer naming a tokenizer.json, prompt and response are
+encoded by it, each on its own, and a response ends with the vocabulary's end-of-text token when it has one
+(token_files.END_OF_TEXT_TOKENS), which is then supervised like the response.
 
 An example is one row, right-padded to seq_len + 1 tokens. A longer one keeps its first seq_len + 1 tokens
 and is counted as truncated; one left without a supervised target (its response cut off entirely, or under
@@ -20,7 +23,9 @@ below data.val_fraction (data.validation_keys), so adding lines never moves anot
 import json
 from pathlib import Path
 
-from accumulation.data import Data, DataError, data_from_rows, make_example_rows, validation_keys
+import numpy as np
+
+from accumulation.data import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_example_rows, validation_keys
 
 LINE_FORMAT = 'each line must be a JSON object {"prompt": "...", "response": "..."} or {"text": "..."}'
 
@@ -91,15 +96,35 @@ def read_examples(source: str) -> tuple[bytes, list[tuple[bytes, bytes]], list[s
     return contents, examples, lines
 
 
-def load_jsonl(source: str, seq_len: int, val_fraction: float) -> Data:
-    """Read the examples of a JSONL file, split them by a hash of their lines, and make one row of each."""
+def tokenized(examples: list[tuple[bytes, bytes]], tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(prompt ids, response ids + the end-of-text token if the vocabulary has one) of every example."""
+    from accumulation.token_files import end_of_text_token
+
+    end = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]
+
+    def encode(texts: list[bytes]) -> list[list[int]]:
+        encodings = tokenizer.encode_batch([text.decode("utf-8") for text in texts], add_special_tokens=False)
+        return [encoding.ids for encoding in encodings]
+
+    prompts = encode([prompt for prompt, _ in examples])
+    responses = encode([response for _, response in examples])
+    pairs = zip(prompts, responses, strict=True)
+    return [(np.array(prompt, dtype=np.int64), np.array(response + end, dtype=np.int64)) for prompt, response in pairs]
+
+
+def load_jsonl(source: str, seq_len: int, val_fraction: float, tokenizer=None) -> Data:
+    """Read the examples of a JSONL file, split them by a hash of their lines, and make one row of each;
+    tokens are bytes, or the ids of `tokenizer` (a Hugging Face Tokenizer) when one is given."""
     contents, examples, lines = read_examples(source)
     chosen = validation_keys(lines, val_fraction)
+    vocab_size = BYTE_VOCAB_SIZE if tokenizer is None else tokenizer.get_vocab_size()
+    if tokenizer is not None:
+        examples = tokenized(examples, tokenizer)
     train_examples, val_examples = [], []
     for example, line in zip(examples, lines, strict=True):
         (val_examples if line in chosen else train_examples).append(example)
-    train = make_example_rows(train_examples, seq_len)
-    val = make_example_rows(val_examples, seq_len)
+    train = make_example_rows(train_examples, seq_len, vocab_size)
+    val = make_example_rows(val_examples, seq_len, vocab_size)
     if train.rows.num_rows + val.rows.num_rows == 0:
         raise DataError(
             f"data.source {source!r} has no example with a supervised target ({len(examples)} examples, "
@@ -118,4 +143,6 @@ def load_jsonl(source: str, seq_len: int, val_fraction: float) -> Data:
         documents=len(examples),
         dropped_documents=train.dropped + val.dropped,
         truncated_documents=train.truncated + val.truncated,
+        format="JSONL",
+        vocab_from="bytes" if tokenizer is None else "data.tokenizer",
     )

@@ -1,9 +1,12 @@
-"""The embedded demo corpus: text files (or the standard library) as byte-level documents.
+"""The embedded demo corpus: text files (or the standard library) as documents.
 
-A token is one byte (vocabulary 256), so text is never decoded for training; it is only checked to be
-UTF-8 so that binary files do not slip in. Every target of every document is supervised.
+By default a token is one byte (vocabulary 256), so text is never decoded for training; it is only checked
+to be UTF-8 so that binary files do not slip in. With data.tokenizer each document is encoded by that
+tokenizer instead. Every target of every document is supervised.
 
     data.source  ->  text files  ->  train/validation split by file  ->  documents  ->  rows (data.make_rows)
+        data.layout "documents": each document cut into rows of its own, the last one padded
+        data.layout "packed":    the documents of a split joined into one, cut into full rows (packed)
 
 A fork that trains on other data replaces this module; accumulation/data.py stays.
 """
@@ -13,7 +16,9 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from accumulation.data import Data, DataError, data_from_rows, make_rows, validation_keys
+import numpy as np
+
+from accumulation.data import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_rows, validation_keys
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).
@@ -84,7 +89,8 @@ def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
         root = Path(source)
         if not root.exists():
             raise DataError(
-                f'data.source {source!r} does not exist; set it to a text file, a folder of text files, or "stdlib"'
+                f"data.source {source!r} does not exist; set it to a text file or folder, a .jsonl file, a folder of "
+                f'token files (scripts/prepare_data.py writes them), or "stdlib"'
             )
         if root.is_file():
             data = read_bytes(root, source)
@@ -159,8 +165,31 @@ def documents_of(data: bytes, is_python_source: bool) -> list[bytes]:
     return split_top_level_blocks(data) if is_python_source else [data]
 
 
-def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
-    """Read `source`, split it into training and validation by file, and cut both into rows.
+def packed(documents: list, seq_len: int, separator: list[int]) -> list:
+    """The documents as one, each preceded by `separator`, cut to 1 + k·seq_len tokens so that make_rows
+    gives k full rows, no padding; the last, incomplete row's tokens are left out.
+
+    Bytes have no separator token (separator is []), so byte documents are joined as they are (text files
+    and the standard library's blocks mostly end in a newline); a tokenizer's end-of-text token separates
+    its documents, as in GPT-2's training data."""
+    if documents and isinstance(documents[0], bytes):
+        joined = b"".join(documents)
+    else:
+        joined = np.concatenate([np.concatenate([separator, document]) for document in documents] or [[]])
+    full_rows = max(0, (len(joined) - 1) // seq_len)
+    return [joined[: 1 + full_rows * seq_len]] if full_rows else []
+
+
+def tokenized(documents: list[bytes], tokenizer) -> list[np.ndarray]:
+    """Each document's ids under `tokenizer` (a Hugging Face Tokenizer)."""
+    encodings = tokenizer.encode_batch([document.decode("utf-8") for document in documents], add_special_tokens=False)
+    return [np.array(encoding.ids, dtype=np.int64) for encoding in encodings]
+
+
+def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: bool = False, tokenizer=None) -> Data:
+    """Read `source`, split it into training and validation by file, and cut both into rows: one
+    document per row (padded), or with packed_layout every split's documents joined into full rows.
+    Tokens are bytes, or the ids of `tokenizer` when one is given.
 
     With two or more files the split is by a hash of each file's path (data.validation_keys); a lone file
     is split at a newline (split_at_newline). val_fraction == 0 means no validation set.
@@ -186,14 +215,24 @@ def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
             else:
                 train_documents += documents
 
-    train = make_rows(train_documents, seq_len)
-    val = make_rows(val_documents, seq_len)
+    all_documents = train_documents + val_documents  # bytes, counted below
+    vocab_size, separator = BYTE_VOCAB_SIZE, []
+    if tokenizer is not None:
+        from accumulation.token_files import end_of_text_token
+
+        vocab_size = tokenizer.get_vocab_size()
+        separator = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]
+        train_documents, val_documents = tokenized(train_documents, tokenizer), tokenized(val_documents, tokenizer)
+    if packed_layout:
+        train_documents = packed(train_documents, seq_len, separator)
+        val_documents = packed(val_documents, seq_len, separator)
+    train = make_rows(train_documents, seq_len, vocab_size)
+    val = make_rows(val_documents, seq_len, vocab_size)
     if train.num_rows + val.num_rows == 0:
         raise DataError(
             f"data.source {source!r} has no usable text (no text file with at least 2 bytes); "
             f'add UTF-8 text to {root} or set data.source="stdlib"'
         )
-    all_documents = train_documents + val_documents
     return data_from_rows(
         source,
         train,
@@ -207,4 +246,6 @@ def load_text(source: str, seq_len: int, val_fraction: float) -> Data:
         documents=len(all_documents),
         dropped_documents=sum(1 for document in all_documents if len(document) < 2),
         truncated_documents=0,  # a long document is cut into several rows, never truncated
+        layout="packed" if packed_layout else "documents",
+        vocab_from="bytes" if tokenizer is None else "data.tokenizer",
     )

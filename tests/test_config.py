@@ -144,7 +144,7 @@ def test_default_global_batch_divides_for_1_2_4_and_8_ranks():
 def test_gpu_configs_fit_their_world_sizes():
     gpu_8x = load_config(["--config", str(REPO_ROOT / "configs" / "gpu_8x.toml")])
     assert gpu_8x.device == "cuda" and gpu_8x.precision.dtype == "bf16"
-    assert gpu_8x.batch.global_batch_size == gpu_8x.batch.micro_batch_size * 4 * 8
+    assert gpu_8x.batch.global_batch_size == gpu_8x.batch.micro_batch_size * 2 * 8
     multinode = load_config(["--config", str(REPO_ROOT / "configs" / "multinode.toml")])
     assert multinode.batch.global_batch_size % (16 * multinode.batch.micro_batch_size) == 0
     text = (REPO_ROOT / "configs" / "multinode.toml").read_text(encoding="utf-8")
@@ -458,3 +458,23 @@ def test_to_toml_of_the_defaults_reads_back_as_the_defaults(tmp_path):
     text = config_to_toml(Config())
     assert load_config(["--config", write(tmp_path, text)]) == Config()
     assert tomllib.loads(text) == config_to_dict(Config())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The data keys of "Real data at scale"
+
+
+def test_the_data_keys_are_declared_listed_and_checked(capsys):
+    config = Config()
+    assert (config.data.layout, config.data.tokenizer, config.data.val_rows) == ("auto", "bytes", 1024)
+    assert load_config(["data.layout=packed", "data.val_rows=0"]).data.layout == "packed"
+    for argument, message in [
+        ("data.layout=rows", 'data.layout: expected one of "auto", "documents", "packed", got "rows"'),
+        ("data.val_rows=-1", "data.val_rows: expected an integer >= 0, got -1"),
+        ("data.tokenizer=", "data.tokenizer: expected a non-empty string"),
+    ]:
+        with pytest.raises(ConfigError, match=message):  # no regex metacharacters but "."
+            load_config([argument])
+    text = help_text()
+    for key in ("data.layout", "data.tokenizer", "data.val_rows"):
+        assert key in text

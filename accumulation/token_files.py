@@ -1,0 +1,395 @@
+"""Token files: the data people already have, memory-mapped and packed into full rows.
+
+Two formats, both a flat sequence of token ids per file, documents already concatenated:
+
+    nanoGPT    a folder holding train.bin and val.bin: raw little-endian uint16 token ids, nothing else
+    llm.c      shards named *_train_*.bin and *_val_*.bin (a folder of them, or a glob): a header of 256
+               little-endian int32 (header[0] = 20240520, the magic; header[1] = 1 for uint16 tokens,
+               2 for uint32; header[2] = the number of tokens), then the tokens
+
+Files are opened with numpy.memmap and never read whole: a row reads its seq_len + 1 tokens when a step
+asks for it, so memory and start-up time do not grow with the data. Start-up reads each file's header
+and size and a few sampled blocks of tokens (the resume fingerprint hashes those, and checks their ids
+against the vocabulary); every row is checked again when it is read, with one max over its tokens.
+
+Layout: packed. Row i of a file is its tokens [i·seq_len, i·seq_len + seq_len + 1): consecutive rows
+share one token (the last input of a row is the first input of the next), so each of the file's T - 1
+targets is supervised exactly once, by (T - 1) // seq_len rows; the last < seq_len targets of a file
+are left out, so no row is padded. Rows never cross from one file into the next.
+
+The vocabulary comes from meta.json beside the files ({"vocab_size": N}, which scripts/prepare_data.py
+writes), or from nanoGPT's meta.pkl, read with an unpickler that builds plain containers only (dicts,
+lists, strings, numbers) and refuses any class, so a hostile pickle cannot run code. model.vocab_size > 0
+is used when neither is there.
+"""
+
+import glob
+import hashlib
+import io
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from accumulation.data import Data, DataError, DataSummary, RawExample
+
+LLMC_MAGIC = 20240520
+LLMC_HEADER_INT32 = 256
+LLMC_HEADER_BYTES = 4 * LLMC_HEADER_INT32
+LLMC_TOKEN_TYPES = {1: np.dtype("<u2"), 2: np.dtype("<u4")}  # header[1], the version -> token type
+NANOGPT_TOKEN_TYPE = np.dtype("<u2")
+
+# The fingerprint and the start-up vocabulary check read this many blocks of this many tokens per file,
+# evenly spaced from its first token to its last.
+SAMPLED_BLOCKS_PER_FILE = 4
+SAMPLED_BLOCK_TOKENS = 4096
+
+
+@dataclass
+class TokenFile:
+    path: Path
+    tokens: np.ndarray  # 1-D memmap of the file's token ids, little-endian uint16 or uint32
+    header: bytes  # the llm.c header; b"" for a nanoGPT file
+
+
+@dataclass
+class TokenSource:
+    format: str  # "nanoGPT" or "llm.c"
+    root: Path  # the folder of the files (meta.json lives here)
+    train: list[TokenFile]
+    val: list[TokenFile]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Finding and opening the files
+# ---------------------------------------------------------------------------------------------------
+
+
+def is_llmc_shard_name(name: str) -> bool:
+    return name.endswith(".bin") and ("_train_" in name or "_val_" in name)
+
+
+def find_token_files(source: str) -> tuple[str, Path, list[Path], list[Path]] | None:
+    """(format, folder, training paths, validation paths) when `source` names token files, else None.
+
+    A folder with train.bin is nanoGPT's; a folder with *_train_*.bin / *_val_*.bin shards, or a glob
+    (a path with * ? or [) of such shards, is llm.c's. Anything else is left to the text sources.
+    """
+    path = Path(source)
+    if path.is_dir() and (path / "train.bin").is_file():
+        return "nanoGPT", path, [path / "train.bin"], [path / "val.bin"] if (path / "val.bin").exists() else []
+    if path.is_dir():
+        shards = sorted(p for p in path.iterdir() if p.is_file() and is_llmc_shard_name(p.name))
+        if not shards:
+            return None
+        folder = path
+    elif not path.exists() and any(character in source for character in "*?["):  # an existing file is text
+        shards = sorted(Path(p) for p in glob.glob(source) if Path(p).is_file())
+        if not shards:
+            raise DataError(f"data.source {source!r}: the glob matches no file; point it at llm.c shards (*.bin)")
+        not_shards = [p for p in shards if not is_llmc_shard_name(p.name)]
+        if not_shards:
+            raise DataError(
+                f"{not_shards[0]}: not an llm.c shard name (*_train_*.bin or *_val_*.bin); narrow data.source's glob"
+            )
+        folder = shards[0].parent
+    else:
+        return None
+    train = [p for p in shards if "_train_" in p.name]
+    val = [p for p in shards if "_val_" in p.name and "_train_" not in p.name]
+    return "llm.c", folder, train, val
+
+
+def open_nanogpt_file(path: Path) -> TokenFile:
+    """train.bin or val.bin: raw little-endian uint16, so the byte count must be even."""
+    size = path.stat().st_size
+    if size % NANOGPT_TOKEN_TYPE.itemsize:
+        raise DataError(
+            f"{path}: {size:,} bytes, an odd count, but a nanoGPT file is uint16 token ids (2 bytes each); "
+            f"the file is truncated or not a nanoGPT token file"
+        )
+    if size == 0:
+        raise DataError(f"{path}: empty (no tokens); write the split again, or set data.val_fraction=0 for val.bin")
+    return TokenFile(path, np.memmap(path, dtype=NANOGPT_TOKEN_TYPE, mode="r"), b"")
+
+
+def open_llmc_shard(path: Path) -> TokenFile:
+    """An llm.c shard: its header checked against the format and the file's size, its tokens memory-mapped."""
+    size = path.stat().st_size
+    if size < LLMC_HEADER_BYTES:
+        raise DataError(
+            f"{path}: {size:,} bytes, shorter than the {LLMC_HEADER_BYTES}-byte header of an llm.c shard; "
+            f"the file is truncated or not an llm.c shard"
+        )
+    with open(path, "rb") as file:
+        header = file.read(LLMC_HEADER_BYTES)
+    magic, version, token_count = np.frombuffer(header, dtype="<i4")[:3].tolist()
+    if magic != LLMC_MAGIC:
+        raise DataError(f"{path}: header magic {magic}, expected {LLMC_MAGIC}; this is not an llm.c token shard")
+    if version not in LLMC_TOKEN_TYPES:
+        raise DataError(
+            f"{path}: header version {version}, expected 1 (uint16 tokens) or 2 (uint32 tokens); "
+            f"the shard was written by a tool this loader does not know"
+        )
+    token_type = LLMC_TOKEN_TYPES[version]
+    expected_size = LLMC_HEADER_BYTES + token_count * token_type.itemsize
+    if token_count <= 0:
+        raise DataError(f"{path}: the header announces {token_count} tokens; an empty shard, write it again")
+    if size != expected_size:
+        problem = "truncated" if size < expected_size else "longer than its header says"
+        raise DataError(
+            f"{path}: {problem}: the header announces {token_count:,} tokens of {token_type.itemsize} bytes, "
+            f"{expected_size:,} bytes with the header, but the file has {size:,}; write the shard again"
+        )
+    tokens = np.memmap(path, dtype=token_type, mode="r", offset=LLMC_HEADER_BYTES, shape=(token_count,))
+    return TokenFile(path, tokens, header)
+
+
+def open_token_files(source: str) -> TokenSource | None:
+    """The token files `source` names, opened and checked (headers and sizes only), or None for text."""
+    found = find_token_files(source)
+    if found is None:
+        return None
+    token_format, folder, train_paths, val_paths = found
+    if not train_paths:
+        raise DataError(
+            f"data.source {source!r}: llm.c shards without a training split (no *_train_*.bin); add training shards"
+        )
+    open_file = open_nanogpt_file if token_format == "nanoGPT" else open_llmc_shard
+    return TokenSource(
+        token_format, folder, [open_file(path) for path in train_paths], [open_file(path) for path in val_paths]
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The vocabulary
+# ---------------------------------------------------------------------------------------------------
+
+
+class PlainContainersUnpickler(pickle.Unpickler):
+    """Unpickles dicts, lists, tuples, strings and numbers only: find_class is how a pickle reaches any
+    class or function (and so any code), and here it always refuses."""
+
+    def find_class(self, module: str, name: str):
+        raise pickle.UnpicklingError(f"refused to load {module}.{name}: only plain containers are allowed")
+
+
+def read_meta(folder: Path) -> tuple[dict, Path] | None:
+    """meta.json, else nanoGPT's meta.pkl (plain containers only), as a dict; None when neither exists."""
+    json_path, pickle_path = folder / "meta.json", folder / "meta.pkl"
+    try:
+        if json_path.is_file():
+            meta = json.loads(json_path.read_text(encoding="utf-8"))
+            path = json_path
+        elif pickle_path.is_file():
+            meta = PlainContainersUnpickler(io.BytesIO(pickle_path.read_bytes())).load()
+            path = pickle_path
+        else:
+            return None
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as error:
+        raise DataError(f"cannot read the vocabulary from {folder} ({error}); fix the file or delete it") from None
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: expected an object with vocab_size, got {type(meta).__name__}")
+    return meta, path
+
+
+def token_vocab_size(source: TokenSource, asked_vocab_size: int) -> tuple[int, str]:
+    """(vocabulary size, where it came from): meta.json / meta.pkl beside the files, else model.vocab_size."""
+    found = read_meta(source.root)
+    if found is not None:
+        meta, path = found
+        vocab_size = meta.get("vocab_size")
+        if type(vocab_size) is not int or vocab_size < 1:
+            raise DataError(f"{path}: vocab_size must be a positive integer, got {vocab_size!r}")
+        return vocab_size, path.name
+    if asked_vocab_size > 0:
+        return asked_vocab_size, "model.vocab_size"
+    raise DataError(
+        f"{source.root}: token files without meta.json (or meta.pkl) say nothing of their vocabulary; "
+        f"set model.vocab_size (e.g. 50304 for GPT-2's 50,257 tokens) or write meta.json with vocab_size"
+    )
+
+
+def check_token_ids(token_file: TokenFile, first: int, tokens: np.ndarray, vocab_size: int, vocab_from: str) -> None:
+    """A DataError naming the file when a token id in `tokens` (the file's tokens from `first` on) is too large."""
+    if len(tokens) and int(tokens.max()) >= vocab_size:  # one pass in the common case; the rest only for the message
+        offset = int(np.argmax(tokens >= vocab_size))
+        raise DataError(
+            f"{token_file.path}: token {first + offset:,} has id {int(tokens[offset])}, not below the vocabulary "
+            f"size {vocab_size} from {vocab_from}; set model.vocab_size (or meta.json) to the tokenizer's size"
+        )
+
+
+def sampled_blocks(token_file: TokenFile) -> list[tuple[int, np.ndarray]]:
+    """(first token, tokens) of SAMPLED_BLOCKS_PER_FILE blocks, evenly spaced, the first and last included."""
+    count = len(token_file.tokens)
+    block = min(SAMPLED_BLOCK_TOKENS, count)
+    firsts = np.linspace(0, count - block, SAMPLED_BLOCKS_PER_FILE).astype(np.int64)
+    return [(int(first), np.asarray(token_file.tokens[first : first + block])) for first in np.unique(firsts)]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Packed rows
+# ---------------------------------------------------------------------------------------------------
+
+
+class PackedTokenRows:
+    """Rows of seq_len + 1 tokens read from memory-mapped token files (the Rows interface of data.py)."""
+
+    def __init__(self, files: list[TokenFile], seq_len: int, vocab_size: int, vocab_from: str):
+        self.files, self._seq_len, self.vocab_size, self.vocab_from = files, seq_len, vocab_size, vocab_from
+        rows_per_file = [max(0, (len(token_file.tokens) - 1) // seq_len) for token_file in files]
+        self.first_rows = np.concatenate([[0], np.cumsum(rows_per_file)]).astype(np.int64)  # [files + 1]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.first_rows[-1])
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    def window(self, row_id: int) -> np.ndarray:
+        """The row's seq_len + 1 tokens, read from its file (and checked against the vocabulary)."""
+        if not 0 <= row_id < self.num_rows:
+            raise IndexError(f"row {row_id} is outside 0..{self.num_rows - 1}")
+        file_index = int(np.searchsorted(self.first_rows, row_id, side="right")) - 1
+        token_file = self.files[file_index]
+        first = (row_id - int(self.first_rows[file_index])) * self._seq_len
+        tokens = np.asarray(token_file.tokens[first : first + self._seq_len + 1])
+        check_token_ids(token_file, first, tokens, self.vocab_size, self.vocab_from)
+        return tokens
+
+    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) int64 [len(row_ids), seq_len]: every target supervised, nothing padded."""
+        tokens = np.empty((len(row_ids), self._seq_len + 1), dtype=np.int64)
+        for row, row_id in enumerate(row_ids.tolist()):
+            tokens[row] = self.window(row_id)
+        tokens = torch.from_numpy(tokens)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
+        """int64 [len(row_ids)]: seq_len for every row; a packed row has no padding and no prompt."""
+        return torch.full((len(row_ids),), self._seq_len, dtype=torch.int64)
+
+    def raw_example(self, row_id: int) -> RawExample:
+        """A plain window of the file: an empty prompt, the row's seq_len + 1 tokens as the response."""
+        return RawExample(prompt=[], response=self.window(int(row_id)).tolist())
+
+
+def token_fingerprint(token_format: str, files: list[TokenFile], seq_len: int) -> str:
+    """16 hex digits of sha256 over the format, seq_len and, per file, its header, token count and sampled
+    blocks (tokens hashed as little-endian uint32): what resume checks, read without a pass over the data."""
+    digest = hashlib.sha256(f"{token_format} seq_len {seq_len}".encode())
+    for token_file in files:
+        digest.update(token_file.header + f" {len(token_file.tokens)} tokens".encode())
+        for first, tokens in sampled_blocks(token_file):
+            digest.update(f"{first}:".encode() + tokens.astype("<u4").tobytes())
+    return digest.hexdigest()[:16]
+
+
+def load_token_files(source: TokenSource, config_source: str, seq_len: int, val_fraction: float, vocab: int) -> Data:
+    """Packed rows of the training and validation files; `vocab` is model.vocab_size (0 = from meta.json)."""
+    vocab_size, vocab_from = token_vocab_size(source, vocab)
+    for token_file in source.train + source.val:  # the start-up check reads the sampled blocks only
+        for first, tokens in sampled_blocks(token_file):
+            check_token_ids(token_file, first, tokens, vocab_size, vocab_from)
+    train = PackedTokenRows(source.train, seq_len, vocab_size, vocab_from)
+    val = PackedTokenRows(source.val, seq_len, vocab_size, vocab_from)
+    split_files = {"nanoGPT": "train.bin", "llm.c": "*_train_*.bin shards"}
+    if train.num_rows == 0:
+        raise DataError(
+            f"data.source {config_source!r}: the training split ({split_files[source.format]}) has fewer than "
+            f"seq_len + 1 = {seq_len + 1} tokens in every file, so no row; lower data.seq_len or add tokens"
+        )
+    if val_fraction > 0 and val.num_rows == 0:
+        missing = "val.bin" if source.format == "nanoGPT" else "*_val_*.bin shards"
+        raise DataError(
+            f"data.source {config_source!r}: the validation split ({missing}) is missing or shorter than "
+            f"seq_len + 1 = {seq_len + 1} tokens; add it, or set data.val_fraction=0 to train without validation"
+        )
+    files = source.train + source.val if val_fraction > 0 else source.train
+    summary = DataSummary(
+        source=config_source,
+        root=str(source.root),
+        seq_len=seq_len,
+        vocab_size=vocab_size,
+        files=len(files),
+        val_files=len(source.val) if val_fraction > 0 else 0,
+        skipped_files=0,
+        bytes=sum(token_file.path.stat().st_size for token_file in files),
+        documents=0,
+        dropped_documents=0,
+        truncated_documents=0,
+        train_rows=train.num_rows,
+        val_rows=val.num_rows if val_fraction > 0 else 0,
+        min_supervised_tokens=seq_len,
+        median_supervised_tokens=float(seq_len),
+        max_supervised_tokens=seq_len,
+        padding_fraction=0.0,
+        prompt_fraction=0.0,
+        fingerprint=token_fingerprint(source.format, source.train, seq_len),
+        layout="packed",
+        format=f"{source.format} token files",
+        tokens=sum(len(token_file.tokens) for token_file in files),
+        vocab_from=vocab_from,
+        val_rows_read=val.num_rows if val_fraction > 0 else 0,
+    )
+    return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizers: reading text in (JSONL, text with data.tokenizer) and showing tokens as text
+# ---------------------------------------------------------------------------------------------------
+
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # the end-of-document tokens looked for, in order
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from its tokenizer.json; a DataError when the optional package or the file is
+    missing or unreadable."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise DataError(
+            f"data.tokenizer {path!r} needs the optional Hugging Face tokenizers package: "
+            f'pip install -r requirements-bpe.txt (or set data.tokenizer="bytes")'
+        ) from None
+    try:
+        return Tokenizer.from_file(path)
+    except Exception as error:  # tokenizers raises its own Exception types, e.g. for a missing file or bad JSON
+        raise DataError(f"data.tokenizer {path!r}: cannot load it as a tokenizer.json ({error})") from None
+
+
+def end_of_text_token(tokenizer) -> int | None:
+    """The id of the vocabulary's end-of-document token, if it has one of END_OF_TEXT_TOKENS."""
+    for token in END_OF_TEXT_TOKENS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def sample_decoder(config) -> tuple[object, str]:
+    """(decode, "") where decode turns token ids into text for the end-of-run sample, or (None, why not).
+
+    data.tokenizer when it names a tokenizer.json; for token files, the tokenizer.json beside them, or
+    bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
+    """
+    if config.data.tokenizer != "bytes":
+        tokenizer = load_tokenizer(config.data.tokenizer)
+        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+    found = find_token_files(config.data.source)
+    if found is None:
+        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+    folder = found[1]
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
+        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+    meta = read_meta(folder)
+    if meta is not None and meta[0].get("tokenizer") == "bytes":
+        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+    return None, f"no tokenizer.json beside the token files in {folder} to decode it with (or set data.tokenizer)"

@@ -1,0 +1,167 @@
+"""scripts/prepare_data.py: text, folders and JSONL into token files that train.py reads back; bytes and a
+locally trained byte-level BPE (the optional `tokenizers` package); bad input leaves nothing behind."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accumulation import data, token_files
+from accumulation.config import load_config
+from accumulation.data import build_data
+from scripts import prepare_data
+from tests.test_data import jsonl
+
+DOCUMENTS = {
+    "a.txt": "The first document.\n" * 20,
+    "b/c.txt": "Zweites Dokument, mit Umlauten: äöü.\n" * 30,
+    "d.txt": "third\n" * 50,
+    "e.txt": "a fourth one, a little longer than the others, " * 10,
+}
+
+
+def corpus(folder: Path) -> Path:
+    for name, text in DOCUMENTS.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    (folder / "image.bin").write_bytes(b"\x00\x01binary")  # skipped, like the text source does
+    return folder
+
+
+def split_of(name: str, val_fraction: float) -> str:
+    return "val" if name in data.validation_keys([*DOCUMENTS, "image.bin"], val_fraction) else "train"
+
+
+def test_bytes_in_both_formats_hold_the_documents_and_load_as_the_same_rows(tmp_path, capsys):
+    source = corpus(tmp_path / "corpus")
+    val_fraction = 0.5
+    assert prepare_data.main([str(source), str(tmp_path / "out"), "--format", "both", "--val-fraction", "0.5"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    expected = {"train": b"", "val": b""}
+    for name in sorted(DOCUMENTS):  # sorted relative paths, the text source's order
+        expected[split_of(name, val_fraction)] += DOCUMENTS[name].encode()
+    assert expected["train"] and expected["val"]
+    nanogpt = tmp_path / "out" / "nanogpt"
+    assert (nanogpt / "train.bin").read_bytes() == np.frombuffer(expected["train"], np.uint8).astype("<u2").tobytes()
+    assert (nanogpt / "val.bin").read_bytes() == np.frombuffer(expected["val"], np.uint8).astype("<u2").tobytes()
+    meta = json.loads((nanogpt / "meta.json").read_text())
+    assert (meta["vocab_size"], meta["tokenizer"], meta["skipped_files"]) == (256, "bytes", 1)
+    assert meta["train_tokens"] == len(expected["train"])
+
+    settings = ["data.seq_len=16"]
+    from_nanogpt = build_data(load_config([f"data.source={nanogpt}", *settings]))
+    from_llmc = build_data(load_config([f"data.source={tmp_path / 'out' / 'llmc'}", *settings]))
+    assert from_nanogpt.train.num_rows == from_llmc.train.num_rows == (len(expected["train"]) - 1) // 16
+    ids = torch.arange(from_nanogpt.train.num_rows)
+    pairs = zip(from_nanogpt.train.examples(ids), from_llmc.train.examples(ids), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    first_row = from_llmc.train.raw_example(0).response
+    assert bytes(first_row) == expected["train"][:17]
+
+
+def test_llmc_shards_roll_over_at_shard_tokens(tmp_path, capsys):
+    source = tmp_path / "one.txt"
+    source.write_text("line of text\n" * 100)  # 1300 bytes
+    arguments = [str(source), str(tmp_path / "out"), "--shard-tokens", "500", "--val-fraction", "0.1"]
+    assert prepare_data.main(arguments) == 0
+    shards = sorted(path.name for path in (tmp_path / "out").glob("*.bin"))
+    train_part, val_part = prepare_data.split_at_newline(source.read_bytes(), 0.1)
+    assert shards == ["one_train_000000.bin", "one_train_000001.bin", "one_train_000002.bin", "one_val_000000.bin"]
+    counts = [len(token_files.open_llmc_shard(tmp_path / "out" / name).tokens) for name in shards]
+    assert counts == [500, 500, len(train_part) - 1000, len(val_part)]
+
+
+def test_jsonl_documents_join_prompt_and_response(tmp_path, capsys):
+    lines = [{"prompt": "Q: 1+1=", "response": " 2\n"}, {"text": "a whole document\n"}] * 3
+    lines += [{"prompt": f"Q: {i}", "response": "!"} for i in range(40)]
+    source = jsonl(tmp_path / "sft.jsonl", *lines)
+    assert prepare_data.main([str(source), str(tmp_path / "out"), "--format", "nanogpt"]) == 0
+    train_bytes = np.fromfile(tmp_path / "out" / "train.bin", dtype="<u2").astype(np.uint8).tobytes()
+    assert train_bytes.startswith(b"Q: 1+1= 2\na whole document\n")
+
+
+BAD_RUNS = [
+    (lambda tmp: [str(jsonl(tmp / "x.jsonl", {"question": "?"}))], "x.jsonl', line 1: has the keys"),
+    (lambda tmp: [str(tmp / "missing.txt")], "missing.txt does not exist"),
+    (lambda tmp: [str(jsonl(tmp / "one.jsonl", {"text": "a"})), "--val-fraction", "0.0001"], "no document fell into"),
+]
+
+
+@pytest.mark.parametrize("make_arguments, message", BAD_RUNS)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, make_arguments, message):
+    out_dir = tmp_path / "out"
+    arguments = make_arguments(tmp_path)
+    assert prepare_data.main([arguments[0], str(out_dir), *arguments[1:]]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], lines
+    assert not out_dir.exists()
+    assert not list(tmp_path.glob(".out.partial-*"))  # the staging folder is gone too
+
+
+def test_an_out_dir_that_holds_files_is_refused(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    source = corpus(tmp_path / "c")
+    assert prepare_data.main([str(source), str(tmp_path / "out")]) == 2
+    assert "exists and is not an empty folder" in capsys.readouterr().err
+    assert [path.name for path in (tmp_path / "out").iterdir()] == ["keep.txt"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Byte-level BPE (optional dependency)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_a_bpe_trained_here_encodes_the_corpus_and_decodes_it_back(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    source = corpus(tmp_path / "corpus")
+    arguments = [str(source), str(tmp_path / "out"), "--tokenizer", "bpe", "--vocab-size", "300"]
+    assert prepare_data.main([*arguments, "--val-fraction", "0.5"]) == 0
+    out = tmp_path / "out"
+    meta = json.loads((out / "meta.json").read_text())
+    tokenizer = token_files.load_tokenizer(str(out / "tokenizer.json"))
+    assert meta["vocab_size"] == tokenizer.get_vocab_size() <= 300
+    end = meta["end_of_text_token"]
+    assert end == tokenizer.token_to_id("<|endoftext|>")
+    train_ids = np.concatenate([token_files.open_llmc_shard(path).tokens for path in sorted(out.glob("*_train_*"))])
+    assert train_ids[0] == end
+    training_names = [name for name in sorted(DOCUMENTS) if split_of(name, 0.5) == "train"]
+    decoded = tokenizer.decode(train_ids.tolist(), skip_special_tokens=False)
+    assert decoded == "".join("<|endoftext|>" + DOCUMENTS[name] for name in training_names)
+    # train.py decodes its sample with the tokenizer.json beside the shards.
+    decode, _ = token_files.sample_decoder(load_config([f"data.source={out}"]))
+    assert decode(train_ids[:20].tolist()) == decoded[: len(decode(train_ids[:20].tolist()))]
+
+
+def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    assert prepare_data.main([str(corpus(tmp_path / "c")), str(tmp_path / "bpe"), "--tokenizer", "bpe"]) == 0
+    tokenizer_path = tmp_path / "bpe" / "tokenizer.json"
+    tokenizer = token_files.load_tokenizer(str(tokenizer_path))
+    end = tokenizer.token_to_id("<|endoftext|>")
+    lines = [{"prompt": "The first", "response": " document."}, {"text": "third\nthird\n"}]
+    source = jsonl(tmp_path / "sft.jsonl", *lines)
+    settings = [f"data.source={source}", f"data.tokenizer={tokenizer_path}", "data.val_fraction=0", "data.seq_len=32"]
+    built = build_data(load_config(settings))
+    assert built.vocab_size == tokenizer.get_vocab_size() and built.summary.vocab_from == "data.tokenizer"
+    example = built.train.raw_example(0)
+    assert example.prompt == tokenizer.encode("The first", add_special_tokens=False).ids
+    assert example.response == tokenizer.encode(" document.", add_special_tokens=False).ids + [end]
+    inputs, labels = built.train.examples(torch.tensor([0]))
+    supervised = labels[0][labels[0] != -100].tolist()
+    assert supervised == example.response  # the response and its end token, never the prompt
+    # Text with the tokenizer, packed: documents separated by the end token.
+    packed = build_data(
+        load_config([f"data.source={tmp_path / 'c'}", f"data.tokenizer={tokenizer_path}", "data.layout=packed"])
+    )
+    assert packed.train.raw_example(0).response[0] == end
+    assert packed.summary.padding_fraction == 0
+
+
+def test_a_missing_tokenizer_file_is_a_data_error(tmp_path):
+    pytest.importorskip("tokenizers")
+    with pytest.raises(data.DataError, match="cannot load it as a tokenizer.json"):
+        build_data(load_config([f"data.tokenizer={tmp_path / 'nope.json'}"]))
