@@ -18,6 +18,7 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -174,11 +175,16 @@ def train(
     autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
 
+    metrics_file, writers = None, []  # rank 0 opens them below, after the step-0 checkpoint
+
     def save(counters: Counters) -> None:
         payload = checkpoint_payload(
             config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, context
         )
         if context.is_main:
+            # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
+            # resume keeps them and runs only the later steps again (TensorBoard buffers for up to 2 minutes).
+            flush_logs(metrics_file, writers)
             save_checkpoint(payload, checkpoint_dir, counters.steps, config.run.keep_checkpoints)
 
     metrics_path = run_dir / "metrics.jsonl"
@@ -453,6 +459,9 @@ class MetricsFile:
                 f"was not written and the lines before are untouched"
             ) from None
 
+    def flush(self) -> None:
+        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
+
     def close(self) -> None:
         os.close(self.descriptor)
 
@@ -465,6 +474,7 @@ def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, re
     from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
 
     metrics_file = MetricsFile(metrics_path)
+    quiet_tensorboard_thread_errors()
     by_updates = SummaryWriter(
         run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
     )
@@ -488,14 +498,37 @@ def write_metrics(context: DistributedContext, metrics_file, writers, record: di
         raise tensorboard_write_error(error, by_updates) from None
 
 
-def close_logs(metrics_file, writers) -> None:
+def flush_logs(metrics_file, writers) -> None:
     if metrics_file is not None:
-        metrics_file.close()
+        metrics_file.flush()
     try:
         for writer in writers:
-            writer.close()  # the last events reach the disk here
+            writer.flush()
     except Exception as error:
         raise tensorboard_write_error(error, writers[0]) from None
+
+
+def close_logs(metrics_file, writers) -> None:
+    flush_logs(metrics_file, writers)
+    if metrics_file is not None:
+        metrics_file.close()
+    for writer in writers:
+        writer.close()
+
+
+def quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
+    which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
+    where it becomes one line (tensorboard_write_error). Only that traceback is kept off the terminal."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    print_traceback = threading.excepthook
+
+    def hook(arguments) -> None:
+        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
+            print_traceback(arguments)
+
+    threading.excepthook = hook
 
 
 def tensorboard_write_error(error: Exception, writer) -> Exception:

@@ -21,6 +21,7 @@ import torch
 
 import train
 from testkit.disk import fill_disk, small_disk
+from tests.test_logs import assert_tensorboard_matches_metrics
 from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,6 +147,7 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, cor
     assert output.count("resuming from") == 2  # attempts 2 and 3; attempt 1 had nothing to resume
     run_dir = tmp_path / "runs" / "default"
     assert_same_run(run_dir, reference)
+    assert_tensorboard_matches_metrics(run_dir)  # one point per step on each axis, despite the repeated steps
     assert not [path.name for path in (run_dir / "checkpoints").iterdir() if path.name.startswith(".")]
 
 
