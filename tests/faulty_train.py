@@ -5,7 +5,8 @@ at a chosen point of a chosen torchrun attempt, so that a test can check what su
         torchrun --standalone --nproc_per_node=2 --max-restarts=1 -m tests.faulty_train [train.py arguments]
 
 Each fault names the attempt it strikes (torchrun's TORCHELASTIC_RESTART_COUNT: 0 first, then 1 after the
-first restart, ...), the rank, and one of
+first restart, ...; or "any" for the first attempt that reaches it, once: a fault already in the fault log is
+not repeated), the rank, and one of
     "kill_before_micro_batch": [S, K]   SIGKILL just before the forward of micro-batch K (from 0) of step S
     "kill_before_rename": S             SIGKILL while the checkpoint of step S is saved: its temporary file is
                                         complete, the rename that would publish it has not happened
@@ -18,7 +19,9 @@ first restart, ...), the rank, and one of
     "signal_during_save": [S, NAME]     send signal NAME to this rank while the checkpoint of step S is saved
                                         (its temporary file complete, not yet renamed), then let the save go on
 Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
-file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired.
+file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired. With ACCUMULATION_STEP_LOG
+set, rank 0 appends the number of every step it completes to that file (scripts/chaos_soak.py counts the
+steps that faults made it run again).
 
 train.py itself is not changed: three functions it imports are wrapped before it runs as __main__.
 """
@@ -41,11 +44,19 @@ def this_process_fault() -> dict:
     """The faults for this attempt and rank, merged into one dict (of different kinds); empty when none."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ.get("RANK", "0"))
+    mine = [fault for fault in json.loads(os.environ.get("ACCUMULATION_FAULTS", "[]")) if fault["rank"] == rank]
+    pending = [fault for fault in mine if fault["attempt"] == "any" and not fired(fault)]
     merged = {}
-    for fault in json.loads(os.environ.get("ACCUMULATION_FAULTS", "[]")):
-        if fault["attempt"] == attempt and fault["rank"] == rank:
-            merged.update(fault)
+    for fault in [fault for fault in mine if fault["attempt"] == attempt] + pending[:1]:  # "any": the next one only
+        merged.update(fault)
     return merged
+
+
+def fired(fault: dict) -> bool:
+    """Whether the fault log already holds `fault` (it struck in an earlier attempt)."""
+    path = Path(os.environ.get("ACCUMULATION_FAULT_LOG", "/nonexistent"))
+    logged = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return any(all(entry.get(key) == value for key, value in fault.items()) for entry in logged)
 
 
 def log_fault(fault: dict, **observed) -> None:
@@ -64,6 +75,7 @@ def send_signal(fault: dict, name: str, to: str = "self") -> None:
 
 
 FAULT = this_process_fault()
+STEP_LOG = os.environ.get("ACCUMULATION_STEP_LOG")
 real_optimizer_step = accumulation.step.optimizer_step
 real_step_row_ids = accumulation.data.step_row_ids
 real_save_checkpoint = accumulation.checkpoint.save_checkpoint
@@ -109,10 +121,14 @@ def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
 
         hook = model.register_forward_pre_hook(before_forward)
     try:
-        return real_optimizer_step(model, micro_batches, optimizer, **options)
+        result = real_optimizer_step(model, micro_batches, optimizer, **options)
     finally:
         if hook is not None:
             hook.remove()
+    if STEP_LOG and int(os.environ.get("RANK", "0")) == 0:
+        with open(STEP_LOG, "a") as log:
+            log.write(f"{step}\n")
+    return result
 
 
 def save_checkpoint_with_fault(payload, checkpoint_dir, steps, keep):

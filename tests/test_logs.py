@@ -99,7 +99,7 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
         assert "Traceback" not in capfd.readouterr().err
 
 
-def test_after_a_kill_and_a_resume_tensorboard_holds_exactly_the_points_of_metrics(tmp_path):
+def test_tensorboard_after_a_kill_and_a_resume_equals_metrics(tmp_path):
     """Killed while the step-4 checkpoint was being saved: the events of steps 3 and 4 are already on disk
     (the logs are flushed before each checkpoint), the resume continues from step 2, so both axes must drop
     the old points of steps 3 and 4 (purge_step) and end with one point per step, equal to metrics.jsonl."""
@@ -120,3 +120,23 @@ def test_after_a_kill_and_a_resume_tensorboard_holds_exactly_the_points_of_metri
     assert "at step 2" in resumed.stdout
     assert_tensorboard_matches_metrics(run_dir)
     assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_path):
+    """torch.save on a real full disk fails inside its zip writer; the error is one line naming the file,
+    the space needed and that the disk is full; its temporary file goes; the older checkpoints stay whole."""
+    from accumulation.checkpoint import save_checkpoint
+
+    payload = {"model": {"weight": torch.zeros(40_000)}, "counters": {"steps": 0}}  # 160 kB of tensors
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        folder = disk / "checkpoints"
+        save_checkpoint(payload, folder, 2, keep=3)
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        fill_disk(disk, leave_free_bytes=80_000)
+        with pytest.raises(WriteError) as raised:
+            save_checkpoint(payload, folder, 4, keep=3)
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing new, nothing lost
+        message = str(raised.value)
+        assert message.startswith(f"checkpoint {folder / 'step_000004.pt'} could not be written: the disk is full")
+        assert "it needs about 0.2 MB" in message and "the newest complete checkpoint is step_000002.pt" in message
+        assert "\n" not in message

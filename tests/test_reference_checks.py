@@ -72,7 +72,7 @@ def validation_worker(rank: int, world_size: int, corpus: Path, micro_batch_size
     return losses
 
 
-def test_validation_loss_is_the_full_split_mean_on_1_and_2_ranks_for_any_micro_batch_size(tmp_path):
+def test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size(tmp_path):
     corpus = validation_corpus(tmp_path / "corpus")
     config = load_config(validation_settings(corpus, 1))
     data = build_data(config)
