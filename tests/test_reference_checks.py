@@ -8,6 +8,7 @@ cross-entropy over every example at once.
 """
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -77,10 +78,12 @@ def test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size(tmp_path):
     config = load_config(validation_settings(corpus, 1))
     data = build_data(config)
     rows = data.val.num_rows
-    # Several rows on each rank, and micro-batch sizes that leave a short last micro-batch and ranks with
-    # different numbers of real micro-batches (rows / m not a multiple of the 2 ranks).
-    micro_batch_sizes = [1, 3, 5]
-    assert rows >= 8 and all(rows % (m * 2) for m in micro_batch_sizes[1:]), rows
+    # Several rows on each rank, and micro-batch sizes that leave a short last micro-batch (rows % m > 0)
+    # and an odd number of micro-batches, so that the ranks hold different numbers of real ones and one
+    # rank runs an all-padding micro-batch (16 rows: m = 5 gives 4 micro-batches, m = 6 gives 3).
+    micro_batch_sizes = [1, 5, 6]
+    assert rows >= 8 and all(rows % m for m in micro_batch_sizes[1:]), rows
+    assert any(math.ceil(rows / m) % 2 for m in micro_batch_sizes), rows
     torch.manual_seed(0)
     model = build_model(config, data.vocab_size).double().eval()
     inputs, labels = data.val.examples(torch.arange(rows))
