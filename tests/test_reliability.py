@@ -211,29 +211,34 @@ def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resum
 
 
 @pytest.mark.slow
-def test_sigterm_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_resumes(tmp_path, corpus, reference):
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_resumes(
+    tmp_path, corpus, reference, signal_name
+):
     """SIGTERM to torchrun's agent (what SLURM or Kubernetes sends), during step 2: the agent passes it on to
     both workers and waits --shutdown-timeout (30 s) before SIGKILL; the workers finish steps 2 and 3, write
     the step-3 checkpoint and exit well inside it. The agent then exits 1 (it re-raises the signal as an
-    error and never restarts workers after its own signal), and a second launch, as a requeued job, resumes."""
+    error and never restarts workers after its own signal), and a second launch, as a requeued job, resumes.
+    SIGUSR1 takes the same path when the agent is told to handle it (--signals-to-handle); with SIGTERM, a
+    second SIGTERM reaches rank 0 in the middle of writing the step-3 checkpoint and changes nothing."""
     fault_log = tmp_path / "faults.jsonl"
     arguments = tiny_settings(tmp_path, corpus, **SETTINGS)
-    job = start_torchrun(
-        ["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
-        ["-m", "tests.faulty_train"],
-        arguments,
-        [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 1, "SIGTERM", "agent"]}],
-        fault_log,
-    )
+    faults = [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 1, signal_name, "agent"]}]
+    launcher = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    if signal_name == "SIGUSR1":
+        launcher.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    else:
+        faults.append({"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGTERM"]})
+    job = start_torchrun(launcher, ["-m", "tests.faulty_train"], arguments, faults, fault_log)
     status, output = finish(job, time.monotonic() + 240)
-    [fired] = read_fault_log(fault_log)
-    signal_to_exit_s = time.time() - fired["unix_time"]
-    assert status == 1, output[-4000:]
-    assert "stopped at step 3: SIGTERM received; checkpoint written" in output
+    fired = read_fault_log(fault_log)
+    signal_to_exit_s = time.time() - fired[0]["unix_time"]
+    assert status == 1 and len(fired) == len(faults), output[-4000:]
+    assert f"stopped at step 3: {signal_name} received; checkpoint written" in output
     assert "Unable to shutdown process" not in output  # no worker needed the agent's SIGKILL
     assert signal_to_exit_s < 30
     run_dir = tmp_path / "runs" / "default"
-    assert checkpoint_names(run_dir)[-1] == "step_000003.pt"
+    assert checkpoint_names(run_dir)[-1] == "step_000003.pt"  # no temporary file after the second signal
     assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
 
     completed = run_train(arguments, ranks=2)
