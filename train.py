@@ -189,8 +189,13 @@ def train(
 
     metrics_path = run_dir / "metrics.jsonl"
     if context.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_to_toml(config))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_to_toml(config))
+        except OSError as error:
+            raise WriteError(
+                f"{run_dir / 'config.toml'} could not be written: {why_not_written(error, run_dir)}"
+            ) from None
         keep_metrics_up_to(metrics_path, counters.steps)
     if resume is None:
         save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start

@@ -49,10 +49,14 @@ def os_error_in(error: BaseException) -> OSError | None:
     return None
 
 
+def disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
+
+
 def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = None) -> str:
     """The reason for a failed write in words: "the disk is full (... needs 2.6 MB, 0.4 MB free)", or the
     operating system's own reason."""
-    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+    if disk_full(error):
         try:
             free = f", {shutil.disk_usage(folder).free / 1e6:.1f} MB free"
         except OSError:
@@ -120,7 +124,8 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
         kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
         raise WriteError(
             f"checkpoint {path} could not be written: {why_not_written(cause, checkpoint_dir, tensor_bytes(payload))}; "
-            f"its temporary file was removed and {kept}; free space, and a restart resumes from the newest checkpoint"
+            f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
+            f"and a restart resumes from the newest checkpoint"
         ) from None
     return path
 

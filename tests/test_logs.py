@@ -140,3 +140,25 @@ def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_pat
         assert message.startswith(f"checkpoint {folder / 'step_000004.pt'} could not be written: the disk is full")
         assert "it needs about 0.2 MB" in message and "the newest complete checkpoint is step_000002.pt" in message
         assert "\n" not in message
+
+
+def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp_path, monkeypatch):
+    """Not only a full disk: a failing device (EIO here, injected into torch.save) gets the same treatment,
+    with the operating system's words for the reason."""
+    import errno
+
+    import accumulation.checkpoint as checkpoint
+
+    def failing_save(payload, file):
+        file.write(b"partial")
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    with pytest.raises(WriteError) as raised:
+        checkpoint.save_checkpoint({"model": {}}, tmp_path / "checkpoints", 6, keep=3)
+    assert str(raised.value) == (
+        f"checkpoint {tmp_path / 'checkpoints' / 'step_000006.pt'} could not be written: Input/output error; its "
+        f"temporary file was removed and no checkpoint exists yet; fix the cause, and a restart resumes from the "
+        f"newest checkpoint"
+    )
+    assert list((tmp_path / "checkpoints").iterdir()) == []

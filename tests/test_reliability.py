@@ -409,6 +409,24 @@ def run_in_process(arguments: list[str], capsys) -> tuple[int, str, str]:
     return status, captured.out, captured.err
 
 
+def test_the_resume_payload_is_freed_once_loaded(tmp_path, corpus, capsys, monkeypatch):
+    """The checkpoint read for a resume (the whole model and optimizer state in host memory) is emptied
+    once its state has been loaded, instead of being held for the rest of the run."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.sample_bytes": 0, "run.max_steps": 2})
+    assert run_in_process(arguments, capsys)[0] == 0
+    payloads = []
+    real_find_resume_point = train.find_resume_point
+
+    def keep_a_reference(*args, **kwargs):
+        payloads.append(real_find_resume_point(*args, **kwargs))
+        return payloads[-1]
+
+    monkeypatch.setattr(train, "find_resume_point", keep_a_reference)
+    status, out, _ = run_in_process(arguments + ["run.max_steps=3"], capsys)  # the last value of a key wins
+    assert status == 0 and "at step 2" in out
+    assert payloads == [{}]
+
+
 def garbage(size_bytes: int) -> bytes:
     """Reproducible random bytes behind a pickle header (protocol 33): the unpickler gets far enough to warn
     about the protocol before it fails, and that warning must not reach the user's terminal."""
