@@ -56,14 +56,14 @@ def disk_full(error: OSError) -> bool:
 def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = None) -> str:
     """The reason for a failed write in words: "the disk is full (... needs 2.6 MB, 0.4 MB free)", or the
     operating system's own reason."""
-    if disk_full(error):
-        try:
-            free = f", {shutil.disk_usage(folder).free / 1e6:.1f} MB free"
-        except OSError:
-            free = ""
-        needed = f"it needs about {needed_bytes / 1e6:.1f} MB" if needed_bytes else "the disk is full"
-        return f"the disk is full ({needed}{free}; {error.strerror})"
-    return error.strerror or str(error)
+    if not disk_full(error):
+        return error.strerror or str(error)
+    details = [f"it needs about {needed_bytes / 1e6:.1f} MB"] if needed_bytes else []
+    try:
+        details.append(f"{shutil.disk_usage(folder).free / 1e6:.1f} MB free")
+    except OSError:
+        pass  # the folder is gone too: no figure to give
+    return f"the disk is full ({', '.join(details + [error.strerror])})"
 
 
 def tensor_bytes(value) -> int:
@@ -120,7 +120,10 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
                 temporary.unlink(missing_ok=True)
             except OSError:
                 pass  # the folder itself is unreachable: there is nothing to clean up
-        complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
+        try:
+            complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
+        except OSError:
+            complete = []
         kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
         raise WriteError(
             f"checkpoint {path} could not be written: {why_not_written(cause, checkpoint_dir, tensor_bytes(payload))}; "
