@@ -18,7 +18,9 @@ import math
 import os
 import resource
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -26,7 +28,14 @@ import torch.distributed as dist
 
 from accumulation.batching import describe_batch
 from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, wrap_for_training
-from accumulation.checkpoint import CheckpointError, save_checkpoint
+from accumulation.checkpoint import (
+    WRITE_ERROR_STATUS,
+    CheckpointError,
+    WriteError,
+    os_error_in,
+    save_checkpoint,
+    why_not_written,
+)
 from accumulation.config import Config, ConfigError, config_to_toml, help_text, load_config, resolved_grad_scaler
 from accumulation.counters import Counters
 from accumulation.data import (
@@ -56,6 +65,7 @@ from accumulation.resume import (
     seed_dropout,
 )
 from accumulation.schedule import build_scheduler, set_learning_rates
+from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
@@ -91,26 +101,44 @@ def main(argv: list[str]) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
+    # Fail fast: a rank that raises says why and returns its status WITHOUT tearing down the process group.
+    # run_and_exit then ends the process at once; the other ranks' next collective fails (gloo) or torchrun's
+    # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
+    # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
+    # every rank reaches together, destroys the process group.
+    stop = StopRequest()  # SIGTERM and SIGUSR1: finish the step, checkpoint, exit (accumulation/signals.py)
     try:
-        context = setup_distributed(config.device, config.dist.timeout_s)
-        check_ranks_agree_on_resume(context, resume, run_dir)
-        return train(config, data, vocab_size, run_dir, resume, context, say)
+        with stop.installed():
+            context = setup_distributed(config.device, config.dist.timeout_s)
+            check_ranks_agree_on_resume(context, resume, run_dir)
+            status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except WriteError as error:  # a full disk: the rank that wrote says so (the others lose it just after)
+        print(f"error: {error}", file=sys.stderr)
+        return WRITE_ERROR_STATUS
     except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
         message = lost_rank_message(error, rank, config.dist.timeout_s) if world_size > 1 else None
         if message is None:
-            raise  # not a lost rank but a bug: its traceback is the useful message
+            traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message
+            return 1
         print(message, file=sys.stderr)  # every rank: each one's view helps to find the rank that failed first
         return 1
-    finally:
-        teardown_distributed()
+    teardown_distributed()
+    return status
 
 
 def train(
-    config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, context: DistributedContext, say
+    config: Config,
+    data: Data,
+    vocab_size: int,
+    run_dir: Path,
+    resume: dict | None,
+    context: DistributedContext,
+    say,
+    stop: StopRequest,
 ) -> int:
     session_start = time.perf_counter()
     device = context.device
@@ -140,25 +168,38 @@ def train(
         set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
+    resumed = resume is not None
+    if resumed:
+        resume.clear()  # the loaded state lives in the model and optimizer now: the payload's copy is freed
     wrapped = wrap_for_training(model, config, context)  # DistributedDataParallel over more than one rank
     autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
+
+    metrics_file, writers = None, []  # rank 0 opens them below, after the step-0 checkpoint
 
     def save(counters: Counters) -> None:
         payload = checkpoint_payload(
             config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, context
         )
         if context.is_main:
+            # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
+            # resume keeps them and runs only the later steps again (TensorBoard buffers for up to 2 minutes).
+            flush_logs(metrics_file, writers)
             save_checkpoint(payload, checkpoint_dir, counters.steps, config.run.keep_checkpoints)
 
     metrics_path = run_dir / "metrics.jsonl"
     if context.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(config_to_toml(config))
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(config_to_toml(config))
+        except OSError as error:
+            raise WriteError(
+                f"{run_dir / 'config.toml'} could not be written: {why_not_written(error, run_dir)}"
+            ) from None
         keep_metrics_up_to(metrics_path, counters.steps)
     if resume is None:
         save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start
-    metrics_file, writers = open_logs(context, run_dir, metrics_path, resume, counters)
+    metrics_file, writers = open_logs(context, run_dir, metrics_path, resumed, counters)
 
     batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
     say(
@@ -219,6 +260,7 @@ def train(
                 loss_sum_fn=loss_sum_fn,
                 grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
+                stop_requested=stop.requested,
             )
             if result.applied:
                 scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance it
@@ -264,8 +306,19 @@ def train(
                     (run_dir / STOPPED_FILE).write_text(f"stopped at step {counters.steps}: {stop_reason}\n")
                 say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
                 return 1
-            if counters.steps % config.run.checkpoint_every == 0 or finished:
+            # A stop signal on any rank (the step's all-reduce told every rank at the same step): checkpoint
+            # here and exit, so that a restart loses nothing. Signal to exit: at most the step in progress
+            # (and the next, when the signal came after this rank's step had begun), its validation, one save.
+            if counters.steps % config.run.checkpoint_every == 0 or finished or result.stop_requested:
                 save(counters)
+            if result.stop_requested and not finished:
+                received = f"{stop.signal_name} received" if stop.requested else "another rank got a stop signal"
+                say(
+                    f"stopped at step {counters.steps}: {received}; checkpoint written; exit status "
+                    f"{STOPPED_BY_SIGNAL_STATUS}; starting again (a requeued job, torchrun --max-restarts) resumes it",
+                    file=sys.stderr,
+                )
+                return STOPPED_BY_SIGNAL_STATUS
 
         ran_steps = trained_seconds > 0
         final_val_loss = None
@@ -291,10 +344,10 @@ def train(
                 data.train,
             )
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
-        for writer in writers:
-            writer.close()
+        # After an error the process ends at once (fail fast); closing a writer that failed would raise a
+        # second error and hide the first.
+        if sys.exc_info()[0] is None:
+            close_logs(metrics_file, writers)
     return 0
 
 
@@ -379,22 +432,60 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
     ]
     kept = [line for line in complete_lines if json.loads(line)["steps"] <= steps]
     temporary = metrics_path.with_name(".metrics.jsonl.tmp")
-    temporary.write_text("".join(kept))
-    os.replace(temporary, metrics_path)
+    try:
+        temporary.write_text("".join(kept))
+        os.replace(temporary, metrics_path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
 
 
-def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resume: dict | None, counters: Counters):
+class MetricsFile:
+    """metrics.jsonl opened for appending whole lines: a line is on disk whole or not at all, so the file
+    never holds a half line that a resume would keep, even when the disk fills in the middle of one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, line: str) -> None:
+        size_before = os.fstat(self.descriptor).st_size
+        remaining = memoryview(line.encode())
+        try:
+            while remaining:  # a full disk takes part of a write, then refuses the rest
+                remaining = remaining[os.write(self.descriptor, remaining) :]
+        except OSError as error:
+            os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
+            raise WriteError(
+                f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
+                f"was not written and the lines before are untouched"
+            ) from None
+
+    def flush(self) -> None:
+        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
+
+    def close(self) -> None:
+        os.close(self.descriptor)
+
+
+def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resumed: bool, counters: Counters):
     """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
     On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
     if not context.is_main:
         return None, []
     from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
 
-    metrics_file = open(metrics_path, "a")
+    metrics_file = MetricsFile(metrics_path)
+    quiet_tensorboard_thread_errors()
     by_updates = SummaryWriter(
-        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resume else None
+        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
     )
-    by_tokens = SummaryWriter(run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resume else None)
+    by_tokens = SummaryWriter(
+        run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resumed else None
+    )
     return metrics_file, [by_updates, by_tokens]
 
 
@@ -402,12 +493,62 @@ def write_metrics(context: DistributedContext, metrics_file, writers, record: di
     if not context.is_main:
         return
     metrics_file.write(json.dumps(record) + "\n")
-    metrics_file.flush()
     by_updates, by_tokens = writers
-    for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-        if record.get(name) is not None:
-            by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-            by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+    try:
+        for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
+            if record.get(name) is not None:
+                by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
+                by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+    except Exception as error:
+        raise tensorboard_write_error(error, by_updates) from None
+
+
+def flush_logs(metrics_file, writers) -> None:
+    if metrics_file is not None:
+        metrics_file.flush()
+    try:
+        for writer in writers:
+            writer.flush()
+    except Exception as error:
+        raise tensorboard_write_error(error, writers[0]) from None
+
+
+def close_logs(metrics_file, writers) -> None:
+    flush_logs(metrics_file, writers)
+    if metrics_file is not None:
+        metrics_file.close()
+    for writer in writers:
+        writer.close()
+
+
+def quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
+    which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
+    where it becomes one line (tensorboard_write_error). Only that traceback is kept off the terminal."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    print_traceback = threading.excepthook
+
+    def hook(arguments) -> None:
+        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
+            print_traceback(arguments)
+
+    threading.excepthook = hook
+
+
+def tensorboard_write_error(error: Exception, writer) -> Exception:
+    """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
+    a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
+    cause = os_error_in(error)
+    if cause is None:
+        return error
+    folder = Path(writer.get_logdir()).parent
+    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
+    # record cut short, and the resume's purge_step drops the points after the checkpoint.
+    return WriteError(
+        f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; "
+        f"metrics.jsonl holds every step up to here"
+    )
 
 
 def progress_line(counters: Counters, config: Config, record: dict, window: list) -> str:

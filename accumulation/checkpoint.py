@@ -9,6 +9,7 @@ A checkpoint is a dict of tensors and plain Python values, loadable with torch.l
 """
 
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -26,6 +27,54 @@ STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
+
+
+class WriteError(Exception):
+    """A file of the run could not be written (a full disk, a lost mount, no permission); the message is one
+    line naming the file, why, and what was kept. The program ends at once with WRITE_ERROR_STATUS."""
+
+
+# A fault of the machine, not bad input (2): torchrun --max-restarts retries it, and each retry resumes from
+# the newest complete checkpoint, so freeing space while it retries loses nothing.
+WRITE_ERROR_STATUS = 1
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind `error`, if any. torch.save reports a failed write of its zip writer as the
+    OSError itself, or as a RuntimeError raised while the writer cleans up, with the OSError as its context."""
+    while error is not None:
+        if isinstance(error, OSError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
+
+
+def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = None) -> str:
+    """The reason for a failed write in words: "the disk is full (... needs 2.6 MB, 0.4 MB free)", or the
+    operating system's own reason."""
+    if not disk_full(error):
+        return error.strerror or str(error)
+    details = [f"it needs about {needed_bytes / 1e6:.1f} MB"] if needed_bytes else []
+    try:
+        details.append(f"{shutil.disk_usage(folder).free / 1e6:.1f} MB free")
+    except OSError:
+        pass  # the folder is gone too: no figure to give
+    return f"the disk is full ({', '.join(details + [error.strerror])})"
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors in a nested payload: close to its size on disk (the rest is small metadata)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
 
 
 def step_path(checkpoint_dir: Path, steps: int) -> Path:
@@ -55,9 +104,37 @@ def fsync_directory(directory: Path) -> None:
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
-    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files."""
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files.
+
+    A write that fails (a full disk above all) raises WriteError with one line, after removing its
+    temporary files: the checkpoints written before are untouched, and a restart resumes from the newest."""
     path = step_path(checkpoint_dir, steps)
+    try:
+        publish(payload, checkpoint_dir, path, keep)
+    except Exception as error:
+        cause = os_error_in(error)
+        if cause is None:
+            raise  # not the file system: a bug, whose traceback is the useful message
+        for temporary in (path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"):
+            try:
+                temporary.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder itself is unreachable: there is nothing to clean up
+        try:
+            complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
+        except OSError:
+            complete = []
+        kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
+        raise WriteError(
+            f"checkpoint {path} could not be written: {why_not_written(cause, checkpoint_dir, tensor_bytes(payload))}; "
+            f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
+            f"and a restart resumes from the newest checkpoint"
+        ) from None
+    return path
+
+
+def publish(payload: dict, checkpoint_dir: Path, path: Path, keep: int) -> None:
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(payload, path)
     # latest.pt is a second name for the same bytes: a hard link where the filesystem allows one (no
     # second write), a copy otherwise; either way it appears atomically through a rename.
@@ -71,7 +148,6 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
     fsync_directory(checkpoint_dir)
     for old in step_checkpoints(checkpoint_dir)[:-keep]:
         old.unlink()
-    return path
 
 
 def step_checkpoints(checkpoint_dir: Path) -> list[Path]:

@@ -104,10 +104,14 @@ def lost_rank_message(error: RuntimeError, rank: int, timeout_s: int) -> str | N
 
 
 def run_and_exit(main, argv: list[str]) -> None:
-    """End the process with the exit status of main(argv), which destroys its process group itself.
+    """End the process with the exit status of main(argv). main destroys its process group itself, on a
+    clean return only; after an error (a status main returns for one, or an exception, whose traceback is
+    printed here) the process leaves without tearing down, so that it never waits for the other ranks.
 
     Output is flushed and the process ends through os._exit: interpreter teardown after gloo or NCCL use
     occasionally aborts a rank (SIGABRT) that finished all its work, and a finished job must exit 0.
+    Without the teardown of a failed rank, the others learn at once that it is gone: their next collective
+    fails (gloo), or torchrun's agent, seeing a worker exit non-zero, stops them.
     """
     try:
         status = main(argv)

@@ -52,6 +52,7 @@ class StepResult:
     skip_reason: str | None  # why the update was not applied, when it was not
     lr: float  # learning rate of the optimizer's first parameter group during this step
     micro_batches: int  # forward+backward passes on this rank (A)
+    stop_requested: bool = False  # whether any rank passed stop_requested=True (a stop signal, accumulation/signals.py)
 
 
 def token_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -111,6 +112,7 @@ def optimizer_step(
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum,
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
+    stop_requested: bool = False,
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
@@ -152,20 +154,24 @@ def optimizer_step(
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         loss_sum_local += loss_sum.detach()
 
-    # 3. The boundary: one more scalar collective for the exact logged loss, then one update.
-    loss_sum_global = loss_sum_local
+    # 3. The boundary: one more scalar collective for the exact logged loss, then one update. This rank's
+    # stop flag rides along: the sum is positive on every rank as soon as one rank asked to stop.
+    boundary = torch.stack([loss_sum_local, loss_sum_local.new_full((), float(stop_requested))])  # no copy, no sync
     if dist.is_initialized():
-        dist.all_reduce(loss_sum_global, op=dist.ReduceOp.SUM)
+        dist.all_reduce(boundary, op=dist.ReduceOp.SUM)
+    loss_sum_global, stop_flags = boundary.unbind()
     lr = optimizer.param_groups[0]["lr"]
     applied, skip_reason, grad_norm = False, None, 0.0
     if tokens_global == 0:
         skip_reason = "no supervised tokens in the step"
         loss = math.nan
+        stop_count = stop_flags.item()
     else:
         scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
         grad_norm_tensor = gradient_norm(model, grad_clip)
         # The step's one read-back of device values.
-        loss_sum_value, grad_norm = torch.stack([loss_sum_global, grad_norm_tensor.double()]).tolist()
+        read_back = torch.stack([loss_sum_global, grad_norm_tensor.double(), stop_flags])
+        loss_sum_value, grad_norm, stop_count = read_back.tolist()
         loss = loss_sum_value / tokens_global
         if scaler.is_enabled():
             # scaler.step skips optimizer.step when unscale_ found an inf or nan, and update() then lowers
@@ -183,5 +189,5 @@ def optimizer_step(
             skip_reason = "non-finite gradient"
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss, tokens_global, examples_global, applied, grad_norm, skip_reason, lr, micro_batches=len(micro_batches)
+        loss, tokens_global, examples_global, applied, grad_norm, skip_reason, lr, len(micro_batches), stop_count > 0
     )

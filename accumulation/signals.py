@@ -1,0 +1,51 @@
+"""Preemption: SIGTERM or SIGUSR1 asks the run to stop at a step boundary, with a checkpoint.
+
+Schedulers announce the end of a job with a signal and kill it some time later: SLURM sends SIGTERM (or,
+with `--signal`, SIGUSR1 a chosen number of seconds ahead), Kubernetes and spot instances SIGTERM; under
+torchrun the agent passes its own SIGTERM on to every worker and SIGKILLs them `--shutdown-timeout`
+seconds later (30 by default). The signal reaches the ranks at different moments, so a rank never acts on
+it alone: the handler only raises a flag, the flag travels with the step's loss all-reduce
+(`optimizer_step(stop_requested=...)`), and every rank reads the same answer (`StepResult.stop_requested`)
+at the same step. Then every rank takes part in one checkpoint and the program exits with
+STOPPED_BY_SIGNAL_STATUS.
+
+A second signal while the checkpoint is written changes nothing (the flag is already up); the write is
+atomic anyway, so even a SIGKILL in the middle leaves the previous checkpoints whole.
+"""
+
+import contextlib
+import signal
+
+# 128 + 15: the status a shell reports for a process ended by SIGTERM. Not 0, because the run is not
+# finished: torchrun with --max-restarts counts a non-zero worker as failed and restarts the workers, which
+# resume from the checkpoint just written; a script that runs `train.py && next-step` does not go on; and
+# SLURM keeps the job's state honest (a requeue resumes it). Not 1 or 2, which mean a fault or bad input.
+STOPPED_BY_SIGNAL_STATUS = 143
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class StopRequest:
+    """The flag a stop signal raises. Inside `with stop.installed():` SIGTERM and SIGUSR1 set it instead of
+    ending the process; `signal_name` says which signal came first."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None
+
+    @contextlib.contextmanager
+    def installed(self):
+        """SIGTERM and SIGUSR1 raise the flag inside the block; their previous handlers come back after it."""
+        previous = {stop_signal: signal.signal(stop_signal, self._handle) for stop_signal in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for stop_signal, handler in previous.items():
+                signal.signal(stop_signal, handler)
+
+    def _handle(self, signum: int, frame) -> None:
+        # A signal handler runs between two bytecodes of the main thread, wherever it is: no I/O, no
+        # collective, nothing that could interleave with the code it interrupts. A flag only.
+        if not self.requested:
+            self.requested = True
+            self.signal_name = signal.Signals(signum).name

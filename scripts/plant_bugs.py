@@ -1,0 +1,193 @@
+"""Plant plausible bugs, one at a time, and check that the tests meant to see each one fail.
+
+    python scripts/plant_bugs.py [--only NAME ...] [--json]
+
+Each bug is a text substitution in one file of a temporary copy of the repository (the tracked and the
+untracked, not ignored files); the named tests then run in that copy. "caught" means they failed;
+"NOT caught" means they passed with the bug in place, which is a hole in the suite; "not applicable" means
+the text to replace is no longer in the file (the code changed: update the bug). CPU-heavy: each bug runs
+its own small selection of tests, one after the other.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Bug:
+    name: str
+    what: str  # the wrong number a user would see
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+VALIDATION_TEST = "tests/test_reference_checks.py::test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size"
+TENSORBOARD_TEST = "tests/test_logs.py::test_tensorboard_after_a_kill_and_a_resume_equals_metrics"
+
+BUGS = [
+    Bug(
+        "val-loss-one-rank",
+        "val_loss summed on one rank only (no all-reduce of the loss sums)",
+        "train.py",
+        "    if dist.is_initialized():\n        dist.all_reduce(loss_sum)\n",
+        "",
+        [VALIDATION_TEST],
+    ),
+    Bug(
+        "val-batches-rounded-down",
+        "validation micro-batches per rank rounded down: rows silently dropped",
+        "accumulation/data.py",
+        "    return math.ceil(total / world_size)",
+        "    return total // world_size",
+        [VALIDATION_TEST],
+    ),
+    Bug(
+        "tb-purge-off-by-one",
+        "TensorBoard's purge step on resume one too early: the checkpoint's own point is dropped",
+        "train.py",
+        "purge_step=counters.updates + 1 if resumed else None",
+        "purge_step=counters.updates if resumed else None",
+        [TENSORBOARD_TEST],
+    ),
+    Bug(
+        "tb-no-purge-on-tokens",
+        "no purge on the token axis: points of steps run twice appear twice",
+        "train.py",
+        "purge_step=counters.tokens + 1 if resumed else None",
+        "purge_step=None",
+        [TENSORBOARD_TEST],
+    ),
+    Bug(
+        "stop-flag-not-shared",
+        "each rank reads its own stop flag: ranks stop at different steps and the others hang",
+        "accumulation/step.py",
+        "len(micro_batches), stop_count > 0",
+        "len(micro_batches), stop_requested",
+        ["tests/test_signals.py::test_every_rank_learns_of_a_stop_request_at_the_same_step"],
+    ),
+    Bug(
+        "clip-before-unscale",
+        "clipping the still-scaled gradient when a GradScaler is on",
+        "accumulation/step.py",
+        "        scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values\n"
+        "        grad_norm_tensor = gradient_norm(model, grad_clip)\n",
+        "        grad_norm_tensor = gradient_norm(model, grad_clip)\n        scaler.unscale_(optimizer)\n",
+        ["tests/test_reference_checks.py::test_clipping_with_a_grad_scaler_on_equals_the_clipped_float64_gradient"],
+    ),
+    Bug(
+        "examples-per-rank",
+        "the step reports this rank's examples, not all ranks': the examples counter is short",
+        "accumulation/step.py",
+        "tokens_global, examples_global, applied",
+        "tokens_global, examples_local, applied",
+        ["tests/test_reference_checks.py::test_two_rank_step_result_equals_the_float64_full_batch"],
+    ),
+    Bug(
+        "half-metrics-line",
+        "a full disk leaves half a metrics line that a resume would keep as a record",
+        "train.py",
+        "            os.ftruncate(self.descriptor, size_before)",
+        "            pass",
+        ["tests/test_logs.py::test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all"],
+    ),
+    Bug(
+        "checkpoint-temporary-kept",
+        "a failed save leaves its temporary file on the full disk",
+        "accumulation/checkpoint.py",
+        "                temporary.unlink(missing_ok=True)",
+        "                pass",
+        ["tests/test_logs.py::test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay"],
+    ),
+    Bug(
+        "dropout-stream-not-restored",
+        "a resume starts dropout afresh instead of continuing each rank's stream",
+        "accumulation/resume.py",
+        '        torch.set_rng_state(per_rank[context.rank]["cpu"])',
+        "        pass",
+        ["tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical"],
+    ),
+    Bug(
+        "signal-stop-without-checkpoint",
+        "a stop signal ends the run without its checkpoint: the steps since the last one are lost",
+        "train.py",
+        "or finished or result.stop_requested:",
+        "or finished:",
+        ["tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical"],
+    ),
+]
+
+
+def copy_of_repository(destination: Path) -> None:
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, (entry.decode() for entry in listed)):
+        source = REPO / name
+        if source.is_file() and not source.is_symlink():
+            (destination / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / name)
+
+
+def plant(bug: Bug) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"plant-{bug.name}-") as scratch:
+        copy = Path(scratch)
+        copy_of_repository(copy)
+        target = copy / bug.path
+        text = target.read_text()
+        if text.count(bug.old) != 1:
+            return {"bug": bug.name, "outcome": "not applicable", "seconds": 0.0}
+        target.write_text(text.replace(bug.old, bug.new))
+        started = time.monotonic()
+        environment = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+        completed = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *bug.tests],
+            cwd=copy,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        seconds = time.monotonic() - started
+    # pytest: 0 all passed, 1 some failed; anything else (no tests collected, an internal error) is a
+    # broken selection, not a catch.
+    outcome = {0: "NOT caught", 1: "caught"}.get(completed.returncode, f"error (pytest exit {completed.returncode})")
+    return {"bug": bug.name, "outcome": outcome, "seconds": round(seconds, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="*", help="plant only these bugs (by name)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args()
+    bugs = [bug for bug in BUGS if not args.only or bug.name in args.only]
+    results = []
+    for bug in bugs:
+        result = plant(bug)
+        results.append(result)
+        if not args.json:
+            print(f"{result['bug']:<30} {result['outcome']:<16} {result['seconds']:>6.1f} s   {bug.what}", flush=True)
+    caught = sum(result["outcome"] == "caught" for result in results)
+    if args.json:
+        print(json.dumps({"results": results, "caught": caught, "planted": len(results)}, indent=2))
+    else:
+        print(f"{caught} of {len(results)} caught")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

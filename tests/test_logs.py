@@ -1,0 +1,164 @@
+"""The run's logs under faults: metrics.jsonl never keeps a half line, a full disk is one line for the metrics
+file and for TensorBoard alike, and the TensorBoard event files hold exactly the points of metrics.jsonl."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from accumulation.checkpoint import WriteError
+from accumulation.counters import Counters
+from accumulation.distributed import DistributedContext
+from testkit.disk import fill_disk, small_disk
+
+SINGLE_PROCESS = DistributedContext(0, 0, 1, torch.device("cpu"), None)
+SCALARS = ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s")
+
+
+def tensorboard_points(run_dir: Path, axis: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of one TensorBoard axis as TensorBoard itself reads it (purged points dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(run_dir / "tensorboard" / axis), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {
+        tag: [(event.step, event.value) for event in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]
+    }
+
+
+def assert_tensorboard_matches_metrics(run_dir: Path) -> None:
+    """One point per step and scalar on each axis (applied updates, supervised tokens), the values of
+    metrics.jsonl stored as float32 (TensorBoard's simple_value)."""
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for axis, prefix, position in (("by_updates", "", "updates"), ("by_tokens", "by_tokens/", "tokens")):
+        points = tensorboard_points(run_dir, axis)
+        for name in SCALARS:
+            expected = [
+                (line[position], float(np.float32(line[name]))) for line in metrics if line.get(name) is not None
+            ]
+            assert points.get(f"{prefix}train/{name}", []) == expected, (axis, name)
+
+
+def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"steps": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
+    path.write_text("".join(lines) + '{"steps": 4, "lo')  # a process killed in the middle of writing step 4
+    train.keep_metrics_up_to(path, 3)
+    assert path.read_text() == "".join(lines)
+    train.keep_metrics_up_to(path, 2)
+    assert path.read_text() == "".join(lines[:2])
+
+
+def test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all(tmp_path):
+    """A real full disk: the kernel takes part of the line, then refuses the rest. The part is cut off
+    again, so the file ends with the last whole line, and the error is one line naming the file."""
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        metrics_file = train.MetricsFile(disk / "metrics.jsonl")
+        metrics_file.write(json.dumps({"steps": 1}) + "\n")
+        fill_disk(disk, leave_free_bytes=0)
+        # tmpfs counts whole pages: the file's first page still has room for part of a long line
+        with pytest.raises(WriteError) as raised:
+            metrics_file.write(json.dumps({"steps": 2, "padding": "x" * 20_000}) + "\n")
+        metrics_file.close()
+        assert (disk / "metrics.jsonl").read_text() == '{"steps": 1}\n'
+        message = str(raised.value)
+        assert message.startswith(f"{disk / 'metrics.jsonl'} could not be written: the disk is full")
+        assert "\n" not in message
+
+
+def test_rewriting_metrics_on_a_full_disk_leaves_the_file_unchanged(tmp_path):
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        path = disk / "metrics.jsonl"
+        text = "".join(json.dumps({"steps": step, "padding": "x" * 3000}) + "\n" for step in range(1, 30))
+        path.write_text(text)
+        fill_disk(disk, leave_free_bytes=0)
+        with pytest.raises(WriteError, match="could not be rewritten for the resume: the disk is full"):
+            train.keep_metrics_up_to(path, 20)
+        assert path.read_text() == text
+        assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]  # no temporary file
+
+
+def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path, capfd):
+    """TensorBoard's writer thread fails first; its error comes back at a later call as one WriteError, and
+    the thread's own traceback stays off the terminal."""
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        metrics_file, writers = train.open_logs(SINGLE_PROCESS, disk, disk / "metrics.jsonl", False, Counters())
+        metrics_file.close()
+        metrics_file = train.MetricsFile(tmp_path / "metrics.jsonl")  # the metrics file elsewhere: only TB fills
+        fill_disk(disk, leave_free_bytes=0)
+        record = {**vars(Counters()), **dict.fromkeys(SCALARS, 1.0)}
+        with pytest.raises(WriteError) as raised:
+            for step in range(1, 5000):
+                train.write_metrics(SINGLE_PROCESS, metrics_file, writers, {**record, "updates": step, "tokens": step})
+                train.flush_logs(metrics_file, writers)
+        assert str(raised.value).startswith(f"TensorBoard events in {disk / 'tensorboard'} could not be written")
+        assert "the disk is full" in str(raised.value)
+        assert "Traceback" not in capfd.readouterr().err
+
+
+def test_tensorboard_after_a_kill_and_a_resume_equals_metrics(tmp_path):
+    """Killed while the step-4 checkpoint was being saved: the events of steps 3 and 4 are already on disk
+    (the logs are flushed before each checkpoint), the resume continues from step 2, so both axes must drop
+    the old points of steps 3 and 4 (purge_step) and end with one point per step, equal to metrics.jsonl."""
+    from tests.test_signals import run_with_faults
+    from tests.test_train import run_train, tiny_settings, uneven_corpus
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = tiny_settings(
+        tmp_path, corpus, **{"run.max_steps": 6, "run.checkpoint_every": 2, "run.sample_bytes": 0}
+    )
+    fault_log = tmp_path / "faults.jsonl"
+    killed = run_with_faults(arguments, [{"attempt": 0, "rank": 0, "kill_before_rename": 4}], fault_log)
+    assert killed.returncode == -9 and fault_log.exists(), killed.stderr[-2000:]
+    run_dir = tmp_path / "runs" / "default"
+    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4]
+    resumed = run_train(arguments)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "at step 2" in resumed.stdout
+    assert_tensorboard_matches_metrics(run_dir)
+    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_path):
+    """torch.save on a real full disk fails inside its zip writer; the error is one line naming the file,
+    the space needed and that the disk is full; its temporary file goes; the older checkpoints stay whole."""
+    from accumulation.checkpoint import save_checkpoint
+
+    payload = {"model": {"weight": torch.zeros(40_000)}, "counters": {"steps": 0}}  # 160 kB of tensors
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        folder = disk / "checkpoints"
+        save_checkpoint(payload, folder, 2, keep=3)
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        fill_disk(disk, leave_free_bytes=80_000)
+        with pytest.raises(WriteError) as raised:
+            save_checkpoint(payload, folder, 4, keep=3)
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before  # nothing new, nothing lost
+        message = str(raised.value)
+        assert message.startswith(f"checkpoint {folder / 'step_000004.pt'} could not be written: the disk is full")
+        assert "it needs about 0.2 MB" in message and "the newest complete checkpoint is step_000002.pt" in message
+        assert "\n" not in message
+
+
+def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp_path, monkeypatch):
+    """Not only a full disk: a failing device (EIO here, injected into torch.save) gets the same treatment,
+    with the operating system's words for the reason."""
+    import errno
+
+    import accumulation.checkpoint as checkpoint
+
+    def failing_save(payload, file):
+        file.write(b"partial")
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(checkpoint.torch, "save", failing_save)
+    with pytest.raises(WriteError) as raised:
+        checkpoint.save_checkpoint({"model": {}}, tmp_path / "checkpoints", 6, keep=3)
+    assert str(raised.value) == (
+        f"checkpoint {tmp_path / 'checkpoints' / 'step_000006.pt'} could not be written: Input/output error; its "
+        f"temporary file was removed and no checkpoint exists yet; fix the cause, and a restart resumes from the "
+        f"newest checkpoint"
+    )
+    assert list((tmp_path / "checkpoints").iterdir()) == []

@@ -1,0 +1,131 @@
+"""Preemption: SIGTERM and SIGUSR1 end a run at a step boundary that every rank agrees on, with a checkpoint,
+exit status 143, and a restart that continues bit-identically.
+
+The torchrun cases (a signal to one of two ranks, SIGTERM to the agent) are in tests/test_reliability.py,
+next to the 2-rank reference run they are compared with.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from accumulation.batching import MicroBatch
+from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
+from accumulation.step import optimizer_step
+from testkit.ranks import run_on_ranks
+from tests.test_reliability import REPO, assert_same_run, read_fault_log
+from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
+
+# Dropout on: the restart must also continue each rank's random stream exactly.
+SETTINGS = {
+    "run.max_steps": 6,
+    "run.checkpoint_every": 2,
+    "run.keep_checkpoints": 5,
+    "schedule.decay_updates": 6,
+    "run.sample_bytes": 0,
+    "model.dropout": 0.2,
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return uneven_corpus(tmp_path_factory.mktemp("data") / "corpus")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus) -> Path:
+    """SETTINGS straight through on one process."""
+    out = tmp_path_factory.mktemp("reference")
+    completed = run_train(tiny_settings(out, corpus, **SETTINGS))
+    assert completed.returncode == 0, completed.stderr
+    return out / "runs" / "default"
+
+
+def test_the_handler_only_raises_a_flag_and_the_first_signal_is_the_one_named():
+    stop = StopRequest()
+    before = signal.getsignal(signal.SIGTERM)
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)  # a second signal (the agent's, while saving) changes nothing
+        assert stop.requested and stop.signal_name == "SIGUSR1"
+    assert signal.getsignal(signal.SIGTERM) is before  # restored: the process's own handling comes back
+
+
+def one_step(rank: int, world_size: int, stop_on_rank: int | None) -> bool:
+    """One optimizer step where only `stop_on_rank` (or no rank) asks to stop; what this rank is told."""
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Embedding(8, 8))
+    labels = torch.tensor([[1, 2, -100]])
+    micro_batch = MicroBatch(torch.tensor([[3, 4, 5]]), labels, num_examples=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = optimizer_step(
+        model, [micro_batch], optimizer, device=torch.device("cpu"), stop_requested=rank == stop_on_rank
+    )
+    return result.stop_requested
+
+
+def test_every_rank_learns_of_a_stop_request_at_the_same_step():
+    """The flag rides on the loss all-reduce: one rank's request reaches all; no request, no stop."""
+    assert run_on_ranks(one_step, 2, (1,), timeout_s=60) == [True, True]
+    assert run_on_ranks(one_step, 2, (None,), timeout_s=60) == [False, False]
+
+
+def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -> subprocess.CompletedProcess:
+    """tests/faulty_train.py on one process (no torchrun: attempt 0, rank 0)."""
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "ACCUMULATION_FAULTS": json.dumps(faults),
+        "ACCUMULATION_FAULT_LOG": str(fault_log),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tests.faulty_train", *arguments],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=environment,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 1, "SIGTERM", "self"]}],
+        # SIGUSR1 (SLURM's --signal), then SIGTERM in the middle of the checkpoint it causes
+        [
+            {"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 0, "SIGUSR1", "self"]},
+            {"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGTERM"]},
+        ],
+    ],
+    ids=["sigterm-mid-step", "sigusr1-then-sigterm-while-saving"],
+)
+def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(tmp_path, corpus, reference, faults):
+    """The signal lands during step 2, after this step's flag was read: step 2 ends, step 3 carries the flag
+    to the boundary (a one-process run decides alone, but by the same rule as many ranks), the step-3
+    checkpoint is written, status 143. Started again, the run ends with the reference's bits."""
+    fault_log = tmp_path / "faults.jsonl"
+    started = time.monotonic()
+    stopped = run_with_faults(tiny_settings(tmp_path, corpus, **SETTINGS), faults, fault_log)
+    assert stopped.returncode == STOPPED_BY_SIGNAL_STATUS, stopped.stderr[-3000:]
+    assert len(read_fault_log(fault_log)) == len(faults)  # every signal was really sent
+    assert "stopped at step 3: " in stopped.stderr
+    assert f"{faults[0]['signal_before_micro_batch'][2]} received" in stopped.stderr
+    run_dir = tmp_path / "runs" / "default"
+    assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["latest.pt", "step_000000.pt", "step_000002.pt", "step_000003.pt"]  # no temporary file
+    assert torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["counters"]["steps"] == 3
+    assert time.monotonic() - started < 120
+
+    resumed = run_train(tiny_settings(tmp_path, corpus, **SETTINGS))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout and "at step 3" in resumed.stdout
+    assert_same_run(run_dir, reference)
