@@ -199,7 +199,9 @@ def optimizer_step(
         if dist.is_initialized():
             dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         lr = optimizer.param_groups[0]["lr"]
-        if tokens_global > 0:
+        # A rank that ran out of memory knows the step is redone: its gradients are not worth a look.
+        unscaled = tokens_global > 0 and not out_of_memory
+        if unscaled:
             scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
             grad_norm_tensor = gradient_norm(model, grad_clip)
             summed = torch.cat([summed, grad_norm_tensor.double().reshape(1)])
@@ -212,7 +214,7 @@ def optimizer_step(
         smaller = smaller_micro_batch_size(micro_batch_size)
         if smaller is None:
             raise torch.OutOfMemoryError(f"out of memory with micro-batches of {micro_batch_size} row on some rank")
-        if tokens_global > 0 and scaler.is_enabled():
+        if unscaled and scaler.is_enabled():
             # unscale_ was recorded for this optimizer; update() with the unchanged scale forgets it and leaves
             # the scale and its growth count as they were at the step's start. (A read-back; OOMs are rare.)
             scaler.update(new_scale=scaler.get_scale())
