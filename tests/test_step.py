@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
 from accumulation.counters import Counters
+from accumulation.data import build_micro_batches, make_rows, step_row_ids, steps_per_epoch
 from accumulation.model import GPT, GPTConfig
 from accumulation.schedule import build_scheduler, lr_multiplier
 from accumulation.step import (
@@ -734,3 +735,24 @@ def test_grad_scaler_overflow_with_fused_adamw_skips_exactly_what_the_scaler_ski
     assert scaler.get_scale() == 2.0**9
     after = optimizer_step(model, micro_batches([[8, 3]], seed=17), optimizer, device=CPU, scaler=scaler)
     assert after.applied and all(state["step"].item() == 2 for state in optimizer.state.values())
+
+
+@pytest.mark.parametrize("tail", ["drop", "partial"])
+def test_the_counts_train_py_takes_from_row_ids_equal_the_labels_counts_over_all_ranks(tail):
+    """train.py passes GlobalCounts from rows.supervised_counts(row_ids); the fallback counts the labels of every
+    rank's micro-batches. Both must agree for every step and layout, the partial last step included."""
+    documents = [bytes(range(3 + i % 11, 20 + 5 * i)) for i in range(30)]  # rows of many supervised lengths
+    rows_of_corpus = make_rows(documents, SEQ_LEN)
+    global_batch_size = 12
+    for step in range(steps_per_epoch(rows_of_corpus.num_rows, global_batch_size, tail) + 1):
+        row_ids = step_row_ids(rows_of_corpus.num_rows, global_batch_size, 3, step, tail)
+        given = GlobalCounts(int(rows_of_corpus.supervised_counts(row_ids).sum()), len(row_ids))
+        for micro_batch_size, world_size in ((2, 2), (3, 1), (6, 2)):
+            every = [
+                mb
+                for rank in range(world_size)
+                for mb in build_micro_batches(
+                    rows_of_corpus, row_ids, global_batch_size, micro_batch_size, world_size, rank
+                )
+            ]
+            assert given == GlobalCounts(*supervised_and_real(every)), (step, micro_batch_size, world_size)
