@@ -181,10 +181,12 @@ def optimizer_step(
             except torch.OutOfMemoryError:
                 if not shrink_on_oom or micro_batch.labels.shape[0] == 1:
                     raise
-                recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
                 out_of_memory = True
+            if out_of_memory:
                 break
             loss_sum_local += loss_sum.detach()
+        if out_of_memory:  # outside the except clause: its traceback no longer holds the activations
+            recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
 
         # 3. The boundary: ONE float64 all-reduce carries the loss sum (for the exact logged loss), the stop flag
         # and the OOM flag; it is read back once, together with the gradient norm.
@@ -255,7 +257,14 @@ def optimizer_step(
 
 
 def accumulate(
-    model, micro_batch, device, skip_sync, loss_sum_fn, loss_multiplier, scaler, autocast_dtype
+    model: torch.nn.Module,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    skip_sync: bool,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_multiplier: float,
+    scaler: torch.amp.GradScaler,
+    autocast_dtype: torch.dtype | None,
 ) -> torch.Tensor:
     """Forward and backward of one micro-batch, adding ∇(S_rk · D / N) (times the scale) into `.grad`; returns S_rk.
 
@@ -281,7 +290,9 @@ def accumulate(
     return loss_sum
 
 
-def recover_from_out_of_memory(model, last_micro_batch: MicroBatch, device: torch.device, loss_sum_fn) -> None:
+def recover_from_out_of_memory(
+    model: torch.nn.Module, last_micro_batch: MicroBatch, device: torch.device, loss_sum_fn: Callable
+) -> None:
     """After an OOM in some micro-batch, let the other ranks finish their step; the step is redone after it.
 
     Under DDP the other ranks, not knowing yet, run their last micro-batch, whose backward all-reduces the

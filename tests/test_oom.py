@@ -170,6 +170,46 @@ def test_two_ranks_agree_on_the_smaller_m_when_one_of_them_runs_out_of_memory():
     assert all(torch.equal(a, b) for a, b in zip(rank0["recovered"], rank1["recovered"], strict=True))
 
 
+class RaisesOnCalls(nn.Module):
+    """The model, except that the forwards numbered in `failing_calls` (from 0) run out of memory at their end."""
+
+    def __init__(self, model: nn.Module, failing_calls: set[int]):
+        super().__init__()
+        self.model, self.failing_calls = model, failing_calls
+        self.rows_seen = []
+
+    def forward(self, inputs):
+        self.rows_seen.append(inputs.shape[0])
+        outputs = self.model(inputs)
+        if len(self.rows_seen) - 1 in self.failing_calls:
+            raise torch.OutOfMemoryError("injected")
+        return outputs
+
+
+def syncing_forward_oom_worker(rank, world_size):
+    rows = corpus_rows()
+    model = GPT(MODEL, seed=3).double()
+    batches = step_batches(rows, 16, 4, world_size=world_size, rank=rank)  # A = 2 per rank
+    # Rank 0 fails in the forward of its LAST micro-batch, the one outside no_sync whose backward all-reduces.
+    limited = RaisesOnCalls(copy.deepcopy(model), failing_calls={1} if rank == 0 else set())
+    recovered, result = sgd_step(DistributedDataParallel(limited), batches, shrink_on_oom=True)
+    all_rows = [step_batches(rows, 16, 4, world_size=world_size, rank=r) for r in range(world_size)]
+    reference = float64_reference_gradient(model, [mb for per in all_rows for mb in per])
+    return {
+        "m": result.micro_batch_size,
+        "rows_seen": limited.rows_seen,
+        "vs_reference": max_relative_error(recovered, reference),
+    }
+
+
+def test_an_oom_in_the_forward_of_the_syncing_micro_batch_is_recovered_on_two_ranks():
+    rank0, rank1 = run_on_ranks(syncing_forward_oom_worker, 2)
+    assert rank0["m"] == rank1["m"] == 2
+    assert rank0["rows_seen"] == [4, 4, 1, 2, 2, 2, 2]  # the failed forward, the one-row join, then A = 4
+    assert rank1["rows_seen"] == [4, 4, 2, 2, 2, 2]
+    assert rank0["vs_reference"] < FLOAT64_RTOL and rank1["vs_reference"] < FLOAT64_RTOL
+
+
 class RaisesInBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
