@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +63,7 @@ from accumulation.schedule import build_scheduler
 from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, optimizer_step
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks
+from testkit.syncs import cuda_syncs_of
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 ACCUMULATION_STEPS = 8  # A on one rank, for every measurement
@@ -301,21 +301,6 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
         if name in device_name:
             return peaks[precision]
     return None
-
-
-def cuda_syncs_of(fn) -> tuple[object, list[str]]:
-    """Run fn() and return (its result, one line per call that made the host wait for the GPU).
-
-    torch.cuda.set_sync_debug_mode("warn") makes PyTorch warn at every synchronising CUDA call (a read of a
-    device value, a blocking copy, an explicit synchronize); the warnings are recorded, not shown."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return result, [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message)]
 
 
 def pinned(batches_of_steps: list[list[MicroBatch]], device: torch.device) -> list[list[MicroBatch]]:

@@ -47,7 +47,6 @@ from accumulation.distributed import DistributedContext
 from accumulation.model import GPT, GPTConfig
 from accumulation.models import build_model
 from accumulation.step import GlobalCounts, optimizer_step
-from scripts import bench
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
     capture_gradients,
@@ -55,6 +54,7 @@ from testkit.reference import (
     float64_reference_gradient,
     max_relative_error,
 )
+from testkit.syncs import cuda_syncs_of
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 SEQ_LEN = 64
@@ -173,7 +173,7 @@ def check_sync_audit(device: torch.device) -> tuple[bool, str]:
     one_step(0)()  # warm-up: the optimizer's state and cuBLAS's workspaces
     torch.cuda.synchronize(device)
     step = one_step(1)
-    _, syncs = bench.cuda_syncs_of(step)
+    _, syncs = cuda_syncs_of(step)
     return len(syncs) <= MAX_SYNCS_PER_UPDATE, f"{len(syncs)} per update" + (f": {'; '.join(syncs)}" if syncs else "")
 
 
@@ -299,15 +299,16 @@ def check_oom_recovery(device: torch.device) -> tuple[bool, str]:
 
 
 def check_mfu(device: torch.device) -> tuple[bool, str]:
+    """scripts/bench.py --config configs/gpu_8x.toml (on a small text corpus: the model is what counts)."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         folder = text_folder(Path(scratch))
-        config_path = str(REPOSITORY / "configs" / "gpu_8x.toml")
-        config = load_config(["--config", config_path, f"data.source={folder}"])
-        arguments = argparse.Namespace(
-            quick=True, threads=torch.get_num_threads(), peak_tflops=None, config=config_path
-        )
-        results = bench.measure_config(config, arguments)
-    mfu = "n/a (device not in bench.PEAK_TFLOPS)" if results["mfu"] is None else f"{results['mfu']:.3f}"
+        config_file = Path(scratch, "gpu_8x.toml")
+        config_text = (REPOSITORY / "configs" / "gpu_8x.toml").read_text()
+        config_file.write_text(config_text.replace('source = "stdlib"', f'source = "{folder}"'))
+        command = [sys.executable, str(REPOSITORY / "scripts" / "bench.py"), "--config", str(config_file), "--json"]
+        completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=240, cwd=scratch)
+    results = json.loads(completed.stdout)
+    mfu = "n/a (device not in bench.py's PEAK_TFLOPS)" if results["mfu"] is None else f"{results['mfu']:.3f}"
     return results["seconds_per_step"] > 0, (
         f"MFU {mfu} at m = {results['micro_batch_size']}, {results['precision']} "
         f"(peak {results['peak_tflops']} TFLOPS); {results['tokens_per_s']:,.0f} tokens/s; "

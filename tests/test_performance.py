@@ -5,6 +5,7 @@ tests/test_step.py and not repeated: one gradient all-reduce per step, counted i
 tensor value into Python during the micro-batches of the plain (single-process) step.
 """
 
+import json
 from pathlib import Path
 
 import pytest
@@ -150,3 +151,35 @@ def test_a_checkpointed_optimizer_state_loads_with_this_runs_flags_on_the_parame
     # fused and foreach AdamW evaluate the same formula with different kernels: equal to fp32 rounding.
     for after, reference in zip(model.parameters(), saved_model.parameters(), strict=True):
         torch.testing.assert_close(after, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "precision", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),  # the more specific name wins
+        ("NVIDIA H200", "tf32", 494.7),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
+def test_the_peak_is_looked_up_by_the_gpus_name(device_name, precision, expected):
+    assert bench.peak_tflops(device_name, precision) == expected
+
+
+def test_bench_config_measures_any_config_on_the_cpu(tmp_path, capsys):
+    """--config runs the config's own model; on a CPU there is no peak unless one is given."""
+    (tmp_path / "text.txt").write_bytes(Path(__file__).read_bytes())
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        f'device = "cpu"\n[data]\nsource = "{tmp_path / "text.txt"}"\nseq_len = 16\nval_fraction = 0.0\n'
+        "[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n[batch]\nglobal_batch_size = 4\nmicro_batch_size = 2\n"
+    )
+    assert bench.main(["--config", str(config), "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert (results["device"], results["mfu"], results["micro_batch_size"], results["seq_len"]) == ("cpu", None, 2, 16)
+    assert results["flops_per_token"] > 6 * 16 * 16  # at least the 6 FLOPs of each weight of one d x d matrix
+    assert bench.main(["--config", str(config), "--quick", "--json", "--peak-tflops", "1"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["mfu"] == pytest.approx(results["positions_per_s"] * results["flops_per_token"] / 1e12)
+    assert bench.main(["--config", str(tmp_path / "missing.toml")]) == 2
