@@ -99,8 +99,9 @@ class BatchConfig:
     )
     on_oom: str = setting(
         "fail",
-        "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, "
-        "A doubled, the same examples and the same update; the smaller size is kept for the rest of the session)",
+        "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
+        "largest divisor below half, A grown to match: the same examples and the same update; the smaller size "
+        "is kept for the rest of the session)",
         choices=("fail", "shrink"),
     )
 

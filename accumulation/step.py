@@ -64,6 +64,7 @@ class StepResult:
     micro_batches: int  # forward+backward passes on this rank (A) of the attempt that counted
     micro_batch_size: int = 0  # rows per micro-batch of that attempt (m); smaller than given after an OOM
     stop_requested: bool = False  # whether any rank passed stop_requested=True
+    loss_scale: float = 1.0  # the GradScaler's scale this step's losses were multiplied by (1.0 without one)
 
 
 def token_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -200,6 +201,8 @@ def optimizer_step(
         )
         if dist.is_initialized():
             dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        # The scale rides along in the same read-back (scaling a one is public API; get_scale() would sync).
+        summed = torch.cat([summed, scaler.scale(loss_sum_local.new_ones(1))])
         lr = optimizer.param_groups[0]["lr"]
         # A rank that ran out of memory knows the step is redone: its gradients are not worth a look.
         unscaled = tokens_global > 0 and not out_of_memory
@@ -208,7 +211,7 @@ def optimizer_step(
             grad_norm_tensor = gradient_norm(model, grad_clip)
             summed = torch.cat([summed, grad_norm_tensor.double().reshape(1)])
         # The step's one read-back of device values (on CUDA the host waits here for the step's work).
-        loss_sum_value, stops, out_of_memory_ranks, *grad_norm = summed.tolist()
+        loss_sum_value, stops, out_of_memory_ranks, loss_scale, *grad_norm = summed.tolist()
         if out_of_memory_ranks == 0:
             break
         # Some rank ran out of memory: every rank saw it in the same all-reduce, so all shrink alike.
@@ -253,6 +256,7 @@ def optimizer_step(
         micro_batches=len(micro_batches),
         micro_batch_size=micro_batches[0].labels.shape[0],
         stop_requested=stops > 0,
+        loss_scale=loss_scale,
     )
 
 

@@ -735,6 +735,7 @@ def test_grad_scaler_overflow_with_fused_adamw_skips_exactly_what_the_scaler_ski
     assert scaler.get_scale() == 2.0**9
     after = optimizer_step(model, micro_batches([[8, 3]], seed=17), optimizer, device=CPU, scaler=scaler)
     assert after.applied and all(state["step"].item() == 2 for state in optimizer.state.values())
+    assert (first.loss_scale, overflow.loss_scale, after.loss_scale) == (2.0**10, 2.0**10, 2.0**9)  # read back free
 
 
 @pytest.mark.parametrize("tail", ["drop", "partial"])
