@@ -241,6 +241,8 @@ def optimizer_step(
         if math.isfinite(grad_norm):
             scaler.step(optimizer)  # optimizer.step() when the scaler is off
             applied = True
+        elif scaler.is_enabled():
+            skip_reason = "non-finite gradient (GradScaler lowered its scale)"
         else:
             skip_reason = "non-finite gradient"
         scaler.update()
