@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import describe_batch
-from accumulation.build import autocast_dtype_for, build_optimizer, check_config_for_world, wrap_for_training
+from accumulation.build import (
+    autocast_dtype_for,
+    build_optimizer,
+    check_config_for_world,
+    load_optimizer_state,
+    set_tf32,
+    wrap_for_training,
+)
 from accumulation.checkpoint import (
     WRITE_ERROR_STATUS,
     CheckpointError,
@@ -66,7 +73,7 @@ from accumulation.resume import (
 )
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
-from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import GlobalCounts, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -152,12 +159,13 @@ def train(
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     counters = Counters()
+    set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
     if resume is not None:
         # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
         # state dicts are checked by their loaders, still before anything is written.
         try:
             model.load_state_dict(resume["model"])
-            optimizer.load_state_dict(resume["optimizer"])
+            load_optimizer_state(optimizer, resume["optimizer"])  # this run's fused/foreach, state on its device
             scheduler.load_state_dict(resume["scheduler"])
             if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
                 scaler.load_state_dict(resume["scaler"])
@@ -225,6 +233,7 @@ def train(
     consecutive_skips = 0
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
+        micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
         while counters.steps < config.run.max_steps:
             step_start = time.perf_counter()
             if device.type == "cuda":
@@ -237,11 +246,14 @@ def train(
                 counters.steps,
                 config.batch.tail,
             )
+            # Every rank holds the whole step's row ids, so each counts N and the examples on the host by
+            # itself: no collective, and nothing waits, before the first forward.
+            global_counts = GlobalCounts(tokens=int(data.train.supervised_counts(row_ids).sum()), examples=len(row_ids))
             micro_batches = build_micro_batches(
                 data.train,
                 row_ids,
                 config.batch.global_batch_size,
-                config.batch.micro_batch_size,
+                micro_batch_size,
                 context.world_size,
                 context.rank,
             )
@@ -260,11 +272,19 @@ def train(
                 loss_sum_fn=loss_sum_fn,
                 grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
+                global_counts=global_counts,
+                shrink_on_oom=config.batch.on_oom == "shrink",
                 stop_requested=stop.requested,
             )
             if result.applied:
                 scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance it
             counters.add(result)
+            if result.micro_batch_size != micro_batch_size:  # out of memory: the step was redone with smaller m
+                micro_batch_size = result.micro_batch_size
+                say(
+                    f"step {counters.steps}: out of memory; redone and continuing with "
+                    f"{describe_batch(config.batch.global_batch_size, micro_batch_size, context.world_size)}"
+                )
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
             # Everything below is diagnostics and bookkeeping.

@@ -1,6 +1,16 @@
 """What train.py and the scripts derive from a Config in the same way: the checks that need the world size,
 the optimizer, the autocast dtype, and the module the optimizer step runs. The model itself is built by
-accumulation/models.py."""
+accumulation/models.py.
+
+torch.compile and DDP: the model is compiled first and wrapped in DDP after (wrap_for_training), as the
+PyTorch manual's "Where to apply torch.compile?" advises (compile the module passed to the wrapper). The
+gradient all-reduce still overlaps the backward: while DDP's forward runs the compiled module, Dynamo finds
+the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket boundaries (torch/_dynamo/
+convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
+its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
+other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
+Not measured here: the project's machines have no GPU (scripts/gpu_check.py times a compiled step).
+"""
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -54,3 +64,46 @@ def wrap_for_training(model: torch.nn.Module, config: Config, context: Distribut
         return wrapped
     device_ids = [context.device.index] if context.device.type == "cuda" else None
     return DistributedDataParallel(wrapped, device_ids=device_ids)
+
+
+# The per-group switches of PyTorch's optimizers that choose an implementation, not the maths.
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """optimizer.load_state_dict, keeping this run's implementation and putting the state where it runs.
+
+    load_state_dict takes every group setting from the checkpoint, `fused` and `foreach` included, and
+    leaves the step counters where the checkpoint's flags put them: a run saved on the CPU (fused off, step
+    counters on the CPU) and resumed on a GPU would stay on the slow, syncing path. So the flags this
+    optimizer was built with (build_optimizer: fused AdamW on CUDA) are put back, the moments are moved to
+    each parameter's device and dtype, and the step counters are placed as PyTorch's optimizers expect:
+    float32 on the parameter's device for a fused or capturable group, float32 on the CPU otherwise.
+    The values themselves are unchanged, so the next update is the same as with the checkpoint's flags."""
+    configured = [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(state_dict)
+    for group, flags in zip(optimizer.param_groups, configured, strict=True):
+        group.update(flags)
+        counter_on_device = bool(group.get("fused") or group.get("capturable"))
+        for parameter in group["params"]:
+            state = optimizer.state.get(parameter, {})
+            for key, value in state.items():
+                if not torch.is_tensor(value):
+                    continue
+                if key == "step":
+                    device = parameter.device if counter_on_device else torch.device("cpu")
+                    state[key] = value.to(device=device, dtype=torch.float32)
+                elif value.is_floating_point():
+                    state[key] = value.to(device=parameter.device, dtype=parameter.dtype)
+                else:
+                    state[key] = value.to(device=parameter.device)
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for fp32 matrix products (cuBLAS) and convolutions (cuDNN) on CUDA: inputs rounded to a 10-bit
+    mantissa, products accumulated in fp32; several times the fp32 speed on Ampere and newer GPUs. No effect
+    on the CPU, nor on bf16/fp16 autocast regions. Uses PyTorch's per-backend fp32_precision switches (mixing
+    them with the legacy allow_tf32 flags is an error in PyTorch 2.9 and later)."""
+    precision = "tf32" if enabled else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = precision
+    torch.backends.cudnn.conv.fp32_precision = precision

@@ -97,6 +97,13 @@ class BatchConfig:
         "the last, incomplete global batch of an epoch: drop it, or train on it as a partial step",
         choices=("drop", "partial"),
     )
+    on_oom: str = setting(
+        "fail",
+        "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
+        "largest divisor below half, A grown to match: the same examples and the same update; the smaller size "
+        "is kept for the rest of the session)",
+        choices=("fail", "shrink"),
+    )
 
 
 @dataclass(frozen=True)
@@ -206,6 +213,11 @@ class PrecisionConfig:
     )
     grad_scaler: str | bool = setting(
         "auto", "scale the loss against fp16 underflow; auto = on for fp16 only", choices=("auto", True, False)
+    )
+    tf32: bool = setting(
+        True,
+        "CUDA only: fp32 matrix products and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 "
+        "accumulation), several times faster on Ampere and newer; the equivalence checker turns it off",
     )
 
 

@@ -18,8 +18,10 @@ and after accumulation and DDP's mean the gradient is
 
     (1 / D) · Σ_r Σ_k ∇(S_rk · D / N) = (1 / N) · Σ_r Σ_k ∇S_rk = ∇L.
 
-N is known before the first forward: it is counted from the labels on the host and summed over ranks with
-one all-reduce.
+N is known before the first forward and costs no collective: the data order is a pure function of (seed,
+step, G), so every rank can count the whole step's supervised targets from the step's row ids on the host
+(train.py passes them as `global_counts`). A fork whose data loader does not know the global batch leaves
+`global_counts` out; then each rank counts its own labels and one all-reduce sums the counts.
 
 This file is the whole contract a fork relies on. A fork may change the model (any `forward(inputs) ->
 outputs`), the loss (any `loss_sum_fn(outputs, labels)` that returns the SUM of the losses of the supervised
@@ -37,7 +39,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, MicroBatch, smaller_micro_batch_size, split_micro_batches
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What the whole step holds over all ranks, counted on the host before the first forward."""
+
+    tokens: int  # supervised targets (N)
+    examples: int  # real examples (padding rows excluded)
 
 
 @dataclass
@@ -51,8 +61,10 @@ class StepResult:
     grad_norm: float  # total gradient norm before clipping (of the unscaled gradient)
     skip_reason: str | None  # why the update was not applied, when it was not
     lr: float  # learning rate of the optimizer's first parameter group during this step
-    micro_batches: int  # forward+backward passes on this rank (A)
-    stop_requested: bool = False  # whether any rank passed stop_requested=True (a stop signal, accumulation/signals.py)
+    micro_batches: int  # forward+backward passes on this rank (A) of the attempt that counted
+    micro_batch_size: int = 0  # rows per micro-batch of that attempt (m); smaller than given after an OOM
+    stop_requested: bool = False  # whether any rank passed stop_requested=True
+    loss_scale: float = 1.0  # the GradScaler's scale this step's losses were multiplied by (1.0 without one)
 
 
 def token_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -112,7 +124,9 @@ def optimizer_step(
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum,
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
+    global_counts: GlobalCounts | None = None,
     stop_requested: bool = False,
+    shrink_on_oom: bool = False,
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
@@ -120,7 +134,20 @@ def optimizer_step(
     outputs go to `loss_sum_fn(outputs, micro_batch.labels)`, which must return the SUM of the losses of
     the supervised targets. `scaler` is a GradScaler for fp16, or None. `grad_clip` > 0 clips the total
     gradient norm. Every rank must call this with the same number of micro-batches: the syncing backward
-    and the two scalar all-reduces below are matched across ranks.
+    and the boundary all-reduce are matched across ranks.
+
+    `global_counts`: the step's supervised targets and real examples over all ranks, when the caller knows
+    them (train.py counts them from the step's row ids); left out, the ranks count their labels and sum
+    the counts with one all-reduce. A wrong count silently scales the update: tests compare both paths.
+
+    `stop_requested`: travels in the boundary's one all-reduce (no collective of its own);
+    `StepResult.stop_requested` says whether any rank asked, so all ranks stop after the same step.
+
+    `shrink_on_oom`: on torch.OutOfMemoryError in the micro-batches, redo the step from its start with
+    micro-batches of half the rows (the largest divisor of m up to m/2; A grows, the examples do not change),
+    gradients cleared and the RNG restored; `StepResult.micro_batch_size` is the m that succeeded, which the
+    caller keeps. Micro-batches must all have m rows with any padding rows last (as build_micro_batches
+    makes them). See recover_from_out_of_memory below for how ranks agree.
     """
     if not micro_batches:
         raise ValueError("an optimizer step needs at least one micro-batch")
@@ -129,65 +156,179 @@ def optimizer_step(
         raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel")
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
 
-    # 1. The global denominator N, before any forward: one collective on host-side counts.
-    tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
-    examples_local = sum(mb.num_examples for mb in micro_batches)
-    tokens_global, examples_global = all_reduce_ints([tokens_local, examples_local], device)
+    # 1. The global denominator N, before any forward.
+    if global_counts is None:  # the fallback: one collective on host-side counts
+        tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
+        examples_local = sum(mb.num_examples for mb in micro_batches)
+        global_counts = GlobalCounts(*all_reduce_ints([tokens_local, examples_local], device))
+    tokens_global = global_counts.tokens
     # A step without a supervised token has no loss to average. Its micro-batches still run (every sum is
     # empty, so they add exactly zero) so that all ranks take part in the same collectives, and the update
     # is skipped below. max(N, 1) only avoids dividing by zero.
     loss_multiplier = world_size / max(tokens_global, 1)
+    rng_at_start = rng_states(device) if shrink_on_oom else None
 
-    # 2. The micro-batches. Nothing in this loop reads a value back to the host (the loss sums stay on the
-    # device), so on a GPU the host keeps queueing copies and kernels while earlier ones still run.
-    last = len(micro_batches) - 1
-    loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
-    for k, micro_batch in enumerate(micro_batches):
-        inputs, labels = to_device(micro_batch, device)
-        # DDP all-reduces gradients during the backward of the boundary (last) micro-batch only. The forward
-        # must be inside no_sync too: DDP decides at forward time whether the coming backward synchronises.
-        skip_sync = k < last and isinstance(model, DistributedDataParallel)
-        with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                outputs = model(inputs)
-            loss_sum = loss_sum_fn(outputs, labels)  # S_rk
-            scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
-        loss_sum_local += loss_sum.detach()
+    while True:
+        # 2. The micro-batches. Nothing in this loop reads a value back to the host (the loss sums stay on the
+        # device), so on a GPU the host keeps queueing copies and kernels while earlier ones still run.
+        last = len(micro_batches) - 1
+        loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
+        out_of_memory = False
+        for k, micro_batch in enumerate(micro_batches):
+            try:
+                loss_sum = accumulate(
+                    model, micro_batch, device, k < last, loss_sum_fn, loss_multiplier, scaler, autocast_dtype
+                )
+            except torch.OutOfMemoryError:
+                if not shrink_on_oom or micro_batch.labels.shape[0] == 1:
+                    raise
+                out_of_memory = True
+            if out_of_memory:
+                break
+            loss_sum_local += loss_sum.detach()
+        if out_of_memory:  # outside the except clause: its traceback no longer holds the activations
+            recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
 
-    # 3. The boundary: one more scalar collective for the exact logged loss, then one update. This rank's
-    # stop flag rides along: the sum is positive on every rank as soon as one rank asked to stop.
-    boundary = torch.stack([loss_sum_local, loss_sum_local.new_full((), float(stop_requested))])  # no copy, no sync
-    if dist.is_initialized():
-        dist.all_reduce(boundary, op=dist.ReduceOp.SUM)
-    loss_sum_global, stop_flags = boundary.unbind()
-    lr = optimizer.param_groups[0]["lr"]
-    applied, skip_reason, grad_norm = False, None, 0.0
+        # 3. The boundary: ONE float64 all-reduce carries the loss sum (for the exact logged loss), the stop flag
+        # and the OOM flag; it is read back once, together with the gradient norm.
+        # The flags are filled on the device (no host-to-device copy); a sum over ranks > 0 means some rank set one.
+        summed = torch.stack(
+            [
+                loss_sum_local,
+                loss_sum_local.new_full((), float(stop_requested)),
+                loss_sum_local.new_full((), float(out_of_memory)),
+            ]
+        )
+        if dist.is_initialized():
+            dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        # The scale rides along in the same read-back (scaling a one is public API; get_scale() would sync).
+        summed = torch.cat([summed, scaler.scale(loss_sum_local.new_ones(1))])
+        lr = optimizer.param_groups[0]["lr"]
+        # A rank that ran out of memory knows the step is redone: its gradients are not worth a look.
+        unscaled = tokens_global > 0 and not out_of_memory
+        if unscaled:
+            scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
+            grad_norm_tensor = gradient_norm(model, grad_clip)
+            summed = torch.cat([summed, grad_norm_tensor.double().reshape(1)])
+        # The step's one read-back of device values (on CUDA the host waits here for the step's work).
+        loss_sum_value, stops, out_of_memory_ranks, loss_scale, *grad_norm = summed.tolist()
+        if out_of_memory_ranks == 0:
+            break
+        # Some rank ran out of memory: every rank saw it in the same all-reduce, so all shrink alike.
+        micro_batch_size = micro_batches[0].labels.shape[0]
+        smaller = smaller_micro_batch_size(micro_batch_size)
+        if smaller is None:
+            raise torch.OutOfMemoryError(f"out of memory with micro-batches of {micro_batch_size} row on some rank")
+        if unscaled and scaler.is_enabled():
+            # unscale_ was recorded for this optimizer; update() with the unchanged scale forgets it and leaves
+            # the scale and its growth count as they were at the step's start. (A read-back; OOMs are rare.)
+            scaler.update(new_scale=scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+        restore_rng_states(rng_at_start, device)
+        micro_batches = split_micro_batches(micro_batches, smaller)
+
+    applied, skip_reason, grad_norm = False, None, (grad_norm[0] if grad_norm else 0.0)
     if tokens_global == 0:
         skip_reason = "no supervised tokens in the step"
         loss = math.nan
-        stop_count = stop_flags.item()
     else:
-        scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
-        grad_norm_tensor = gradient_norm(model, grad_clip)
-        # The step's one read-back of device values.
-        read_back = torch.stack([loss_sum_global, grad_norm_tensor.double(), stop_flags])
-        loss_sum_value, grad_norm, stop_count = read_back.tolist()
         loss = loss_sum_value / tokens_global
-        if scaler.is_enabled():
-            # scaler.step skips optimizer.step when unscale_ found an inf or nan, and update() then lowers
-            # the scale. step() returns None either way, so a lowered scale is how a skip is recognised.
-            scale_before = scaler.get_scale()
-            scaler.step(optimizer)
-            scaler.update()
-            applied = scaler.get_scale() >= scale_before
-            if not applied:
-                skip_reason = "non-finite gradient (GradScaler lowered its scale)"
-        elif math.isfinite(grad_norm):
-            optimizer.step()
+        # The norm is non-finite exactly when some unscaled gradient is inf or nan (or, for finite gradients
+        # beyond 1e19, when their squares overflow). A finite norm means finite gradients, so the GradScaler's
+        # own inf check (from unscale_) finds nothing and its step() applies the update: `applied` is what
+        # happened, with no read of the scale. A non-finite norm: no step; update() still sees the scaler's
+        # found-inf and lowers the scale.
+        if math.isfinite(grad_norm):
+            scaler.step(optimizer)  # optimizer.step() when the scaler is off
             applied = True
+        elif scaler.is_enabled():
+            skip_reason = "non-finite gradient (GradScaler lowered its scale)"
         else:
             skip_reason = "non-finite gradient"
+        scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
-        loss, tokens_global, examples_global, applied, grad_norm, skip_reason, lr, len(micro_batches), stop_count > 0
+        loss,
+        tokens_global,
+        global_counts.examples,
+        applied,
+        grad_norm,
+        skip_reason,
+        lr,
+        micro_batches=len(micro_batches),
+        micro_batch_size=micro_batches[0].labels.shape[0],
+        stop_requested=stops > 0,
+        loss_scale=loss_scale,
     )
+
+
+def accumulate(
+    model: torch.nn.Module,
+    micro_batch: MicroBatch,
+    device: torch.device,
+    skip_sync: bool,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_multiplier: float,
+    scaler: torch.amp.GradScaler,
+    autocast_dtype: torch.dtype | None,
+) -> torch.Tensor:
+    """Forward and backward of one micro-batch, adding ∇(S_rk · D / N) (times the scale) into `.grad`; returns S_rk.
+
+    DDP all-reduces gradients during the backward of the boundary (last) micro-batch only. The forward must be
+    inside no_sync too: DDP decides at forward time whether the coming backward synchronises."""
+    inputs, labels = to_device(micro_batch, device)
+    skip_sync = skip_sync and isinstance(model, DistributedDataParallel)
+    with model.no_sync() if skip_sync else contextlib.nullcontext():
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            outputs = model(inputs)
+        loss_sum = loss_sum_fn(outputs, labels)  # S_rk
+        try:
+            scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
+        except torch.OutOfMemoryError as error:
+            if not skip_sync and isinstance(model, DistributedDataParallel):
+                # Not an OutOfMemoryError any more, so nobody tries to recover: the other ranks wait for gradient
+                # buckets this rank will never send (see recover_from_out_of_memory).
+                raise RuntimeError(
+                    "out of memory in the backward that all-reduces the gradients, which DDP cannot take back; "
+                    "set batch.micro_batch_size smaller"
+                ) from error
+            raise
+    return loss_sum
+
+
+def recover_from_out_of_memory(
+    model: torch.nn.Module, last_micro_batch: MicroBatch, device: torch.device, loss_sum_fn: Callable
+) -> None:
+    """After an OOM in some micro-batch, let the other ranks finish their step; the step is redone after it.
+
+    Under DDP the other ranks, not knowing yet, run their last micro-batch, whose backward all-reduces the
+    gradients, and then the boundary all-reduce. This rank must join both, in that order, or everyone hangs.
+    It joins the gradient all-reduce with a one-row forward and backward of its last micro-batch, weighted by
+    zero (the gradients are thrown away anyway; one row keeps the memory small); then the boundary all-reduce
+    carries its OOM flag, and every rank redoes the step with smaller micro-batches. This holds for an OOM in
+    any forward, and in a backward inside no_sync. (A model with buffers would broadcast them again in the
+    joining forward after an OOM in the last forward; DDP only broadcasts buffers a model has, and ours has none.)
+    In the backward of the last micro-batch DDP has already sent some gradient buckets and cannot take them
+    back: accumulate() raises there instead, and the launcher ends every rank.
+    """
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the failed micro-batch's activations are free by now; hand them back
+    if not isinstance(model, DistributedDataParallel):
+        return  # one process: nothing to join
+    inputs, labels = to_device(MicroBatch(last_micro_batch.inputs[:1], last_micro_batch.labels[:1], 0), device)
+    outputs = model(inputs)  # a syncing forward: the backward below all-reduces like the other ranks' do
+    (loss_sum_fn(outputs, labels) * 0.0).backward()
+
+
+def rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The generators dropout draws from: the CPU's and, on CUDA, the device's (host-side copies, no sync)."""
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def restore_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)

@@ -3,6 +3,7 @@
     python scripts/bench.py            # a readable table, about 2 minutes on a quiet 2-core CPU
     python scripts/bench.py --json     # one JSON object instead
     python scripts/bench.py --quick    # fewer repetitions: every measurement once, quickly
+    python scripts/bench.py --config configs/gpu_8x.toml   # MFU, syncs and memory of any config's model
 
 A reference loop is only worth forking if its bookkeeping costs nothing. Everything here uses the project's
 default model (configs/default.toml) on real micro-batches of the embedded corpus, m = 4 rows of 128 tokens,
@@ -12,12 +13,18 @@ and A = 8 micro-batches per step on one rank:
     grad_bytes                       bytes of all parameter gradients
     grad_allreduce_bytes_per_update  gradient bytes all-reduced per step on 2 gloo ranks       target = grad_bytes
     sync_every_bytes_per_update      the same with no_sync bypassed, for contrast              (A x grad_bytes)
-    scalar_collectives_per_update    every other collective of a step (token count, loss)      target <= 2
+    scalar_collectives_per_update    every other collective of a step (the loss at the boundary) target <= 1
     host_syncs_per_micro_batch       reads of tensor values into Python during micro-batches   target 0
     host_syncs_per_update            the same over the whole step, reported
     peak_mem_bytes                   peak of one update: m with A = 1, 2, 8, and 8m with A = 1  target m_A8 <= 1.05 m_A1
     tokens_per_s                     supervised tokens per second, 1 process and 2 gloo ranks, same global batch
+    cuda_syncs_per_update            CUDA only: synchronising calls of one bf16 step, counted by
+                                     torch.cuda.set_sync_debug_mode                             target <= 1
     mfu                              CUDA only: model FLOPs utilisation
+
+With --config FILE the benchmark measures that config's model instead (its m, seq_len and precision, A = 2
+on one process): seconds per step, positions per second, FLOPs per token, MFU against the device's peak
+(PEAK_TFLOPS below, or --peak-tflops), CUDA syncs per update and peak memory.
 
 The counts come from 2 gloo ranks on the CPU whatever the hardware: they are properties of the code. The
 timings and the memory peaks run on the GPU when there is one, else on the CPU. Threads: the single process
@@ -46,28 +53,40 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.build import build_optimizer
-from accumulation.config import Config, resolved_grad_scaler
+from accumulation.build import autocast_dtype_for, build_optimizer, set_tf32
+from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
 from accumulation.counters import Counters
 from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_data, build_micro_batches, step_row_ids
 from accumulation.model import GPT, GPTConfig
-from accumulation.models import gpt_config, loss_sum_fn_for
+from accumulation.models import build_model, gpt_config, loss_sum_fn_for, resolved_vocab_size
 from accumulation.schedule import build_scheduler
-from accumulation.step import StepResult, optimizer_step
+from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, optimizer_step
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks
+from testkit.syncs import cuda_syncs_of
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 ACCUMULATION_STEPS = 8  # A on one rank, for every measurement
 RANKS = 2  # D of the two-rank measurements (gloo on this CPU)
 
 TARGET_OVERHEAD_RATIO = 1.02
-TARGET_SCALAR_COLLECTIVES = 2  # the token count before the forwards and the loss at the boundary
+TARGET_SCALAR_COLLECTIVES = 1  # the loss sum (and the stop and OOM flags) at the boundary; N needs none
+TARGET_CUDA_SYNCS = 1  # the read-back of (loss sum, flags, gradient norm) at the boundary
 TARGET_MEMORY_RATIO = 1.05  # m_A8 / m_A1
 MIN_8M_OVER_M_A8 = 4  # "far below 8m_A1": 8m rows in one micro-batch hold about 8 times the activations
 
-# H100 and H200 SXM: 989 TFLOPS of dense bf16 tensor-core arithmetic (the data sheets' 1,979 assume 2:4 sparsity).
-DEFAULT_PEAK_TFLOPS = 989.0
+# Peak dense TFLOPS from NVIDIA's data sheets (the sheets' larger tensor-core figures assume 2:4 sparsity),
+# looked up by the first name that occurs in torch.cuda.get_device_name(); more specific names first.
+# "tf32" is the peak of fp32 matrix products with precision.tf32 on, "fp32" without it.
+PEAK_TFLOPS = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
+    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
+    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM; the NVL variant is lower
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
+}
 
 # Everything that reads a tensor's value into Python. On a GPU each one waits for the device to catch up.
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__")
@@ -128,9 +147,19 @@ def default_loop_state(model: torch.nn.Module, device: torch.device) -> LoopStat
     return LoopState(optimizer, scheduler, scaler, Counters())
 
 
-def run_step(model, micro_batches, loop: LoopState, device, autocast_dtype=None) -> StepResult:
-    """One step of the project's loop as train.py runs it: `optimizer_step` with the default loss and gradient
-    clipping, then the scheduler (once per applied update) and the counters."""
+def global_counts_of(micro_batches_by_rank: list[list[MicroBatch]]) -> GlobalCounts:
+    """N and the examples of one step over all ranks, counted on the host from every rank's micro-batches,
+    which every rank here holds (as train.py counts them from the step's row ids, which every rank knows)."""
+    every = [micro_batch for micro_batches in micro_batches_by_rank for micro_batch in micro_batches]
+    return GlobalCounts(
+        tokens=sum(count_supervised_tokens(mb.labels) for mb in every), examples=sum(mb.num_examples for mb in every)
+    )
+
+
+def run_step(model, micro_batches, loop: LoopState, device, autocast_dtype=None, global_counts=None) -> StepResult:
+    """One step of the project's loop as train.py runs it: `optimizer_step` with the default loss, gradient
+    clipping and the step's counts given (one process: counted here when not given), then the scheduler (once
+    per applied update) and the counters."""
     result = optimizer_step(
         model,
         micro_batches,
@@ -140,6 +169,7 @@ def run_step(model, micro_batches, loop: LoopState, device, autocast_dtype=None)
         loss_sum_fn=loss_sum_fn_for(DEFAULTS),
         grad_clip=DEFAULTS.optim.grad_clip,
         autocast_dtype=autocast_dtype,
+        global_counts=global_counts if global_counts is not None else global_counts_of([micro_batches]),
     )
     if result.applied:
         loop.scheduler.step()
@@ -153,8 +183,9 @@ def bare_step(model, micro_batches, optimizer, device, autocast_dtype=None) -> N
     No token count, no collective, no logged loss, no scaler, no scheduler, no counters. A mean loss per
     micro-batch divided by A is the wrong weighting when token counts differ, but only time is compared.
     """
-    for micro_batch in micro_batches:
-        inputs, labels = micro_batch.inputs.to(device), micro_batch.labels.to(device)
+    for micro_batch in micro_batches:  # the same pinned, asynchronous copies as optimizer_step on CUDA
+        inputs = micro_batch.inputs.to(device, non_blocking=True)
+        labels = micro_batch.labels.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX)
@@ -196,9 +227,11 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
     ours_loop = default_loop_state(ours_model, device)
     bare_optimizer = build_optimizer(DEFAULTS, bare_model, device)
     ours_seconds, bare_seconds = [], []
+    counts_of_steps = [global_counts_of([micro_batches]) for micro_batches in batches_of_steps]  # train.py: from ids
     for pair in range(warmup_pairs + timed_pairs):
         micro_batches = batches_of_steps[pair % len(batches_of_steps)]
-        run_ours = functools.partial(run_step, ours_model, micro_batches, ours_loop, device, autocast_dtype)
+        counts = counts_of_steps[pair % len(batches_of_steps)]
+        run_ours = functools.partial(run_step, ours_model, micro_batches, ours_loop, device, autocast_dtype, counts)
         run_bare = functools.partial(bare_step, bare_model, micro_batches, bare_optimizer, device, autocast_dtype)
         if pair % 2 == 0:
             (_, bare), (_, ours) = timed(run_bare, device), timed(run_ours, device)
@@ -219,12 +252,18 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
     }
 
 
-def tokens_per_second(model, batches_of_steps, device, autocast_dtype, warmup_steps: int) -> float:
-    """Median, over the steps after the warm-up, of the step's supervised tokens (all ranks) per second."""
+def tokens_per_second(
+    model, batches_of_steps, device, autocast_dtype, warmup_steps: int, counts_of_steps=None
+) -> float:
+    """Median, over the steps after the warm-up, of the step's supervised tokens (all ranks) per second.
+    `counts_of_steps`: each step's GlobalCounts over all ranks (one process: counted from its micro-batches)."""
     loop = default_loop_state(model, device)
+    counts_of_steps = counts_of_steps or [global_counts_of([micro_batches]) for micro_batches in batches_of_steps]
     rates = []
     for index, micro_batches in enumerate(batches_of_steps):
-        result, seconds = timed(functools.partial(run_step, model, micro_batches, loop, device, autocast_dtype), device)
+        counts = counts_of_steps[index]
+        run = functools.partial(run_step, model, micro_batches, loop, device, autocast_dtype, counts)
+        result, seconds = timed(run, device)
         if index >= warmup_steps:
             rates.append(result.tokens / seconds)
     return statistics.median(rates)
@@ -233,20 +272,45 @@ def tokens_per_second(model, batches_of_steps, device, autocast_dtype, warmup_st
 def throughput_worker(rank, world_size, model_config, batches_of_steps_by_rank, warmup_steps) -> float:
     """tokens_per_second on one of the gloo ranks (run_on_ranks gives each rank one thread)."""
     model = DistributedDataParallel(GPT(model_config, seed=DEFAULTS.run.seed))
-    return tokens_per_second(model, batches_of_steps_by_rank[rank], torch.device("cpu"), None, warmup_steps)
+    counts = [global_counts_of(list(step)) for step in zip(*batches_of_steps_by_rank, strict=True)]
+    return tokens_per_second(model, batches_of_steps_by_rank[rank], torch.device("cpu"), None, warmup_steps, counts)
 
 
-def flops_per_token(model: GPT) -> int:
+def flops_per_token(model: torch.nn.Module) -> int:
     """Training FLOPs per token: 6 per parameter that multiplies (forward 2, backward 4), plus attention.
 
-    The parameters counted are all but the two embedding tables, which are looked up, not multiplied.
-    Attention adds 12 · n_layer · d_model · seq_len per token (the scores Q·Kᵀ and the weighted sum of V,
-    2 FLOPs per multiply-add, times 3 for forward and backward), counting the full seq_len x seq_len square
-    as the usual convention does (PaLM, Chowdhery et al. 2022, appendix B), though causal kernels skip half.
+    Embedding tables are looked up, not multiplied, so their parameters are left out. For the GPT, attention
+    adds 12 · n_layer · d_model · seq_len per token (the scores Q·Kᵀ and the weighted sum of V, 2 FLOPs per
+    multiply-add, times 3 for forward and backward), counting the full seq_len x seq_len square as the usual
+    convention does (PaLM, Chowdhery et al. 2022, appendix B), though causal kernels skip half. Any other model
+    (the GRU) counts its parameters only.
     """
-    config = model.config
-    embedding_parameters = model.token_embedding.weight.numel() + model.position_embedding.weight.numel()
-    return 6 * (model.num_parameters() - embedding_parameters) + 12 * config.n_layer * config.d_model * config.seq_len
+    parameters = sum(p.numel() for p in model.parameters())
+    embedding_parameters = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
+    flops = 6 * (parameters - embedding_parameters)
+    if isinstance(model, GPT):
+        config = model.config
+        flops += 12 * config.n_layer * config.d_model * config.seq_len
+    return flops
+
+
+def peak_tflops(device_name: str, precision: str) -> float | None:
+    """The device's dense peak for `precision` ("bf16", "fp16", "tf32" or "fp32") from PEAK_TFLOPS, None when
+    the name is not in the table."""
+    for name, peaks in PEAK_TFLOPS.items():
+        if name in device_name:
+            return peaks[precision]
+    return None
+
+
+def pinned(batches_of_steps: list[list[MicroBatch]], device: torch.device) -> list[list[MicroBatch]]:
+    """On CUDA the micro-batches in page-locked memory, as train.py pins them, so copies run asynchronously."""
+    if device.type != "cuda":
+        return batches_of_steps
+    return [
+        [MicroBatch(mb.inputs.pin_memory(), mb.labels.pin_memory(), mb.num_examples) for mb in step]
+        for step in batches_of_steps
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -352,11 +416,13 @@ def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypa
 
     loop.scaler.unscale_ = unscale_at_the_boundary
     steps = []
+    # Every rank holds every rank's micro-batches here, so each counts the step's N on the host, like train.py.
+    counts_of_steps = [global_counts_of(list(step)) for step in zip(*batches_of_steps_by_rank, strict=True)]
     with counting_calls(traffic):
-        for micro_batches in batches_of_steps_by_rank[rank]:
+        for micro_batches, counts in zip(batches_of_steps_by_rank[rank], counts_of_steps, strict=True):
             traffic.grad_allreduce_bytes, traffic.scalar_collectives, traffic.host_reads = 0, 0, []
             traffic.phase = "count"
-            run_step(model, micro_batches, loop, torch.device("cpu"))
+            run_step(model, micro_batches, loop, torch.device("cpu"), global_counts=counts)
             traffic.phase = None
             steps.append(
                 {
@@ -410,7 +476,9 @@ def measure_time(rows, args, device, autocast_dtype) -> dict:
     distinct_steps = 8  # the timed loops cycle through the micro-batches of this many optimizer steps
 
     # One process, A = 8: the bookkeeping's overhead, then tokens per second on this global batch of 8m.
-    one_rank_steps = [step_micro_batches(rows, step, m, ACCUMULATION_STEPS, 1, 0) for step in range(distinct_steps)]
+    one_rank_steps = pinned(
+        [step_micro_batches(rows, step, m, ACCUMULATION_STEPS, 1, 0) for step in range(distinct_steps)], device
+    )
     results = overhead(model_config, one_rank_steps, device, autocast_dtype, warmup_pairs, timed_pairs)
     throughput_steps = [one_rank_steps[step % distinct_steps] for step in range(warmup_steps + timed_steps)]
     model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
@@ -436,7 +504,15 @@ def measure_time(rows, args, device, autocast_dtype) -> dict:
     if device.type == "cuda":
         # Every position of every row costs FLOPs, padding included, so the rate here is positions per second.
         positions_per_s = ACCUMULATION_STEPS * m * model_config.seq_len / results["seconds_per_step"]["optimizer_step"]
-        results["mfu"] = positions_per_s * flops_per_token(model) / (args.peak_tflops * 1e12)
+        peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device), "bf16")
+        results["mfu"] = None if peak is None else positions_per_s * flops_per_token(model) / (peak * 1e12)
+        results["peak_tflops"] = peak
+        # The synchronising calls of one step (bf16, fused AdamW, counts given), after a warm-up step.
+        loop = default_loop_state(model, device)
+        run_step(model, one_rank_steps[0], loop, device, autocast_dtype)
+        _, syncs = cuda_syncs_of(lambda: run_step(model, one_rank_steps[1], loop, device, autocast_dtype))
+        results["cuda_syncs_per_update"] = len(syncs)
+        results["cuda_syncs"] = syncs
     return results
 
 
@@ -573,8 +649,21 @@ def table(results: dict, args: argparse.Namespace) -> str:
             "",
         ),
     ]
+    if "cuda_syncs_per_update" in results:
+        rows.append(
+            (
+                "cuda_syncs_per_update",
+                f"{results['cuda_syncs_per_update']}",
+                f"<= {TARGET_CUDA_SYNCS}",
+                mark(results["cuda_syncs_per_update"] <= TARGET_CUDA_SYNCS),
+            )
+        )
     if "mfu" in results:
-        rows.append(("mfu", f"{results['mfu']:.3f}", f"of {args.peak_tflops:g} TFLOPS bf16", ""))
+        mfu = (
+            "n/a: device not in PEAK_TFLOPS, pass --peak-tflops" if results["mfu"] is None else f"{results['mfu']:.3f}"
+        )
+        peak = "" if results["peak_tflops"] is None else f"of {results['peak_tflops']:g} TFLOPS bf16"
+        rows.append(("mfu", mfu, peak, ""))
     widths = [max(len(row[column]) for row in rows) for column in range(3)]
     config = default_model_config()
     lines = [
@@ -590,8 +679,8 @@ def table(results: dict, args: argparse.Namespace) -> str:
         "",
         "overhead_ratio: median over alternating pairs of (optimizer_step / bare) wall-clock seconds per step;",
         "  the quartiles show how much the pairs scatter (other processes on the machine widen them).",
-        "host_syncs_per_update counts reads of host tensors too: int() of the labels for the token count, .tolist()",
-        "  of N and of (loss, grad norm), and AdamW's .item() of its per-parameter step counters (CPU tensors).",
+        "host_syncs_per_update counts reads of host tensors too: the .tolist() of (loss, flags, grad norm) and",
+        "  AdamW's .item() of its per-parameter step counters (CPU tensors; fused AdamW on CUDA reads none).",
         "peak_mem_bytes: above the parameters and optimizer state. From A = 2 on, the accumulated gradient",
         "  (grad_bytes) stays allocated while later micro-batches run; A = 1 never holds it during a forward.",
         f"tokens_per_s: the same global batch of {ACCUMULATION_STEPS * args.micro_batch_size} rows; "
@@ -623,14 +712,110 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--peak-tflops",
         type=float,
-        default=DEFAULT_PEAK_TFLOPS,
-        help="the GPU's peak for mfu (default %(default)s: dense bf16 of an H100 or H200 SXM)",
+        default=None,
+        help="the device's peak TFLOPS for mfu, for the precision measured "
+        "(default: looked up by the GPU's name in PEAK_TFLOPS; none on a CPU)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="measure this config's model instead (MFU, syncs, memory); nothing else of the default table",
     )
     return parser.parse_args(argv)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Any config: --config FILE
+# ---------------------------------------------------------------------------------------------------
+
+
+def peak_precision(config: Config) -> str:
+    """Which peak a config's matrix products run at: its autocast dtype, or fp32 with or without TF32."""
+    if config.precision.dtype != "fp32":
+        return config.precision.dtype
+    return "tf32" if config.precision.tf32 else "fp32"
+
+
+def measure_config(config: Config, args: argparse.Namespace) -> dict:
+    """The config's model at its micro-batch size, A = 2 on one process: time per step, positions and supervised
+    tokens per second, FLOPs per token, MFU, and on CUDA the syncs of one step and the step's peak memory."""
+    use_cuda = torch.cuda.is_available() and config.device != "cpu"
+    device = torch.device("cuda" if use_cuda else "cpu")
+    torch.set_num_threads(args.threads)
+    set_tf32(config.precision.tf32)
+    data = build_data(config)
+    model = build_model(config, resolved_vocab_size(config, data.vocab_size)).to(device)
+    optimizer = build_optimizer(config, model, device)
+    scheduler = build_scheduler(optimizer, "constant", 0, 1, 1.0)
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    loop = LoopState(optimizer, scheduler, scaler, Counters())
+    autocast_dtype = autocast_dtype_for(config)
+    m, accumulation = config.batch.micro_batch_size, 2
+    warmup_steps, timed_steps = (1, 1) if args.quick else (2, 5)
+    steps = pinned(
+        [step_micro_batches(data.train, step, m, accumulation, 1, 0) for step in range(warmup_steps + timed_steps)],
+        device,
+    )
+    seconds, tokens = [], []
+    for index, micro_batches in enumerate(steps):
+        result, elapsed = timed(functools.partial(run_step, model, micro_batches, loop, device, autocast_dtype), device)
+        if index >= warmup_steps:
+            seconds.append(elapsed)
+            tokens.append(result.tokens)
+    seconds_per_step = statistics.median(seconds)
+    positions_per_s = accumulation * m * config.data.seq_len / seconds_per_step  # padding costs FLOPs too
+    precision = peak_precision(config) if use_cuda else config.precision.dtype  # TF32 is CUDA's
+    device_name = torch.cuda.get_device_name(device) if use_cuda else cpu_model()
+    peak = args.peak_tflops or (peak_tflops(device_name, precision) if use_cuda else None)
+    results = {
+        "config": args.config,
+        "machine": machine_description(device, args.threads),
+        "device": device.type,
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "micro_batch_size": m,
+        "accumulation_steps": accumulation,
+        "seq_len": config.data.seq_len,
+        "precision": precision,
+        "seconds_per_step": seconds_per_step,
+        "positions_per_s": positions_per_s,
+        "tokens_per_s": statistics.median(tokens) / seconds_per_step,
+        "flops_per_token": flops_per_token(model),
+        "peak_tflops": peak,
+        "mfu": None if peak is None else positions_per_s * flops_per_token(model) / (peak * 1e12),
+    }
+    if use_cuda:
+        _, syncs = cuda_syncs_of(lambda: run_step(model, steps[-1], loop, device, autocast_dtype))
+        results["cuda_syncs_per_update"], results["cuda_syncs"] = len(syncs), syncs
+        _, results["peak_mem_bytes"] = peak_memory_bytes_of(
+            lambda: run_step(model, steps[-1], loop, device, autocast_dtype), device
+        )
+    return results
+
+
+def config_table(results: dict) -> str:
+    lines = [f"machine: {results['machine']}", f"config: {results['config']}", ""]
+    for name, value in results.items():
+        if name in ("machine", "config", "cuda_syncs"):
+            continue
+        text = f"{value:,.4g}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else str(value)
+        lines.append(f"{name:<24}{text}")
+    if results["mfu"] is None:
+        lines.append("mfu: no peak for this device; pass --peak-tflops (dense TFLOPS at the precision above)")
+    lines += [f"  sync: {sync}" for sync in results.get("cuda_syncs", [])]
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     args = parse_arguments(argv)
+    if args.config is not None:
+        try:
+            config = load_config(["--config", args.config])
+        except ConfigError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        results = measure_config(config, args)
+        print(json.dumps(results, indent=2) if args.json else config_table(results))
+        return 0
     results = measure(args)
     print(json.dumps(results, indent=2) if args.json else table(results, args))
     return 0

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
-from accumulation.build import autocast_dtype_for, check_config_for_world, wrap_for_training
+from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
 from accumulation.data import Data, DataError, RowSet, build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
@@ -116,6 +116,7 @@ def check(
     config: Config, data: Data, vocab_size: int, row_ids: torch.Tensor, context: DistributedContext, bug: str | None
 ) -> int:
     config = without_dropout(config)
+    set_tf32(False)  # whatever precision.tf32 says: TF32 rounds fp32 products to ~1e-3, above the fp32 tolerance
     model = build_model(config, vocab_size).to(context.device)
     reference_model = build_model(config, vocab_size).double()  # a second build: it must equal the first
     same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)

@@ -14,6 +14,10 @@ several times:
   2. timed, TIMED_UPDATES times: supervised tokens (all ranks) per second of wall time, of the fastest;
   3. profiled: peak memory (see testkit/memory.py, peak_memory_bytes_of).
 
+An m that does not fit (torch.OutOfMemoryError) is marked "does not fit" and the sweep goes on to the next
+m: finding that size is what the sweep is for on a GPU. (One process only: under torchrun a rank that runs
+out of memory leaves the others waiting in DDP's all-reduce, so the error ends the run there.)
+
 The model is the config's (accumulation.models.build_model) with dropout off, trained with the config's loss
 and precision, and the optimizer is SGD with learning rate 0, so the weights never move: every update of
 every m sees the same model, and the gradients of different m must agree. That SGD holds no state, so the
@@ -50,6 +54,8 @@ from testkit.reference import first_update_probe, max_relative_error, without_dr
 RELATIVE_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 
 BYTES_PER_MB = 1e6
+
+OUT_OF_MEMORY = "does not fit: out of memory"
 
 # The fastest of a few timed updates: other work on the machine only ever makes an update slower.
 TIMED_UPDATES = 3
@@ -167,9 +173,17 @@ def sweep(
     for row in rows:
         if row["skipped"]:
             continue
-        gradients, measurements = measure_one_update(
-            config, corpus, vocab_size, row_ids, context, row["micro_batch_size"]
-        )
+        try:
+            gradients, measurements = measure_one_update(
+                config, corpus, vocab_size, row_ids, context, row["micro_batch_size"]
+            )
+        except torch.OutOfMemoryError:
+            if context.world_size > 1:
+                raise
+            row["skipped"] = OUT_OF_MEMORY
+            if context.device.type == "cuda":
+                torch.cuda.empty_cache()  # the failed update's blocks, back for the next m
+            continue
         if gradients is None:
             row["skipped"] = (
                 "no update was applied (non-finite gradient or no supervised tokens): no gradient to compare"
@@ -246,6 +260,9 @@ def gradients_agree(rows: list[dict], tolerance: float) -> bool:
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'m':>5} {'A':>5} {'tokens/s':>12} {'peak MB':>10} {'grad rel. diff':>15}"]
     for row in rows:
+        if row["skipped"] == OUT_OF_MEMORY:
+            lines.append(f"{row['micro_batch_size']:>5} {row['accumulation_steps']:>5}  {OUT_OF_MEMORY}")
+            continue
         if row["skipped"] is not None:
             lines.append(f"{row['micro_batch_size']:>5} {'-':>5}  skipped: {row['skipped']}")
             continue

@@ -18,3 +18,13 @@ def deterministic_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` run only where a GPU is: elsewhere they are reported as skipped, with the reason."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); scripts/gpu_check.py runs the CUDA checks")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -5,12 +5,14 @@ tests/test_step.py and not repeated: one gradient all-reduce per step, counted i
 tensor value into Python during the micro-batches of the plain (single-process) step.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from accumulation.build import load_optimizer_state
 from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
 from accumulation.model import GPT, GPTConfig
 from scripts import bench
@@ -80,14 +82,15 @@ def test_peak_memory_is_flat_under_accumulation():
     assert eight_m_a1 > bench.MIN_8M_OVER_M_A8 * m_a8
 
 
-def test_a_step_makes_at_most_two_scalar_collectives_and_no_host_read_in_its_micro_batches():
+def test_a_step_makes_one_scalar_collective_and_no_host_read_in_its_micro_batches():
     steps = two_rank_steps()
     honest = bench.step_traffic(tiny_gpt, steps)
     chatty = bench.step_traffic(ChattyGPT, steps, bypass_no_sync=True)
     for rank in (0, 1):
         grad_bytes = honest[rank]["grad_bytes"]
         for step in honest[rank]["steps"]:
-            assert step["scalar_collectives"] <= bench.TARGET_SCALAR_COLLECTIVES
+            assert step["scalar_collectives"] == bench.TARGET_SCALAR_COLLECTIVES == 1  # the boundary's only
+            assert step["host_reads_by_call"].get("tolist") == 1  # (loss, flags, grad norm), read back together
             assert step["host_reads_in_micro_batches"] == 0
             assert step["grad_allreduce_bytes"] == grad_bytes
         # The counters see each mistake in every micro-batch: one more collective and one host read per
@@ -110,3 +113,73 @@ def test_compiled_model_inside_ddp_all_reduces_its_gradients_once_per_step():
     for rank in (0, 1):
         grad_bytes = traffic[rank]["grad_bytes"]
         assert [step["grad_allreduce_bytes"] for step in traffic[rank]["steps"]] == [grad_bytes, grad_bytes]
+
+
+def adamw_after_one_step(fused: bool) -> tuple[GPT, torch.optim.AdamW]:
+    model = tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=None if fused else False)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.01)
+    optimizer.step()
+    return model, optimizer
+
+
+def test_a_checkpointed_optimizer_state_loads_with_this_runs_flags_on_the_parameters_device(tmp_path):
+    """A run saved without fused AdamW (as on a CPU) resumed by an optimizer built fused (as on CUDA): the fused
+    flag survives the load, the step counters sit where fused AdamW wants them (float32, on the parameters'
+    device: here the CPU, on a GPU the GPU), and the next update equals the one the saved optimizer makes."""
+    saved_model, saved_optimizer = adamw_after_one_step(fused=False)
+    path = tmp_path / "optimizer.pt"
+    torch.save(saved_optimizer.state_dict(), path)
+
+    model = tiny_gpt()
+    model.load_state_dict(saved_model.state_dict())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    plain.load_state_dict(torch.load(path, weights_only=True))
+    assert plain.param_groups[0]["fused"] is not True  # what load_state_dict alone does: the checkpoint's flag wins
+
+    load_optimizer_state(optimizer, torch.load(path, weights_only=True))
+    assert all(group["fused"] is True for group in optimizer.param_groups)
+    for parameter, state in optimizer.state.items():
+        assert state["step"].dtype == torch.float32 and state["step"].device == parameter.device
+        assert state["exp_avg"].device == parameter.device and state["exp_avg"].dtype == parameter.dtype
+    for model_, optimizer_ in ((model, optimizer), (saved_model, saved_optimizer)):
+        for p in model_.parameters():
+            p.grad = torch.full_like(p, -0.02)
+        optimizer_.step()
+    # fused and foreach AdamW evaluate the same formula with different kernels: equal to fp32 rounding.
+    for after, reference in zip(model.parameters(), saved_model.parameters(), strict=True):
+        torch.testing.assert_close(after, reference, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("device_name", "precision", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),  # the more specific name wins
+        ("NVIDIA H200", "tf32", 494.7),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("Some Future GPU", "bf16", None),
+    ],
+)
+def test_the_peak_is_looked_up_by_the_gpus_name(device_name, precision, expected):
+    assert bench.peak_tflops(device_name, precision) == expected
+
+
+def test_bench_config_measures_any_config_on_the_cpu(tmp_path, capsys):
+    """--config runs the config's own model; on a CPU there is no peak unless one is given."""
+    (tmp_path / "text.txt").write_bytes(Path(__file__).read_bytes())
+    config = tmp_path / "tiny.toml"
+    config.write_text(
+        f'device = "cpu"\n[data]\nsource = "{tmp_path / "text.txt"}"\nseq_len = 16\nval_fraction = 0.0\n'
+        "[model]\nn_layer = 1\nn_head = 2\nd_model = 16\n[batch]\nglobal_batch_size = 4\nmicro_batch_size = 2\n"
+    )
+    assert bench.main(["--config", str(config), "--quick", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert (results["device"], results["mfu"], results["micro_batch_size"], results["seq_len"]) == ("cpu", None, 2, 16)
+    assert results["flops_per_token"] > 6 * 16 * 16  # at least the 6 FLOPs of each weight of one d x d matrix
+    assert bench.main(["--config", str(config), "--quick", "--json", "--peak-tflops", "1"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert results["mfu"] == pytest.approx(results["positions_per_s"] * results["flops_per_token"] / 1e12)
+    assert bench.main(["--config", str(tmp_path / "missing.toml")]) == 2

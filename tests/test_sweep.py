@@ -90,3 +90,31 @@ def test_micro_batch_sizes_that_all_fail_to_divide_exit_2_with_one_line(capsys):
     assert sweep_microbatch.main([*TINY_CONFIG, "--micro", "3,5"]) == 2
     error = capsys.readouterr().err
     assert len(error.splitlines()) == 1 and "--micro" in error and "[1, 2, 4, 8]" in error
+
+
+def test_a_micro_batch_size_that_does_not_fit_is_marked_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """Above 2 rows per forward the (injected) allocator runs out of memory: m = 4 and 8 are marked, the
+    sweep still measures m = 1 and 2 after and between them, and their gradients still agree."""
+    build_model = sweep_microbatch.build_model
+
+    class RaisesAboveTwoRows(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs):
+            if inputs.shape[0] > 2:
+                raise torch.OutOfMemoryError("injected: more than 2 rows")
+            return self.model(inputs)
+
+    monkeypatch.setattr(sweep_microbatch, "build_model", lambda *a: RaisesAboveTwoRows(build_model(*a)))
+    rows = swept_rows(tmp_path, [4, 1, 8, 2])
+    assert [row["skipped"] for row in rows] == [
+        sweep_microbatch.OUT_OF_MEMORY,
+        None,
+        sweep_microbatch.OUT_OF_MEMORY,
+        None,
+    ]
+    assert sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])
+    table = sweep_microbatch.format_table(rows)
+    assert table.count("does not fit: out of memory") == 2
