@@ -46,6 +46,7 @@ from accumulation.distributed import (
     setup_distributed,
     teardown_distributed,
 )
+from accumulation.fsdp import describe_sharding, load_optimizer_state
 from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
 from accumulation.resume import (
     STOPPED_FILE,
@@ -116,6 +117,11 @@ def train(
     device = context.device
     seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
     model = build_model(config, vocab_size).to(device)  # the same initial weights on every rank
+    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+        model.load_state_dict(resume["model"])
+    # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
+    # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
+    wrapped = wrap_for_training(model, config, context)
     loss_sum_fn = loss_sum_fn_for(config)
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
@@ -128,8 +134,7 @@ def train(
         # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
         # state dicts are checked by their loaders, still before anything is written.
         try:
-            model.load_state_dict(resume["model"])
-            optimizer.load_state_dict(resume["optimizer"])
+            load_optimizer_state(optimizer, resume["optimizer"])  # whole tensors, cut into shards under fsdp2
             scheduler.load_state_dict(resume["scheduler"])
             if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
                 scaler.load_state_dict(resume["scaler"])
@@ -140,7 +145,6 @@ def train(
         set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
         restore_rng_states(resume["rng"], context, config, counters.steps)
-    wrapped = wrap_for_training(model, config, context)  # DistributedDataParallel over more than one rank
     autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
 
@@ -170,6 +174,8 @@ def train(
         f"model: {model.describe()}; precision {config.precision.dtype}, "
         f"grad scaler {'on' if scaler.is_enabled() else 'off'}"
     )
+    if config.dist.strategy == "fsdp2":
+        say(describe_sharding(model))
     say(data.summary.describe())
     dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
     say(
@@ -445,6 +451,9 @@ def print_summary(
     )
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
     if config.run.sample_bytes == 0:
+        return
+    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
+        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
         return
     if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")

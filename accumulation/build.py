@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError
 from accumulation.distributed import DistributedContext
+from accumulation.fsdp import check_strategy_for_world, shard_model
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -19,6 +20,7 @@ def check_config_for_world(config: Config, world_size: int) -> None:
     except ValueError as error:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
     check_device_available(config)
+    check_strategy_for_world(config, world_size)
 
 
 def check_device_available(config: Config) -> None:
@@ -48,7 +50,11 @@ def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device
 def wrap_for_training(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
     """The module the step runs, as train.py runs it: torch.compile first when model.compile is set, then
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
-    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`."""
+    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
+    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
+    after this call."""
+    if config.dist.strategy == "fsdp2":
+        return shard_model(model, config, context)
     wrapped = torch.compile(model) if config.model.compile else model
     if context.world_size == 1:
         return wrapped
