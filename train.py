@@ -315,11 +315,14 @@ def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
         )
     else:
         where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
+    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     if needed_bytes > memory_bytes:
         raise ConfigError(
             f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
-            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each), "
+            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
+            f"{f' over {shards} shards' if shards > 1 else ''}), "
             f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
         )
 

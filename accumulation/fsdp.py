@@ -31,8 +31,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from accumulation.config import Config, ConfigError
 from accumulation.distributed import DistributedContext
 
-# precision.dtype -> the dtype of the all-gathered (unsharded) parameters the forward and backward compute with.
-# Gradients are reduced in fp32 whatever it is; the sharded parameters, gradients and optimizer state stay fp32.
+# precision.dtype -> the dtype of the all-gathered (unsharded) parameters the forward and backward compute with;
+# None keeps the parameters' own. The sharded parameters, gradients and optimizer state keep the parameters' dtype.
 FSDP_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -63,10 +63,12 @@ def shard_model(model: torch.nn.Module, config: Config, context: DistributedCont
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
     each keeps its own shard of them. bf16 and fp16 all-gather and compute with half-precision copies of the
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
-    reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which gradients of
-    non-final micro-batches accumulate while synchronisation is off."""
+    reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
+    non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
+    in the parameters' dtype (float64 too, as the tests run it)."""
     mesh = init_device_mesh(context.device.type, (context.world_size,))
-    policy = MixedPrecisionPolicy(param_dtype=FSDP_PARAM_DTYPES[config.precision.dtype], reduce_dtype=torch.float32)
+    param_dtype = FSDP_PARAM_DTYPES[config.precision.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in sharding_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter no unit took
