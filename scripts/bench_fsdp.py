@@ -212,13 +212,14 @@ def table(results: dict) -> list[tuple[str, str, str, str]]:
     state_ratio = fsdp["state_bytes_per_rank_max"] / ddp["state_bytes_per_rank_max"]
     peak_ratio = fsdp["peak_step_bytes"] / ddp["peak_step_bytes"]
     padded = results["padded_grad_bytes"]
+    scattered = fsdp["reduce_scatter_bytes_per_update"]
     return [
         ("grad_bytes", f"{results['grad_bytes']:,}", "", ""),
         (
             "reduce_scatter_bytes_per_update",
-            f"{fsdp['reduce_scatter_bytes_per_update']:,} ({fsdp['reduce_scatter_bytes_per_update'] / results['grad_bytes']:.4f} x grad_bytes)",
+            f"{scattered:,} ({scattered / results['grad_bytes']:.4f} x grad_bytes)",
             f"= padded grad {padded:,}",
-            mark(fsdp["reduce_scatter_bytes_per_update"] == padded),
+            mark(scattered == padded),
         ),
         (
             "reduce_scatters_per_update",
