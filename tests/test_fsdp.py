@@ -14,11 +14,13 @@ from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict
 from accumulation.models import build_model, resolved_vocab_size
 from accumulation.step import optimizer_step
+from scripts import check_equivalence
 from scripts.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
 from testkit.ranks import run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
+from tests.test_check_equivalence import reported_relative_error, run_checker
 from tests.test_step import FLOAT64_RTOL
-from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_train import REPO, comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
 
 CPU = torch.device("cpu")
 GLOBAL_BATCH_SIZE = 8  # tiny_settings' G: (m, A, D) = (4, 1, 2) and (1, 4, 2)
@@ -165,6 +167,16 @@ def test_fsdp2_reduce_scatters_once_per_group_per_update_and_the_grad_scaler_agr
         assert found["sync_every"]["reduce_scatters"] == 4 * groups
         assert found["sync_every"]["reduce_scatter_bytes"] == 4 * gradient_bytes
         assert found["scale"] == 512.0 and found["weights_unchanged"], rank
+
+
+def test_the_equivalence_checker_passes_under_fsdp2(tmp_path, capsys, monkeypatch):
+    """scripts/check_equivalence.py under torchrun with fsdp2: the gradient handed to the optimizer, gathered
+    whole from the shards (testkit/reference.py's probe), against the float64 full batch."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the script imports this checkout's accumulation/
+    status, stdout = run_checker(tmp_path, ["dist.strategy=fsdp2"], 2, capsys)
+    assert status == 0, stdout
+    assert "model: FSDPGPT (gpt)" in stdout and stdout.splitlines()[-1] == "PASS"
+    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
 
 
 DROPOUT_RUN = {"model.dropout": 0.2, "schedule.decay_updates": 4, "run.checkpoint_every": 2, "run.sample_bytes": 0}
