@@ -83,20 +83,25 @@ def describe_sharding(model: torch.nn.Module) -> str:
     return f"fsdp2: {units + 1} groups ({units} from fsdp_units() and the root), each all-gathered when it runs"
 
 
-def _whole_on_rank0(value):
-    """A DTensor shard -> the whole tensor on the host of rank 0, None on the other ranks (every rank must call
-    this: the gather is a collective); anything else unchanged."""
-    if not isinstance(value, DTensor):
-        return value
-    whole = value.full_tensor()
-    return whole.cpu() if dist.get_rank() == 0 else None
+def _gathered(state: dict) -> dict:
+    """`state` with each DTensor shard gathered whole: rank 0 keeps the whole tensor on its host, the other
+    ranks leave that entry out. Everything else is kept as it is, on every rank. Every rank must call this, with
+    the same keys in the same order: each gather is a collective."""
+    whole = {}
+    for key, value in state.items():
+        if not isinstance(value, DTensor):
+            whole[key] = value
+            continue
+        full = value.full_tensor()  # one all-gather of this tensor's shards
+        if dist.get_rank() == 0:
+            whole[key] = full.cpu()
+    return whole
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict:
     """model.state_dict() with whole tensors: DDP's as it is; FSDP2's shards gathered one tensor at a time, so
-    rank 0 holds the whole model on its host (other ranks get what is not sharded). Call it on every rank."""
-    gathered = {name: _whole_on_rank0(value) for name, value in model.state_dict().items()}
-    return {name: value for name, value in gathered.items() if value is not None}
+    rank 0 holds the whole model on its host, and never more than one whole tensor on the device."""
+    return _gathered(model.state_dict())
 
 
 def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
@@ -105,10 +110,7 @@ def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
     get_optimizer_state_dict, which runs a zero-gradient optimizer step to create the state of a fresh
     optimizer: that would count one AdamW step more than DDP's run and change every later update."""
     state_dict = optimizer.state_dict()
-    state = {}
-    for param_id, param_state in state_dict["state"].items():
-        gathered = {key: _whole_on_rank0(value) for key, value in param_state.items()}
-        state[param_id] = {key: value for key, value in gathered.items() if value is not None}
+    state = {param_id: _gathered(param_state) for param_id, param_state in state_dict["state"].items()}
     return {"state": state, "param_groups": state_dict["param_groups"]}
 
 

@@ -152,7 +152,7 @@ def optimizer_step(
         # must be inside no_sync too: DDP decides at forward time whether the coming backward synchronises.
         skip_sync = k < last and isinstance(model, DistributedDataParallel)
         if isinstance(model, FSDPModule):
-            # FSDP2's no_sync: gradients accumulate unsharded (in fp32) until the last micro-batch's backward
+            # FSDP2's no_sync: gradients accumulate unsharded until the last micro-batch's backward
             # reduce-scatters their sum with ReduceOp.AVG (fp32 and bf16; a SUM and a division by D otherwise),
             # so rank r keeps shard r of (1/D)·Σ_q Σ_k ∇(S_qk·D/N) = ∇L: DDP's mean, the same ×D compensation.
             model.set_requires_gradient_sync(k == last)

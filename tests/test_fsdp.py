@@ -11,7 +11,7 @@ from accumulation.build import build_optimizer, wrap_for_training
 from accumulation.config import load_config
 from accumulation.data import build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext
-from accumulation.fsdp import full_model_state_dict
+from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 from accumulation.models import build_model, resolved_vocab_size
 from accumulation.step import optimizer_step
 from scripts import check_equivalence
@@ -54,7 +54,8 @@ def settings(tmp_path, corpus, **overrides) -> list[str]:
 
 def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
     """For each case (config arguments, dtype): one optimizer_step on this rank's micro-batches of step 0, as
-    train.py runs it (wrap, then the optimizer), and the whole weights afterwards (on rank 0)."""
+    train.py runs it (wrap, then the optimizer), and the whole weights afterwards (on rank 0); the whole
+    optimizer state too, under "<case> optimizer"."""
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
     weights = {}
     for name, (arguments, dtype) in cases.items():
@@ -70,6 +71,7 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
         autocast_dtype = torch.bfloat16 if config.precision.dtype == "bf16" else None
         optimizer_step(wrapped, micro_batches, optimizer, device=CPU, autocast_dtype=autocast_dtype)
         weights[name] = full_model_state_dict(model)
+        weights[f"{name} optimizer"] = full_optimizer_state_dict(optimizer)
     return weights
 
 
@@ -107,6 +109,8 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
     assert max_relative_error(updates(initial, weights["fsdp2 bf16 m1"]), updates(initial, weights["fsdp2 m1"])) < (
         BF16_RTOL
     )
+    # The checkpoint's optimizer entry is DDP's, key for key (SGD without momentum keeps a None buffer).
+    assert weights["fsdp2 m1 optimizer"] == weights["ddp m1 optimizer"]
     gru_config = load_config(cases["ddp gru"][0])
     gru_initial = build_model(gru_config, resolved_vocab_size(gru_config, data.vocab_size)).state_dict()
     gru_ddp, gru_fsdp2 = updates(gru_initial, weights["ddp gru"]), updates(gru_initial, weights["fsdp2 gru"])
