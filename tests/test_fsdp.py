@@ -90,7 +90,9 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
         cases[f"fsdp2 float64 m{micro}"] = (fsdp2, torch.float64)
     # bf16 (MixedPrecisionPolicy and autocast), and a model without fsdp_units(), sharded whole.
     cases["fsdp2 bf16 m1"] = (cases["fsdp2 m1"][0] + ["precision.dtype=bf16"], torch.float32)
-    for strategy in ("ddp", "fsdp2"):
+    for strategy in ("ddp", "fsdp2"):  # AdamW (the default optimizer) for its state: two moments per parameter
+        adamw = tiny_settings(tmp_path, corpus, **{"batch.micro_batch_size": 1, "dist.strategy": strategy})
+        cases[f"{strategy} adamw"] = (adamw, torch.float32)
         gru = settings(tmp_path, corpus, **{"batch.micro_batch_size": 1, "dist.strategy": strategy})
         cases[f"{strategy} gru"] = (gru + ["model.name=gru"], torch.float32)
     weights = run_on_ranks(one_update_worker, world_size=2, args=(cases,))[0]
@@ -109,8 +111,15 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
     assert max_relative_error(updates(initial, weights["fsdp2 bf16 m1"]), updates(initial, weights["fsdp2 m1"])) < (
         BF16_RTOL
     )
-    # The checkpoint's optimizer entry is DDP's, key for key (SGD without momentum keeps a None buffer).
-    assert weights["fsdp2 m1 optimizer"] == weights["ddp m1 optimizer"]
+    # The checkpoint's optimizer entry is DDP's: parameter numbers, keys, whole shapes, settings; values to fp32.
+    ddp_state, fsdp2_state = weights["ddp adamw optimizer"], weights["fsdp2 adamw optimizer"]
+    assert fsdp2_state["param_groups"] == ddp_state["param_groups"]
+    assert fsdp2_state["state"].keys() == ddp_state["state"].keys() and len(ddp_state["state"]) == len(initial)
+    for number, state in ddp_state["state"].items():
+        assert fsdp2_state["state"][number].keys() == state.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for key, value in state.items():
+            assert fsdp2_state["state"][number][key].shape == value.shape, (number, key)
+            assert max_relative_error([fsdp2_state["state"][number][key]], [value]) <= FP32_RTOL, (number, key)
     gru_config = load_config(cases["ddp gru"][0])
     gru_initial = build_model(gru_config, resolved_vocab_size(gru_config, data.vocab_size)).state_dict()
     gru_ddp, gru_fsdp2 = updates(gru_initial, weights["ddp gru"]), updates(gru_initial, weights["fsdp2 gru"])
