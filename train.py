@@ -62,6 +62,7 @@ from accumulation.distributed import (
     setup_distributed,
     teardown_distributed,
 )
+from accumulation.fsdp import describe_sharding
 from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
 from accumulation.resume import (
     STOPPED_FILE,
@@ -151,6 +152,11 @@ def train(
     device = context.device
     seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
     model = build_model(config, vocab_size).to(device)  # the same initial weights on every rank
+    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+        model.load_state_dict(resume["model"])
+    # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
+    # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
+    wrapped = wrap_for_training(model, config, context)
     loss_sum_fn = loss_sum_fn_for(config)
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
@@ -164,8 +170,8 @@ def train(
         # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
         # state dicts are checked by their loaders, still before anything is written.
         try:
-            model.load_state_dict(resume["model"])
-            load_optimizer_state(optimizer, resume["optimizer"])  # this run's fused/foreach, state on its device
+            # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
+            load_optimizer_state(optimizer, resume["optimizer"])
             scheduler.load_state_dict(resume["scheduler"])
             if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
                 scaler.load_state_dict(resume["scaler"])
@@ -179,7 +185,6 @@ def train(
     resumed = resume is not None
     if resumed:
         resume.clear()  # the loaded state lives in the model and optimizer now: the payload's copy is freed
-    wrapped = wrap_for_training(model, config, context)  # DistributedDataParallel over more than one rank
     autocast_dtype = autocast_dtype_for(config)
     checkpoint_dir = run_dir / "checkpoints"
 
@@ -219,6 +224,8 @@ def train(
         f"model: {model.describe()}; precision {config.precision.dtype}, "
         f"grad scaler {'on' if scaler.is_enabled() else 'off'}"
     )
+    if config.dist.strategy == "fsdp2":
+        say(describe_sharding(model))
     say(data.summary.describe())
     dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
     say(
@@ -382,11 +389,14 @@ def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
         )
     else:
         where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters
+    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     if needed_bytes > memory_bytes:
         raise ConfigError(
             f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
-            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each), "
+            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
+            f"{f' over {shards} shards' if shards > 1 else ''}), "
             f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
         )
 
@@ -607,6 +617,9 @@ def print_summary(
     )
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
     if config.run.sample_bytes == 0:
+        return
+    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
+        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
         return
     if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError
 from accumulation.distributed import DistributedContext
+from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,6 +30,7 @@ def check_config_for_world(config: Config, world_size: int) -> None:
     except ValueError as error:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
     check_device_available(config)
+    check_strategy_for_world(config, world_size)
 
 
 def check_device_available(config: Config) -> None:
@@ -58,7 +60,11 @@ def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device
 def wrap_for_training(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
     """The module the step runs, as train.py runs it: torch.compile first when model.compile is set, then
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
-    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`."""
+    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
+    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
+    after this call."""
+    if config.dist.strategy == "fsdp2":
+        return shard_model(model, config, context)
     wrapped = torch.compile(model) if config.model.compile else model
     if context.world_size == 1:
         return wrapped
@@ -79,9 +85,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     optimizer was built with (build_optimizer: fused AdamW on CUDA) are put back, the moments are moved to
     each parameter's device and dtype, and the step counters are placed as PyTorch's optimizers expect:
     float32 on the parameter's device for a fused or capturable group, float32 on the CPU otherwise.
-    The values themselves are unchanged, so the next update is the same as with the checkpoint's flags."""
+    The values themselves are unchanged, so the next update is the same as with the checkpoint's flags.
+    Under dist.strategy = "fsdp2" the checkpoint's whole tensors are first cut into this rank's shards."""
     configured = [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(state_dict)
+    optimizer.load_state_dict(shard_optimizer_state(optimizer, state_dict))
     for group, flags in zip(optimizer.param_groups, configured, strict=True):
         group.update(flags)
         counter_on_device = bool(group.get("fused") or group.get("capturable"))

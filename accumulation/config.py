@@ -224,6 +224,13 @@ class PrecisionConfig:
 @dataclass(frozen=True)
 class DistConfig:
     timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
+    strategy: str = setting(
+        "ddp",
+        "ddp: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel); "
+        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/fsdp.py), needs 2 or more ranks; "
+        "the same exact step and the same checkpoint files either way",
+        choices=("ddp", "fsdp2"),
+    )
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ class GPT(nn.Module):
             x = block(x)
         return self.lm_head(self.final_norm(x))
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules dist.strategy = "fsdp2" shards one by one (accumulation/fsdp.py): the transformer blocks.
+        Each is all-gathered just before it runs and freed after, so a rank holds one block's full weights at a time."""
+        return list(self.blocks)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 

@@ -21,6 +21,10 @@ The contract. The training loop, the checkpoints and the scripts rely on this an
     generate(prompt, num_new_tokens, generator) -> token ids (optional)
         prompt: 1-D int64 token ids; returns them followed by num_new_tokens sampled ones, drawn with the
         given torch.Generator. A model without it (the GRU here) gets no end-of-run sample.
+    fsdp_units() -> list of submodules (optional)
+        the modules dist.strategy = "fsdp2" shards one by one, each its own all-gather and reduce-scatter (the
+        GPT: its transformer blocks); the rest is sharded with the whole model. A model without it (the GRU)
+        is sharded as one piece (accumulation/fsdp.py).
 
 The vocabulary size comes from the data (256 for bytes) unless model.vocab_size asks for more:
 resolved_vocab_size decides, and build_model takes the result.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, step_checkpoints
 from accumulation.config import Config, ConfigError, config_from_dict, config_to_dict
 from accumulation.distributed import DistributedContext
+from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -149,8 +150,8 @@ def checkpoint_payload(
 ) -> dict:
     """Everything a resume needs, with the keys CONTRACT.md names. `model` is the unwrapped module."""
     return {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "model": full_model_state_dict(model),  # whole tensors under fsdp2 too (gathered to rank 0)
+        "optimizer": full_optimizer_state_dict(optimizer),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "counters": vars(counters).copy(),

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, smaller_micro_batch_size, split_micro_batches
@@ -110,8 +112,12 @@ def to_device(micro_batch: MicroBatch, device: torch.device) -> tuple[torch.Tens
 def gradient_norm(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
     """Total 2-norm of all gradients before clipping; clips them to `grad_clip` when it is positive."""
     if grad_clip > 0:
-        return torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    return torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+    # FSDP2: each rank holds shards of the gradients, and the norm over them is a DTensor awaiting the sum of
+    # the ranks' squared norms; full_tensor() is that one all-reduce, and every rank gets the total norm.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def optimizer_step(
@@ -152,8 +158,8 @@ def optimizer_step(
     if not micro_batches:
         raise ValueError("an optimizer step needs at least one micro-batch")
     world_size = data_parallel_size()
-    if world_size > 1 and not isinstance(model, DistributedDataParallel):
-        raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel")
+    if world_size > 1 and not isinstance(model, (DistributedDataParallel, FSDPModule)):
+        raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel or fully_shard")
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
 
     # 1. The global denominator N, before any forward.
@@ -277,6 +283,11 @@ def accumulate(
     DDP all-reduces gradients during the backward of the boundary (last) micro-batch only. The forward must be
     inside no_sync too: DDP decides at forward time whether the coming backward synchronises."""
     inputs, labels = to_device(micro_batch, device)
+    if isinstance(model, FSDPModule):
+        # FSDP2's no_sync: gradients accumulate unsharded until the last micro-batch's backward
+        # reduce-scatters their sum with ReduceOp.AVG (fp32 and bf16; a SUM and a division by D otherwise),
+        # so rank r keeps shard r of (1/D)·Σ_q Σ_k ∇(S_qk·D/N) = ∇L: DDP's mean, the same ×D compensation.
+        model.set_requires_gradient_sync(not skip_sync)
     skip_sync = skip_sync and isinstance(model, DistributedDataParallel)
     with model.no_sync() if skip_sync else contextlib.nullcontext():
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):

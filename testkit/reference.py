@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config import Config
@@ -66,13 +67,17 @@ def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, l
     """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
     holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
     apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
-    nothing, so that memory measured around them holds no copies of the probe's."""
+    nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
+    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     handed = []
 
+    def whole(grad: torch.Tensor) -> torch.Tensor:
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
+
     def record_first_gradient(opt, args, kwargs):
         if not handed:
-            handed.append([p.grad.detach().clone() for p in model.parameters()])
+            handed.append([whole(p.grad) for p in model.parameters()])
 
     optimizer.register_step_pre_hook(record_first_gradient)
     return optimizer, handed

@@ -1,0 +1,137 @@
+"""FSDP2 (`dist.strategy = "fsdp2"`): the parameters, gradients and optimizer state sharded over the D ranks,
+with the same exact step as under DDP and the same checkpoint files.
+
+Under DDP every rank holds the whole model, its whole gradient and the whole optimizer state: 16 bytes per
+parameter with fp32 AdamW, on every rank. FSDP2 (`torch.distributed.fsdp.fully_shard`) cuts each parameter
+along its first dimension into D shards, one per rank (a DTensor), so at rest a rank holds 1/D of all three.
+The full weights of a part of the model exist only while that part runs: `fully_shard(module)` makes the
+module's parameters one communication group, all-gathered in one collective just before its forward (and
+again before its backward), and whose gradients are reduce-scattered in one collective after its backward.
+
+What changes against DDP, and where:
+- `shard_model` (called by accumulation/build.py's `wrap_for_training`): `fully_shard` on each module the
+  model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
+  which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
+  (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
+- the step (accumulation/step.py): `set_requires_gradient_sync(False)` for every micro-batch but the last,
+  FSDP2's counterpart of DDP's `no_sync`: one reduce-scatter of the gradient per update.
+- the optimizer is built after sharding (train.py), so that it updates the shards; clipping and the
+  GradScaler's inf check see every shard (the norm and the found-inf flag are reduced over ranks).
+- checkpoints: `full_model_state_dict` and `full_optimizer_state_dict` gather the shards into whole tensors,
+  so the file is DDP's; `shard_optimizer_state` cuts a whole optimizer state back into this rank's shards.
+  A run therefore moves freely between ddp and fsdp2 and between world sizes.
+"""
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from accumulation.config import Config, ConfigError
+from accumulation.distributed import DistributedContext
+
+# precision.dtype -> the dtype of the all-gathered (unsharded) parameters the forward and backward compute with;
+# None keeps the parameters' own. The sharded parameters, gradients and optimizer state keep the parameters' dtype.
+FSDP_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_strategy_for_world(config: Config, world_size: int) -> None:
+    """The combinations fsdp2 refuses, each with one line naming the key."""
+    if config.dist.strategy != "fsdp2":
+        return
+    if world_size < 2:
+        raise ConfigError(
+            'dist.strategy: "fsdp2" shards the model over the ranks and needs at least 2 (torchrun '
+            '--nproc_per_node=N with N >= 2); on one process use "ddp", which reads the same checkpoints'
+        )
+    if config.model.compile:
+        raise ConfigError(
+            'model.compile: expected false with dist.strategy = "fsdp2" (torch.compile around fully_shard is not '
+            'tested here); use dist.strategy = "ddp" to compile'
+        )
+
+
+def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The submodules sharded one by one, as the model lists them; none for a model without `fsdp_units()`."""
+    return list(model.fsdp_units()) if hasattr(model, "fsdp_units") else []
+
+
+def shard_model(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
+    """Shard `model` in place over all ranks and return it (it is now an FSDPModule; its parameters DTensors).
+
+    Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
+    each keeps its own shard of them. bf16 and fp16 all-gather and compute with half-precision copies of the
+    parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
+    reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
+    non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
+    in the parameters' dtype (float64 too, as the tests run it)."""
+    mesh = init_device_mesh(context.device.type, (context.world_size,))
+    param_dtype = FSDP_PARAM_DTYPES[config.precision.dtype]
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    for unit in sharding_units(model):
+        fully_shard(unit, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter no unit took
+    return model
+
+
+def describe_sharding(model: torch.nn.Module) -> str:
+    """The banner's line, e.g. "fsdp2: 5 groups (4 from fsdp_units() and the root)"."""
+    units = len(sharding_units(model))
+    if units == 0:
+        return "fsdp2: the whole model is one group (it lists no fsdp_units()); all-gathered whole for each forward"
+    return f"fsdp2: {units + 1} groups ({units} from fsdp_units() and the root), each all-gathered when it runs"
+
+
+def _gathered(state: dict) -> dict:
+    """`state` with each DTensor shard gathered whole: rank 0 keeps the whole tensor on its host, the other
+    ranks leave that entry out. Everything else is kept as it is, on every rank. Every rank must call this, with
+    the same keys in the same order: each gather is a collective."""
+    whole = {}
+    for key, value in state.items():
+        if not isinstance(value, DTensor):
+            whole[key] = value
+            continue
+        full = value.full_tensor()  # one all-gather of this tensor's shards
+        if dist.get_rank() == 0:
+            whole[key] = full.cpu()
+    return whole
+
+
+def full_model_state_dict(model: torch.nn.Module) -> dict:
+    """model.state_dict() with whole tensors: DDP's as it is; FSDP2's shards gathered one tensor at a time, so
+    rank 0 holds the whole model on its host, and never more than one whole tensor on the device."""
+    return _gathered(model.state_dict())
+
+
+def full_optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+    """optimizer.state_dict() with whole tensors, in the same format (state keyed by parameter number), gathered
+    like `full_model_state_dict`. The plain state_dict is used rather than torch.distributed.checkpoint's
+    get_optimizer_state_dict, which runs a zero-gradient optimizer step to create the state of a fresh
+    optimizer: that would count one AdamW step more than DDP's run and change every later update."""
+    state_dict = optimizer.state_dict()
+    state = {param_id: _gathered(param_state) for param_id, param_state in state_dict["state"].items()}
+    return {"state": state, "param_groups": state_dict["param_groups"]}
+
+
+def shard_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A checkpoint's whole-tensor optimizer state as this optimizer loads it. Under FSDP2 each state tensor
+    shaped like its parameter (AdamW's moments, SGD's momentum) is cut into this rank's shard, laid out as
+    the parameter is; every rank read the same checkpoint, so the cut needs no communication. Without
+    DTensor parameters the state dict is returned as it is."""
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    if not any(isinstance(param, DTensor) for param in params):
+        return state_dict
+    sharded = {}
+    for param_id, param_state in state_dict["state"].items():
+        if not 0 <= param_id < len(params):
+            raise ValueError(f"optimizer state for parameter {param_id}, but the optimizer has {len(params)}")
+        # Optimizer.state_dict numbers the parameters of all groups in order; the optimizer is built the same way.
+        param = params[param_id]
+        sharded[param_id] = {
+            key: distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+            if isinstance(value, torch.Tensor) and value.shape == param.shape
+            else value
+            for key, value in param_state.items()
+        }
+    return {"state": sharded, "param_groups": state_dict["param_groups"]}
