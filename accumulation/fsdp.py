@@ -50,6 +50,14 @@ def check_strategy_for_world(config: Config, world_size: int) -> None:
             'model.compile: expected false with dist.strategy = "fsdp2" (torch.compile around fully_shard is not '
             'tested here); use dist.strategy = "ddp" to compile'
         )
+    if config.batch.on_oom == "shrink":
+        # Recovery needs the rank that ran out of memory to join the others' gradient reduction and then
+        # redo the step (accumulation/step.py); FSDP2 reduce-scatters per block inside the backward, and
+        # nothing here lets a rank join those half-way.
+        raise ConfigError(
+            'batch.on_oom: expected "fail" with dist.strategy = "fsdp2" (out-of-memory recovery is built for DDP '
+            "only); set batch.micro_batch_size smaller instead"
+        )
 
 
 def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
