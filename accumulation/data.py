@@ -50,6 +50,10 @@ BYTE_VOCAB_SIZE = 256
 # lands that a chi-square test over epochs sees, and eight do not (tests/test_data_scale.py).
 FEISTEL_ROUNDS = 8
 
+# The name of the data order below, stored in every checkpoint: a resume refuses a checkpoint written by a
+# program that ordered the rows differently (its next step would see other rows than the run it continues).
+DATA_ORDER = f"feistel-{FEISTEL_ROUNDS}-blake2b"
+
 TAILS = ("drop", "partial")
 
 # Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, step_checkpoints
 from accumulation.config import Config, ConfigError, config_from_dict, config_to_dict
+from accumulation.data import DATA_ORDER
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 
@@ -40,8 +41,8 @@ MUST_MATCH_ON_RESUME = [
 
 STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
 
-# Dropout draws from the global generator, seeded per rank. The data order's per-epoch seeds
-# (seed * 1_000_003 + epoch) never reach this offset, so the two streams never coincide.
+# Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
+# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data.py.)
 DROPOUT_SEED_OFFSET = 2**40
 
 
@@ -89,6 +90,8 @@ def find_resume_point(
     ]
     if payload["data"].get("fingerprint") != data_fingerprint:
         differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {data_fingerprint}")
+    if payload["data"].get("order") != DATA_ORDER:  # written by a program version that ordered the rows otherwise
+        differences.append(f"data order {payload['data'].get('order')} -> {DATA_ORDER}")
     if differences:
         raise CheckpointError(
             f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
@@ -162,5 +165,6 @@ def checkpoint_payload(
         "data": {
             "next_step": counters.steps,
             "fingerprint": data_fingerprint,
+            "order": DATA_ORDER,
         },
     }

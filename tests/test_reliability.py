@@ -189,15 +189,15 @@ def checkpoint_names(run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resumes(tmp_path, corpus, reference):
-    """SIGUSR1 reaches rank 1 only, during step 2 (after that step's flag was read): step 3 carries the flag
-    through its loss all-reduce, both ranks take part in the step-3 checkpoint and exit 143; torchrun counts
+    """SIGUSR1 reaches rank 1 only, during step 3: that step's boundary carries the flag through its loss
+    all-reduce, both ranks take part in the step-3 checkpoint and exit 143; torchrun counts
     that as a failure and restarts both, which resume at step 3 and end with the reference's bits."""
     fault_log = tmp_path / "faults.jsonl"
     job = start_torchrun(
         ["--standalone", "--nproc_per_node=2", "--max-restarts=1"],
         ["-m", "tests.faulty_train"],
         tiny_settings(tmp_path, corpus, **SETTINGS),
-        [{"attempt": 0, "rank": 1, "signal_before_micro_batch": [2, 1, "SIGUSR1", "self"]}],
+        [{"attempt": 0, "rank": 1, "signal_before_micro_batch": [3, 1, "SIGUSR1", "self"]}],
         fault_log,
     )
     status, output = finish(job, time.monotonic() + 240)
@@ -215,15 +215,15 @@ def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resum
 def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_resumes(
     tmp_path, corpus, reference, signal_name
 ):
-    """SIGTERM to torchrun's agent (what SLURM or Kubernetes sends), during step 2: the agent passes it on to
-    both workers and waits --shutdown-timeout (30 s) before SIGKILL; the workers finish steps 2 and 3, write
+    """SIGTERM to torchrun's agent (what SLURM or Kubernetes sends), during step 3: the agent passes it on to
+    both workers and waits --shutdown-timeout (30 s) before SIGKILL; the workers finish step 3, write
     the step-3 checkpoint and exit well inside it. The agent then exits 1 (it re-raises the signal as an
     error and never restarts workers after its own signal), and a second launch, as a requeued job, resumes.
     SIGUSR1 takes the same path when the agent is told to handle it (--signals-to-handle); with SIGTERM, a
     second SIGTERM reaches rank 0 in the middle of writing the step-3 checkpoint and changes nothing."""
     fault_log = tmp_path / "faults.jsonl"
     arguments = tiny_settings(tmp_path, corpus, **SETTINGS)
-    faults = [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 1, signal_name, "agent"]}]
+    faults = [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, signal_name, "agent"]}]
     launcher = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     if signal_name == "SIGUSR1":
         launcher.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
@@ -491,6 +491,7 @@ def started_run(tmp_path, corpus, capsys) -> tuple[list[str], Path]:
         ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
         ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
         ("edited data", "training data fingerprint"),
+        ("another data order", "data order feistel-4 -> feistel-8-blake2b"),
     ],
 )
 def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, capsys, started_run, change, named):
@@ -498,6 +499,11 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, 
     if change == "edited data":  # the same data.source and settings; every file has one more line
         for document in (tmp_path / "corpus").iterdir():
             document.write_text(document.read_text() + "\nedited")
+        change = {}
+    if change == "another data order":  # a checkpoint of a program version that ordered the rows otherwise
+        for path in (run_dir / "checkpoints").glob("*.pt"):
+            payload = torch.load(path, weights_only=True)
+            torch.save({**payload, "data": {**payload["data"], "order": "feistel-4"}}, path)
         change = {}
     before = snapshot(run_dir)
     status, _, error = run_in_process(arguments + [f"{key}={value}" for key, value in change.items()], capsys)
