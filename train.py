@@ -124,6 +124,9 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
+    except DataError as error:  # a token file's row read mid-run holds an id beyond the vocabulary
+        print(f"error: {error}", file=sys.stderr)  # the rank that read the row says so; the others lose it
+        return 2
     except WriteError as error:  # a full disk: the rank that wrote says so (the others lose it just after)
         print(f"error: {error}", file=sys.stderr)
         return WRITE_ERROR_STATUS
@@ -281,7 +284,7 @@ def train(
                 autocast_dtype=autocast_dtype,
                 global_counts=global_counts,
                 shrink_on_oom=config.batch.on_oom == "shrink",
-                stop_requested=stop.requested,
+                stop_requested=lambda: stop.requested,  # read at the step's boundary
             )
             if result.applied:
                 scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance it

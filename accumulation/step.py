@@ -65,7 +65,7 @@ class StepResult:
     lr: float  # learning rate of the optimizer's first parameter group during this step
     micro_batches: int  # forward+backward passes on this rank (A) of the attempt that counted
     micro_batch_size: int = 0  # rows per micro-batch of that attempt (m); smaller than given after an OOM
-    stop_requested: bool = False  # whether any rank passed stop_requested=True
+    stop_requested: bool = False  # whether any rank's stop_requested() said True at this step's boundary
     loss_scale: float = 1.0  # the GradScaler's scale this step's losses were multiplied by (1.0 without one)
 
 
@@ -131,7 +131,7 @@ def optimizer_step(
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     global_counts: GlobalCounts | None = None,
-    stop_requested: bool = False,
+    stop_requested: Callable[[], bool] | None = None,
     shrink_on_oom: bool = False,
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
@@ -146,8 +146,9 @@ def optimizer_step(
     them (train.py counts them from the step's row ids); left out, the ranks count their labels and sum
     the counts with one all-reduce. A wrong count silently scales the update: tests compare both paths.
 
-    `stop_requested`: travels in the boundary's one all-reduce (no collective of its own);
-    `StepResult.stop_requested` says whether any rank asked, so all ranks stop after the same step.
+    `stop_requested`: asked once, at the boundary after the micro-batches (so a signal that arrived during
+    them counts for this step); its answer travels in the boundary's one all-reduce (no collective of its
+    own), and `StepResult.stop_requested` says whether any rank asked, so all ranks stop after the same step.
 
     `shrink_on_oom`: on torch.OutOfMemoryError in the micro-batches, redo the step from its start with
     micro-batches of half the rows (the largest divisor of m up to m/2; A grows, the examples do not change),
@@ -198,10 +199,11 @@ def optimizer_step(
         # 3. The boundary: ONE float64 all-reduce carries the loss sum (for the exact logged loss), the stop flag
         # and the OOM flag; it is read back once, together with the gradient norm.
         # The flags are filled on the device (no host-to-device copy); a sum over ranks > 0 means some rank set one.
+        stop_here = stop_requested is not None and stop_requested()
         summed = torch.stack(
             [
                 loss_sum_local,
-                loss_sum_local.new_full((), float(stop_requested)),
+                loss_sum_local.new_full((), float(stop_here)),
                 loss_sum_local.new_full((), float(out_of_memory)),
             ]
         )

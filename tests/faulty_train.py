@@ -15,7 +15,8 @@ not repeated), the rank, and one of
     "signal_before_micro_batch": [S, K, NAME, TO]
                                         send signal NAME ("SIGTERM", "SIGUSR1") just before the forward of
                                         micro-batch K of step S, TO "self" (this rank) or "agent" (torchrun's
-                                        agent, which passes SIGTERM on to every worker)
+                                        agent, which passes SIGTERM on to every worker); the forward waits
+                                        until this rank has received its signal, so the stop lands in step S
     "signal_during_save": [S, NAME]     send signal NAME to this rank while the checkpoint of step S is saved
                                         (its temporary file complete, not yet renamed), then let the save go on
 Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
@@ -23,7 +24,8 @@ file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired. 
 set, rank 0 appends the number of every step it completes to that file (scripts/chaos_soak.py counts the
 steps that faults made it run again).
 
-train.py itself is not changed: three functions it imports are wrapped before it runs as __main__.
+train.py itself is not changed: three functions it imports, and the stop signals' handler, are wrapped
+before it runs as __main__.
 """
 
 import json
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import accumulation.checkpoint
 import accumulation.data
+import accumulation.signals
 import accumulation.step
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
@@ -74,6 +77,25 @@ def send_signal(fault: dict, name: str, to: str = "self") -> None:
     os.kill(os.getppid() if to == "agent" else os.getpid(), getattr(signal, name))
 
 
+def send_signal_and_wait_for_it(fault: dict, name: str, to: str) -> None:
+    """Send the signal, then wait until this rank's handler has run: the agent passes a signal on after a
+    moment, and the test must know in which step the stop lands."""
+    send_signal(fault, name, to)
+    deadline = time.monotonic() + 30
+    while not stop_signal_received and time.monotonic() < deadline:
+        time.sleep(0.01)  # a signal interrupts the sleep, and its handler runs in this thread
+
+
+stop_signal_received = False
+real_handle = accumulation.signals.StopRequest._handle
+
+
+def handle_and_note(stop_request, signum, frame):
+    global stop_signal_received
+    stop_signal_received = True
+    real_handle(stop_request, signum, frame)
+
+
 FAULT = this_process_fault()
 STEP_LOG = os.environ.get("ACCUMULATION_STEP_LOG")
 real_optimizer_step = accumulation.step.optimizer_step
@@ -108,7 +130,7 @@ def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
         _, victim, name, to = FAULT["signal_before_micro_batch"]
 
         def strike():
-            send_signal(FAULT, name, to)
+            send_signal_and_wait_for_it(FAULT, name, to)
 
     if strike is not None:
         forwards_started = 0
@@ -154,4 +176,5 @@ def save_checkpoint_with_fault(payload, checkpoint_dir, steps, keep):
 accumulation.step.optimizer_step = optimizer_step_with_fault
 accumulation.data.step_row_ids = step_row_ids_noting_the_step
 accumulation.checkpoint.save_checkpoint = save_checkpoint_with_fault
+accumulation.signals.StopRequest._handle = handle_and_note
 runpy.run_path(str(TRAIN_PY), run_name="__main__")

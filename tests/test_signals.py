@@ -66,7 +66,7 @@ def one_step(rank: int, world_size: int, stop_on_rank: int | None) -> bool:
     micro_batch = MicroBatch(torch.tensor([[3, 4, 5]]), labels, num_examples=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     result = optimizer_step(
-        model, [micro_batch], optimizer, device=torch.device("cpu"), stop_requested=rank == stop_on_rank
+        model, [micro_batch], optimizer, device=torch.device("cpu"), stop_requested=lambda: rank == stop_on_rank
     )
     return result.stop_requested
 
@@ -98,19 +98,19 @@ def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -
 @pytest.mark.parametrize(
     "faults",
     [
-        [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 1, "SIGTERM", "self"]}],
+        [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGTERM", "self"]}],
         # SIGUSR1 (SLURM's --signal), then SIGTERM in the middle of the checkpoint it causes
         [
-            {"attempt": 0, "rank": 0, "signal_before_micro_batch": [2, 0, "SIGUSR1", "self"]},
+            {"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 0, "SIGUSR1", "self"]},
             {"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGTERM"]},
         ],
     ],
     ids=["sigterm-mid-step", "sigusr1-then-sigterm-while-saving"],
 )
 def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(tmp_path, corpus, reference, faults):
-    """The signal lands during step 2, after this step's flag was read: step 2 ends, step 3 carries the flag
-    to the boundary (a one-process run decides alone, but by the same rule as many ranks), the step-3
-    checkpoint is written, status 143. Started again, the run ends with the reference's bits."""
+    """The signal lands during step 3, before its boundary reads the flag: step 3 ends and carries the flag
+    (a one-process run decides alone, but by the same rule as many ranks), the step-3 checkpoint (off the
+    2-step cadence) is written, status 143. Started again, the run ends with the reference's bits."""
     fault_log = tmp_path / "faults.jsonl"
     started = time.monotonic()
     stopped = run_with_faults(tiny_settings(tmp_path, corpus, **SETTINGS), faults, fault_log)

@@ -689,12 +689,17 @@ def test_one_read_back_per_update_when_the_counts_are_given(monkeypatch):
     assert result.applied and reads == ["tolist"]
 
 
+def answers(requested: bool):
+    """A stop_requested callable, as train.py passes one (it reads a signal flag at the step's boundary)."""
+    return lambda: requested
+
+
 def test_the_stop_flag_comes_back_on_one_process():
     batches = micro_batches([[8, 3]], seed=14)
     for requested in (False, True):
         model = new_model(torch.float32)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=requested)
+        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=answers(requested))
         assert result.stop_requested is requested and result.applied
 
 
@@ -704,10 +709,11 @@ def stop_flag_worker(rank, world_size):
     results = []
     for step, stopping_rank in enumerate((None, 1, 0)):  # nobody, then rank 1 alone, then rank 0 alone
         batches = micro_batches([[8, 3], [5, 2]], seed=20 * step + rank)
-        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=rank == stopping_rank)
+        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=answers(rank == stopping_rank))
         results.append(result.stop_requested)
     empty = micro_batches([[0, 0]], seed=99)  # a step without tokens still carries the flag
-    results.append(optimizer_step(model, empty, optimizer, device=CPU, stop_requested=rank == 1).stop_requested)
+    result = optimizer_step(model, empty, optimizer, device=CPU, stop_requested=answers(rank == 1))
+    results.append(result.stop_requested)
     return results
 
 

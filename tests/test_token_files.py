@@ -164,6 +164,21 @@ def test_a_token_id_outside_the_vocabulary_is_an_error_naming_the_file(tmp_path)
         built.train.examples(torch.tensor([0, 50_001 // 16]))
 
 
+def test_a_bad_token_id_found_mid_run_is_one_line_and_exit_2(tmp_path, capsys):
+    """A token id that the sampled blocks at start-up miss is found when its row is first read, before the
+    forward that would index the embedding with it: one line naming the file, exit 2, as for bad input."""
+    folder = nanogpt_folder(tmp_path / "n")
+    tokens = tokens_of(100_000, 1)
+    # Between the four sampled blocks (at 0, 31,968, 63,936 and 95,904, 4,096 tokens each): most rows are bad,
+    # so the first step reads one.
+    tokens[4_100:31_900] = VOCAB
+    tokens[36_100:63_900] = VOCAB
+    (folder / "train.bin").write_bytes(tokens.astype("<u2").tobytes())
+    assert train.main(tiny_token_run(tmp_path, folder)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "train.bin: token" in lines[0] and f"has id {VOCAB}" in lines[0], lines
+
+
 # ---------------------------------------------------------------------------------------------------
 # Bad input
 # ---------------------------------------------------------------------------------------------------
