@@ -52,6 +52,7 @@ from accumulation.data import (
     build_micro_batches,
     eval_micro_batches,
     rows_dropped_per_epoch,
+    step_counts,
     step_row_ids,
     steps_per_epoch,
 )
@@ -74,7 +75,7 @@ from accumulation.resume import (
 )
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
-from accumulation.step import GlobalCounts, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -168,6 +169,7 @@ def train(
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     counters = Counters()
+    consecutive_skips = 0  # skipped steps in a row, up to optim.max_consecutive_skips; checkpointed with the counters
     set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
     if resume is not None:
         # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
@@ -184,6 +186,7 @@ def train(
             ) from None
         set_learning_rates(scheduler)  # the new config's schedule governs the very next step
         counters = Counters(**resume["counters"])
+        consecutive_skips = resume["skips_in_a_row"]
         restore_rng_states(resume["rng"], context, config, counters.steps)
     resumed = resume is not None
     if resumed:
@@ -195,7 +198,7 @@ def train(
 
     def save(counters: Counters) -> None:
         payload = checkpoint_payload(
-            config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, context
+            config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, consecutive_skips, context
         )
         if context.is_main:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
@@ -240,7 +243,6 @@ def train(
 
     first_loss = last_loss = None
     trained_tokens, trained_seconds, window = 0, 0.0, []
-    consecutive_skips = 0
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
@@ -258,7 +260,7 @@ def train(
             )
             # Every rank holds the whole step's row ids, so each counts N and the examples on the host by
             # itself: no collective, and nothing waits, before the first forward.
-            global_counts = GlobalCounts(tokens=int(data.train.supervised_counts(row_ids).sum()), examples=len(row_ids))
+            global_counts = step_counts(data.train, row_ids)
             micro_batches = build_micro_batches(
                 data.train,
                 row_ids,
@@ -308,7 +310,7 @@ def train(
                 "loss": finite_or_none(result.loss),
                 "lr": result.lr,
                 "grad_norm": finite_or_none(result.grad_norm),
-                "scale": scaler.get_scale() if scaler.is_enabled() else 1.0,
+                "scale": result.loss_scale,  # the scale of this step's losses: no extra read of the device
                 "tokens_per_s": result.tokens / step_seconds,
                 "peak_mem_bytes": peak_memory_bytes(device),
                 "time_s": step_seconds,
@@ -320,7 +322,7 @@ def train(
             # Validation on its own cadence of steps, never depending on where a session happens to end,
             # so an interrupted and resumed run writes the same lines as an uninterrupted one.
             if data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-                record["val_loss"] = finite_or_none(validation_loss(model, data, config, context))
+                record["val_loss"] = finite_or_none(validation_loss(model, data, config, context, micro_batch_size))
             write_metrics(context, metrics_file, writers, record)
             if counters.steps % config.run.log_every == 0 or finished:
                 say(progress_line(counters, config, record, window))
@@ -337,8 +339,8 @@ def train(
                 say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
                 return 1
             # A stop signal on any rank (the step's all-reduce told every rank at the same step): checkpoint
-            # here and exit, so that a restart loses nothing. Signal to exit: at most the step in progress
-            # (and the next, when the signal came after this rank's step had begun), its validation, one save.
+            # here and exit, so that a restart loses nothing. Signal to exit: the rest of the step in progress
+            # (or the whole next one, when the signal came after this step's boundary), its validation, one save.
             if counters.steps % config.run.checkpoint_every == 0 or finished or result.stop_requested:
                 save(counters)
             if result.stop_requested and not finished:
@@ -357,7 +359,7 @@ def train(
             final_val_loss = (
                 record["val_loss"]
                 if "val_loss" in record
-                else finite_or_none(validation_loss(model, data, config, context))
+                else finite_or_none(validation_loss(model, data, config, context, micro_batch_size))
             )
         if context.is_main and ran_steps:
             wall_seconds = time.perf_counter() - session_start
@@ -405,17 +407,21 @@ def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
 
 
 @torch.no_grad()
-def validation_loss(model: torch.nn.Module, data: Data, config: Config, context: DistributedContext) -> float:
-    """Token-weighted mean loss over the whole validation split: sums of token losses and token counts are
-    added over every micro-batch and rank, then divided once (the same weighting as training)."""
+def validation_loss(
+    model: torch.nn.Module, data: Data, config: Config, context: DistributedContext, micro_batch_size: int
+) -> float:
+    """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
+    every micro-batch and rank, then divided once (the same weighting as training). `micro_batch_size` is the
+    training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
     autocast_dtype = autocast_dtype_for(config)
-    for micro_batch in eval_micro_batches(data.val, config.batch.micro_batch_size, context.world_size, context.rank):
+    loss_sum_fn = loss_sum_fn_for(config)
+    for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = model(micro_batch.inputs.to(context.device))
-        loss_sum += loss_sum_fn_for(config)(outputs, micro_batch.labels.to(context.device))
+        loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))
         tokens += count_supervised_tokens(micro_batch.labels)
     model.train()
     if dist.is_initialized():

@@ -64,7 +64,7 @@ def wrap_for_training(model: torch.nn.Module, config: Config, context: Distribut
     dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
     after this call."""
     if config.dist.strategy == "fsdp2":
-        return shard_model(model, config, context)
+        return shard_model(model, context, param_dtype=autocast_dtype_for(config))
     wrapped = torch.compile(model) if config.model.compile else model
     if context.world_size == 1:
         return wrapped

@@ -205,6 +205,8 @@ def structure_problem(payload: dict) -> str | None:
         type(value) is int and value >= 0 for value in counters.values()
     ):
         return f"counters should be the non-negative integers {', '.join(COUNTER_NAMES)}, got {counters}"
+    if type(payload.get("skips_in_a_row")) is not int or payload["skips_in_a_row"] < 0:
+        return "skips_in_a_row is missing or not a non-negative integer (a checkpoint of an older version?)"
     if not isinstance(payload["data"].get("fingerprint"), str):
         return "data lacks the fingerprint of the training data"
     per_rank = payload["rng"].get("per_rank")

@@ -74,9 +74,9 @@ class RunConfig:
     keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
     sample_bytes: int = setting(
         200,
-        "bytes generated at the end after the first training example's prompt (or its first 4 tokens); "
-        "0 = none; skipped for a model without generate()",
-        "bytes",
+        "tokens generated at the end after the first training example's prompt (or its first 4 tokens), "
+        "bytes for the byte vocabulary; 0 = none; skipped for a model without generate()",
+        "tokens",
         at_least=0,
     )
 
@@ -100,8 +100,8 @@ class BatchConfig:
     on_oom: str = setting(
         "fail",
         "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
-        "largest divisor below half, A grown to match: the same examples and the same update; the smaller size "
-        "is kept for the rest of the session)",
+        "largest divisor below half, A grown to match: the same examples and the same update up to float "
+        "reordering; the smaller size is kept for the rest of the session; DDP only, not with dist.strategy=fsdp2)",
         choices=("fail", "shrink"),
     )
 
@@ -166,7 +166,7 @@ class ModelConfig:
         at_least=0,
     )
     dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
-    compile: bool = setting(False, "wrap the model in torch.compile")
+    compile: bool = setting(False, "wrap the model in torch.compile (DDP only, not with dist.strategy=fsdp2)")
 
 
 @dataclass(frozen=True)
@@ -227,8 +227,8 @@ class DistConfig:
     strategy: str = setting(
         "ddp",
         "ddp: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel); "
-        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/fsdp.py), needs 2 or more ranks; "
-        "the same exact step and the same checkpoint files either way",
+        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/fsdp.py), needs 2 or more ranks, "
+        "without model.compile or batch.on_oom=shrink; the same exact step and the same checkpoint files either way",
         choices=("ddp", "fsdp2"),
     )
 

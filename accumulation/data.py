@@ -41,6 +41,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 from accumulation.config import Config
+from accumulation.step import GlobalCounts
 
 # Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
 BYTE_VOCAB_SIZE = 256
@@ -523,7 +524,7 @@ def build_data(config: Config) -> Data:
 
     settings = config.data
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
-    found_token_files = token_files.open_token_files(source)
+    found_token_files = token_files.open_token_files(source, with_validation=val_fraction > 0)
     # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
     # but it is loaded here for them too, so that a bad path is reported before training, not after.
     tokenizer = None if settings.tokenizer == "bytes" else token_files.load_tokenizer(settings.tokenizer)
@@ -676,6 +677,12 @@ def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int) -> Mic
     labels = torch.full((micro_batch_size, rows.seq_len), IGNORE_INDEX, dtype=torch.long)
     inputs[:num_real], labels[:num_real] = rows.examples(row_ids)
     return MicroBatch(inputs=inputs, labels=labels, num_examples=num_real)
+
+
+def step_counts(rows: Rows, row_ids: torch.Tensor) -> GlobalCounts:
+    """N (supervised targets) and the real examples of the step whose rows are `row_ids`, over all ranks,
+    counted on the host: every rank knows the whole step's ids, so none needs a collective to learn them."""
+    return GlobalCounts(tokens=int(rows.supervised_counts(row_ids).sum()), examples=len(row_ids))
 
 
 def build_micro_batches(

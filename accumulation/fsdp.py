@@ -31,10 +31,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from accumulation.config import Config, ConfigError
 from accumulation.distributed import DistributedContext
 
-# precision.dtype -> the dtype of the all-gathered (unsharded) parameters the forward and backward compute with;
-# None keeps the parameters' own. The sharded parameters, gradients and optimizer state keep the parameters' dtype.
-FSDP_PARAM_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def check_strategy_for_world(config: Config, world_size: int) -> None:
     """The combinations fsdp2 refuses, each with one line naming the key."""
@@ -65,7 +61,9 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return list(model.fsdp_units()) if hasattr(model, "fsdp_units") else []
 
 
-def shard_model(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, context: DistributedContext, param_dtype: torch.dtype | None
+) -> torch.nn.Module:
     """Shard `model` in place over all ranks and return it (it is now an FSDPModule; its parameters DTensors).
 
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
@@ -73,9 +71,10 @@ def shard_model(model: torch.nn.Module, config: Config, context: DistributedCont
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
     reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
     non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
-    in the parameters' dtype (float64 too, as the tests run it)."""
+    in the parameters' dtype (float64 too, as the tests run it). `param_dtype` is the autocast dtype of
+    precision.dtype: the dtype of the all-gathered (unsharded) parameters the forward and backward compute
+    with; None keeps the parameters' own. The shards, gradients and optimizer state keep the parameters' dtype."""
     mesh = init_device_mesh(context.device.type, (context.world_size,))
-    param_dtype = FSDP_PARAM_DTYPES[config.precision.dtype]
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in sharding_units(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy)
@@ -93,22 +92,27 @@ def describe_sharding(model: torch.nn.Module) -> str:
 
 def _gathered(state: dict) -> dict:
     """`state` with each DTensor shard gathered whole: rank 0 keeps the whole tensor on its host, the other
-    ranks leave that entry out. Everything else is kept as it is, on every rank. Every rank must call this, with
-    the same keys in the same order: each gather is a collective."""
+    ranks leave that entry out. Rank 0 also copies every other tensor to its host, so that a checkpoint written
+    on GPUs loads on a machine without one; the other ranks keep those as they are (they write nothing). Every
+    rank must call this, with the same keys in the same order: each gather is a collective."""
+    is_main = not dist.is_initialized() or dist.get_rank() == 0
     whole = {}
     for key, value in state.items():
-        if not isinstance(value, DTensor):
+        if isinstance(value, DTensor):
+            full = value.full_tensor()  # one all-gather of this tensor's shards
+            if is_main:
+                whole[key] = full.cpu()
+        elif is_main and isinstance(value, torch.Tensor):
+            whole[key] = value.cpu()
+        else:
             whole[key] = value
-            continue
-        full = value.full_tensor()  # one all-gather of this tensor's shards
-        if dist.get_rank() == 0:
-            whole[key] = full.cpu()
     return whole
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict:
-    """model.state_dict() with whole tensors: DDP's as it is; FSDP2's shards gathered one tensor at a time, so
-    rank 0 holds the whole model on its host, and never more than one whole tensor on the device."""
+    """model.state_dict() with whole tensors on rank 0's host: DDP's copied there; FSDP2's shards gathered one
+    tensor at a time, so rank 0 holds the whole model on its host, and never more than one whole tensor on the
+    device."""
     return _gathered(model.state_dict())
 
 

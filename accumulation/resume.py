@@ -149,15 +149,18 @@ def restore_rng_states(saved: dict, context: DistributedContext, config: Config,
 
 
 def checkpoint_payload(
-    config: Config, data_fingerprint: str, model, optimizer, scheduler, scaler, counters, context
+    config: Config, data_fingerprint: str, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
-    """Everything a resume needs, with the keys CONTRACT.md names. `model` is the unwrapped module."""
+    """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
+    before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
+    `model` is the unwrapped module."""
     return {
         "model": full_model_state_dict(model),  # whole tensors under fsdp2 too (gathered to rank 0)
         "optimizer": full_optimizer_state_dict(optimizer),
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "counters": vars(counters).copy(),
+        "skips_in_a_row": skips_in_a_row,
         "config": config_to_dict(config),
         "rng": rng_states(context),
         # The data order is a pure function of (seed, step, global batch), so the position is the step

@@ -3,10 +3,11 @@
 Schedulers announce the end of a job with a signal and kill it some time later: SLURM sends SIGTERM (or,
 with `--signal`, SIGUSR1 a chosen number of seconds ahead), Kubernetes and spot instances SIGTERM; under
 torchrun the agent passes its own SIGTERM on to every worker and SIGKILLs them `--shutdown-timeout`
-seconds later (30 by default). The signal reaches the ranks at different moments, so a rank never acts on
-it alone: the handler only raises a flag, the flag travels with the step's loss all-reduce
-(`optimizer_step(stop_requested=...)`), and every rank reads the same answer (`StepResult.stop_requested`)
-at the same step. Then every rank takes part in one checkpoint and the program exits with
+seconds later (30 by default; when the agent stops workers because one of them failed, torch 2.13 waits 30 s
+whatever that option says). The signal reaches the ranks at different moments, so a rank never acts on
+it alone: the handler only raises a flag, the step reads it at its boundary and the answer travels with the
+step's loss all-reduce (`optimizer_step(stop_requested=...)`), and every rank reads the same answer
+(`StepResult.stop_requested`) at the same step. Then every rank takes part in one checkpoint and the program exits with
 STOPPED_BY_SIGNAL_STATUS.
 
 A second signal while the checkpoint is written changes nothing (the flag is already up); the write is

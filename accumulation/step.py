@@ -136,7 +136,7 @@ def optimizer_step(
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
-    `model` is the DDP-wrapped model when more than one rank trains, the plain module otherwise; its
+    `model` is the DDP-wrapped (or fully_shard-ed) model when more than one rank trains, the plain module otherwise; its
     outputs go to `loss_sum_fn(outputs, micro_batch.labels)`, which must return the SUM of the losses of
     the supervised targets. `scaler` is a GradScaler for fp16, or None. `grad_clip` > 0 clips the total
     gradient norm. Every rank must call this with the same number of micro-batches: the syncing backward
@@ -173,7 +173,7 @@ def optimizer_step(
     # empty, so they add exactly zero) so that all ranks take part in the same collectives, and the update
     # is skipped below. max(N, 1) only avoids dividing by zero.
     loss_multiplier = world_size / max(tokens_global, 1)
-    rng_at_start = rng_states(device) if shrink_on_oom else None
+    rng_at_start = dropout_generator_states(device) if shrink_on_oom else None
 
     while True:
         # 2. The micro-batches. Nothing in this loop reads a value back to the host (the loss sums stay on the
@@ -232,7 +232,7 @@ def optimizer_step(
             # the scale and its growth count as they were at the step's start. (A read-back; OOMs are rare.)
             scaler.update(new_scale=scaler.get_scale())
         optimizer.zero_grad(set_to_none=True)
-        restore_rng_states(rng_at_start, device)
+        restore_dropout_generator_states(rng_at_start, device)
         micro_batches = split_micro_batches(micro_batches, smaller)
 
     applied, skip_reason, grad_norm = False, None, (grad_norm[0] if grad_norm else 0.0)
@@ -333,7 +333,7 @@ def recover_from_out_of_memory(
     (loss_sum_fn(outputs, labels) * 0.0).backward()
 
 
-def rng_states(device: torch.device) -> list[torch.Tensor]:
+def dropout_generator_states(device: torch.device) -> list[torch.Tensor]:
     """The generators dropout draws from: the CPU's and, on CUDA, the device's (host-side copies, no sync)."""
     states = [torch.get_rng_state()]
     if device.type == "cuda":
@@ -341,7 +341,7 @@ def rng_states(device: torch.device) -> list[torch.Tensor]:
     return states
 
 
-def restore_rng_states(states: list[torch.Tensor], device: torch.device) -> None:
+def restore_dropout_generator_states(states: list[torch.Tensor], device: torch.device) -> None:
     torch.set_rng_state(states[0])
     if device.type == "cuda":
         torch.cuda.set_rng_state(states[1], device)

@@ -23,6 +23,7 @@ lists, strings, numbers) and refuses any class, so a hostile pickle cannot run c
 is used when neither is there.
 """
 
+import functools
 import glob
 import hashlib
 import io
@@ -148,8 +149,9 @@ def open_llmc_shard(path: Path) -> TokenFile:
     return TokenFile(path, tokens, header)
 
 
-def open_token_files(source: str) -> TokenSource | None:
-    """The token files `source` names, opened and checked (headers and sizes only), or None for text."""
+def open_token_files(source: str, with_validation: bool) -> TokenSource | None:
+    """The token files `source` names, opened and checked (headers and sizes only), or None for text. Without
+    validation (data.val_fraction = 0) the validation files are left alone: neither opened nor checked."""
     found = find_token_files(source)
     if found is None:
         return None
@@ -159,9 +161,8 @@ def open_token_files(source: str) -> TokenSource | None:
             f"data.source {source!r}: llm.c shards without a training split (no *_train_*.bin); add training shards"
         )
     open_file = open_nanogpt_file if token_format == "nanoGPT" else open_llmc_shard
-    return TokenSource(
-        token_format, folder, [open_file(path) for path in train_paths], [open_file(path) for path in val_paths]
-    )
+    val_files = [open_file(path) for path in val_paths] if with_validation else []
+    return TokenSource(token_format, folder, [open_file(path) for path in train_paths], val_files)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -373,6 +374,18 @@ def end_of_text_token(tokenizer) -> int | None:
     return None
 
 
+def decode_bytes(ids: list[int]) -> str:
+    """Byte tokens as UTF-8 text. A model whose vocabulary was padded past 256 (model.vocab_size) can sample an
+    id that is no byte: it shows as U+FFFD, like any byte sequence that is not UTF-8."""
+    replacement = "\ufffd".encode()
+    return b"".join(bytes([i]) if i < 256 else replacement for i in ids).decode("utf-8", errors="replace")
+
+
+def tokenizer_decoder(tokenizer):
+    """A Hugging Face tokenizer's decode, special tokens kept (the sample shows what the model produced)."""
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
+
+
 def sample_decoder(config) -> tuple[object, str]:
     """(decode, "") where decode turns token ids into text for the end-of-run sample, or (None, why not).
 
@@ -380,16 +393,14 @@ def sample_decoder(config) -> tuple[object, str]:
     bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
     """
     if config.data.tokenizer != "bytes":
-        tokenizer = load_tokenizer(config.data.tokenizer)
-        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+        return tokenizer_decoder(load_tokenizer(config.data.tokenizer)), ""
     found = find_token_files(config.data.source)
     if found is None:
-        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+        return decode_bytes, ""
     folder = found[1]
     if (folder / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(str(folder / "tokenizer.json"))
-        return (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)), ""
+        return tokenizer_decoder(load_tokenizer(str(folder / "tokenizer.json"))), ""
     meta = read_meta(folder)
     if meta is not None and meta[0].get("tokenizer") == "bytes":
-        return (lambda ids: bytes(ids).decode("utf-8", errors="replace")), ""
+        return decode_bytes, ""
     return None, f"no tokenizer.json beside the token files in {folder} to decode it with (or set data.tokenizer)"

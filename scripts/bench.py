@@ -3,7 +3,7 @@
     python scripts/bench.py            # a readable table, about 2 minutes on a quiet 2-core CPU
     python scripts/bench.py --json     # one JSON object instead
     python scripts/bench.py --quick    # fewer repetitions: every measurement once, quickly
-    python scripts/bench.py --config configs/gpu_8x.toml   # MFU, syncs and memory of any config's model
+    python scripts/bench.py --config configs/gpu_8x.toml [key=value ...]  # MFU, syncs, memory of any config
 
 A reference loop is only worth forking if its bookkeeping costs nothing. Everything here uses the project's
 default model (configs/default.toml) on real micro-batches of the embedded corpus, m = 4 rows of 128 tokens,
@@ -721,6 +721,9 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         metavar="FILE",
         help="measure this config's model instead (MFU, syncs, memory); nothing else of the default table",
     )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="overrides of --config FILE, as for train.py"
+    )
     return parser.parse_args(argv)
 
 
@@ -807,9 +810,12 @@ def config_table(results: dict) -> str:
 
 def main(argv: list[str]) -> int:
     args = parse_arguments(argv)
+    if args.overrides and args.config is None:
+        print("error: section.key=value overrides apply to --config FILE only; give --config", file=sys.stderr)
+        return 2
     if args.config is not None:
         try:
-            config = load_config(["--config", args.config])
+            config = load_config(["--config", args.config, *args.overrides])
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

@@ -69,7 +69,7 @@ def validation_worker(rank: int, world_size: int, corpus: Path, micro_batch_size
         torch.manual_seed(0)
         model = build_model(config, data.vocab_size)
         context = DistributedContext(rank, rank, world_size, CPU, "gloo" if world_size > 1 else None)
-        losses.append(train.validation_loss(model, data, config, context))
+        losses.append(train.validation_loss(model, data, config, context, config.batch.micro_batch_size))
     return losses
 
 

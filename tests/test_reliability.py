@@ -599,9 +599,10 @@ def test_a_non_finite_step_is_skipped_or_stops_the_run(
     assert skipped_line["skipped"] == 1 and skipped_line["updates"] == 1 and skipped_line["loss"] is None
     expected_reason = "non-finite gradient (GradScaler lowered its scale)" if grad_scaler else "non-finite gradient"
     assert skipped_line["skip_reason"] == expected_reason
-    if grad_scaler:
-        assert skipped_line["scale"] == metrics[0]["scale"] / 2
     step_1, step_2 = (torch.load(run_dir / "checkpoints" / f"step_00000{s}.pt", weights_only=True) for s in (1, 2))
+    if grad_scaler:  # the logged scale is the one the step's loss was multiplied by; the skip then halves it
+        assert skipped_line["scale"] == metrics[0]["scale"] == step_1["scaler"]["scale"]
+        assert step_2["scaler"]["scale"] == skipped_line["scale"] / 2
     for key, value in step_1["model"].items():
         assert torch.equal(step_2["model"][key], value), key  # the skipped update left the weights alone
     if stops_at is None:
@@ -625,6 +626,19 @@ def test_a_non_finite_step_is_skipped_or_stops_the_run(
         status, _, error = run_in_process(arguments, capsys)
         assert status == 0, error
         assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3, 4]
+
+
+def test_a_streak_of_skipped_steps_goes_on_across_a_resume(tmp_path, corpus, capsys, monkeypatch):
+    """Steps 2 and 3 skipped with optim.max_consecutive_skips = 2: the run stops at step 3 whether or not it
+    was interrupted between them, because the checkpoint of step 2 holds the streak (skips_in_a_row = 1)."""
+    make_loss_nan_at(monkeypatch, {2, 3})
+    settings = {"optim.max_consecutive_skips": 2, "run.checkpoint_every": 1, "run.sample_bytes": 0}
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **settings, **{"run.max_steps": 2}), capsys)
+    assert status == 0, error
+    latest = torch.load(tmp_path / "runs" / "default" / "checkpoints" / "latest.pt", weights_only=True)
+    assert latest["skips_in_a_row"] == 1
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **settings), capsys)
+    assert status == 1 and "stopping at step 3: 2 skipped updates in a row" in error, error
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
 from accumulation.counters import Counters
-from accumulation.data import build_micro_batches, make_rows, step_row_ids, steps_per_epoch
+from accumulation.data import build_micro_batches, make_rows, step_counts, step_row_ids, steps_per_epoch
 from accumulation.model import GPT, GPTConfig
 from accumulation.schedule import build_scheduler, lr_multiplier
 from accumulation.step import (
@@ -753,7 +753,7 @@ def test_the_counts_train_py_takes_from_row_ids_equal_the_labels_counts_over_all
     global_batch_size = 12
     for step in range(steps_per_epoch(rows_of_corpus.num_rows, global_batch_size, tail) + 1):
         row_ids = step_row_ids(rows_of_corpus.num_rows, global_batch_size, 3, step, tail)
-        given = GlobalCounts(int(rows_of_corpus.supervised_counts(row_ids).sum()), len(row_ids))
+        given = step_counts(rows_of_corpus, row_ids)
         for micro_batch_size, world_size in ((2, 2), (3, 1), (6, 2)):
             every = [
                 mb

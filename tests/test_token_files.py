@@ -213,6 +213,7 @@ def test_bad_nanogpt_files_and_empty_splits_are_errors(tmp_path):
     (folder / "val.bin").write_bytes(b"")
     with pytest.raises(DataError, match=r"val.bin: empty"):
         build(folder)
+    assert build(folder, "data.val_fraction=0").val is None  # as the message advises: val.bin is left alone
     (folder / "val.bin").unlink()
     with pytest.raises(DataError, match=r"validation split \(val.bin\) is missing.*data.val_fraction=0"):
         build(folder)
