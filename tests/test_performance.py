@@ -106,6 +106,7 @@ def test_a_step_makes_one_scalar_collective_and_no_host_read_in_its_micro_batche
 
 
 @pytest.mark.slow
+@pytest.mark.compile
 def test_compiled_model_inside_ddp_all_reduces_its_gradients_once_per_step():
     """model.compile = true keeps the no_sync semantics: A = 4 micro-batches, one gradient's bytes per step."""
     # Compiling takes about a minute on 2 busy cores; the timeout only guards against a hang.

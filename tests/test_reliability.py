@@ -154,10 +154,9 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, cor
 @pytest.mark.slow
 def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpus):
     """Rank 1 stalls before step 2; rank 0 waits in step 2's first collective for dist.timeout_s = 5 s, then
-    says so in one line and exits non-zero, and torchrun ends the job. The stalled rank takes the agent's
-    SIGTERM as a request to stop at its next step boundary, which it never reaches, so the agent SIGKILLs it
-    30 s later (torch 2.13's agent waits 30 s when it stops workers after a failure, whatever
-    --shutdown-timeout says; a rank stuck inside a collective cannot act on SIGTERM either)."""
+    says so in one line and exits non-zero, and torchrun ends the job. (train.py would take the agent's
+    SIGTERM as a request to stop at a step boundary the stalled rank never reaches, so the agent would
+    SIGKILL it 30 s later; the injected stall keeps SIGTERM's default action to spare the test that wait.)"""
     fault_log = tmp_path / "faults.jsonl"
     started = time.monotonic()
     job = start_torchrun(
@@ -175,7 +174,7 @@ def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpu
     assert "error: rank 0: another rank stopped answering, so a collective failed (Timed out" in output
     assert "dist.timeout_s=5 s" in output
     assert "step 2/" not in output  # rank 0 never finished step 2
-    assert time.monotonic() - started < 90  # start-up, 5 s of waiting, 30 s for the SIGKILL; not a hang
+    assert time.monotonic() - started < 60  # start-up and 5 s of waiting; not a hang
 
 
 # ---------------------------------------------------------------------------------------------------------
