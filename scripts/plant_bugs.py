@@ -81,9 +81,9 @@ BUGS = [
         "clip-before-unscale",
         "clipping the still-scaled gradient when a GradScaler is on",
         "accumulation/step.py",
-        "        scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values\n"
-        "        grad_norm_tensor = gradient_norm(model, grad_clip)\n",
-        "        grad_norm_tensor = gradient_norm(model, grad_clip)\n        scaler.unscale_(optimizer)\n",
+        "            scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values\n"
+        "            grad_norm_tensor = gradient_norm(model, grad_clip)\n",
+        "            grad_norm_tensor = gradient_norm(model, grad_clip)\n            scaler.unscale_(optimizer)\n",
         ["tests/test_reference_checks.py::test_clipping_with_a_grad_scaler_on_equals_the_clipped_float64_gradient"],
     ),
     Bug(
