@@ -20,19 +20,19 @@ from testkit.ranks import run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_check_equivalence import reported_relative_error, run_checker
 from tests.test_step import FLOAT64_RTOL
-from tests.test_train import REPO, comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_train import (
+    PLAIN_SGD,
+    REPO,
+    comparable,
+    final_weights,
+    read_metrics,
+    run_train,
+    tiny_settings,
+    uneven_corpus,
+)
 
 CPU = torch.device("cpu")
 GLOBAL_BATCH_SIZE = 8  # tiny_settings' G: (m, A, D) = (4, 1, 2) and (1, 4, 2)
-PLAIN_SGD = {
-    "optim.name": "sgd",
-    "optim.momentum": 0.0,
-    "optim.weight_decay": 0.0,
-    "optim.grad_clip": 0.0,
-    "optim.lr": 1.0,
-    "schedule.name": "constant",
-    "schedule.warmup_updates": 0,
-}
 # fp32 under ddp and fsdp2: each rank accumulates the same micro-batch gradients in the same order; only the
 # collective differs (DDP's all-reduce and mean, FSDP2's reduce-scatter with ReduceOp.AVG), and each sums the
 # same D = 2 terms per entry, so the updates differ by at most an ulp or so of an entry. 1e-6 of the largest

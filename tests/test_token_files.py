@@ -18,7 +18,7 @@ from accumulation.models import build_model
 from scripts import check_equivalence
 from testkit.reference import float64_reference_gradient
 from tests.test_data import assert_rows_match_their_raw_examples, jsonl
-from tests.test_train import comparable, final_weights, read_metrics, run_train
+from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train
 
 VOCAB = 64  # the vocabulary of the generated token files
 
@@ -331,19 +331,7 @@ def test_token_files_train_through_the_entry_point(tmp_path, token_format, ranks
     assert "sample:" in completed.stdout  # meta.json says the tokens are bytes, so the sample decodes
 
 
-PLAIN_SGD = {
-    "optim.name": "sgd",
-    "optim.momentum": 0.0,
-    "optim.weight_decay": 0.0,
-    "optim.grad_clip": 0.0,
-    "optim.lr": 1.0,
-    "schedule.name": "constant",
-    "schedule.warmup_updates": 0,
-    "run.max_steps": 1,
-    "run.eval_every": 0,
-    "run.sample_bytes": 0,
-    "data.val_fraction": 0,
-}
+ONE_PLAIN_SGD_STEP_WITHOUT_VALIDATION = {**ONE_PLAIN_SGD_STEP, "data.val_fraction": 0}
 
 
 def uneven_sft(path: Path) -> Path:
@@ -363,7 +351,12 @@ def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_
     weights = {}
     for micro, ranks in [(8, 1), (4, 2), (1, 2)]:
         name = f"m{micro}_D{ranks}"
-        arguments = tiny_token_run(tmp_path, source, **PLAIN_SGD, **{"batch.micro_batch_size": micro, "run.name": name})
+        arguments = tiny_token_run(
+            tmp_path,
+            source,
+            **ONE_PLAIN_SGD_STEP_WITHOUT_VALIDATION,
+            **{"batch.micro_batch_size": micro, "run.name": name},
+        )
         if ranks == 1:
             assert train.main(arguments) == 0  # in this process: no interpreter start
         else:
@@ -373,7 +366,7 @@ def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_
 
     # The reference: the initial weights, minus lr (1.0) times the float64 gradient of the mean loss over
     # every supervised target of step 0's 8 rows as one batch.
-    config = load_config(tiny_token_run(tmp_path, source, **PLAIN_SGD))
+    config = load_config(tiny_token_run(tmp_path, source, **ONE_PLAIN_SGD_STEP_WITHOUT_VALIDATION))
     loaded = build_data(config)
     initial = torch.load(tmp_path / "runs" / "m8_D1" / "checkpoints" / "step_000000.pt", weights_only=True)["model"]
     model = build_model(config, loaded.vocab_size)

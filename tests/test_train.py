@@ -125,26 +125,28 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, ranks
     assert "sample:" in completed.stdout
 
 
+# Plain SGD at lr 1 (no momentum, decay, clipping or warm-up): one update is minus the gradient, so comparing
+# the weights after one step compares the gradients.
+PLAIN_SGD = {
+    "optim.name": "sgd",
+    "optim.momentum": 0.0,
+    "optim.weight_decay": 0.0,
+    "optim.grad_clip": 0.0,
+    "optim.lr": 1.0,
+    "schedule.name": "constant",
+    "schedule.warmup_updates": 0,
+}
+ONE_PLAIN_SGD_STEP = {**PLAIN_SGD, "run.max_steps": 1, "run.eval_every": 0, "run.sample_bytes": 0}
+
+
 def test_one_sgd_step_is_the_same_for_every_split_of_the_global_batch(tmp_path, corpus):
     """(m, A, D) in (8,1,1), (2,4,1), (4,1,2), (1,4,2): the same 8 examples of step 0, so the same update."""
-    plain_sgd = dict(
-        **{
-            "optim.name": "sgd",
-            "optim.momentum": 0.0,
-            "optim.weight_decay": 0.0,
-            "optim.grad_clip": 0.0,
-            "optim.lr": 1.0,
-            "schedule.name": "constant",
-            "schedule.warmup_updates": 0,
-            "run.max_steps": 1,
-            "run.eval_every": 0,
-            "run.sample_bytes": 0,
-        }
-    )
     weights = {}
     for micro, ranks in [(8, 1), (2, 1), (4, 2), (1, 2)]:
         name = f"m{micro}_D{ranks}"
-        arguments = tiny_settings(tmp_path, corpus, **plain_sgd, **{"batch.micro_batch_size": micro, "run.name": name})
+        arguments = tiny_settings(
+            tmp_path, corpus, **ONE_PLAIN_SGD_STEP, **{"batch.micro_batch_size": micro, "run.name": name}
+        )
         completed = run_train(arguments, ranks=ranks)
         assert completed.returncode == 0, completed.stderr
         weights[name] = final_weights(tmp_path / "runs" / name)
