@@ -269,12 +269,8 @@ def train(
                 context.world_size,
                 context.rank,
             )
-            if device.type == "cuda":
-                for micro_batch in micro_batches:  # page-locked host memory lets the copies run asynchronously
-                    micro_batch.inputs, micro_batch.labels = (
-                        micro_batch.inputs.pin_memory(),
-                        micro_batch.labels.pin_memory(),
-                    )
+            if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
+                micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
             result = optimizer_step(
                 wrapped,
                 micro_batches,

@@ -24,6 +24,10 @@ class MicroBatch:
     labels: torch.Tensor  # int64 [rows, seq_len] next-token targets, IGNORE_INDEX where nothing is supervised
     num_examples: int  # real rows in this micro-batch (padding rows excluded)
 
+    def pinned(self) -> "MicroBatch":
+        """A copy in page-locked host memory, from which a copy to a GPU runs asynchronously (CUDA only)."""
+        return MicroBatch(self.inputs.pin_memory(), self.labels.pin_memory(), self.num_examples)
+
 
 def divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]

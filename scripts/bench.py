@@ -307,10 +307,7 @@ def pinned(batches_of_steps: list[list[MicroBatch]], device: torch.device) -> li
     """On CUDA the micro-batches in page-locked memory, as train.py pins them, so copies run asynchronously."""
     if device.type != "cuda":
         return batches_of_steps
-    return [
-        [MicroBatch(mb.inputs.pin_memory(), mb.labels.pin_memory(), mb.num_examples) for mb in step]
-        for step in batches_of_steps
-    ]
+    return [[micro_batch.pinned() for micro_batch in step] for step in batches_of_steps]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -94,7 +94,7 @@ def step_batches(rows, global_batch_size: int, micro_batch_size: int, world_size
 
 
 def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
-    return [MicroBatch(mb.inputs.pin_memory(), mb.labels.pin_memory(), mb.num_examples) for mb in micro_batches]
+    return [micro_batch.pinned() for micro_batch in micro_batches]
 
 
 def sgd_gradient(model, micro_batches, counts, device, **options):
