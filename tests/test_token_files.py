@@ -18,7 +18,7 @@ from accumulation.models import build_model
 from scripts import check_equivalence
 from testkit.reference import float64_reference_gradient
 from tests.test_data import assert_rows_match_their_raw_examples, jsonl
-from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train
+from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings
 
 VOCAB = 64  # the vocabulary of the generated token files
 
@@ -298,23 +298,8 @@ def test_validation_reads_a_fixed_evenly_spaced_subset_the_same_for_every_m_and_
 
 
 def tiny_token_run(tmp_path: Path, source: Path, **overrides) -> list[str]:
-    settings = {
-        "run.out_dir": str(tmp_path / "runs"),
-        "run.max_steps": 3,
-        "run.log_every": 1,
-        "run.eval_every": 3,
-        "run.sample_bytes": 8,
-        "data.source": str(source),
-        "data.seq_len": 16,
-        "model.n_layer": 1,
-        "model.n_head": 2,
-        "model.d_model": 16,
-        "batch.global_batch_size": 8,
-        "batch.micro_batch_size": 2,
-        "schedule.warmup_updates": 1,
-    }
-    settings.update(overrides)
-    return [f"{key}={value}" for key, value in settings.items()]
+    """test_train's tiny settings on token files: 3 steps, each logged, validation at the last."""
+    return tiny_settings(tmp_path, source, **{"run.max_steps": 3, "run.log_every": 1, "run.eval_every": 3, **overrides})
 
 
 @pytest.mark.parametrize("token_format", ["nanoGPT", "llm.c"])
