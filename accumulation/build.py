@@ -9,7 +9,7 @@ the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket bounda
 convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
 its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
 other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
-Not measured here: the project's machines have no GPU (scripts/gpu_check.py times a compiled step).
+Not measured here: the project's machines have no GPU (scripts/checks/gpu_check.py times a compiled step).
 """
 
 import torch

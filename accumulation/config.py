@@ -112,7 +112,7 @@ class DataConfig:
         "stdlib",
         '"stdlib" (the embedded corpus), a text file or folder, a .jsonl file of {"prompt", "response"} or '
         '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
-        "glob of *_train_*.bin / *_val_*.bin); scripts/prepare_data.py writes both",
+        "glob of *_train_*.bin / *_val_*.bin); scripts/operations/prepare_data.py writes both",
     )
     seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
     val_fraction: float = setting(

@@ -90,7 +90,7 @@ def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
         if not root.exists():
             raise DataError(
                 f"data.source {source!r} does not exist; set it to a text file or folder, a .jsonl file, a folder of "
-                f'token files (scripts/prepare_data.py writes them), or "stdlib"'
+                f'token files (scripts/operations/prepare_data.py writes them), or "stdlib"'
             )
         if root.is_file():
             data = read_bytes(root, source)

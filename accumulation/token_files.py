@@ -17,7 +17,7 @@ share one token (the last input of a row is the first input of the next), so eac
 targets is supervised exactly once, by (T - 1) // seq_len rows; the last < seq_len targets of a file
 are left out, so no row is padded. Rows never cross from one file into the next.
 
-The vocabulary comes from meta.json beside the files ({"vocab_size": N}, which scripts/prepare_data.py
+The vocabulary comes from meta.json beside the files ({"vocab_size": N}, which scripts/operations/prepare_data.py
 writes), or from nanoGPT's meta.pkl, read with an unpickler that builds plain containers only (dicts,
 lists, strings, numbers) and refuses any class, so a hostile pickle cannot run code. model.vocab_size > 0
 is used when neither is there.

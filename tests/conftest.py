@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run only where a GPU is: elsewhere they are reported as skipped, with the reason."""
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); scripts/gpu_check.py runs the CUDA checks")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here); scripts/checks/gpu_check.py runs the CUDA checks")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)

@@ -21,7 +21,7 @@ not repeated), the rank, and one of
                                         (its temporary file complete, not yet renamed), then let the save go on
 Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
 file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired. With ACCUMULATION_STEP_LOG
-set, rank 0 appends the number of every step it completes to that file (scripts/chaos_soak.py counts the
+set, rank 0 appends the number of every step it completes to that file (scripts/checks/chaos_soak.py counts the
 steps that faults made it run again).
 
 train.py itself is not changed: three functions it imports, and the stop signals' handler, are wrapped

@@ -1,4 +1,4 @@
-"""scripts/check_equivalence.py: PASS on the loop (one process, and two gloo ranks under torchrun) on a corpus
+"""scripts/checks/check_equivalence.py: PASS on the loop (one process, and two gloo ranks under torchrun) on a corpus
 whose rows hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
 
 import os
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts import check_equivalence
+from scripts.checks import check_equivalence
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "check_equivalence.py"
+SCRIPT = REPO / "scripts" / "checks" / "check_equivalence.py"
 
 TINY_CONFIG = [
     "model.n_layer=1",

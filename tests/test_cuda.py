@@ -1,10 +1,10 @@
-"""The CUDA paths. Tests marked `cuda` run the quick checks of scripts/gpu_check.py where a GPU is and are
-reported as skipped elsewhere (tests/conftest.py); the whole check is `python scripts/gpu_check.py`."""
+"""The CUDA paths. Tests marked `cuda` run the quick checks of scripts/checks/gpu_check.py where a GPU is and are
+reported as skipped elsewhere (tests/conftest.py); the whole check is `python scripts/checks/gpu_check.py`."""
 
 import pytest
 import torch
 
-from scripts import gpu_check
+from scripts.checks import gpu_check
 
 
 def test_without_a_gpu_the_check_prints_one_line_and_exits_0(monkeypatch, capsys):

@@ -766,7 +766,7 @@ def test_jsonl_files_that_cannot_be_used_are_errors(tmp_path):
 
 
 def test_the_sft_data_file_is_what_its_generator_writes():
-    spec = importlib.util.spec_from_file_location("make_sft_data", REPO / "scripts" / "make_sft_data.py")
+    spec = importlib.util.spec_from_file_location("make_sft_data", REPO / "scripts" / "operations" / "make_sft_data.py")
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     assert generator.OUTPUT == SFT_DATA

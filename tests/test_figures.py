@@ -18,7 +18,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 def run_script(name: str, *arguments: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "scripts" / name), *arguments],
+        [sys.executable, str(REPO / "scripts" / "teaching" / name), *arguments],
         capture_output=True,
         text=True,
         timeout=300,

@@ -14,8 +14,8 @@ from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 from accumulation.models import build_model, resolved_vocab_size
 from accumulation.step import optimizer_step
-from scripts import check_equivalence
-from scripts.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
+from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
+from scripts.checks import check_equivalence
 from testkit.ranks import run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_check_equivalence import reported_relative_error, run_checker
@@ -183,7 +183,7 @@ def test_fsdp2_reduce_scatters_once_per_group_per_update_and_the_grad_scaler_agr
 
 
 def test_the_equivalence_checker_passes_under_fsdp2(tmp_path, capsys, monkeypatch):
-    """scripts/check_equivalence.py under torchrun with fsdp2: the gradient handed to the optimizer, gathered
+    """scripts/checks/check_equivalence.py under torchrun with fsdp2: the gradient handed to the optimizer, gathered
     whole from the shards (testkit/reference.py's probe), against the float64 full batch."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the script imports this checkout's accumulation/
     status, stdout = run_checker(tmp_path, ["dist.strategy=fsdp2"], 2, capsys)

@@ -1,4 +1,4 @@
-"""The guide quotes numbers; each must be one that scripts/guide_numbers.py computes with the project's code,
+"""The guide quotes numbers; each must be one that scripts/teaching/guide_numbers.py computes with the project's code,
 and must stand in the sentence that uses it (a bare "3.0" could be satisfied by any other 3.0)."""
 
 import subprocess
@@ -41,7 +41,7 @@ SENTENCES = {
 
 def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide():
     printed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "guide_numbers.py")],
+        [sys.executable, str(REPO / "scripts" / "teaching" / "guide_numbers.py")],
         capture_output=True,
         text=True,
         check=True,

@@ -12,7 +12,7 @@ import train
 from accumulation.checkpoint import WriteError
 from accumulation.counters import Counters
 from accumulation.distributed import DistributedContext
-from scripts import plant_bugs
+from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
 
 REPO = Path(__file__).resolve().parent.parent
@@ -168,7 +168,7 @@ def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp
 
 
 def test_every_planted_bug_still_finds_its_text_once():
-    """scripts/plant_bugs.py plants each bug by replacing one exact text; code that moves on must not silently
+    """scripts/checks/plant_bugs.py plants each bug by replacing one exact text; code that moves on must not silently
     turn a bug into "not applicable", or the list would stop proving what README says it proves."""
     for bug in plant_bugs.BUGS:
         assert (REPO / bug.path).read_text().count(bug.old) == 1, bug.name

@@ -1,4 +1,4 @@
-"""scripts/minimal_loop.py, the loop to read first: short, and checked against optimizer_step."""
+"""scripts/teaching/minimal_loop.py, the loop to read first: short, and checked against optimizer_step."""
 
 import io
 import subprocess
@@ -7,7 +7,7 @@ import tokenize
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT = REPO / "scripts" / "minimal_loop.py"
+SCRIPT = REPO / "scripts" / "teaching" / "minimal_loop.py"
 
 
 def run(*arguments: str) -> subprocess.CompletedProcess:

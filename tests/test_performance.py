@@ -1,4 +1,4 @@
-"""Performance invariants, measured with the benchmark's own functions (scripts/bench.py).
+"""Performance invariants, measured with the benchmark's own functions (scripts/benchmarks/bench.py).
 
 Timings live in the benchmark only; what is asserted here holds on any machine. Already asserted in
 tests/test_step.py and not repeated: one gradient all-reduce per step, counted in bytes, and no read of a
@@ -15,7 +15,7 @@ import torch.distributed as dist
 from accumulation.build import load_optimizer_state
 from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
 from accumulation.model import GPT, GPTConfig
-from scripts import bench
+from scripts.benchmarks import bench
 
 TINY = GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16, vocab_size=BYTE_VOCAB_SIZE)
 ACCUMULATION = 4  # A on each of the two ranks

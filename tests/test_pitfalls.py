@@ -1,4 +1,4 @@
-"""The pitfall gallery, run once as a user runs it (`python scripts/pitfalls.py --json --png PATH`).
+"""The pitfall gallery, run once as a user runs it (`python scripts/teaching/pitfalls.py --json --png PATH`).
 
 The script judges itself (exit status 1 when a twin misbehaves); these tests also judge its JSON with
 thresholds of their own, one pair per metric: how close the correct twin must be to its reference, and how
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from accumulation.model import GPT
-from scripts import pitfalls
+from scripts.teaching import pitfalls
 
 REPO = Path(__file__).resolve().parent.parent
 ACCUMULATION_STEPS = pitfalls.ACCUMULATION_STEPS  # A: micro-batches per rank in every step of the gallery
@@ -44,7 +44,7 @@ RULES = {
 def gallery(tmp_path_factory):
     png_path = tmp_path_factory.mktemp("pitfalls") / "gallery.png"
     completed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "pitfalls.py"), "--json", "--png", str(png_path)],
+        [sys.executable, str(REPO / "scripts" / "teaching" / "pitfalls.py"), "--json", "--png", str(png_path)],
         capture_output=True,
         text=True,
         timeout=120,

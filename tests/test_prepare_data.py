@@ -1,4 +1,4 @@
-"""scripts/prepare_data.py: text, folders and JSONL into token files that train.py reads back; bytes and a
+"""scripts/operations/prepare_data.py: text, folders and JSONL into token files that train.py reads back; bytes and a
 locally trained byte-level BPE (the optional `tokenizers` package); bad input leaves nothing behind."""
 
 import json
@@ -11,7 +11,7 @@ import torch
 from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import build_data
-from scripts import prepare_data
+from scripts.operations import prepare_data
 from tests.test_data import jsonl
 
 DOCUMENTS = {

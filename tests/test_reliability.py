@@ -305,11 +305,11 @@ def test_a_full_disk_while_saving_is_one_line_loses_nothing_and_resumes(tmp_path
 
 @pytest.mark.slow
 def test_a_short_chaos_soak_ends_bit_identical():
-    """scripts/chaos_soak.py with 3 random faults (a SIGKILLed rank, SIGTERM to the agent or a kill during a
+    """scripts/checks/chaos_soak.py with 3 random faults (a SIGKILLed rank, SIGTERM to the agent or a kill during a
     save, at random moments) on 50 steps: the weights, counters, metrics and TensorBoard points equal the
     uninterrupted run's. About a minute on the 2-core test machine: torchrun starts several times."""
     completed = subprocess.run(
-        [sys.executable, "scripts/chaos_soak.py", "--steps", "50", "--faults", "3", "--json"],
+        [sys.executable, "scripts/checks/chaos_soak.py", "--steps", "50", "--faults", "3", "--json"],
         capture_output=True,
         text=True,
         timeout=400,

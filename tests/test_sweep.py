@@ -1,4 +1,4 @@
-"""scripts/sweep_microbatch.py: one row per micro-batch size, the same gradient for every m (and a visibly
+"""scripts/benchmarks/sweep_microbatch.py: one row per micro-batch size, the same gradient for every m (and a visibly
 different one when the loss weighting is wrong), a peak-memory measure that sees allocations, and a PNG."""
 
 import json
@@ -11,7 +11,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config import load_config
 from accumulation.data import build_data, step_row_ids
 from accumulation.distributed import DistributedContext
-from scripts import sweep_microbatch
+from scripts.benchmarks import sweep_microbatch
 from testkit.memory import peak_memory_bytes_of
 from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus
 

@@ -15,7 +15,7 @@ from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import DataError, build_data, build_micro_batches, step_row_ids
 from accumulation.models import build_model
-from scripts import check_equivalence
+from scripts.checks import check_equivalence
 from testkit.reference import float64_reference_gradient
 from tests.test_data import assert_rows_match_their_raw_examples, jsonl
 from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings

@@ -1,4 +1,4 @@
-"""Turn text into token files that train.py memory-maps: python scripts/prepare_data.py INPUT OUT_DIR
+"""Turn text into token files that train.py memory-maps: python scripts/operations/prepare_data.py INPUT OUT_DIR
 
     INPUT     a text file (one document), a folder (each UTF-8 text file below it a document, in sorted order;
               other files skipped and counted), or a .jsonl file ({"text"} lines, or {"prompt", "response"}

@@ -1,7 +1,7 @@
 """Chaos soak: a 2-rank run under `torchrun --max-restarts`, interrupted again and again by random faults,
 must end with the bits of the same run left alone.
 
-    python scripts/chaos_soak.py [--steps 300] [--faults 12] [--seed 0] [--json] [--keep DIR]
+    python scripts/checks/chaos_soak.py [--steps 300] [--faults 12] [--seed 0] [--json] [--keep DIR]
 
 Faults, at random moments of the run (each only after the run has made progress since the last one):
     kill9-rank    SIGKILL of a random rank; torchrun's agent restarts both ranks (--max-restarts)
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TIMING_KEYS = {"tokens_per_s", "peak_mem_bytes", "time_s"}  # measured, so never bit-identical between runs
 
 

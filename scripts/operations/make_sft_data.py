@@ -1,6 +1,6 @@
 """Write data/sft_arithmetic.jsonl, the worked supervised fine-tuning data set of configs/sft.toml.
 
-    python scripts/make_sft_data.py            # rewrites the committed file byte for byte
+    python scripts/operations/make_sft_data.py            # rewrites the committed file byte for byte
 
 Each line is {"prompt": "Q: <a> <op> <b> =", "response": " <answer>\\n"}. Operand sizes are drawn per
 example, and multiplications by a number of two or more digits show their working, so prompts and above
@@ -18,7 +18,7 @@ from pathlib import Path
 
 SEED = 20240611
 EXAMPLES = 2800
-OUTPUT = Path(__file__).resolve().parent.parent / "data" / "sft_arithmetic.jsonl"
+OUTPUT = Path(__file__).resolve().parents[2] / "data" / "sft_arithmetic.jsonl"
 
 
 def operand(rng: random.Random, max_digits: int) -> int:

@@ -1,6 +1,6 @@
 """Print every number quoted in docs/accumulation.md, computed by the project's own code.
 
-    python scripts/guide_numbers.py
+    python scripts/teaching/guide_numbers.py
 
 Each line is `name: value`; tests/test_guide.py checks that every value appears in the guide, so the guide
 cannot drift from what the code does.

@@ -2,7 +2,7 @@
 1 GB, against what one rank of an 8-GPU node consumes for GPT-2-small, and whether a run's peak memory
 grows with the file.
 
-    python scripts/bench_data.py [--gigabytes 1.0] [--seconds 10]
+    python scripts/benchmarks/bench_data.py [--gigabytes 1.0] [--seconds 10]
 
 It writes, under a temporary folder of /tmp (deleted at the end), a nanoGPT folder whose train.bin holds
 --gigabytes GB of random uint16 tokens below 50,257, and a 10 MB one, then prints:
@@ -37,7 +37,7 @@ import torch
 from accumulation.config import load_config
 from accumulation.data import build_data, build_micro_batches, step_row_ids
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GPT2_VOCAB = 50_257
 GPT2_PARAMETERS = 124_000_000
 GPT2_LAYERS, GPT2_WIDTH, SEQ_LEN = 12, 768, 1024

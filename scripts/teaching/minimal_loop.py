@@ -1,6 +1,6 @@
 """The smallest correct gradient-accumulation loop: one process, plain PyTorch, token-weighted. Read it first.
 
-    python scripts/minimal_loop.py [--classic]
+    python scripts/teaching/minimal_loop.py [--classic]
 
 A step is A micro-batches whose rows supervise different numbers of tokens (labels -100 elsewhere). The
 objective of a step is the mean loss over its N supervised tokens. The classic loop, as most tutorials

@@ -1,6 +1,6 @@
 """A gallery of real gradient-accumulation bugs, each measured next to the correct update on the same data.
 
-    python scripts/pitfalls.py [--json] [--png PATH]
+    python scripts/teaching/pitfalls.py [--json] [--png PATH]
 
 Every pitfall is a pair of twins. The buggy twin is the mistake written out plainly, as people write it; the
 correct twin is this project's `optimizer_step` (or its data order), so the gallery tests our loop as well.

@@ -1,6 +1,6 @@
 """The micro-batch is a memory knob, the global batch a cadence knob: training curves against updates.
 
-    python scripts/cadence.py [--steps 120] [--png docs/figures/cadence.png]
+    python scripts/teaching/cadence.py [--steps 120] [--png docs/figures/cadence.png]
 
 One process trains the SFT example (configs/sft.toml, a smaller GPT) with the project's optimizer_step four
 times from the same initial weights: global batch G = 32 with micro-batches m = 4 (A = 8) and m = 16
@@ -25,7 +25,7 @@ from accumulation.models import build_model
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CONFIG_ARGUMENTS = [
     "--config",
     str(REPO / "configs" / "sft.toml"),

@@ -1,8 +1,8 @@
 """The CUDA paths, checked on one GPU within 5 minutes (not yet timed): PASS/FAIL with the figures behind each.
 
-    python scripts/gpu_check.py            # the table; exit 1 if any check fails
-    python scripts/gpu_check.py --json     # one JSON object instead
-    python scripts/gpu_check.py --only sync_audit,fp16_overflow
+    python scripts/checks/gpu_check.py            # the table; exit 1 if any check fails
+    python scripts/checks/gpu_check.py --json     # one JSON object instead
+    python scripts/checks/gpu_check.py --only sync_audit,fp16_overflow
 
 Without a GPU it prints one line saying so and exits 0. Every check runs on the first GPU with small models
 on the project's own source files as text (no download); a check that raises is a FAIL with its error.
@@ -58,10 +58,10 @@ from testkit.reference import (
 )
 from testkit.syncs import cuda_syncs_of
 
-REPOSITORY = Path(__file__).resolve().parent.parent
+REPOSITORY = Path(__file__).resolve().parents[2]
 SEQ_LEN = 64
 SMALL = GPTConfig(seq_len=SEQ_LEN, n_layer=2, n_head=4, d_model=128, vocab_size=256)
-# Relative to the largest entry of the float64 gradient, as scripts/check_equivalence.py bounds them: fp32
+# Relative to the largest entry of the float64 gradient, as scripts/checks/check_equivalence.py bounds them: fp32
 # (TF32 off) about 1e-7 per operation; bf16 and fp16 round each operation to 2^-9 and 2^-12.
 TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}
 MAX_SYNCS_PER_UPDATE = 1
@@ -304,11 +304,11 @@ def check_oom_recovery(device: torch.device) -> tuple[bool, str]:
 
 
 def check_mfu(device: torch.device) -> tuple[bool, str]:
-    """scripts/bench.py --config configs/gpu_8x.toml (on a small text corpus: the model is what counts)."""
+    """scripts/benchmarks/bench.py --config configs/gpu_8x.toml (on a small text corpus: the model is what counts)."""
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
         folder = text_folder(Path(scratch))
         config_file = REPOSITORY / "configs" / "gpu_8x.toml"
-        bench = REPOSITORY / "scripts" / "bench.py"
+        bench = REPOSITORY / "scripts" / "benchmarks" / "bench.py"
         # The config trains on prepared token files; the benchmark only needs rows of its seq_len to time the model.
         command = [sys.executable, str(bench), "--config", str(config_file), "--json", f"data.source={folder}"]
         completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=240, cwd=scratch)

@@ -2,8 +2,8 @@
 
 For anyone who changed the model, the loss, the data or the step: run it with the config you train with.
 
-    python scripts/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug mean-of-means|mask]
-    torchrun --standalone --nproc_per_node=N scripts/check_equivalence.py [same arguments]
+    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug mean-of-means|mask]
+    torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
 
 The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
 train.py uses), the examples of step 0 of the data order, split into this rank's A micro-batches of m rows

@@ -1,8 +1,8 @@
 """Memory and speed of one optimizer update against the micro-batch size m, at a fixed global batch.
 
-    python scripts/sweep_microbatch.py [--micro 1,2,4,8,16,32] [--png FILE] [--json]
+    python scripts/benchmarks/sweep_microbatch.py [--micro 1,2,4,8,16,32] [--png FILE] [--json]
         [--config FILE] [section.key=value ...]
-    torchrun --standalone --nproc_per_node=N scripts/sweep_microbatch.py [same arguments]
+    torchrun --standalone --nproc_per_node=N scripts/benchmarks/sweep_microbatch.py [same arguments]
 
 The global batch G stays as configured; for each m, A = G / (m·D) follows, and an m that does not give a
 whole A is reported as skipped, with the reason. Each m gets a fresh model with the same initial weights
@@ -48,7 +48,7 @@ from testkit.reference import first_update_probe, max_relative_error, without_dr
 # Tolerance on max |gradient(m) - gradient(first m)| / max |gradient(first m)|, by the loop's precision.
 # Different m add the same terms in a different order (other micro-batch sums, other matrix shapes).
 # fp32: each m's gradient is within about 1e-7 of the largest entry of the exact one (what
-# scripts/check_equivalence.py measures against float64), so two of them differ by about twice that; 1e-5
+# scripts/checks/check_equivalence.py measures against float64), so two of them differ by about twice that; 1e-5
 # leaves a wide margin and is far below the 1e-2 and more of a wrong weighting of micro-batches.
 # bf16 and fp16 round each operation to 2^-9 and 2^-12: the bounds of check_equivalence.py, 5e-2 and 1e-2.
 RELATIVE_TOLERANCE = {"fp32": 1e-5, "bf16": 5e-2, "fp16": 1e-2}

@@ -1,9 +1,9 @@
 """Benchmark: does the bookkeeping of `optimizer_step` cost anything?
 
-    python scripts/bench.py            # a readable table, about 2 minutes on a quiet 2-core CPU
-    python scripts/bench.py --json     # one JSON object instead
-    python scripts/bench.py --quick    # fewer repetitions: every measurement once, quickly
-    python scripts/bench.py --config configs/gpu_8x.toml [key=value ...]  # MFU, syncs, memory of any config
+    python scripts/benchmarks/bench.py            # a readable table, about 2 minutes on a quiet 2-core CPU
+    python scripts/benchmarks/bench.py --json     # one JSON object instead
+    python scripts/benchmarks/bench.py --quick    # fewer repetitions: every measurement once, quickly
+    python scripts/benchmarks/bench.py --config configs/gpu_8x.toml [key=value ...]  # MFU, syncs, memory of any config
 
 A reference loop is only worth forking if its bookkeeping costs nothing. Everything here uses the project's
 default model (configs/default.toml) on real micro-batches of the embedded corpus, m = 4 rows of 128 tokens,

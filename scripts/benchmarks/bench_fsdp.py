@@ -1,7 +1,7 @@
 """Benchmark: what FSDP2 (dist.strategy = "fsdp2") communicates and what it saves, against DDP.
 
-    python scripts/bench_fsdp.py           # a table, about half a minute on a 2-core CPU
-    python scripts/bench_fsdp.py --json    # one JSON object instead
+    python scripts/benchmarks/bench_fsdp.py           # a table, about half a minute on a 2-core CPU
+    python scripts/benchmarks/bench_fsdp.py --json    # one JSON object instead
 
 The project's default model (configs/default.toml: 875,264 parameters, 4 transformer blocks), AdamW, m = 4 rows
 of 128 tokens, A = 4 micro-batches per rank on D = 2 gloo ranks of the CPU; the rows are cut from this
@@ -54,7 +54,7 @@ RANKS = 2  # D
 MICRO_BATCH_SIZE = 4  # m
 ACCUMULATION_STEPS = 4  # A on each rank
 CPU = torch.device("cpu")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TARGET_STATE_RATIO_SLACK = 1.05  # fsdp2 / ddp state bytes at most 1.05 / D: padding and AdamW's step counters
 
 

@@ -1,6 +1,6 @@
 """Plant plausible bugs, one at a time, and check that the tests meant to see each one fail.
 
-    python scripts/plant_bugs.py [--only NAME ...] [--json]
+    python scripts/checks/plant_bugs.py [--only NAME ...] [--json]
 
 Each bug is a text substitution in one file of a temporary copy of the repository (the tracked and the
 untracked, not ignored files); the named tests then run in that copy. "caught" means they failed;
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Does it matter in training? The same run with the correct step and with three buggy normalizations.
 
-    python scripts/loss_curves.py [--steps 300] [--png docs/figures/loss_curves.png] [--json]
+    python scripts/teaching/loss_curves.py [--steps 300] [--png docs/figures/loss_curves.png] [--json]
 
 Supervised fine-tuning on data/sft_arithmetic.jsonl (configs/sft.toml: one prompt/response per row, only the
 response supervised, 3 to 85 supervised tokens per row) with a smaller GPT, on 2 gloo ranks the script
@@ -39,7 +39,7 @@ from accumulation.schedule import build_scheduler
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
 CONFIG_ARGUMENTS = [
     "--config",
