@@ -79,10 +79,11 @@ class RawExample:
 
 def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> RawExample:
     """The RawExample of next-token prediction on prompt + response, cut to seq_len + 1 tokens: input
-    position j reads token j and predicts token j + 1, a target exactly when token j + 1 is a response token."""
+    position j reads token j and predicts token j + 1, a target exactly when token j + 1 is a response token.
+    (A row shorter than seq_len + 1 tokens reads its last token too, as a position without a target.)"""
     tokens = (prompt + response)[: seq_len + 1]
     targets = {j: tokens[j + 1] for j in range(len(tokens) - 1) if j + 1 >= len(prompt)}
-    return RawExample(inputs=tokens[:-1], targets=targets)
+    return RawExample(inputs=tokens[:seq_len], targets=targets)
 
 
 class Rows(Protocol):

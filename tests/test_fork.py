@@ -42,7 +42,7 @@ def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
     expected_tokens = 0
     for line in metrics:
         row_ids = step_row_ids(data.train.num_rows, 8, 1337, line["steps"] - 1, "drop")
-        expected_tokens += sum(len(data.train.raw_example(row_id).response) for row_id in row_ids.tolist())
+        expected_tokens += sum(len(data.train.raw_example(row_id, 0).targets) for row_id in row_ids.tolist())
         assert line["tokens"] == expected_tokens
         assert line["examples"] == 8 * line["steps"]
     assert metrics[1]["val_loss"] is not None
