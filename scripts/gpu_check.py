@@ -167,8 +167,8 @@ def check_sync_audit(device: torch.device) -> tuple[bool, str]:
 
     def one_step(step: int):
         row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
-        counts = step_counts(rows, row_ids, 0)
-        micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=0))
+        counts = step_counts(rows, row_ids, step)
+        micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
         options = {"grad_clip": 1.0, "autocast_dtype": torch.bfloat16, "global_counts": counts}
         return lambda: optimizer_step(model, micro_batches, optimizer, device=device, **options)
 
@@ -219,8 +219,8 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
         losses[compiled] = []
         for step in range(5):
             row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
-            counts = step_counts(rows, row_ids, 0)
-            micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=0))
+            counts = step_counts(rows, row_ids, step)
+            micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
             start = time.perf_counter()
             result = optimizer_step(
                 wrapped, micro_batches, optimizer, device=device, autocast_dtype=torch.bfloat16, global_counts=counts
