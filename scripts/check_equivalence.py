@@ -165,14 +165,13 @@ CHECKED_STEP = 0
 def refuse_a_bug_this_data_cannot_show(bug: str | None, rows: Rows, row_ids: torch.Tensor) -> None:
     """A DataError when the self-test's bug would change nothing on this data (so a PASS would mean nothing)."""
     if bug == "mask":
-        examples = [rows.raw_example(row_id, CHECKED_STEP) for row_id in row_ids.tolist()]
-        if not any(len(example.targets) < len(example.inputs) for example in examples):
+        if not isinstance(rows, RowSet):
+            raise DataError("--inject-bug mask rewrites a RowSet's prompt mask; this data's rows are not a RowSet")
+        if torch.equal(every_real_target(rows)[row_ids], rows.supervised[row_ids]):
             raise DataError(
                 "--inject-bug mask needs rows with prompt positions, and step 0 of this data has none; "
                 "run it on prompt/response data, e.g. --config configs/sft.toml"
             )
-        if not isinstance(rows, RowSet):
-            raise DataError("--inject-bug mask rewrites a RowSet's prompt mask; this data's rows are not a RowSet")
     if bug == "rank-mask":
         at_first, at_second = rows.examples(row_ids, CHECKED_STEP), rows.examples(row_ids, CHECKED_STEP + 1)
         if all(torch.equal(a, b) for a, b in zip(at_first, at_second, strict=True)):
