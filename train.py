@@ -49,11 +49,10 @@ from accumulation.data import (
     Data,
     DataError,
     build_data,
-    build_micro_batches,
+    check_supervised_counts,
     eval_micro_batches,
     rows_dropped_per_epoch,
-    step_counts,
-    step_row_ids,
+    step_batch,
     steps_per_epoch,
 )
 from accumulation.distributed import (
@@ -125,7 +124,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
         return 2
-    except DataError as error:  # a token file's row read mid-run holds an id beyond the vocabulary
+    except DataError as error:  # a row read mid-run holds an id beyond the vocabulary, or not the promised N
         print(f"error: {error}", file=sys.stderr)  # the rank that read the row says so; the others lose it
         return 2
     except WriteError as error:  # a full disk: the rank that wrote says so (the others lose it just after)
@@ -250,25 +249,23 @@ def train(
             step_start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            # The examples of this step depend on (seed, step, G) only; this rank takes its fixed slices.
-            row_ids = step_row_ids(
-                data.train.num_rows,
-                config.batch.global_batch_size,
-                config.run.seed,
-                counters.steps,
-                config.batch.tail,
-            )
-            # Every rank holds the whole step's row ids, so each counts N and the examples on the host by
-            # itself: no collective, and nothing waits, before the first forward.
-            global_counts = step_counts(data.train, row_ids)
-            micro_batches = build_micro_batches(
+            # The step's rows are a pure function of (seed, step, row ids): which rows, from (seed, step, G);
+            # what each holds at this step (a fresh mask), from the data. Every rank holds the whole step's
+            # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
+            batch = step_batch(
                 data.train,
-                row_ids,
-                config.batch.global_batch_size,
-                micro_batch_size,
-                context.world_size,
-                context.rank,
+                counters.steps,
+                seed=config.run.seed,
+                global_batch_size=config.batch.global_batch_size,
+                tail=config.batch.tail,
+                micro_batch_size=micro_batch_size,
+                world_size=context.world_size,
+                rank=context.rank,
             )
+            # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
+            # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
+            check_supervised_counts(batch)
+            micro_batches = batch.micro_batches
             if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
                 micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
             result = optimizer_step(
@@ -280,7 +277,7 @@ def train(
                 loss_sum_fn=loss_sum_fn,
                 grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
-                global_counts=global_counts,
+                global_counts=batch.global_counts,
                 shrink_on_oom=config.batch.on_oom == "shrink",
                 stop_requested=lambda: stop.requested,  # read at the step's boundary
             )
@@ -635,9 +632,10 @@ def print_summary(
     if decode is None:
         print(f"sample: skipped, {why_not}")
         return
-    # The prompt: the first training example's prompt, or its first four tokens when it has none.
-    example = prompt_source.raw_example(0)
-    prompt_tokens = example.prompt or example.response[:4]
+    # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
+    # least four tokens.
+    example = prompt_source.raw_example(0, 0)
+    prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
     model.eval()
     prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
     sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))

@@ -134,6 +134,12 @@ class DataConfig:
         'how text and JSONL become tokens: "bytes" (UTF-8 bytes, vocabulary 256) or the path of a Hugging Face '
         "tokenizer.json (needs the optional `tokenizers` package, requirements-bpe.txt)",
     )
+    task: str = setting(
+        "next-token",
+        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked afresh "
+        "every step (80% [MASK], 10% a random token, 10% kept) and only those supervised (accumulation/masked_lm.py)",
+        choices=("next-token", "masked"),
+    )
     val_rows: int = setting(
         1024,
         "validation reads at most this many rows, evenly spaced over the split (the same rows for every m, A, D); "
@@ -147,8 +153,9 @@ class DataConfig:
 class ModelConfig:
     name: str = setting(
         "gpt",
-        "the architecture, built by accumulation/models.py: a GPT transformer, or a GRU language model",
-        choices=("gpt", "gru"),
+        "the architecture, built by accumulation/models.py: a GPT transformer, a GRU language model, or a "
+        'bidirectional transformer encoder (needs data.task = "masked")',
+        choices=("gpt", "gru", "encoder"),
     )
     # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
     # model on the meta device, which takes time in proportion to its number of modules.
@@ -364,9 +371,15 @@ def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
     which knows the world size.)"""
     model, batch, schedule = config.model, config.batch, config.schedule
-    if model.name == "gpt" and model.d_model % model.n_head != 0:  # the heads split d_model evenly
+    if model.name == "encoder" and config.data.task != "masked":  # it sees every position, the next one included
         raise ConfigError(
-            f"model.d_model: expected a multiple of model.n_head ({model.n_head}) for the gpt, got {model.d_model}"
+            f'model.name: the encoder sees every input position, so it needs data.task = "masked", got '
+            f'"{config.data.task}"; use model.name = "gpt" for next-token prediction'
+        )
+    if model.name in ("gpt", "encoder") and model.d_model % model.n_head != 0:  # the heads split d_model evenly
+        raise ConfigError(
+            f"model.d_model: expected a multiple of model.n_head ({model.n_head}) for the {model.name}, "
+            f"got {model.d_model}"
         )
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(

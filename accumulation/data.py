@@ -1,50 +1,53 @@
-"""The data a fork keeps: the rows interface, the data order and micro-batches.
+"""The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches.
 
-The interface
--------------
-The training loop sees a split of the data only as a `Rows` object:
-
-    num_rows             rows in the split
-    seq_len              input positions per row
-    examples(row_ids)    (inputs, labels), both int64 [len(row_ids), seq_len]: labels[i, j] is the token that
-                         input position j of row i must predict, or IGNORE_INDEX (-100) where that position has
-                         no target (a prompt, padding past the row's end)
-    raw_example(row_id)  RawExample: the prompt and response tokens the row was made from, untouched by the
-                         masking and batching below, so that a checker can build reference labels its own way
-    supervised_counts(row_ids)
-                         int64 [len(row_ids)]: supervised targets of each row, the count of labels != -100 that
-                         examples(row_ids) would give, computed without building the rows where possible; every
-                         rank sums it over the step's row ids to know the step's N with no collective
-
-RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/token_files.py)
-for memory-mapped token files. A fork with its own task or tokenizer writes a source that returns Rows
-(make_rows and make_example_rows build RowSets) and adds a branch to build_data.
+The types every source shares (the `Rows` interface, RowSet, RawExample, Data, DataError) live in
+accumulation/rows.py, which imports no source; the sources import it, and this module imports the sources.
+They are imported here too, so `from accumulation.data import RowSet` keeps working.
 
 The pipeline:
     config.data  ->  build_data  ->  a source  ->  train and validation Rows
         "stdlib", a text file or a folder: accumulation/text_corpus.py (the embedded demo corpus)
         a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/jsonl.py
         token files (nanoGPT's train.bin/val.bin, llm.c shards): accumulation/token_files.py
-and, every optimizer step:
-    (seed, step, global_batch_size)  ->  row ids of the step  ->  this rank's micro-batches
+        token files with data.task = "masked": accumulation/masked_lm.py (a fresh mask every step)
+and, every optimizer step s:
+    (seed, s, global_batch_size)  ->  row ids of the step  ->  step_batch: the rows as step s sees them
+    (rows.examples(row_ids, s)), N from rows.supervised_counts(row_ids, s), this rank's micro-batches
 """
 
 import hashlib
 import math
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
 
+from accumulation import jsonl, masked_lm, text_corpus, token_files
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
 from accumulation.config import Config
+from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
+    BYTE_VOCAB_SIZE,
+    Data,
+    DataError,
+    DataSummary,
+    ExampleRows,
+    RawExample,
+    Rows,
+    RowSet,
+    RowSubset,
+    data_from_rows,
+    key_hash,
+    labels_from_mask,
+    make_example_rows,
+    make_rows,
+    mix64,
+    next_token_example,
+    row_fingerprint,
+    token_dtype,
+    validation_keys,
+)
 from accumulation.step import GlobalCounts
-
-# Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
-BYTE_VOCAB_SIZE = 256
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
 # when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
@@ -57,384 +60,6 @@ DATA_ORDER = f"feistel-{FEISTEL_ROUNDS}-blake2b"
 
 TAILS = ("drop", "partial")
 
-# Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
-FINGERPRINT_CHUNK_ROWS = 65_536
-
-
-class DataError(ValueError):
-    """A problem with the user's data, worded as one line that names the path and the fix."""
-
-
-# ---------------------------------------------------------------------------------------------------
-# The interface
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RawExample:
-    """What a row was made from: the row's tokens are (prompt + response)[:seq_len + 1].
-
-    The target at token index t (predicted by input position t - 1) is supervised exactly when
-    t >= len(prompt). A row cut from a plain document has an empty prompt, and its response is the row's
-    window of the document, so every target is supervised. A prompt/response example keeps its whole
-    response here even when the row truncates it.
-    """
-
-    prompt: list[int]
-    response: list[int]
-
-
-class Rows(Protocol):
-    """One split of the data, as the training loop reads it (see the module docstring)."""
-
-    @property
-    def num_rows(self) -> int: ...
-
-    @property
-    def seq_len(self) -> int: ...
-
-    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def raw_example(self, row_id: int) -> RawExample: ...
-
-    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor: ...
-
-
-def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
-    """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else.
-
-    The only place where a supervision mask becomes labels.
-    """
-    return torch.where(supervised, targets, IGNORE_INDEX)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Rows held in memory
-# ---------------------------------------------------------------------------------------------------
-
-
-def token_dtype(vocab_size: int) -> torch.dtype:
-    """The narrowest unsigned integer type that holds every token id 0..vocab_size - 1."""
-    if not 1 <= vocab_size <= 2**32:
-        raise ValueError(f"vocab_size must be in 1..2**32, got {vocab_size}")
-    if vocab_size <= 2**8:
-        return torch.uint8
-    if vocab_size <= 2**16:
-        return torch.uint16
-    return torch.uint32
-
-
-@dataclass
-class RowSet:
-    """Rows of one split, stored compactly, with what each row was cut from.
-
-    tokens       token_dtype(vocab_size) [num_rows, seq_len + 1]: the row's tokens, then zeros past its length
-    lengths      int32 [num_rows]: real tokens in the row, 2..seq_len + 1
-    supervised   bool [num_rows, seq_len]: whether input position j's target, token j + 1, is trained on;
-                 always False for j >= length - 1, where there is no target
-    vocab_size   token ids lie in 0..vocab_size - 1
-
-    Where row i came from, for raw_example: tokens [starts[i], ends[i]) of texts[text_ids[i]], whose tokens
-    before prompt_ends[i] are prompt (prompt_ends is 0 for a plain document). For a document the span is
-    exactly the row; for a prompt/response example it is the whole example, which the row may truncate.
-    """
-
-    tokens: torch.Tensor
-    lengths: torch.Tensor
-    supervised: torch.Tensor
-    vocab_size: int
-    texts: list  # token sequences: bytes (one token per byte), or numpy arrays of ids from a tokenizer
-    text_ids: np.ndarray  # int64 [num_rows]
-    starts: np.ndarray  # int64 [num_rows], tokens
-    ends: np.ndarray  # int64 [num_rows], tokens
-    prompt_ends: np.ndarray  # int64 [num_rows], tokens
-
-    def __post_init__(self):
-        num_rows, tokens_per_row = self.tokens.shape
-        if self.tokens.dtype != token_dtype(self.vocab_size):
-            raise ValueError(f"tokens of a vocabulary of {self.vocab_size} are {token_dtype(self.vocab_size)}")
-        if self.lengths.shape != (num_rows,) or self.supervised.shape != (num_rows, tokens_per_row - 1):
-            raise ValueError("lengths must be [num_rows] and supervised [num_rows, seq_len]")
-
-    @property
-    def num_rows(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.tokens.shape[1] - 1
-
-    def supervised_tokens(self) -> torch.Tensor:
-        """int64 [num_rows]: supervised targets of each row."""
-        return self.supervised.sum(dim=1)
-
-    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
-        """int64 [len(row_ids)]: supervised targets of the given rows, read from the mask alone."""
-        return self.supervised[row_ids].sum(dim=1)
-
-    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, labels) of the rows, int64 [len(row_ids), seq_len]: a row's tokens shifted by one."""
-        tokens = self.tokens[row_ids].long()  # int64 copy of these rows only
-        return tokens[:, :-1], labels_from_mask(tokens[:, 1:], self.supervised[row_ids])
-
-    def raw_example(self, row_id: int) -> RawExample:
-        """The span the row was cut from, split at its prompt's end; reads neither `tokens` nor `supervised`."""
-        row_id = int(row_id)
-        text = self.texts[self.text_ids[row_id]]
-        start, end = int(self.starts[row_id]), int(self.ends[row_id])
-        prompt_end = max(start, int(self.prompt_ends[row_id]))
-        return RawExample(prompt=token_list(text[start:prompt_end]), response=token_list(text[prompt_end:end]))
-
-
-def token_list(tokens) -> list[int]:
-    """Python ints of a token sequence: bytes or a numpy array of ids."""
-    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
-
-
-def token_array(tokens) -> np.ndarray:
-    """A token sequence as a numpy array (bytes as uint8, without a copy)."""
-    return np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
-
-
-def numpy_token_dtype(vocab_size: int) -> np.dtype:
-    """token_dtype as numpy spells it."""
-    return {torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32}[token_dtype(vocab_size)]
-
-
-def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> RowSet:
-    """Cut every document into rows of seq_len + 1 tokens with stride seq_len, all targets supervised.
-
-    A document is bytes (one token per byte, vocab_size 256) or a numpy array of token ids < vocab_size.
-
-    Row i of a document covers tokens [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
-    token, the last input of one row being the first input of the next, so each of the document's L - 1
-    targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
-    document; the last row of a document is right-padded with zeros. Documents shorter than 2 tokens give no rows.
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-    tokens_per_row = seq_len + 1
-    kept = [document for document in documents if len(document) >= 2]
-    document_bytes = np.array([len(document) for document in kept], dtype=np.int64)
-    document_starts = np.cumsum(document_bytes) - document_bytes  # offsets in the concatenation
-    row_counts = (document_bytes - 2) // seq_len + 1  # ceil((L - 1) / seq_len) for every document at once
-
-    # For every row: its document, its index within that document, and so its start and length.
-    row_document = np.repeat(np.arange(len(kept)), row_counts)
-    first_row_of_document = np.cumsum(row_counts) - row_counts
-    row_in_document = np.arange(int(row_counts.sum())) - first_row_of_document[row_document]
-    offset_in_document = row_in_document * seq_len
-    row_starts = document_starts[row_document] + offset_in_document
-    lengths = np.minimum(tokens_per_row, document_bytes[row_document] - offset_in_document)
-
-    # Trailing zeros so that every row start has a full window; the window of a document's last row runs
-    # into the next document (or these zeros), and everything past the row's length is zeroed below.
-    storage = numpy_token_dtype(vocab_size)
-    pieces = [token_array(document) for document in kept] + [np.zeros(tokens_per_row, dtype=storage)]
-    concatenated = np.concatenate(pieces).astype(storage, copy=False)
-    windows = np.lib.stride_tricks.sliding_window_view(concatenated, tokens_per_row)
-    tokens = windows[row_starts]  # fancy indexing copies: a fresh array of the storage type, no int64 intermediate
-    tokens[np.arange(tokens_per_row) >= lengths[:, None]] = 0
-    supervised = np.arange(seq_len) < lengths[:, None] - 1  # every target the row has
-    return RowSet(
-        tokens=torch.from_numpy(tokens),
-        lengths=torch.from_numpy(lengths.astype(np.int32)),
-        supervised=torch.from_numpy(supervised),
-        vocab_size=vocab_size,
-        texts=kept,
-        text_ids=row_document,
-        starts=offset_in_document,
-        ends=offset_in_document + lengths,
-        prompt_ends=np.zeros(len(row_document), dtype=np.int64),
-    )
-
-
-class ExampleRows(NamedTuple):
-    """What make_example_rows returns: the rows, and what became of the examples that do not fit."""
-
-    rows: RowSet
-    dropped: int  # examples without a supervised target within seq_len + 1 tokens: no row
-    truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
-
-
-def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
-    """One row per (prompt, response) example, its tokens those of prompt then response; only the
-    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
-    or numpy arrays of token ids < vocab_size.
-
-    An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
-    With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
-    (index 0 is never a target), so an example with L <= max(P, 1) has nothing to learn and is dropped.
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-    tokens_per_row = seq_len + 1
-    kept = [
-        (prompt, response)
-        for prompt, response in examples
-        if min(len(prompt) + len(response), tokens_per_row) > max(len(prompt), 1)
-    ]
-    prompt_bytes = np.array([len(prompt) for prompt, _ in kept], dtype=np.int64)
-    example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
-    lengths = np.minimum(example_bytes, tokens_per_row)
-
-    texts = [
-        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
-        for prompt, response in kept
-    ]
-    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
-    for row, text in enumerate(texts):
-        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
-    # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
-    targets = np.arange(1, tokens_per_row)
-    supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
-    rows = RowSet(
-        tokens=torch.from_numpy(tokens),
-        lengths=torch.from_numpy(lengths.astype(np.int32)),
-        supervised=torch.from_numpy(supervised),
-        vocab_size=vocab_size,
-        texts=texts,
-        text_ids=np.arange(len(kept), dtype=np.int64),
-        starts=np.zeros(len(kept), dtype=np.int64),
-        ends=example_bytes,
-        prompt_ends=prompt_bytes,
-    )
-    return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
-
-
-def row_fingerprint(rows: RowSet) -> str:
-    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask.
-
-    A checkpoint stores it so that resuming on different data (another source, seq_len, split or prompt
-    mask) is noticed. Tokens are hashed as little-endian uint32 whatever their storage type, so the
-    fingerprint is a function of the token values alone and does not move when token_dtype picks another width.
-    """
-    digest = hashlib.sha256()
-    digest.update(f"{tuple(rows.tokens.shape)}".encode())
-    tokens = rows.tokens.numpy()
-    for first in range(0, rows.num_rows, FINGERPRINT_CHUNK_ROWS):
-        digest.update(tokens[first : first + FINGERPRINT_CHUNK_ROWS].astype("<u4").tobytes())
-    digest.update(rows.lengths.numpy().astype("<i4").tobytes())
-    digest.update(rows.supervised.numpy().tobytes())  # one byte, 0 or 1, per position
-    return digest.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Validation split
-# ---------------------------------------------------------------------------------------------------
-
-
-def key_hash(key: str) -> float:
-    """A stable hash of a string in [0, 1): crc32 is the same on every machine and Python version."""
-    return zlib.crc32(key.encode("utf-8")) / 2**32
-
-
-def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
-    """The keys (file paths, example lines) whose hash falls below val_fraction.
-
-    Hashing the key (not its position) keeps an item on its side of the split when other items are added
-    or removed, and puts identical items on the same side. When nothing falls below val_fraction but there
-    are at least two distinct keys, the key with the smallest hash is used, so that a small source still
-    has a validation set.
-    """
-    if val_fraction == 0:
-        return set()
-    chosen = {key for key in keys if key_hash(key) < val_fraction}
-    if not chosen and len(set(keys)) >= 2:
-        chosen = {min(keys, key=key_hash)}
-    return chosen
-
-
-# ---------------------------------------------------------------------------------------------------
-# The data of a run
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataSummary:
-    source: str  # data.source as given
-    root: str  # the file or folder it resolved to
-    seq_len: int
-    vocab_size: int
-    files: int  # files used, training and validation
-    val_files: int  # of those, files in the validation split (0 or 1 for a single file split within itself)
-    skipped_files: int  # non-text files left out
-    bytes: int  # bytes of the files used
-    documents: int  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
-    dropped_documents: int  # of those, with no target to predict: no rows
-    truncated_documents: int  # of those, cut short to one row of seq_len + 1 tokens
-    train_rows: int
-    val_rows: int  # rows in the validation split
-    min_supervised_tokens: int  # per training row
-    median_supervised_tokens: float
-    max_supervised_tokens: int
-    padding_fraction: float  # label positions past a row's last target / all label positions, training rows
-    prompt_fraction: float  # label positions whose target is prompt, not response / all label positions, training
-    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
-    layout: str = "documents"  # data.layout as resolved: "documents" or "packed"
-    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files"
-    tokens: int = 0  # token files: tokens in the files used
-    vocab_from: str = "bytes"  # where the vocabulary size came from
-    val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
-
-    def describe(self) -> str:
-        skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
-        losses = [
-            f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
-            f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
-        ]
-        losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
-        contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
-        if not self.val_rows:
-            validation = "no validation set"
-        elif self.val_rows_read < self.val_rows:
-            validation = f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
-        else:
-            validation = f"{self.val_rows:,} validation rows"
-        location = self.source if self.source == self.root else f"{self.source} ({self.root})"
-        prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
-        kind = "" if self.format == "text" else f"{self.format}, "
-        return (
-            f"data {location}: {kind}{self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
-            f"{contents}; layout {self.layout}: {self.train_rows:,} training rows and {validation} "
-            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size} ({self.vocab_from}), supervised tokens per "
-            f"training row min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
-            f"/ max {self.max_supervised_tokens}, "
-            f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
-        )
-
-
-@dataclass
-class Data:
-    train: Rows
-    val: Rows | None  # None when val_fraction == 0
-    summary: DataSummary
-    vocab_size: int  # the data's vocabulary: 256 for byte tokens
-
-
-class RowSubset:
-    """Some rows of another Rows object, renumbered 0..len(row_ids) - 1 (the Rows interface)."""
-
-    def __init__(self, rows: Rows, row_ids: torch.Tensor):
-        self.rows, self.row_ids = rows, row_ids
-
-    @property
-    def num_rows(self) -> int:
-        return len(self.row_ids)
-
-    @property
-    def seq_len(self) -> int:
-        return self.rows.seq_len
-
-    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rows.examples(self.row_ids[row_ids])
-
-    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
-        return self.rows.supervised_counts(self.row_ids[row_ids])
-
-    def raw_example(self, row_id: int) -> RawExample:
-        return self.rows.raw_example(int(self.row_ids[row_id]))
-
 
 def validation_subset(rows: Rows, max_rows: int) -> Rows:
     """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split
@@ -445,72 +70,6 @@ def validation_subset(rows: Rows, max_rows: int) -> Rows:
     return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)
 
 
-def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
-    """A DataError when the split left training without rows, or a requested validation set empty.
-    (Each source first reports a source without any usable row in its own words.)"""
-    if train.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
-            f"lower data.val_fraction or add more data"
-        )
-    if val_fraction > 0 and val.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to predict; "
-            f"raise data.val_fraction, add more data, or set data.val_fraction=0"
-        )
-
-
-def data_from_rows(
-    source: str,
-    train: RowSet,
-    val: RowSet,
-    val_fraction: float,
-    *,
-    root: str,
-    files: int,
-    val_files: int,
-    skipped_files: int,
-    bytes: int,
-    documents: int,
-    dropped_documents: int,
-    truncated_documents: int,
-    layout: str = "documents",
-    format: str = "text",
-    vocab_from: str = "bytes",
-) -> Data:
-    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
-    check_split_sizes(source, train, val, val_fraction)
-    supervised = train.supervised_tokens()
-    label_positions = train.num_rows * train.seq_len
-    targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
-    summary = DataSummary(
-        source=source,
-        root=root,
-        seq_len=train.seq_len,
-        vocab_size=train.vocab_size,
-        files=files,
-        val_files=val_files,
-        skipped_files=skipped_files,
-        bytes=bytes,
-        documents=documents,
-        dropped_documents=dropped_documents,
-        truncated_documents=truncated_documents,
-        train_rows=train.num_rows,
-        val_rows=val.num_rows,
-        min_supervised_tokens=int(supervised.min()),
-        median_supervised_tokens=float(np.median(supervised.numpy())),
-        max_supervised_tokens=int(supervised.max()),
-        padding_fraction=1 - targets / label_positions,
-        prompt_fraction=(targets - int(supervised.sum())) / label_positions,
-        fingerprint=row_fingerprint(train),
-        layout=layout,
-        format=format,
-        vocab_from=vocab_from,
-        val_rows_read=val.num_rows,
-    )
-    return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
-
-
 def build_data(config: Config) -> Data:
     """The training and validation rows that config.data describes.
 
@@ -519,9 +78,6 @@ def build_data(config: Config) -> Data:
     (accumulation/text_corpus.py), one document per row or packed. Validation then reads at most
     data.val_rows of its rows (validation_subset).
     """
-    # The sources build on this module (DataError, make_rows, data_from_rows), so they are imported here.
-    from accumulation import jsonl, text_corpus, token_files
-
     settings = config.data
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
     found_token_files = token_files.open_token_files(source, with_validation=val_fraction > 0)
@@ -534,7 +90,18 @@ def build_data(config: Config) -> Data:
                 f'data.layout="documents": {source!r} holds {found_token_files.format} token files, whose documents '
                 f'are already concatenated; use data.layout="packed" (or "auto")'
             )
-        built = token_files.load_token_files(found_token_files, source, seq_len, val_fraction, config.model.vocab_size)
+        if settings.task == "masked":
+            built = masked_lm.load_masked_token_files(
+                found_token_files, source, seq_len, val_fraction, config.model.vocab_size, config.run.seed
+            )
+        else:
+            vocab = config.model.vocab_size
+            built = token_files.load_token_files(found_token_files, source, seq_len, val_fraction, vocab)
+    elif settings.task == "masked":
+        raise DataError(
+            f'data.task="masked": {source!r} is not a folder of token files; masking is implemented for token files '
+            f"(make them with scripts/operations/prepare_data.py)"
+        )
     elif source.endswith(".jsonl"):
         if layout == "packed":
             raise DataError(
@@ -587,14 +154,6 @@ def feistel_round_keys(seed: int, epoch: int) -> np.ndarray:
     """uint64 [FEISTEL_ROUNDS]: the keys of epoch `epoch`'s order, from a BLAKE2b hash of "seed:epoch"."""
     digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8 * FEISTEL_ROUNDS).digest()
     return np.frombuffer(digest, dtype="<u8").astype(np.uint64)
-
-
-def mix64(values: np.ndarray) -> np.ndarray:
-    """A 64-bit mixing function (splitmix64's finalizer): every output bit depends on every input bit.
-    uint64 arithmetic wraps modulo 2**64, which is what the constants are chosen for."""
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
 
 
 def feistel_half_bits(num_rows: int) -> int:
@@ -666,23 +225,30 @@ def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, ta
 # ---------------------------------------------------------------------------------------------------
 
 
-def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int) -> MicroBatch:
-    """Inputs and labels for `row_ids` (rows.examples), then padding rows up to micro_batch_size.
+# Validation reads its rows as this step sees them, at every pass: for data that changes with the step (a
+# fresh mask), every validation loss of a run is measured on the same inputs and targets, so they compare.
+VALIDATION_STEP = 0
+
+
+def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int, step: int) -> MicroBatch:
+    """Inputs and labels for `row_ids` as step `step` sees them (rows.examples), then padding rows up to
+    micro_batch_size.
 
     A padding row has inputs 0 and no supervised label, so every micro-batch has the same shape and
     padding adds nothing to the loss or to num_examples.
     """
     num_real = len(row_ids)
     inputs = torch.zeros(micro_batch_size, rows.seq_len, dtype=torch.long)
-    labels = torch.full((micro_batch_size, rows.seq_len), IGNORE_INDEX, dtype=torch.long)
-    inputs[:num_real], labels[:num_real] = rows.examples(row_ids)
+    example_inputs, example_labels = rows.examples(row_ids, step)
+    labels = torch.full((micro_batch_size, *example_labels.shape[1:]), IGNORE_INDEX, dtype=torch.long)
+    inputs[:num_real], labels[:num_real] = example_inputs, example_labels
     return MicroBatch(inputs=inputs, labels=labels, num_examples=num_real)
 
 
-def step_counts(rows: Rows, row_ids: torch.Tensor) -> GlobalCounts:
-    """N (supervised targets) and the real examples of the step whose rows are `row_ids`, over all ranks,
+def step_counts(rows: Rows, row_ids: torch.Tensor, step: int) -> GlobalCounts:
+    """N (supervised targets) and the real examples of step `step`, whose rows are `row_ids`, over all ranks,
     counted on the host: every rank knows the whole step's ids, so none needs a collective to learn them."""
-    return GlobalCounts(tokens=int(rows.supervised_counts(row_ids).sum()), examples=len(row_ids))
+    return GlobalCounts(tokens=int(rows.supervised_counts(row_ids, step).sum()), examples=len(row_ids))
 
 
 def build_micro_batches(
@@ -692,8 +258,10 @@ def build_micro_batches(
     micro_batch_size: int,
     world_size: int,
     rank: int,
+    *,
+    step: int,
 ) -> list[MicroBatch]:
-    """This rank's A micro-batches of one step, each of exactly micro_batch_size rows.
+    """This rank's A micro-batches of step `step`, each of exactly micro_batch_size rows.
 
     `step_ids` are the step's row ids (step_row_ids); micro_batch_slices says which of them this rank
     feeds to each micro-batch. A partial step has fewer than G ids, and the rows it lacks become padding,
@@ -702,7 +270,73 @@ def build_micro_batches(
     if len(step_ids) > global_batch_size:
         raise ValueError(f"a step has at most {global_batch_size} row ids, got {len(step_ids)}")
     slices = micro_batch_slices(global_batch_size, micro_batch_size, world_size, rank)
-    return [micro_batch(rows, step_ids[positions], micro_batch_size) for positions in slices]
+    return [micro_batch(rows, step_ids[positions], micro_batch_size, step) for positions in slices]
+
+
+@dataclass
+class StepBatch:
+    """What one rank feeds to optimizer step `step`, all of it built on the host from (seed, step, row ids)."""
+
+    step: int  # the optimizer step (counted from 0 over the whole run) the rows were built for
+    row_ids: torch.Tensor  # int64 [rows of the step]: the whole step's row ids, every rank's (step_row_ids)
+    supervised_counts: torch.Tensor  # int64 [rows of the step]: rows.supervised_counts(row_ids, step)
+    micro_batches: list[MicroBatch]  # this rank's A micro-batches of m rows each
+    slices: list[slice]  # the positions in row_ids of each micro-batch's rows (micro_batch_slices; a partial
+    # step's last slices reach past the end of row_ids, and slicing stops there: the rest is padding)
+
+    @property
+    def global_counts(self) -> GlobalCounts:
+        """N, the step's supervised targets over all ranks, and its real examples: what every gradient is
+        divided by, known on every rank without a collective."""
+        return GlobalCounts(tokens=int(self.supervised_counts.sum()), examples=len(self.row_ids))
+
+
+def step_batch(
+    rows: Rows,
+    step: int,
+    *,
+    seed: int,
+    global_batch_size: int,
+    tail: str,
+    micro_batch_size: int,
+    world_size: int,
+    rank: int,
+) -> StepBatch:
+    """Everything optimizer step `step` needs from the data, for this rank: the step's row ids (a function of
+    seed, step and G only), the supervised counts of all of them (N), and this rank's micro-batches of the rows
+    as this step sees them. train.py, the checker, the sweep, the figures and the benchmarks all call this."""
+    row_ids = step_row_ids(rows.num_rows, global_batch_size, seed, step, tail)
+    slices = micro_batch_slices(global_batch_size, micro_batch_size, world_size, rank)
+    return StepBatch(
+        step=step,
+        row_ids=row_ids,
+        supervised_counts=rows.supervised_counts(row_ids, step),
+        micro_batches=[micro_batch(rows, row_ids[positions], micro_batch_size, step) for positions in slices],
+        slices=slices,
+    )
+
+
+def check_supervised_counts(batch: StepBatch) -> None:
+    """A DataError unless this rank's labels hold exactly the supervised targets that supervised_counts
+    promised for its rows, row by row (and none on padding rows).
+
+    N, the divisor of every gradient, is summed from supervised_counts; if the labels hold other targets, each
+    update is silently scaled wrong (or trains positions the data never meant to supervise). The check reads
+    the host tensors only: no collective, no device, one comparison per micro-batch."""
+    for micro_batch, positions in zip(batch.micro_batches, batch.slices, strict=True):
+        promised = batch.supervised_counts[positions]
+        held = (micro_batch.labels != IGNORE_INDEX).reshape(len(micro_batch.labels), -1).sum(dim=1)
+        expected = torch.zeros_like(held)
+        expected[: len(promised)] = promised
+        if not torch.equal(held, expected):
+            row = int((held != expected).nonzero()[0])
+            where = f"row {int(batch.row_ids[positions][row])}" if row < len(promised) else "a padding row"
+            raise DataError(
+                f"step {batch.step}: the labels of {where} hold {int(held[row])} supervised targets, but "
+                f"supervised_counts promised {int(expected[row])}; every update would be divided by a wrong N: "
+                f"make supervised_counts(row_ids, step) count the labels != -100 of examples(row_ids, step) "
+                f"(docs/forking.md)"
+            )
 
 
 def eval_micro_batch_count(num_rows: int, micro_batch_size: int, world_size: int) -> int:
@@ -712,7 +346,8 @@ def eval_micro_batch_count(num_rows: int, micro_batch_size: int, world_size: int
 
 
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:
-    """This rank's share of the validation rows, in fixed-size micro-batches, built one at a time.
+    """This rank's share of the validation rows, in fixed-size micro-batches, built one at a time, the rows
+    as VALIDATION_STEP sees them.
 
     The rows are cut, in order, into micro-batches of micro_batch_size (the last one padded); rank r
     takes those whose index % world_size == r. Ranks with fewer real micro-batches get all-padding ones,
@@ -724,4 +359,4 @@ def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank:
     for k in range(eval_micro_batch_count(rows.num_rows, micro_batch_size, world_size)):
         first = (k * world_size + rank) * micro_batch_size
         row_ids = torch.arange(min(first, rows.num_rows), min(first + micro_batch_size, rows.num_rows))
-        yield micro_batch(rows, row_ids, micro_batch_size)
+        yield micro_batch(rows, row_ids, micro_batch_size, VALIDATION_STEP)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_example_rows, validation_keys
+from accumulation.rows import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_example_rows, validation_keys
 
 LINE_FORMAT = 'each line must be a JSON object {"prompt": "...", "response": "..."} or {"text": "..."}'
 

@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from accumulation.config import Config, ConfigError
+from accumulation.encoder import Encoder
 from accumulation.gru import GRULanguageModel
 from accumulation.model import GPT, GPTConfig
 from accumulation.step import token_cross_entropy_sum
@@ -75,6 +76,8 @@ def build_model(config: Config, vocab_size: int) -> torch.nn.Module:
     if name == "gru":
         model = config.model
         return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=config.run.seed)
+    if name == "encoder":  # the masked-LM fork (docs/forking.md, worked example 4)
+        return Encoder(gpt_config(config, vocab_size), seed=config.run.seed)
     # Only reachable in a fork that added a choice to model.name in config.py but no branch here.
     raise ConfigError(f'model.name: no model is built for "{name}"; add it to build_model in accumulation/models.py')
 

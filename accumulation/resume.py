@@ -28,6 +28,7 @@ MUST_MATCH_ON_RESUME = [
     ("model", "d_model"),
     ("data", "source"),
     ("data", "seq_len"),
+    ("data", "task"),
     ("data", "val_fraction"),
     ("batch", "global_batch_size"),
     ("batch", "tail"),

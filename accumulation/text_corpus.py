@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_rows, validation_keys
+from accumulation.rows import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_rows, validation_keys
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).

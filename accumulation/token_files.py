@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accumulation.data import Data, DataError, DataSummary, RawExample
+from accumulation.rows import Data, DataError, DataSummary, RawExample, next_token_example
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_INT32 = 256
@@ -264,7 +264,9 @@ class PackedTokenRows:
         check_token_ids(token_file, first, tokens, self.vocab_size, self.vocab_from)
         return tokens
 
-    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # The rows are the same at every step: `step` is accepted (the Rows interface) and not used.
+
+    def examples(self, row_ids: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) int64 [len(row_ids), seq_len]: every target supervised, nothing padded."""
         tokens = np.empty((len(row_ids), self._seq_len + 1), dtype=np.int64)
         for row, row_id in enumerate(row_ids.tolist()):
@@ -272,13 +274,13 @@ class PackedTokenRows:
         tokens = torch.from_numpy(tokens)
         return tokens[:, :-1], tokens[:, 1:]
 
-    def supervised_counts(self, row_ids: torch.Tensor) -> torch.Tensor:
+    def supervised_counts(self, row_ids: torch.Tensor, step: int = 0) -> torch.Tensor:
         """int64 [len(row_ids)]: seq_len for every row; a packed row has no padding and no prompt."""
         return torch.full((len(row_ids),), self._seq_len, dtype=torch.int64)
 
-    def raw_example(self, row_id: int) -> RawExample:
-        """A plain window of the file: an empty prompt, the row's seq_len + 1 tokens as the response."""
-        return RawExample(prompt=[], response=self.window(int(row_id)).tolist())
+    def raw_example(self, row_id: int, step: int = 0) -> RawExample:
+        """Next-token prediction on a plain window of the file: no prompt, every target supervised."""
+        return next_token_example([], self.window(int(row_id)).tolist(), self._seq_len)
 
 
 def token_fingerprint(token_format: str, files: list[TokenFile], seq_len: int) -> str:

@@ -20,6 +20,15 @@ def deterministic_torch():
     torch.set_num_threads(threads)
 
 
+def pytest_addoption(parser):
+    """tests/conformance runs against a fork's own config: python -m pytest tests/conformance --fork-config FILE."""
+    parser.addoption(
+        "--fork-config",
+        default=None,
+        help="tests/conformance: the TOML config of your fork (default: the project's own configs, as CI runs them)",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` run only where a GPU is: elsewhere they are reported as skipped, with the reason."""
     if torch.cuda.is_available():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from scripts.checks import check_equivalence
+from tests.conformance.tokens import write_token_folder
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "checks" / "check_equivalence.py"
@@ -153,3 +154,69 @@ def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys,
     status, stdout = run_checker(tmp_path, [], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert "initial weights" in stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# The fork's own promises: the masked-LM fork (configs/mlm.toml) with one bug each
+# ---------------------------------------------------------------------------------------------------
+
+MLM_CONFIG = str(REPO / "configs" / "mlm.toml")
+
+
+def run_on_mlm(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
+    """The checker on configs/mlm.toml's masked-LM fork, cut down, on token files written here."""
+    tokens = write_token_folder(tmp_path)
+    small = ["--config", MLM_CONFIG, "model.n_layer=1", "model.d_model=32", "model.n_head=2", f"data.source={tokens}"]
+    if ranks == 1:
+        status = check_equivalence.main([*small, *arguments])
+        return status, capsys.readouterr().out
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    completed = subprocess.run(
+        launcher + [str(SCRIPT), *small, *arguments], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert completed.returncode in (0, 1), completed.stdout + completed.stderr
+    return completed.returncode, completed.stdout
+
+
+def failed_promise(stdout: str, name: str) -> str:
+    """The checker's line for one of the fork's promises: 'ok' or 'FAIL: ...'."""
+    return re.search(rf"^{re.escape(name)}: (.*)$", stdout, re.MULTILINE).group(1)
+
+
+def test_a_mean_loss_fails_even_with_one_micro_batch_on_one_rank(tmp_path, capsys):
+    """A·D = 1: the loop and the reference divide the same mean by the same N, so the gradients agree; only
+    the additivity test of loss_sum_fn sees that a mean is not a sum."""
+    status, stdout = run_checker(tmp_path, ["batch.micro_batch_size=8", "--inject-bug", "mean-loss"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert "x accum 1 x ranks 1" in stdout
+    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]  # hidden from the gradient
+    assert failed_promise(stdout, "loss_sum_fn is a sum").startswith("FAIL: ")
+
+
+def test_supervised_counts_that_disagree_with_the_labels_fail(tmp_path, capsys):
+    status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "count"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failed_promise(stdout, "supervised_counts vs the raw examples' targets").startswith("FAIL: row ")
+    assert failed_promise(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: rank 0, step 0")
+    # The loop used N from supervised_counts, as train.py does: every gradient is scaled wrong.
+    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+
+
+def test_labels_supervised_everywhere_fail(tmp_path, capsys):
+    status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "supervise-all"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failed_promise(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: ")
+    assert failed_promise(stdout, "supervised_counts vs the raw examples' targets") == "ok"
+
+
+def test_a_mask_that_differs_between_ranks_fails_on_2_ranks(tmp_path, capsys):
+    status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "rank-mask"], 2, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert "other rows on another rank" in failed_promise(stdout, "rows")
+
+
+def test_the_rank_mask_self_test_needs_rows_that_change_with_the_step(tmp_path, capsys):
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "rank-mask"]) == 2
+    assert "needs rows that change with the step" in capsys.readouterr().err

@@ -325,7 +325,7 @@ def test_edges_of_ranges_are_allowed():
     "argument, message",
     [
         ("optim.name=adam", 'optim.name: expected one of "adamw", "sgd", got "adam"'),
-        ("model.name=lstm", 'model.name: expected one of "gpt", "gru", got "lstm"'),
+        ("model.name=lstm", 'model.name: expected one of "gpt", "gru", "encoder", got "lstm"'),
         ("run.resume=always", 'run.resume: expected one of "auto", "never", got "always"'),
         ("batch.tail=pad", 'batch.tail: expected one of "drop", "partial", got "pad"'),
         ("schedule.name=linear", 'schedule.name: expected one of "cosine", "constant", got "linear"'),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from accumulation import data, text_corpus
+from accumulation import rows as rows_module
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config import Config, DataConfig, load_config
 from accumulation.data import DataError
@@ -45,18 +46,23 @@ def supervised_targets(rows: data.RowSet) -> bytes:
 
 def reference_example(raw: data.RawExample, seq_len: int) -> tuple[list[int], list[int]]:
     """(inputs, labels) of a row written straight from the definition of RawExample, sharing no code with
-    the loop: tokens (prompt + response)[:seq_len + 1]; the target at token index t is supervised iff
-    t >= len(prompt); inputs padded with 0, labels with IGNORE_INDEX."""
-    tokens = (raw.prompt + raw.response)[: seq_len + 1]
-    inputs = (tokens + [0] * seq_len)[:seq_len]
-    labels = [tokens[t] if len(raw.prompt) <= t < len(tokens) else IGNORE_INDEX for t in range(1, seq_len + 1)]
+    the loop: input j is inputs[j] (0 past them), label j is targets[j] (IGNORE_INDEX where there is none)."""
+    inputs = (raw.inputs + [0] * seq_len)[:seq_len]
+    labels = [raw.targets.get(j, IGNORE_INDEX) for j in range(seq_len)]
     return inputs, labels
 
 
-def assert_rows_match_their_raw_examples(rows: data.RowSet, row_ids: list[int]) -> None:
-    batch = data.micro_batch(rows, torch.tensor(row_ids), len(row_ids) + 1)  # one padding row too
+def window_of(raw: data.RawExample) -> list[int]:
+    """The tokens a next-token RawExample was cut from: its inputs, then the last position's target if it
+    has one (a full row's last token is a target only)."""
+    last = len(raw.inputs) - 1
+    return raw.inputs + ([raw.targets[last]] if last in raw.targets else [])
+
+
+def assert_rows_match_their_raw_examples(rows: data.RowSet, row_ids: list[int], step: int = 0) -> None:
+    batch = data.micro_batch(rows, torch.tensor(row_ids), len(row_ids) + 1, step)  # one padding row too
     for row, row_id in enumerate(row_ids):
-        inputs, labels = reference_example(rows.raw_example(row_id), rows.seq_len)
+        inputs, labels = reference_example(rows.raw_example(row_id, step), rows.seq_len)
         assert batch.inputs[row].tolist() == inputs
         assert batch.labels[row].tolist() == labels
 
@@ -88,9 +94,9 @@ def test_rows_of_one_document_overlap_by_one_token_and_pad_the_last():
     assert rows.supervised_tokens().tolist() == [4, 4, 1]
     assert rows.vocab_size == 256
     assert [rows.raw_example(row) for row in range(3)] == [
-        data.RawExample(prompt=[], response=list(b"abcde")),
-        data.RawExample(prompt=[], response=list(b"efghi")),
-        data.RawExample(prompt=[], response=list(b"ij")),
+        data.RawExample(inputs=list(b"abcd"), targets=dict(enumerate(b"bcde"))),
+        data.RawExample(inputs=list(b"efgh"), targets=dict(enumerate(b"fghi"))),
+        data.RawExample(inputs=list(b"ij"), targets={0: ord("j")}),
     ]
 
 
@@ -402,7 +408,7 @@ def test_stdlib_rows_have_varying_supervised_tokens(stdlib_corpus):
 def test_stdlib_padding_is_never_supervised(stdlib_corpus):
     rows = stdlib_corpus.train
     step_ids = torch.arange(0, rows.num_rows, 97)[:64]
-    (batch,) = data.build_micro_batches(rows, step_ids, 64, 64, world_size=1, rank=0)
+    (batch,) = data.build_micro_batches(rows, step_ids, 64, 64, world_size=1, rank=0, step=0)
     targets_per_row = rows.lengths[step_ids].long() - 1
     positions = torch.arange(rows.seq_len)
     padding = positions >= targets_per_row[:, None]
@@ -503,7 +509,8 @@ def any_rows(request, small_rows, example_rows) -> data.RowSet:
 
 def all_ranks(rows, step_ids, micro_batch_size, accumulation, world_size) -> list[list]:
     batches = [
-        data.build_micro_batches(rows, step_ids, 8, micro_batch_size, world_size, rank) for rank in range(world_size)
+        data.build_micro_batches(rows, step_ids, 8, micro_batch_size, world_size, rank, step=0)
+        for rank in range(world_size)
     ]
     for rank_batches in batches:
         assert len(rank_batches) == accumulation
@@ -516,7 +523,7 @@ def test_a_step_sees_the_same_examples_for_every_m_a_d(any_rows, tail):
     steps = data.steps_per_epoch(any_rows.num_rows, 8, tail)
     for step in range(2 * steps):  # two epochs, with a partial step in each when tail is "partial"
         step_ids = data.step_row_ids(any_rows.num_rows, 8, seed=11, step=step, tail=tail)
-        (reference,) = data.build_micro_batches(any_rows, step_ids, 8, 8, 1, 0)
+        (reference,) = data.build_micro_batches(any_rows, step_ids, 8, 8, 1, 0, step=0)
         expected = real_examples([reference])
         assert sum(expected.values()) == len(step_ids) == reference.num_examples
         for micro_batch_size, accumulation, world_size in LAYOUTS:
@@ -528,7 +535,7 @@ def test_a_step_sees_the_same_examples_for_every_m_a_d(any_rows, tail):
 
 def test_inputs_and_labels_are_the_row_shifted_by_one(small_rows):
     step_ids = torch.tensor([3, 0, 17, 5])
-    (batch,) = data.build_micro_batches(small_rows, step_ids, 4, 4, 1, 0)
+    (batch,) = data.build_micro_batches(small_rows, step_ids, 4, 4, 1, 0, step=0)
     assert batch.inputs.dtype == batch.labels.dtype == torch.int64
     for row, row_id in enumerate(step_ids.tolist()):
         length = int(small_rows.lengths[row_id])
@@ -546,7 +553,7 @@ def test_a_partial_step_is_padded_so_every_rank_runs_the_same_micro_batches(smal
     assert (padding_only.labels == IGNORE_INDEX).all() and (padding_only.inputs == 0).all()
     assert (batches[0][1].labels[1] == IGNORE_INDEX).all()
     with pytest.raises(ValueError, match="at most 8 row ids"):
-        data.build_micro_batches(small_rows, torch.arange(9), 8, 2, 2, 0)
+        data.build_micro_batches(small_rows, torch.arange(9), 8, 2, 2, 0, step=0)
 
 
 @pytest.mark.parametrize("micro_batch_size, world_size", [(4, 1), (3, 2), (5, 3), (64, 2)])
@@ -559,7 +566,7 @@ def test_eval_micro_batches_cover_every_row_once_over_all_ranks(any_rows, micro_
     flat = [batch for batches in per_rank for batch in batches]
     assert all(batch.inputs.shape == (micro_batch_size, any_rows.seq_len) for batch in flat)
     (everything,) = data.build_micro_batches(
-        any_rows, torch.arange(any_rows.num_rows), any_rows.num_rows, any_rows.num_rows, 1, 0
+        any_rows, torch.arange(any_rows.num_rows), any_rows.num_rows, any_rows.num_rows, 1, 0, step=0
     )
     assert real_examples(flat) == real_examples([everything])
     supervised = sum(int((batch.labels != IGNORE_INDEX).sum()) for batch in flat)
@@ -605,7 +612,7 @@ def test_a_masking_bug_in_the_loops_path_is_caught_by_the_raw_example_reference(
     def supervise_the_prompt_too(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
         return targets  # the classic SFT bug: the prompt is trained on
 
-    monkeypatch.setattr(data, "labels_from_mask", supervise_the_prompt_too)
+    monkeypatch.setattr(rows_module, "labels_from_mask", supervise_the_prompt_too)
     with pytest.raises(AssertionError):
         assert_rows_match_their_raw_examples(example_rows, list(range(example_rows.num_rows)))
 
@@ -617,18 +624,19 @@ class CountingRows:
     num_rows = 5
     seq_len = 4
 
-    def examples(self, row_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def examples(self, row_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = row_ids[:, None] + torch.arange(self.seq_len + 1)
         supervised = torch.arange(self.seq_len) >= 1
         return tokens[:, :-1], data.labels_from_mask(tokens[:, 1:], supervised.expand(len(row_ids), -1))
 
-    def raw_example(self, row_id: int) -> data.RawExample:
-        return data.RawExample(prompt=[row_id, row_id + 1], response=list(range(row_id + 2, row_id + 5)))
+    def raw_example(self, row_id: int, step: int) -> data.RawExample:
+        inputs = list(range(row_id, row_id + 4))
+        return data.RawExample(inputs=inputs, targets={1: row_id + 2, 2: row_id + 3, 3: row_id + 4})
 
 
 def test_the_interface_is_all_that_micro_batches_need():
     rows = CountingRows()
-    (batch,) = data.build_micro_batches(rows, torch.tensor([4, 1]), 4, 4, world_size=1, rank=0)
+    (batch,) = data.build_micro_batches(rows, torch.tensor([4, 1]), 4, 4, world_size=1, rank=0, step=0)
     assert batch.num_examples == 2
     assert batch.inputs.tolist() == [[4, 5, 6, 7], [1, 2, 3, 4], [0] * 4, [0] * 4]
     assert batch.labels.tolist() == [[-100, 6, 7, 8], [-100, 3, 4, 5], [-100] * 4, [-100] * 4]
@@ -663,11 +671,11 @@ def test_jsonl_rows_supervise_exactly_the_response(tmp_path):
     for row, example in enumerate(examples):
         prompt = list(example.get("prompt", "").encode())
         response = list(example.get("response", example.get("text", "")).encode())
-        assert rows.raw_example(row) == data.RawExample(prompt=prompt, response=response)
+        assert rows.raw_example(row) == data.next_token_example(prompt, response, seq_len=20)
     assert_rows_match_their_raw_examples(rows, list(range(rows.num_rows)))
 
     # Written out for the first example: "Q: 2 + 2 =" is 10 bytes, so targets 1..9 are prompt.
-    (batch,) = data.build_micro_batches(rows, torch.tensor([0]), 1, 1, world_size=1, rank=0)
+    (batch,) = data.build_micro_batches(rows, torch.tensor([0]), 1, 1, world_size=1, rank=0, step=0)
     assert batch.inputs[0].tolist() == list(b"Q: 2 + 2 = 4\n") + [0] * 7
     assert batch.labels[0].tolist() == [IGNORE_INDEX] * 9 + list(b" 4\n") + [IGNORE_INDEX] * 8
     # A {"text"} line is supervised from its second byte on, like a document.
@@ -697,9 +705,8 @@ def test_jsonl_truncates_long_examples_and_drops_those_left_without_a_target(tmp
 
 
 def example_texts(rows: data.RowSet) -> list[bytes]:
-    """prompt + response of every row's RawExample, in row order."""
-    raws = [rows.raw_example(row) for row in range(rows.num_rows)]
-    return [bytes(raw.prompt + raw.response) for raw in raws]
+    """The tokens of every row's RawExample, in row order."""
+    return [bytes(window_of(rows.raw_example(row))) for row in range(rows.num_rows)]
 
 
 def test_jsonl_validation_split_is_by_line_hash_and_stable_when_lines_are_added(tmp_path):
@@ -790,4 +797,4 @@ def test_configs_sft_toml_builds_its_data_without_truncation(monkeypatch):
     assert summary.prompt_fraction > 0.1
     rows = list(range(0, built.train.num_rows, 97))
     assert_rows_match_their_raw_examples(built.train, rows)
-    assert all(bytes(built.train.raw_example(row).response).endswith(b"\n") for row in rows)
+    assert all(bytes(window_of(built.train.raw_example(row))).endswith(b"\n") for row in rows)

@@ -101,15 +101,15 @@ class IdRows:
 
     num_rows, seq_len = HUGE_ROWS, 2
 
-    def examples(self, row_ids):
+    def examples(self, row_ids, step):
         ids = row_ids[:, None].expand(-1, self.seq_len)
         return ids.clone(), ids.clone()
 
-    def supervised_counts(self, row_ids):
+    def supervised_counts(self, row_ids, step):
         return torch.full((len(row_ids),), self.seq_len)
 
-    def raw_example(self, row_id):
-        return data.RawExample(prompt=[], response=[row_id] * (self.seq_len + 1))
+    def raw_example(self, row_id, step):
+        return data.RawExample(inputs=[row_id] * self.seq_len, targets=dict.fromkeys(range(self.seq_len), row_id))
 
 
 @pytest.mark.parametrize("step", [0, 97_656_249, 10**9])
@@ -120,6 +120,6 @@ def test_a_huge_epochs_step_is_split_the_same_for_every_m_a_d(step):
     for micro_batch_size, world_size in [(16, 1), (4, 1), (8, 2), (1, 4)]:
         seen = []
         for rank in range(world_size):
-            for batch in data.build_micro_batches(rows, step_ids, 16, micro_batch_size, world_size, rank):
+            for batch in data.build_micro_batches(rows, step_ids, 16, micro_batch_size, world_size, rank, step=step):
                 seen += batch.inputs[: batch.num_examples, 0].tolist()
         assert sorted(seen) == sorted(step_ids.tolist())

@@ -4,8 +4,11 @@ prompt/response JSONL (configs/sft.toml) and a model of another family (model.na
 import pytest
 import torch
 
+import train
 from accumulation.config import load_config
 from accumulation.data import build_data, step_row_ids
+from accumulation.masked_lm import MaskedTokenRows
+from tests.conformance.tokens import write_token_folder
 from tests.test_train import REPO, final_weights, read_metrics, run_train
 
 SFT_CONFIG = str(REPO / "configs" / "sft.toml")
@@ -42,7 +45,7 @@ def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
     expected_tokens = 0
     for line in metrics:
         row_ids = step_row_ids(data.train.num_rows, 8, 1337, line["steps"] - 1, "drop")
-        expected_tokens += sum(len(data.train.raw_example(row_id).response) for row_id in row_ids.tolist())
+        expected_tokens += sum(len(data.train.raw_example(row_id, 0).targets) for row_id in row_ids.tolist())
         assert line["tokens"] == expected_tokens
         assert line["examples"] == 8 * line["steps"]
     assert metrics[1]["val_loss"] is not None
@@ -81,3 +84,56 @@ def test_gru_trains_through_the_entry_point_and_skips_the_sample(tmp_path):
     assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learns
     weights = final_weights(tmp_path / "runs" / "sft")
     assert any(name.startswith("gru.") for name in weights)
+
+
+MLM_CONFIG = str(REPO / "configs" / "mlm.toml")
+
+
+def small_mlm(tmp_path, **overrides) -> list[str]:
+    """configs/mlm.toml cut down to a one-layer encoder on token files written here."""
+    settings = {
+        "run.out_dir": str(tmp_path / "runs"),
+        "run.max_steps": 2,
+        "data.source": str(write_token_folder(tmp_path)),
+        "model.n_layer": 1,
+        "model.d_model": 32,
+        "model.n_head": 2,
+        "batch.global_batch_size": 8,
+        "batch.micro_batch_size": 2,
+    }
+    settings.update(overrides)
+    return ["--config", MLM_CONFIG, *[f"{key}={value}" for key, value in settings.items()]]
+
+
+def test_mlm_counts_only_the_masked_positions(tmp_path, capsys):
+    """The tokens counter of the masked-LM fork is the masked positions of the consumed rows, counted from their
+    raw examples at each step (about 15% of 64 per row, different in every step)."""
+    assert train.main(small_mlm(tmp_path, **{"run.max_steps": 3})) == 0
+    metrics = read_metrics(tmp_path / "runs" / "mlm")
+    data = build_data(load_config(small_mlm(tmp_path)))
+    expected_tokens, per_step = 0, []
+    for line in metrics:
+        step = line["steps"] - 1
+        row_ids = step_row_ids(data.train.num_rows, 8, 1337, step, "drop")
+        per_step.append(sum(len(data.train.raw_example(row_id, step).targets) for row_id in row_ids.tolist()))
+        expected_tokens += per_step[-1]
+        assert line["tokens"] == expected_tokens
+    assert all(0.05 * 8 * 64 < tokens < 0.25 * 8 * 64 for tokens in per_step), per_step  # 15% of 512, about 77
+    assert "vocabulary 257 (meta.json + [MASK])" in capsys.readouterr().out
+
+
+def test_train_stops_with_one_line_when_supervised_counts_disagree_with_the_labels(tmp_path, capsys, monkeypatch):
+    """A fork whose supervised_counts counts every position (the unmasked rows) while its labels hold the masked
+    ones: train.py refuses the first step, before any update, with one line naming the row and both counts."""
+
+    def every_position(self, row_ids, step):
+        return torch.full((len(row_ids),), self.seq_len)
+
+    monkeypatch.setattr(MaskedTokenRows, "supervised_counts", every_position)
+    assert train.main(small_mlm(tmp_path)) == 2
+    error = capsys.readouterr().err
+    assert len(error.splitlines()) == 1 and error.startswith("error: step 0: the labels of row ")
+    assert "supervised_counts promised 64" in error
+    checkpoint = torch.load(tmp_path / "runs" / "mlm" / "checkpoints" / "latest.pt", weights_only=True)
+    assert checkpoint["counters"]["updates"] == checkpoint["counters"]["steps"] == 0  # only the step-0 checkpoint
+    assert read_metrics(tmp_path / "runs" / "mlm") == []

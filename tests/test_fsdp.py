@@ -66,7 +66,7 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
         optimizer = build_optimizer(config, model, CPU)
         row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
         micro_batches = build_micro_batches(
-            data.train, row_ids, GLOBAL_BATCH_SIZE, config.batch.micro_batch_size, world_size, rank
+            data.train, row_ids, GLOBAL_BATCH_SIZE, config.batch.micro_batch_size, world_size, rank, step=0
         )
         autocast_dtype = torch.bfloat16 if config.precision.dtype == "bf16" else None
         optimizer_step(wrapped, micro_batches, optimizer, device=CPU, autocast_dtype=autocast_dtype)
@@ -102,7 +102,7 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
     model = build_model(config, resolved_vocab_size(config, data.vocab_size))
     initial = model.state_dict()
     row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
-    everything = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, GLOBAL_BATCH_SIZE, 1, 0)
+    everything = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, GLOBAL_BATCH_SIZE, 1, 0, step=0)
     reference = float64_reference_gradient(model, everything)  # one float64 batch of all 8 examples
     for micro in (4, 1):
         ddp, fsdp2 = updates(initial, weights[f"ddp m{micro}"]), updates(initial, weights[f"fsdp2 m{micro}"])
@@ -136,7 +136,7 @@ def communication_worker(rank: int, world_size: int, arguments: list[str]) -> di
     wrapped = wrap_for_training(model, config, context)
     optimizer = build_optimizer(config, model, CPU)
     row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
-    micro_batches = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, 1, world_size, rank)
+    micro_batches = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, 1, world_size, rank, step=0)
     found = {}
     counts, seen_at_forward = {}, []
     hook = wrapped.register_forward_pre_hook(lambda module, args: seen_at_forward.append(counts["reduce_scatters"]))

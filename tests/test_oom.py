@@ -54,7 +54,7 @@ def step_batches(rows, global_batch_size, micro_batch_size, world_size=1, rank=0
     row_ids = step_row_ids(rows.num_rows, global_batch_size, 5, 0, "drop")
     if tail_ids is not None:  # a partial step: fewer ids than G, the rest padding
         row_ids = row_ids[:tail_ids]
-    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank)
+    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank, step=0)
 
 
 def sgd_step(model, batches, **options):

@@ -12,7 +12,7 @@ from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import build_data
 from scripts.operations import prepare_data
-from tests.test_data import jsonl
+from tests.test_data import jsonl, window_of
 
 DOCUMENTS = {
     "a.txt": "The first document.\n" * 20,
@@ -58,7 +58,7 @@ def test_bytes_in_both_formats_hold_the_documents_and_load_as_the_same_rows(tmp_
     ids = torch.arange(from_nanogpt.train.num_rows)
     pairs = zip(from_nanogpt.train.examples(ids), from_llmc.train.examples(ids), strict=True)
     assert all(torch.equal(a, b) for a, b in pairs)
-    first_row = from_llmc.train.raw_example(0).response
+    first_row = window_of(from_llmc.train.raw_example(0))
     assert bytes(first_row) == expected["train"][:17]
 
 
@@ -148,16 +148,18 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
     built = build_data(load_config(settings))
     assert built.vocab_size == tokenizer.get_vocab_size() and built.summary.vocab_from == "data.tokenizer"
     example = built.train.raw_example(0)
-    assert example.prompt == tokenizer.encode("The first", add_special_tokens=False).ids
-    assert example.response == tokenizer.encode(" document.", add_special_tokens=False).ids + [end]
+    prompt = tokenizer.encode("The first", add_special_tokens=False).ids
+    response = tokenizer.encode(" document.", add_special_tokens=False).ids + [end]
+    assert example.inputs == prompt + response  # shorter than a row: its last token is read too, with no target
+    assert list(example.targets.values()) == response  # the response and its end token, never the prompt
     inputs, labels = built.train.examples(torch.tensor([0]))
     supervised = labels[0][labels[0] != -100].tolist()
-    assert supervised == example.response  # the response and its end token, never the prompt
+    assert supervised == response
     # Text with the tokenizer, packed: documents separated by the end token.
     packed = build_data(
         load_config([f"data.source={tmp_path / 'c'}", f"data.tokenizer={tokenizer_path}", "data.layout=packed"])
     )
-    assert packed.train.raw_example(0).response[0] == end
+    assert packed.train.raw_example(0).inputs[0] == end
     assert packed.summary.padding_fraction == 0
 
 

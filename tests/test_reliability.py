@@ -547,12 +547,12 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, star
 
 def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
     """The loss of each step in bad_steps (counted from 1) is multiplied by nan, and so is every gradient."""
-    real_optimizer_step, real_step_row_ids = train.optimizer_step, train.step_row_ids
+    real_optimizer_step, real_step_batch = train.optimizer_step, train.step_batch
     step_running = []  # the step whose examples were fetched last, counted from 1
 
-    def step_row_ids(num_rows, global_batch_size, seed, step, tail):
+    def step_batch(rows, step, **layout):
         step_running.append(step + 1)
-        return real_step_row_ids(num_rows, global_batch_size, seed, step, tail)
+        return real_step_batch(rows, step, **layout)
 
     def optimizer_step(model, micro_batches, optimizer, *, loss_sum_fn, **options):
         if step_running[-1] in bad_steps:
@@ -561,7 +561,7 @@ def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
             )
         return real_optimizer_step(model, micro_batches, optimizer, loss_sum_fn=loss_sum_fn, **options)
 
-    monkeypatch.setattr(train, "step_row_ids", step_row_ids)
+    monkeypatch.setattr(train, "step_batch", step_batch)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
 
 

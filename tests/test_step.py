@@ -753,13 +753,13 @@ def test_the_counts_train_py_takes_from_row_ids_equal_the_labels_counts_over_all
     global_batch_size = 12
     for step in range(steps_per_epoch(rows_of_corpus.num_rows, global_batch_size, tail) + 1):
         row_ids = step_row_ids(rows_of_corpus.num_rows, global_batch_size, 3, step, tail)
-        given = step_counts(rows_of_corpus, row_ids)
+        given = step_counts(rows_of_corpus, row_ids, step)
         for micro_batch_size, world_size in ((2, 2), (3, 1), (6, 2)):
             every = [
                 mb
                 for rank in range(world_size)
                 for mb in build_micro_batches(
-                    rows_of_corpus, row_ids, global_batch_size, micro_batch_size, world_size, rank
+                    rows_of_corpus, row_ids, global_batch_size, micro_batch_size, world_size, rank, step=step
                 )
             ]
             assert given == GlobalCounts(*supervised_and_real(every)), (step, micro_batch_size, world_size)

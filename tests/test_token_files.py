@@ -17,7 +17,7 @@ from accumulation.data import DataError, build_data, build_micro_batches, step_r
 from accumulation.models import build_model
 from scripts.checks import check_equivalence
 from testkit.reference import float64_reference_gradient
-from tests.test_data import assert_rows_match_their_raw_examples, jsonl
+from tests.test_data import assert_rows_match_their_raw_examples, jsonl, window_of
 from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings
 
 VOCAB = 64  # the vocabulary of the generated token files
@@ -101,7 +101,7 @@ def test_llmc_shards_give_the_rows_of_each_shard_and_none_across_shards(tmp_path
     for index, length in enumerate((1200, 900, 700)):
         shard = tokens_of(length, 10 + index, vocab)
         for row_in_shard in (0, rows_per_shard[index] - 1):
-            assert built.train.raw_example(row_id + row_in_shard).response == shard[row_in_shard * 16 :][:17].tolist()
+            assert window_of(built.train.raw_example(row_id + row_in_shard)) == shard[row_in_shard * 16 :][:17].tolist()
         row_id += rows_per_shard[index]
     assert built.vocab_size == vocab
     # A glob names the same shards; a text file whose name looks like a glob is still text.
@@ -281,15 +281,15 @@ def test_validation_reads_a_fixed_evenly_spaced_subset_the_same_for_every_m_and_
     assert built.summary.val_rows == 100 and built.val.num_rows == built.summary.val_rows_read == 7
     assert "100 validation rows (validation reads 7 of them)" in built.summary.describe()
     expected = [row_id * 100 // 7 for row_id in range(7)]  # floor(i * 100 / 7): spread over the whole split
-    assert [built.val.raw_example(i).response for i in range(7)] == [
-        built.val.rows.raw_example(row_id).response for row_id in expected
+    assert [built.val.raw_example(i, 0) for i in range(7)] == [
+        built.val.rows.raw_example(row_id, 0) for row_id in expected
     ]
     for micro_batch_size, world_size in [(7, 1), (2, 2), (1, 4)]:
         seen = []
         for rank in range(world_size):
             for batch in data.eval_micro_batches(built.val, micro_batch_size, world_size, rank):
                 seen += [tuple(row) for row in batch.inputs[: batch.num_examples].tolist()]
-        assert sorted(seen) == sorted(tuple(built.val.raw_example(i).response[:-1]) for i in range(7))
+        assert sorted(seen) == sorted(tuple(built.val.raw_example(i, 0).inputs) for i in range(7))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_
     model = build_model(config, loaded.vocab_size)
     model.load_state_dict(initial)
     row_ids = step_row_ids(loaded.train.num_rows, 8, config.run.seed, 0, "drop")
-    gradient = float64_reference_gradient(model, build_micro_batches(loaded.train, row_ids, 8, 8, 1, 0))
+    gradient = float64_reference_gradient(model, build_micro_batches(loaded.train, row_ids, 8, 8, 1, 0, step=0))
     expected = {
         name: initial[name].double() - g for (name, _), g in zip(model.named_parameters(), gradient, strict=True)
     }

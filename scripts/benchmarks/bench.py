@@ -56,7 +56,7 @@ from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.build import autocast_dtype_for, build_optimizer, set_tf32
 from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
 from accumulation.counters import Counters
-from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_data, build_micro_batches, step_row_ids
+from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_data, step_batch
 from accumulation.model import GPT, GPTConfig
 from accumulation.models import build_model, gpt_config, loss_sum_fn_for, resolved_vocab_size
 from accumulation.schedule import build_scheduler
@@ -120,9 +120,17 @@ def step_micro_batches(
     rows: RowSet, step: int, micro_batch_size: int, accumulation_steps: int, world_size: int, rank: int
 ) -> list[MicroBatch]:
     """Rank `rank`'s A micro-batches of optimizer step `step`, exactly as train.py builds them."""
-    global_batch_size = micro_batch_size * accumulation_steps * world_size
-    row_ids = step_row_ids(rows.num_rows, global_batch_size, DEFAULTS.run.seed, step, DEFAULTS.batch.tail)
-    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank)
+    batch = step_batch(
+        rows,
+        step,
+        seed=DEFAULTS.run.seed,
+        global_batch_size=micro_batch_size * accumulation_steps * world_size,
+        tail=DEFAULTS.batch.tail,
+        micro_batch_size=micro_batch_size,
+        world_size=world_size,
+        rank=rank,
+    )
+    return batch.micro_batches
 
 
 @dataclass

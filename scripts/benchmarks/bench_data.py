@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from accumulation.config import load_config
-from accumulation.data import build_data, build_micro_batches, step_row_ids
+from accumulation.data import build_data, step_batch
 
 REPO = Path(__file__).resolve().parents[2]
 GPT2_VOCAB = 50_257
@@ -71,8 +71,17 @@ def feeding_speed(folder: Path, seconds: float) -> tuple[float, float, float]:
     micro_batches = tokens = step = 0
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
-        row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH, config.run.seed, step, "drop")
-        for micro_batch in build_micro_batches(data.train, row_ids, GLOBAL_BATCH, MICRO_BATCH, RANKS, rank=0):
+        batch = step_batch(
+            data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=GLOBAL_BATCH,
+            tail="drop",
+            micro_batch_size=MICRO_BATCH,
+            world_size=RANKS,
+            rank=0,
+        )
+        for micro_batch in batch.micro_batches:
             micro_batches += 1
             tokens += micro_batch.inputs.numel()
         step += 1

@@ -133,7 +133,9 @@ def source_rows(seq_len: int) -> RowSet:
 def step_batches(config: Config, rows: RowSet, step: int, world_size: int, rank: int) -> list:
     global_batch_size = config.batch.global_batch_size
     row_ids = step_row_ids(rows.num_rows, global_batch_size, config.run.seed, step, config.batch.tail)
-    return build_micro_batches(rows, row_ids, global_batch_size, config.batch.micro_batch_size, world_size, rank)
+    return build_micro_batches(
+        rows, row_ids, global_batch_size, config.batch.micro_batch_size, world_size, rank, step=step
+    )
 
 
 def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:

@@ -210,8 +210,14 @@ def measure_one_update(
     wrapped = wrap_for_training(model, config, context)
     optimizer, handed = first_update_probe(model)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
-    micro_batches = build_micro_batches(
-        corpus.train, row_ids, config.batch.global_batch_size, micro_batch_size, context.world_size, context.rank
+    micro_batches = build_micro_batches(  # row_ids are step 0's, and the rows are as step 0 sees them
+        corpus.train,
+        row_ids,
+        config.batch.global_batch_size,
+        micro_batch_size,
+        context.world_size,
+        context.rank,
+        step=0,
     )
 
     def one_update():

@@ -89,8 +89,8 @@ def corpus_rows(seq_len: int = SEQ_LEN):
 def step_batches(rows, global_batch_size: int, micro_batch_size: int, world_size: int = 1, rank: int = 0):
     """Rank `rank`'s micro-batches of step 0 and the step's counts over all ranks, as train.py makes them."""
     row_ids = step_row_ids(rows.num_rows, global_batch_size, 1337, 0, "drop")
-    counts = step_counts(rows, row_ids)
-    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank), counts
+    counts = step_counts(rows, row_ids, 0)
+    return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank, step=0), counts
 
 
 def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
@@ -167,8 +167,8 @@ def check_sync_audit(device: torch.device) -> tuple[bool, str]:
 
     def one_step(step: int):
         row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
-        counts = step_counts(rows, row_ids)
-        micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0))
+        counts = step_counts(rows, row_ids, step)
+        micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
         options = {"grad_clip": 1.0, "autocast_dtype": torch.bfloat16, "global_counts": counts}
         return lambda: optimizer_step(model, micro_batches, optimizer, device=device, **options)
 
@@ -219,8 +219,8 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
         losses[compiled] = []
         for step in range(5):
             row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
-            counts = step_counts(rows, row_ids)
-            micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0))
+            counts = step_counts(rows, row_ids, step)
+            micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
             start = time.perf_counter()
             result = optimizer_step(
                 wrapped, micro_batches, optimizer, device=device, autocast_dtype=torch.bfloat16, global_counts=counts

@@ -20,7 +20,7 @@ import torch
 
 from accumulation.build import build_optimizer
 from accumulation.config import load_config
-from accumulation.data import build_data, build_micro_batches, step_row_ids
+from accumulation.data import build_data, step_batch
 from accumulation.models import build_model
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
@@ -47,9 +47,17 @@ def train(config, data, global_batch_size: int, micro_batch_size: int, steps: in
     scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
     losses = []
     for step in range(steps):
-        row_ids = step_row_ids(data.train.num_rows, global_batch_size, config.run.seed, step, config.batch.tail)
-        micro_batches = build_micro_batches(data.train, row_ids, global_batch_size, micro_batch_size, 1, 0)
-        result = optimizer_step(model, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
+        batch = step_batch(
+            data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=micro_batch_size,
+            world_size=1,
+            rank=0,
+        )
+        result = optimizer_step(model, batch.micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
         if result.applied:
             scheduler.step()
         losses.append(result.loss)

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.build import build_optimizer
 from accumulation.config import load_config
-from accumulation.data import build_data, build_micro_batches, eval_micro_batches, step_row_ids
+from accumulation.data import build_data, eval_micro_batches, step_batch
 from accumulation.models import build_model
 from accumulation.schedule import build_scheduler
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
@@ -116,10 +116,16 @@ def train_all_variants(rank: int, world_size: int, steps: int) -> dict:
         losses = []
         for step in range(steps):
             seed = config.run.seed + 1 if variant == "correct, other data order" else config.run.seed
-            row_ids = step_row_ids(data.train.num_rows, batch.global_batch_size, seed, step, batch.tail)
-            micro_batches = build_micro_batches(
-                data.train, row_ids, batch.global_batch_size, batch.micro_batch_size, world_size, rank
-            )
+            micro_batches = step_batch(
+                data.train,
+                step,
+                seed=seed,
+                global_batch_size=batch.global_batch_size,
+                tail=batch.tail,
+                micro_batch_size=batch.micro_batch_size,
+                world_size=world_size,
+                rank=rank,
+            ).micro_batches
             if variant.startswith("correct"):
                 result = optimizer_step(wrapped, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
                 losses.append(result.loss)

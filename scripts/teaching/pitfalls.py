@@ -154,7 +154,7 @@ def step_batches(
     larger than the ids makes a partial step: the missing rows become fully masked padding rows."""
     global_batch_size = global_batch_size or len(step_ids)
     ids = torch.tensor(step_ids)
-    return build_micro_batches(rows(), ids, global_batch_size, micro_batch_size, world_size, rank)
+    return build_micro_batches(rows(), ids, global_batch_size, micro_batch_size, world_size, rank, step=0)
 
 
 def gpt() -> GPT:

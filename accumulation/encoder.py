@@ -1,0 +1,84 @@
+"""A bidirectional transformer encoder for masked language modelling (BERT's shape, pre-norm).
+
+The GPT's blocks without the causal mask: every position attends to every other, so the model can use the
+tokens on both sides of a masked position to predict it. It maps token ids [rows, seq_len] to logits
+[rows, seq_len, vocab_size] (the vocabulary includes the [MASK] token), and is trained only at the masked
+positions, whose labels the data supplies (accumulation/masked_lm.py). Initial weights come from an explicit
+generator seeded with config.run.seed, so every rank and every build start equal.
+"""
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from accumulation.model import GPTConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.dropout = config.n_head, config.dropout
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows, seq_len, d_model = x.shape
+        q, k, v = self.qkv(x).split(d_model, dim=2)
+        q, k, v = (t.view(rows, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        # is_causal=False: position j sees positions after it too (the difference from the GPT).
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=False, dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(rows, seq_len, d_model))
+
+
+class EncoderBlock(nn.Module):
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.attn_norm, self.attn = nn.LayerNorm(config.d_model), SelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
+        )
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x)))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Encoder(nn.Module):
+    def __init__(self, config: GPTConfig, seed: int):
+        super().__init__()
+        self.config = config
+        self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.n_layer))
+        self.final_norm = nn.LayerNorm(config.d_model)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():  # normal(0, 0.02) matrices, zero biases, unit norms
+            for name, param in self.named_parameters():
+                if name.endswith("bias"):
+                    param.zero_()
+                elif "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.final_norm(x))
+
+    def fsdp_units(self) -> list[nn.Module]:
+        return list(self.blocks)
+
+    def describe(self) -> str:
+        config = self.config
+        return (
+            f"encoder: {sum(p.numel() for p in self.parameters()):,} parameters ({config.n_layer} bidirectional "
+            f"layers, d_model {config.d_model}, {config.n_head} heads, vocab {config.vocab_size} with [MASK])"
+        )

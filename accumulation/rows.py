@@ -1,0 +1,537 @@
+"""The types every data source shares, in one module that imports no source: a source imports this, and
+accumulation/data.py (the factory, the data order and the micro-batches) imports the sources.
+
+The interface
+-------------
+The training loop sees a split of the data only as a `Rows` object. Every method takes the optimizer step
+`step` it serves, and what it returns must be a pure function of (the source's seed, step, row ids): never of
+a global random generator, of the rank, or of how often it was called. Then every rank, the checker and a
+resumed run rebuild exactly the same rows (docs/forking.md, "Data that changes with the step"). The
+sources here give the same rows at every step; a fresh mask per step (accumulation/masked_lm.py) uses it.
+
+    num_rows             rows in the split
+    seq_len              input positions per row
+    examples(row_ids, step)
+                         (inputs, labels), both int64 [len(row_ids), seq_len]: labels[i, j] is what input
+                         position j of row i must predict, or IGNORE_INDEX (-100) where that position has no
+                         target (a prompt, padding, a position the step does not mask); labels may instead be
+                         int64 [len(row_ids)], one target per row
+    supervised_counts(row_ids, step)
+                         int64 [len(row_ids)]: supervised targets of each row, the count of labels != -100 that
+                         examples(row_ids, step) would give, computed without building the rows where possible;
+                         every rank sums it over the step's row ids to know the step's N with no collective
+    raw_example(row_id, step)
+                         RawExample: the row's input tokens and, position by position, its targets, stated
+                         without the tensors of examples(), so that a checker can build reference labels its own way
+
+RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/token_files.py) for
+memory-mapped token files; MaskedTokenRows (accumulation/masked_lm.py) on top of those, with a fresh mask
+every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows and
+make_example_rows build RowSets) and adds a branch to build_data in accumulation/data.py.
+"""
+
+import hashlib
+import zlib
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from accumulation.batching import IGNORE_INDEX
+
+# Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
+BYTE_VOCAB_SIZE = 256
+
+# Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
+FINGERPRINT_CHUNK_ROWS = 65_536
+
+
+class DataError(ValueError):
+    """A problem with the user's data, worded as one line that names the path and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RawExample:
+    """One row stated plainly: the tokens the model reads and, position by position, what it must predict.
+
+    inputs    the row's input tokens, at most seq_len of them (the positions after them are padding: input 0,
+              no target)
+    targets   {input position: target}: position j must predict targets[j]; a position that is not a key
+              has no target (label -100)
+    label     instead of targets, one target for the whole row (labels of shape [rows]: a classifier)
+
+    Every task is an instance: next-token prediction (targets[j] = the token after position j), a prompt
+    (its positions absent from targets), masked positions (targets[j] = the original token where position j
+    is masked, the inputs holding the mask), one label per example. The checker builds its reference rows
+    from this alone (scripts/checks/check_equivalence.py, reference_rows), never from examples()'s tensors.
+    """
+
+    inputs: list[int]
+    targets: dict[int, int] = field(default_factory=dict)
+    label: int | None = None
+
+
+def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> RawExample:
+    """The RawExample of next-token prediction on prompt + response, cut to seq_len + 1 tokens: input
+    position j reads token j and predicts token j + 1, a target exactly when token j + 1 is a response token.
+    (A row shorter than seq_len + 1 tokens reads its last token too, as a position without a target.)"""
+    tokens = (prompt + response)[: seq_len + 1]
+    targets = {j: tokens[j + 1] for j in range(len(tokens) - 1) if j + 1 >= len(prompt)}
+    return RawExample(inputs=tokens[:seq_len], targets=targets)
+
+
+class Rows(Protocol):
+    """One split of the data, as the training loop reads it at optimizer step `step` (see the module docstring)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+    def examples(self, row_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def raw_example(self, row_id: int, step: int) -> RawExample: ...
+
+    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor: ...
+
+
+def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
+    """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else.
+
+    The only place where a supervision mask becomes labels.
+    """
+    return torch.where(supervised, targets, IGNORE_INDEX)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows held in memory
+# ---------------------------------------------------------------------------------------------------
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest unsigned integer type that holds every token id 0..vocab_size - 1."""
+    if not 1 <= vocab_size <= 2**32:
+        raise ValueError(f"vocab_size must be in 1..2**32, got {vocab_size}")
+    if vocab_size <= 2**8:
+        return torch.uint8
+    if vocab_size <= 2**16:
+        return torch.uint16
+    return torch.uint32
+
+
+@dataclass
+class RowSet:
+    """Rows of one split, stored compactly, with what each row was cut from.
+
+    tokens       token_dtype(vocab_size) [num_rows, seq_len + 1]: the row's tokens, then zeros past its length
+    lengths      int32 [num_rows]: real tokens in the row, 2..seq_len + 1
+    supervised   bool [num_rows, seq_len]: whether input position j's target, token j + 1, is trained on;
+                 always False for j >= length - 1, where there is no target
+    vocab_size   token ids lie in 0..vocab_size - 1
+
+    Where row i came from, for raw_example: tokens [starts[i], ends[i]) of texts[text_ids[i]], whose tokens
+    before prompt_ends[i] are prompt (prompt_ends is 0 for a plain document). For a document the span is
+    exactly the row; for a prompt/response example it is the whole example, which the row may truncate.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    supervised: torch.Tensor
+    vocab_size: int
+    texts: list  # token sequences: bytes (one token per byte), or numpy arrays of ids from a tokenizer
+    text_ids: np.ndarray  # int64 [num_rows]
+    starts: np.ndarray  # int64 [num_rows], tokens
+    ends: np.ndarray  # int64 [num_rows], tokens
+    prompt_ends: np.ndarray  # int64 [num_rows], tokens
+
+    def __post_init__(self):
+        num_rows, tokens_per_row = self.tokens.shape
+        if self.tokens.dtype != token_dtype(self.vocab_size):
+            raise ValueError(f"tokens of a vocabulary of {self.vocab_size} are {token_dtype(self.vocab_size)}")
+        if self.lengths.shape != (num_rows,) or self.supervised.shape != (num_rows, tokens_per_row - 1):
+            raise ValueError("lengths must be [num_rows] and supervised [num_rows, seq_len]")
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def supervised_tokens(self) -> torch.Tensor:
+        """int64 [num_rows]: supervised targets of each row."""
+        return self.supervised.sum(dim=1)
+
+    # The rows are the same at every step: `step` is accepted (the Rows interface) and not used.
+
+    def supervised_counts(self, row_ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """int64 [len(row_ids)]: supervised targets of the given rows, read from the mask alone."""
+        return self.supervised[row_ids].sum(dim=1)
+
+    def examples(self, row_ids: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels) of the rows, int64 [len(row_ids), seq_len]: a row's tokens shifted by one."""
+        tokens = self.tokens[row_ids].long()  # int64 copy of these rows only
+        return tokens[:, :-1], labels_from_mask(tokens[:, 1:], self.supervised[row_ids])
+
+    def raw_example(self, row_id: int, step: int = 0) -> RawExample:
+        """Next-token prediction on the span the row was cut from, split at its prompt's end; reads neither
+        `tokens` nor `supervised`."""
+        row_id = int(row_id)
+        text = self.texts[self.text_ids[row_id]]
+        start, end = int(self.starts[row_id]), int(self.ends[row_id])
+        prompt_end = max(start, int(self.prompt_ends[row_id]))
+        prompt, response = token_list(text[start:prompt_end]), token_list(text[prompt_end:end])
+        return next_token_example(prompt, response, self.seq_len)
+
+
+def token_list(tokens) -> list[int]:
+    """Python ints of a token sequence: bytes or a numpy array of ids."""
+    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+
+
+def token_array(tokens) -> np.ndarray:
+    """A token sequence as a numpy array (bytes as uint8, without a copy)."""
+    return np.frombuffer(tokens, dtype=np.uint8) if isinstance(tokens, bytes) else np.asarray(tokens)
+
+
+def numpy_token_dtype(vocab_size: int) -> np.dtype:
+    """token_dtype as numpy spells it."""
+    return {torch.uint8: np.uint8, torch.uint16: np.uint16, torch.uint32: np.uint32}[token_dtype(vocab_size)]
+
+
+def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> RowSet:
+    """Cut every document into rows of seq_len + 1 tokens with stride seq_len, all targets supervised.
+
+    A document is bytes (one token per byte, vocab_size 256) or a numpy array of token ids < vocab_size.
+
+    Row i of a document covers tokens [i·seq_len, i·seq_len + seq_len + 1): consecutive rows share one
+    token, the last input of one row being the first input of the next, so each of the document's L - 1
+    targets is supervised exactly once, by ceil((L - 1) / seq_len) rows. A row never crosses into the next
+    document; the last row of a document is right-padded with zeros. Documents shorter than 2 tokens give no rows.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    tokens_per_row = seq_len + 1
+    kept = [document for document in documents if len(document) >= 2]
+    document_bytes = np.array([len(document) for document in kept], dtype=np.int64)
+    document_starts = np.cumsum(document_bytes) - document_bytes  # offsets in the concatenation
+    row_counts = (document_bytes - 2) // seq_len + 1  # ceil((L - 1) / seq_len) for every document at once
+
+    # For every row: its document, its index within that document, and so its start and length.
+    row_document = np.repeat(np.arange(len(kept)), row_counts)
+    first_row_of_document = np.cumsum(row_counts) - row_counts
+    row_in_document = np.arange(int(row_counts.sum())) - first_row_of_document[row_document]
+    offset_in_document = row_in_document * seq_len
+    row_starts = document_starts[row_document] + offset_in_document
+    lengths = np.minimum(tokens_per_row, document_bytes[row_document] - offset_in_document)
+
+    # Trailing zeros so that every row start has a full window; the window of a document's last row runs
+    # into the next document (or these zeros), and everything past the row's length is zeroed below.
+    storage = numpy_token_dtype(vocab_size)
+    pieces = [token_array(document) for document in kept] + [np.zeros(tokens_per_row, dtype=storage)]
+    concatenated = np.concatenate(pieces).astype(storage, copy=False)
+    windows = np.lib.stride_tricks.sliding_window_view(concatenated, tokens_per_row)
+    tokens = windows[row_starts]  # fancy indexing copies: a fresh array of the storage type, no int64 intermediate
+    tokens[np.arange(tokens_per_row) >= lengths[:, None]] = 0
+    supervised = np.arange(seq_len) < lengths[:, None] - 1  # every target the row has
+    return RowSet(
+        tokens=torch.from_numpy(tokens),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        supervised=torch.from_numpy(supervised),
+        vocab_size=vocab_size,
+        texts=kept,
+        text_ids=row_document,
+        starts=offset_in_document,
+        ends=offset_in_document + lengths,
+        prompt_ends=np.zeros(len(row_document), dtype=np.int64),
+    )
+
+
+class ExampleRows(NamedTuple):
+    """What make_example_rows returns: the rows, and what became of the examples that do not fit."""
+
+    rows: RowSet
+    dropped: int  # examples without a supervised target within seq_len + 1 tokens: no row
+    truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
+
+
+def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
+    """One row per (prompt, response) example, its tokens those of prompt then response; only the
+    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
+    or numpy arrays of token ids < vocab_size.
+
+    An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
+    With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
+    (index 0 is never a target), so an example with L <= max(P, 1) has nothing to learn and is dropped.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    tokens_per_row = seq_len + 1
+    kept = [
+        (prompt, response)
+        for prompt, response in examples
+        if min(len(prompt) + len(response), tokens_per_row) > max(len(prompt), 1)
+    ]
+    prompt_bytes = np.array([len(prompt) for prompt, _ in kept], dtype=np.int64)
+    example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
+    lengths = np.minimum(example_bytes, tokens_per_row)
+
+    texts = [
+        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
+        for prompt, response in kept
+    ]
+    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
+    for row, text in enumerate(texts):
+        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
+    # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
+    targets = np.arange(1, tokens_per_row)
+    supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
+    rows = RowSet(
+        tokens=torch.from_numpy(tokens),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        supervised=torch.from_numpy(supervised),
+        vocab_size=vocab_size,
+        texts=texts,
+        text_ids=np.arange(len(kept), dtype=np.int64),
+        starts=np.zeros(len(kept), dtype=np.int64),
+        ends=example_bytes,
+        prompt_ends=prompt_bytes,
+    )
+    return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
+
+
+def row_fingerprint(rows: RowSet) -> str:
+    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask.
+
+    A checkpoint stores it so that resuming on different data (another source, seq_len, split or prompt
+    mask) is noticed. Tokens are hashed as little-endian uint32 whatever their storage type, so the
+    fingerprint is a function of the token values alone and does not move when token_dtype picks another width.
+    """
+    digest = hashlib.sha256()
+    digest.update(f"{tuple(rows.tokens.shape)}".encode())
+    tokens = rows.tokens.numpy()
+    for first in range(0, rows.num_rows, FINGERPRINT_CHUNK_ROWS):
+        digest.update(tokens[first : first + FINGERPRINT_CHUNK_ROWS].astype("<u4").tobytes())
+    digest.update(rows.lengths.numpy().astype("<i4").tobytes())
+    digest.update(rows.supervised.numpy().tobytes())  # one byte, 0 or 1, per position
+    return digest.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation split
+# ---------------------------------------------------------------------------------------------------
+
+
+def key_hash(key: str) -> float:
+    """A stable hash of a string in [0, 1): crc32 is the same on every machine and Python version."""
+    return zlib.crc32(key.encode("utf-8")) / 2**32
+
+
+def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
+    """The keys (file paths, example lines) whose hash falls below val_fraction.
+
+    Hashing the key (not its position) keeps an item on its side of the split when other items are added
+    or removed, and puts identical items on the same side. When nothing falls below val_fraction but there
+    are at least two distinct keys, the key with the smallest hash is used, so that a small source still
+    has a validation set.
+    """
+    if val_fraction == 0:
+        return set()
+    chosen = {key for key in keys if key_hash(key) < val_fraction}
+    if not chosen and len(set(keys)) >= 2:
+        chosen = {min(keys, key=key_hash)}
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------------
+# The data of a run
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DataSummary:
+    source: str  # data.source as given
+    root: str  # the file or folder it resolved to
+    seq_len: int
+    vocab_size: int
+    files: int  # files used, training and validation
+    val_files: int  # of those, files in the validation split (0 or 1 for a single file split within itself)
+    skipped_files: int  # non-text files left out
+    bytes: int  # bytes of the files used
+    documents: int  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
+    dropped_documents: int  # of those, with no target to predict: no rows
+    truncated_documents: int  # of those, cut short to one row of seq_len + 1 tokens
+    train_rows: int
+    val_rows: int  # rows in the validation split
+    min_supervised_tokens: int  # per training row
+    median_supervised_tokens: float
+    max_supervised_tokens: int
+    padding_fraction: float  # label positions past a row's last target / all label positions, training rows
+    prompt_fraction: float  # label positions whose target is prompt, not response / all label positions, training
+    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
+    layout: str = "documents"  # data.layout as resolved: "documents" or "packed"
+    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files"
+    tokens: int = 0  # token files: tokens in the files used
+    vocab_from: str = "bytes"  # where the vocabulary size came from
+    val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
+
+    def describe(self) -> str:
+        skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
+        losses = [
+            f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
+            f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
+        ]
+        losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
+        contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
+        if not self.val_rows:
+            validation = "no validation set"
+        elif self.val_rows_read < self.val_rows:
+            validation = f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
+        else:
+            validation = f"{self.val_rows:,} validation rows"
+        location = self.source if self.source == self.root else f"{self.source} ({self.root})"
+        prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
+        kind = "" if self.format == "text" else f"{self.format}, "
+        return (
+            f"data {location}: {kind}{self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
+            f"{contents}; layout {self.layout}: {self.train_rows:,} training rows and {validation} "
+            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size} ({self.vocab_from}), supervised tokens per "
+            f"training row min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
+            f"/ max {self.max_supervised_tokens}, "
+            f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
+        )
+
+
+@dataclass
+class Data:
+    train: Rows
+    val: Rows | None  # None when val_fraction == 0
+    summary: DataSummary
+    vocab_size: int  # the data's vocabulary: 256 for byte tokens
+
+
+class RowSubset:
+    """Some rows of another Rows object, renumbered 0..len(row_ids) - 1 (the Rows interface)."""
+
+    def __init__(self, rows: Rows, row_ids: torch.Tensor):
+        self.rows, self.row_ids = rows, row_ids
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return self.rows.seq_len
+
+    def examples(self, row_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows.examples(self.row_ids[row_ids], step)
+
+    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
+        return self.rows.supervised_counts(self.row_ids[row_ids], step)
+
+    def raw_example(self, row_id: int, step: int) -> RawExample:
+        return self.rows.raw_example(int(self.row_ids[row_id]), step)
+
+
+def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
+    """A DataError when the split left training without rows, or a requested validation set empty.
+    (Each source first reports a source without any usable row in its own words.)"""
+    if train.num_rows == 0:
+        raise DataError(
+            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
+            f"lower data.val_fraction or add more data"
+        )
+    if val_fraction > 0 and val.num_rows == 0:
+        raise DataError(
+            f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to predict; "
+            f"raise data.val_fraction, add more data, or set data.val_fraction=0"
+        )
+
+
+def data_from_rows(
+    source: str,
+    train: RowSet,
+    val: RowSet,
+    val_fraction: float,
+    *,
+    root: str,
+    files: int,
+    val_files: int,
+    skipped_files: int,
+    bytes: int,
+    documents: int,
+    dropped_documents: int,
+    truncated_documents: int,
+    layout: str = "documents",
+    format: str = "text",
+    vocab_from: str = "bytes",
+) -> Data:
+    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
+    check_split_sizes(source, train, val, val_fraction)
+    supervised = train.supervised_tokens()
+    label_positions = train.num_rows * train.seq_len
+    targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
+    summary = DataSummary(
+        source=source,
+        root=root,
+        seq_len=train.seq_len,
+        vocab_size=train.vocab_size,
+        files=files,
+        val_files=val_files,
+        skipped_files=skipped_files,
+        bytes=bytes,
+        documents=documents,
+        dropped_documents=dropped_documents,
+        truncated_documents=truncated_documents,
+        train_rows=train.num_rows,
+        val_rows=val.num_rows,
+        min_supervised_tokens=int(supervised.min()),
+        median_supervised_tokens=float(np.median(supervised.numpy())),
+        max_supervised_tokens=int(supervised.max()),
+        padding_fraction=1 - targets / label_positions,
+        prompt_fraction=(targets - int(supervised.sum())) / label_positions,
+        fingerprint=row_fingerprint(train),
+        layout=layout,
+        format=format,
+        vocab_from=vocab_from,
+        val_rows_read=val.num_rows,
+    )
+    return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Randomness that is a pure function of (seed, step, row id)
+# ---------------------------------------------------------------------------------------------------
+
+
+def mix64(values: np.ndarray) -> np.ndarray:
+    """A 64-bit mixing function (splitmix64's finalizer): every output bit depends on every input bit.
+    uint64 arithmetic wraps modulo 2**64, which is what the constants are chosen for."""
+    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return values ^ (values >> np.uint64(31))
+
+
+def step_uniforms(seed: int, step: int, row_ids: torch.Tensor, count: int, stream: int = 0) -> np.ndarray:
+    """float64 [len(row_ids), count] in [0, 1): `count` random numbers for each row at optimizer step `step`.
+
+    Number k of row r is mix64 of a key hashed from (seed, step, stream) and r·count + k: a pure function of
+    (seed, step, stream, r, k), so any rank, the checker or a resumed run computes the same numbers for the
+    same row, in any batch, in any order, without a generator's state to carry or to restore. `stream`
+    separates independent draws for the same row (which positions are masked, what replaces them). The top
+    53 bits of each 64-bit value make the float: every multiple of 2**-53 in [0, 1) equally likely."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{stream}".encode(), digest_size=8).digest()
+    key = np.frombuffer(digest, dtype="<u8").astype(np.uint64)[0]
+    counters = row_ids.numpy().astype(np.uint64)[:, None] * np.uint64(count) + np.arange(count, dtype=np.uint64)
+    # Two rounds: mix64 of the key xor the counter alone would map neighbouring counters of nearby keys alike.
+    values = mix64(mix64(counters ^ key) + key)
+    return (values >> np.uint64(11)).astype(np.float64) / 2.0**53

@@ -1,0 +1,134 @@
+"""Conformance: what the loop needs from a fork, checked against the fork's own config.
+
+    python -m pytest tests/conformance --fork-config configs/mlm.toml
+
+The model contract the loop actually relies on (not causality, not generate(), not a banner format), the data
+contract (rows a pure function of (seed, step, row id), supervised_counts equal to the labels, raw examples
+that state exactly the rows), one step against the float64 full-batch reference on 1 and 2 ranks (the
+checker, scripts/checks/check_equivalence.py), and an exact resume through train.py. Without --fork-config it runs
+on the project's own configs (tests/conformance/conftest.py), as CI does.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config import load_config
+from accumulation.data import build_data, step_batch, step_row_ids
+from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from scripts.checks import check_equivalence
+from tests.conformance.conftest import REPO
+
+STEPS = (0, 1)  # two steps: rows that change with the step must change consistently
+
+
+def built(fork_argv: list[str]):
+    config = load_config(fork_argv)
+    data = build_data(config)
+    return config, data, resolved_vocab_size(config, data.vocab_size)
+
+
+def test_model_contract(fork_argv):
+    """Same weights from the seed in every build; buildable on the meta device; forward on the step's inputs
+    gives outputs the loss turns into one finite number; the state dict holds all state; describe() a line."""
+    config, data, vocab_size = built(fork_argv)
+    first, second = build_model(config, vocab_size), build_model(config, vocab_size)
+    for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
+        assert torch.equal(a, b), f"{name}: two builds from the same seed differ; initialise from config.run.seed"
+    assert count_parameters(config, vocab_size) == sum(p.numel() for p in first.parameters())  # meta build
+    batch = step_batch(
+        data.train, 0, seed=config.run.seed, global_batch_size=8, tail="drop", micro_batch_size=8, world_size=1, rank=0
+    )
+    (micro_batch,) = batch.micro_batches
+    first.eval()
+    outputs = first(micro_batch.inputs)
+    loss_sum = loss_sum_fn_for(config)(outputs, micro_batch.labels)
+    assert loss_sum.dim() == 0 and torch.isfinite(loss_sum)
+    loss_sum.backward()
+    assert any(p.grad is not None for p in first.parameters())
+    third = build_model(config, vocab_size)
+    with torch.no_grad():
+        for parameter in third.parameters():
+            parameter.add_(1.0)  # other weights, until the state dict is loaded
+    third.load_state_dict(first.state_dict())
+    third.eval()
+    assert torch.equal(third(micro_batch.inputs), outputs.detach()), "the state dict does not hold all the state"
+    description = first.describe()
+    assert isinstance(description, str) and description and "\n" not in description
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_data_contract(fork_argv, step):
+    """examples(row_ids, step) is a pure function of (seed, step, row id): the same in two calls and in any
+    grouping of the rows; supervised_counts equals the labels' count row by row; raw_example states exactly the
+    inputs and labels; token ids lie within the vocabulary; the fingerprint is stable."""
+    config, data, vocab_size = built(fork_argv)
+    rows = data.train
+    row_ids = step_row_ids(rows.num_rows, 8, config.run.seed, step, "drop")
+    inputs, labels = rows.examples(row_ids, step)
+    assert inputs.dtype == labels.dtype == torch.int64
+    assert inputs.shape == (len(row_ids), rows.seq_len) and labels.shape[0] == len(row_ids)
+    again = rows.examples(row_ids, step)
+    assert torch.equal(again[0], inputs) and torch.equal(again[1], labels), "two calls gave other rows"
+    halves = [rows.examples(part, step) for part in (row_ids[:3], row_ids[3:])]
+    assert torch.equal(torch.cat([h[0] for h in halves]), inputs), "a row depends on the rows beside it"
+    assert torch.equal(torch.cat([h[1] for h in halves]), labels), "a row's labels depend on the rows beside it"
+    per_row = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
+    assert torch.equal(rows.supervised_counts(row_ids, step), per_row), "supervised_counts disagrees with labels"
+    assert int(per_row.sum()) > 0
+    reference_inputs, reference_labels = check_equivalence.reference_rows(rows, row_ids, step, rows.seq_len)
+    assert torch.equal(reference_inputs, inputs), "raw_example's inputs are not the rows' inputs"
+    assert torch.equal(reference_labels, labels), "raw_example's targets are not the rows' labels"
+    assert 0 <= int(inputs.min()) and int(inputs.max()) < vocab_size
+    supervised = labels[labels != IGNORE_INDEX]
+    assert 0 <= int(supervised.min()) and int(supervised.max()) < vocab_size
+    assert build_data(config).summary.fingerprint == data.summary.fingerprint
+
+
+def run_checker(fork_argv: list[str], ranks: int, capsys, tmp_path) -> tuple[int, str]:
+    if ranks == 1:
+        return check_equivalence.main(fork_argv), capsys.readouterr().out
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    script = str(REPO / "scripts" / "checks" / "check_equivalence.py")
+    completed = subprocess.run(
+        launcher + [script, *fork_argv], capture_output=True, text=True, timeout=180, env=environment, cwd=REPO
+    )
+    assert completed.returncode in (0, 1), completed.stdout + completed.stderr  # anything else is a crash
+    return completed.returncode, completed.stdout
+
+
+def test_the_step_equals_the_float64_reference_on_1_rank(fork_argv, capsys, tmp_path):
+    status, stdout = run_checker(fork_argv, 1, capsys, tmp_path)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+
+
+@pytest.mark.expensive
+def test_the_step_equals_the_float64_reference_on_2_ranks(fork_argv, capsys, tmp_path):
+    status, stdout = run_checker(fork_argv, 2, capsys, tmp_path)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    assert "x ranks 2;" in stdout
+
+
+@pytest.mark.expensive
+def test_resume_is_exact(fork_argv, tmp_path):
+    """Two steps straight, and one step then a resumed second one: the same final weights, bit for bit (the
+    second step's rows, masks included, are rebuilt from (seed, step, row id) after the restart). train.py's
+    main runs in this process, as three launches would run it, without three interpreters' start-up."""
+    common = [*fork_argv, "run.log_every=1", "run.checkpoint_every=1", "run.sample_bytes=0", "run.eval_every=0"]
+    assert train.main([*common, f"run.out_dir={tmp_path / 'straight'}", "run.max_steps=2"]) == 0
+    assert train.main([*common, f"run.out_dir={tmp_path / 'resumed'}", "run.max_steps=1"]) == 0
+    assert train.main([*common, f"run.out_dir={tmp_path / 'resumed'}", "run.max_steps=2"]) == 0
+    name = load_config(fork_argv).run.name
+    straight, resumed = (
+        torch.load(tmp_path / folder / name / "checkpoints" / "latest.pt", weights_only=True)
+        for folder in ("straight", "resumed")
+    )
+    assert straight["counters"] == resumed["counters"] and straight["counters"]["steps"] == 2
+    for key, weights in straight["model"].items():
+        assert torch.equal(weights, resumed["model"][key]), key
