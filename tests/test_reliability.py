@@ -20,6 +20,9 @@ import pytest
 import torch
 
 import train
+from accumulation.config import load_config
+from accumulation.distributed import DistributedContext
+from accumulation.resume import restore_rng_states, seed_dropout
 from accumulation.run_dir import LOCK_FILE
 from testkit.disk import fill_disk, small_disk
 from tests.test_logs import assert_tensorboard_matches_metrics
@@ -425,6 +428,24 @@ def test_the_resume_payload_is_freed_once_loaded(tmp_path, corpus, capsys, monke
     status, out, _ = run_in_process(arguments + ["run.max_steps=3"], capsys)  # the last value of a key wins
     assert status == 0 and "at step 2" in out
     assert payloads == [{}]
+
+
+def test_each_rank_continues_its_own_dropout_stream_after_a_resume():
+    """The restore half of a 2-rank resume, without launching ranks (the slow torchrun tests run it whole):
+    the checkpoint holds one generator state per rank, and rank r must continue stream r. Rank 1 handed
+    rank 0's state would draw rank 0's dropout masks: a run that still trains, and no longer the run."""
+    config = load_config([])
+    saved, expected = {"per_rank": []}, []
+    for rank in range(2):  # each rank's stream some draws in, as at a checkpoint
+        seed_dropout(config.run.seed, rank)
+        torch.rand(7)
+        saved["per_rank"].append({"cpu": torch.get_rng_state()})
+        expected.append(torch.rand(5))
+    assert not torch.equal(expected[0], expected[1])
+    for rank in range(2):
+        torch.manual_seed(12345)  # whatever the new process drew before the resume
+        restore_rng_states(saved, DistributedContext(rank, rank, 2, torch.device("cpu"), "gloo"), config, steps=3)
+        assert torch.equal(torch.rand(5), expected[rank]), rank
 
 
 def garbage(size_bytes: int) -> bytes:
