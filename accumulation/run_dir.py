@@ -79,6 +79,7 @@ class RunLock:
             holder = os.pread(self.descriptor, 200, 0).decode(errors="replace").strip() or "a job still starting"
             os.close(self.descriptor)
             self.descriptor = None
+            self.created = []  # the holder's now, whoever made them: never removed by a job that was refused
             raise RunDirectoryBusy(
                 f"run.name: {self.run_dir} is in use by another training job ({holder}); wait for it to end, "
                 f"stop it, or choose another run.name"
