@@ -24,6 +24,7 @@ import socket
 import sys
 from pathlib import Path
 
+from accumulation.checkpoint import why_not_written
 from accumulation.config import Config, ConfigError
 
 LOCK_FILE = "run.lock"
@@ -69,8 +70,9 @@ class RunLock:
             # O_CLOEXEC (Python's default): a program this process starts does not inherit, and keep, the lock.
             self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
+            why = why_not_written(error, self.run_dir)
             raise ConfigError(
-                f"run.out_dir: cannot create the run directory {self.run_dir} ({error.strerror}); choose a "
+                f"run.out_dir: cannot create the run directory {self.run_dir} ({why}); free space, or choose a "
                 f"writable run.out_dir"
             ) from None
         try:
@@ -94,9 +96,13 @@ class RunLock:
             )
             return
         # Who holds it, for the message a second job prints. Written after the lock is ours, so it never
-        # overwrites the holder's line.
-        os.ftruncate(self.descriptor, 0)
-        os.pwrite(self.descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        # overwrites the holder's line. Only a courtesy: on a full disk the lock holds without it, and the
+        # run's first real write (config.toml) reports the disk in its one line.
+        try:
+            os.ftruncate(self.descriptor, 0)
+            os.pwrite(self.descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
 
     def release(self, undo: bool = False) -> None:
         """Unlock (closing the file releases the lock). With `undo`, remove what `acquire` created, when it is

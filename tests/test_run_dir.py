@@ -15,6 +15,7 @@ import torch
 
 from accumulation.config import ConfigError, load_config
 from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock
+from testkit.disk import fill_disk, small_disk
 from tests.test_reliability import REPO, finish, run_in_process, snapshot, start_torchrun
 from tests.test_train import run_train, tiny_settings, uneven_corpus
 
@@ -186,3 +187,15 @@ def test_the_error_line_survives_torchrun_in_20_launches_of_20(tmp_path, corpus)
         with_line += "error: optim.lr: expected" in completed.stderr
     assert with_line == 20
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_full_disk_at_the_start_is_one_line(tmp_path, corpus, capsys):
+    """The run directory, its lock file and config.toml on a disk with no space left: one line, no traceback
+    (writing the lock's holder line raised an OSError traceback before config.toml could say it)."""
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        fill_disk(disk, leave_free_bytes=0)
+        status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"run.out_dir": disk / "runs"}), capsys)
+    # tmpfs creates the folder and the empty lock file without a data page; the lock's holder line and then
+    # config.toml need one: the first is skipped, the second is the run's one line (exit 1, a machine fault).
+    assert status == 1 and error.count("\n") == 1, error
+    assert "config.toml could not be written: the disk is full" in error
