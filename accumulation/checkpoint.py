@@ -209,6 +209,9 @@ def structure_problem(payload: dict) -> str | None:
         return "skips_in_a_row is missing or not a non-negative integer (a checkpoint of an older version?)"
     if not isinstance(payload["data"].get("fingerprint"), str):
         return "data lacks the fingerprint of the training data"
+    files = payload["data"].get("files", [])  # absent in checkpoints of older versions
+    if not (isinstance(files, list) and all(isinstance(stamp, dict) and "path" in stamp for stamp in files)):
+        return "data.files should be a list of the token files' stamps"
     per_rank = payload["rng"].get("per_rank")
     states_ok = (
         isinstance(per_rank, list)

@@ -799,6 +799,8 @@ def damage(payload: dict, kind: str) -> dict:
     if kind == "optimizer state shape":  # the step-0 checkpoint has no state yet: parameter 0 gets a wrong one
         moments = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
         return {**payload, "optimizer": {**payload["optimizer"], "state": {0: moments}}}
+    if kind == "file stamps":
+        return {**payload, "data": {**payload["data"], "files": [None]}}
     if kind == "non-finite weights":
         return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
     if kind == "missing parameter":
@@ -818,6 +820,7 @@ def damage(payload: dict, kind: str) -> dict:
         ("optimizer", "its optimizer has parameter groups of [7] parameters, this run's [7, 10]"),
         # was: "resuming ...", then a RuntimeError traceback at the first update
         ("optimizer state shape", "optimizer state exp_avg of parameter 0 has shape [3], its parameter [256, 16]"),
+        ("file stamps", "data.files should be a list of the token files' stamps"),
         # was: every update skipped, exit 0
         ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
         ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
