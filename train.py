@@ -66,14 +66,16 @@ from accumulation.fsdp import describe_sharding
 from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
 from accumulation.resume import (
     STOPPED_FILE,
+    ExpectedShapes,
     check_ranks_agree_on_resume,
     checkpoint_payload,
     find_resume_point,
     restore_rng_states,
     seed_dropout,
 )
+from accumulation.run_dir import RunDirectoryError, RunLock, metrics_lines, run_directory
 from accumulation.schedule import build_scheduler, set_learning_rates
-from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
+from accumulation.signals import StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
@@ -89,7 +91,10 @@ def main(argv: list[str]) -> int:
     say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
 
     # Everything a user can get wrong is checked before anything is written: a bad config, data or
-    # checkpoint ends here with one line on stderr and exit status 2.
+    # checkpoint ends here with one line on stderr and exit status 2. Every rank finds the same error and
+    # every rank prints it: under torchrun the first rank to exit gets the others stopped, and a line left
+    # to rank 0 alone could die with it.
+    lock = None  # rank 0's hold on the run directory (accumulation/run_dir.py), for this job's whole life
     try:
         config = load_config(argv)
         check_config_for_world(config, world_size)
@@ -100,29 +105,51 @@ def main(argv: list[str]) -> int:
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config, data.vocab_size)
-        run_dir = Path(config.run.out_dir) / config.run.name
+        run_dir = run_directory(config)  # inside run.out_dir, links resolved
         with torch.device("meta"):  # every parameter's shape, no memory
-            model_shapes = {name: tensor.shape for name, tensor in build_model(config, vocab_size).state_dict().items()}
-        resume = find_resume_point(config, data.summary.fingerprint, model_shapes, run_dir, say)
-    except (ConfigError, DataError, CheckpointError) as error:
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
+            shapes = ExpectedShapes.of(config, build_model(config, vocab_size))
+        if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
+            lock = RunLock(run_dir)
+            lock.acquire()
+        warn = print_to_stderr if rank == 0 else say
+        resume = find_resume_point(config, data.summary, shapes, run_dir, warn, say)
+        if resume is not None:
+            metrics_lines(run_dir / "metrics.jsonl")  # a damaged line is refused now, before anything is written
+    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        if lock is not None:
+            lock.release(undo=True)  # a refused run leaves no folder or lock file it created
         return 2
+    try:
+        return train_in_run_directory(config, data, vocab_size, run_dir, resume, rank, world_size, say)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def print_to_stderr(*args, **kwargs) -> None:
+    print(*args, **kwargs, file=sys.stderr)
+
+
+def train_in_run_directory(
+    config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, rank: int, world_size: int, say
+) -> int:
+    """main's second half, once the run directory is this job's: set up the ranks, train, and turn each way a
+    run can fail into its line and exit status."""
 
     # Fail fast: a rank that raises says why and returns its status WITHOUT tearing down the process group.
     # run_and_exit then ends the process at once; the other ranks' next collective fails (gloo) or torchrun's
     # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
-    stop = StopRequest()  # SIGTERM and SIGUSR1: finish the step, checkpoint, exit (accumulation/signals.py)
+    stop = StopRequest()  # SIGTERM, SIGUSR1, Ctrl-C: finish the step, checkpoint, exit (accumulation/signals.py)
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s)
             check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
-        if rank == 0:
-            print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)  # every rank, as above
         return 2
     except DataError as error:  # a row read mid-run holds an id beyond the vocabulary, or not the promised N
         print(f"error: {error}", file=sys.stderr)  # the rank that read the row says so; the others lose it
@@ -197,7 +224,7 @@ def train(
 
     def save(counters: Counters) -> None:
         payload = checkpoint_payload(
-            config, data.summary.fingerprint, model, optimizer, scheduler, scaler, counters, consecutive_skips, context
+            config, data.summary, model, optimizer, scheduler, scaler, counters, consecutive_skips, context
         )
         if context.is_main:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
@@ -340,10 +367,10 @@ def train(
                 received = f"{stop.signal_name} received" if stop.requested else "another rank got a stop signal"
                 say(
                     f"stopped at step {counters.steps}: {received}; checkpoint written; exit status "
-                    f"{STOPPED_BY_SIGNAL_STATUS}; starting again (a requeued job, torchrun --max-restarts) resumes it",
+                    f"{stop.exit_status}; starting again (a requeued job, torchrun --max-restarts) resumes it",
                     file=sys.stderr,
                 )
-                return STOPPED_BY_SIGNAL_STATUS
+                return stop.exit_status
 
         ran_steps = trained_seconds > 0
         final_val_loss = None
@@ -458,11 +485,7 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
     holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
     if not metrics_path.exists():
         return
-    # A last line without its newline was cut short by a process killed while writing it: not a record.
-    complete_lines = [
-        line for line in metrics_path.read_text().splitlines(keepends=True) if line.endswith("\n") and line.strip()
-    ]
-    kept = [line for line in complete_lines if json.loads(line)["steps"] <= steps]
+    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
     temporary = metrics_path.with_name(".metrics.jsonl.tmp")
     try:
         temporary.write_text("".join(kept))

@@ -209,6 +209,9 @@ def structure_problem(payload: dict) -> str | None:
         return "skips_in_a_row is missing or not a non-negative integer (a checkpoint of an older version?)"
     if not isinstance(payload["data"].get("fingerprint"), str):
         return "data lacks the fingerprint of the training data"
+    files = payload["data"].get("files", [])  # absent in checkpoints of older versions
+    if not (isinstance(files, list) and all(isinstance(stamp, dict) and "path" in stamp for stamp in files)):
+        return "data.files should be a list of the token files' stamps"
     per_rank = payload["rng"].get("per_rank")
     states_ok = (
         isinstance(per_rank, list)
@@ -240,6 +243,49 @@ def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch
         )
 
 
+def check_weights_finite(path: Path, stored: dict) -> None:
+    """Refuse weights holding NaN or inf: every update from them is non-finite and skipped, so the run would
+    go on without learning anything (one pass over the weights, on the host)."""
+    broken = [name for name, tensor in stored.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if broken:
+        raise CheckpointError(
+            f"checkpoint {path}: the weights {few(broken)} hold NaN or inf, so no update from them can be applied; "
+            f"resume from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
+        )
+
+
+def check_optimizer_state(path: Path, stored, parameter_shapes: list[list[torch.Size]]) -> None:
+    """Refuse an optimizer state that does not fit this run's optimizer, before anything is written:
+    `parameter_shapes` holds each parameter group's parameter shapes, in the optimizer's order (the numbering
+    its state dict uses). Every state tensor but the scalar step counter is shaped like its parameter (AdamW's
+    two moments, SGD's momentum buffer); one of another shape would fail at the first update, a whole
+    traceback after "resuming"."""
+    groups = stored.get("param_groups") if isinstance(stored, dict) else None
+    state = stored.get("state") if isinstance(stored, dict) else None
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: its optimizer state lacks param_groups or state; it is damaged")
+    stored_sizes = [len(group.get("params", [])) if isinstance(group, dict) else None for group in groups]
+    expected_sizes = [len(shapes) for shapes in parameter_shapes]
+    if stored_sizes != expected_sizes:
+        raise CheckpointError(
+            f"checkpoint {path}: its optimizer has parameter groups of {stored_sizes} parameters, this run's "
+            f"{expected_sizes}; it was written by another model or optimizer"
+        )
+    shapes = [shape for group in parameter_shapes for shape in group]  # numbered as the state dict numbers them
+    for number, values in state.items():
+        if not (isinstance(number, int) and 0 <= number < len(shapes) and isinstance(values, dict)):
+            raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {number!r}; it is damaged")
+        for key, value in values.items():
+            if not isinstance(value, torch.Tensor) or key == "step":
+                continue
+            if value.shape != shapes[number]:
+                raise CheckpointError(
+                    f"checkpoint {path}: optimizer state {key} of parameter {number} has shape {list(value.shape)}, "
+                    f"its parameter {list(shapes[number])}; the file is damaged: resume from an older checkpoint "
+                    f"(delete the newer step files and latest.pt), or start a new run.name"
+                )
+
+
 def few(names: list[str]) -> str:
     """The first three names, and how many more: a message stays one readable line."""
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
@@ -247,8 +293,9 @@ def few(names: list[str]) -> str:
 
 
 def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
-    """latest.pt if it reads, else the newest step file that does (each bad one reported through `warn`).
-    None when the folder holds no checkpoint at all; CheckpointError when it holds only unreadable ones."""
+    """latest.pt if it reads, else the newest step file that does (each bad one passed over is reported
+    through `warn`). None when the folder holds no checkpoint at all; CheckpointError when it holds only
+    unreadable ones: then that one line says it all, without the warnings."""
     candidates = [checkpoint_dir / "latest.pt"] + list(reversed(step_checkpoints(checkpoint_dir)))
     candidates = [path for path in candidates if path.exists()]
     if not candidates:
@@ -256,10 +303,13 @@ def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] 
     problems = []
     for path in candidates:
         try:
-            return path, read_checkpoint(path)
+            payload = read_checkpoint(path)
         except CheckpointError as error:
-            warn(f"warning: {error}; trying an older checkpoint")
             problems.append(error)
+            continue
+        for problem in problems:
+            warn(f"warning: {problem}; passed over for an older checkpoint")
+        return path, payload
     raise CheckpointError(
         f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be used (the newest: {problems[0]}); "
         f"delete the folder to start afresh or restore a good file"

@@ -15,6 +15,7 @@ is ever silently rounded.
 
 import dataclasses
 import math
+import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -371,6 +372,9 @@ def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
     which knows the world size.)"""
     model, batch, schedule = config.model, config.batch, config.schedule
+    problem = run_name_problem(config.run.name)
+    if problem:
+        raise ConfigError(f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}")
     if model.name == "encoder" and config.data.task != "masked":  # it sees every position, the next one included
         raise ConfigError(
             f'model.name: the encoder sees every input position, so it needs data.task = "masked", got '
@@ -392,6 +396,25 @@ def _check_combinations(config: Config) -> None:
             f"schedule.warmup_updates: expected an integer <= schedule.decay_updates "
             f"({schedule.decay_updates}), got {schedule.warmup_updates}"
         )
+
+
+# The longest file name Linux file systems accept, in bytes (NAME_MAX).
+NAME_MAX_BYTES = 255
+
+
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run directory's name, or None. It is joined to run.out_dir, so it must be one
+    path component: a "/" or ".." would put the run elsewhere (an absolute name replaces out_dir whole), and
+    "." would be out_dir itself."""
+    if name in ("", ".", ".."):
+        return "choose a name such as my-run"
+    if "/" in name:
+        return "it holds a path separator; use one name, and run.out_dir for the folder"
+    if any(ord(character) < 32 or ord(character) == 127 for character in name):
+        return "it holds a control character (a newline, a tab); use printable characters"
+    if len(os.fsencode(name)) > NAME_MAX_BYTES:
+        return f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX_BYTES} a file name may have"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -6,14 +6,24 @@ step count says which examples come next. What else must be restored is the mode
 scheduler, the GradScaler and every rank's random-number generator (dropout draws from it).
 """
 
+import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from accumulation.checkpoint import CheckpointError, check_model_state, newest_readable_checkpoint, step_checkpoints
+from accumulation.build import build_optimizer
+from accumulation.checkpoint import (
+    CheckpointError,
+    check_model_state,
+    check_optimizer_state,
+    check_weights_finite,
+    newest_readable_checkpoint,
+    step_checkpoints,
+)
 from accumulation.config import Config, ConfigError, config_from_dict, config_to_dict
-from accumulation.data import DATA_ORDER
+from accumulation.data import DATA_ORDER, DataSummary
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 
@@ -53,12 +63,32 @@ def seed_dropout(seed: int, rank: int, steps: int = 0) -> None:
     torch.manual_seed(seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + rank)
 
 
+@dataclass
+class ExpectedShapes:
+    """The shapes a checkpoint's state must have to fit this run: the model's state dict, name -> shape, and
+    the optimizer's parameters, group by group in the order its state dict numbers them."""
+
+    model: dict[str, torch.Size]
+    optimizer: list[list[torch.Size]]
+
+    @classmethod
+    def of(cls, config: Config, model: torch.nn.Module) -> "ExpectedShapes":
+        """Read from `model` (build it on the meta device: shapes without memory) and the optimizer that
+        build_optimizer makes for it, so the grouping is the one training uses."""
+        optimizer = build_optimizer(config, model, torch.device("meta"))
+        return cls(
+            model={name: tensor.shape for name, tensor in model.state_dict().items()},
+            optimizer=[[parameter.shape for parameter in group["params"]] for group in optimizer.param_groups],
+        )
+
+
 def find_resume_point(
-    config: Config, data_fingerprint: str, model_shapes: dict[str, torch.Size], run_dir: Path, say
+    config: Config, data: DataSummary, shapes: ExpectedShapes, run_dir: Path, warn, say
 ) -> dict | None:
     """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory,
-    and a checkpoint whose settings, training data (`data_fingerprint`) or model (`model_shapes`, the
-    configured model's parameter shapes) differ from this run's."""
+    and a checkpoint whose settings, training data (`data`: its fingerprint and its files' stamps), model or
+    optimizer state (`shapes`) differ from this run's, or whose weights are not finite. Unreadable
+    checkpoints skipped for an older one are reported through `warn`; "resuming from" through `say`."""
     checkpoint_dir = run_dir / "checkpoints"
     stopped = run_dir / STOPPED_FILE
     if config.run.resume == "auto" and stopped.exists():
@@ -66,7 +96,7 @@ def find_resume_point(
             f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
             f"continue from its last checkpoint, or start a new run.name"
         )
-    found = newest_readable_checkpoint(checkpoint_dir, say) if config.run.resume == "auto" else None
+    found = newest_readable_checkpoint(checkpoint_dir, warn) if config.run.resume == "auto" else None
     if found is None:
         leftovers = [name for name in ("metrics.jsonl", "tensorboard") if (run_dir / name).exists()]
         # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
@@ -89,8 +119,9 @@ def find_resume_point(
         for section, key in MUST_MATCH_ON_RESUME
         if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
     ]
-    if payload["data"].get("fingerprint") != data_fingerprint:
-        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {data_fingerprint}")
+    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)
+    if payload["data"].get("fingerprint") != data.fingerprint:
+        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {data.fingerprint}")
     if payload["data"].get("order") != DATA_ORDER:  # written by a program version that ordered the rows otherwise
         differences.append(f"data order {payload['data'].get('order')} -> {DATA_ORDER}")
     if differences:
@@ -103,9 +134,38 @@ def find_resume_point(
             f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
             f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
         )
-    check_model_state(path, payload["model"], model_shapes)
+    check_model_state(path, payload["model"], shapes.model)
+    check_weights_finite(path, payload["model"])
+    check_optimizer_state(path, payload["optimizer"], shapes.optimizer)
     say(f"resuming from {path} at step {payload['counters']['steps']}")
     return payload
+
+
+def check_token_files_unchanged(path: Path, stored: list | tuple, current: tuple) -> None:
+    """Refuse a resume over token files changed since the checkpoint (accumulation/token_files.py's
+    file_stamps: size, modification time, sampled blocks), naming the first changed file. The resumed steps
+    would read other tokens than the interrupted run would have, and nothing would say so. A checkpoint of an
+    older version, without stamps, is left to the fingerprint."""
+    for before, now in zip(stored, current, strict=False):
+        if before.get("path") != now["path"]:
+            continue  # other files: data.source differs, which the settings' comparison reports
+        compared = {"bytes": "size (bytes)", "mtime_ns": "modified (ns)", "sampled_sha256": "sampled blocks"}
+        changed = [key for key in compared if before.get(key) != now[key]]
+        if not changed:
+            continue
+        changes = [f"{compared[key]} {before.get(key)} -> {now[key]}" for key in changed]
+        on_purpose = "to train on the changed file on purpose, start a new run (another run.name, or run.resume=never"
+        on_purpose += " in a new directory)"
+        if changed == ["mtime_ns"]:  # the same size and sampled blocks: perhaps only copied; the command ends the line
+            seconds, nanoseconds = divmod(before["mtime_ns"], 10**9)
+            on_purpose += (
+                f"; if the file was only copied (cp without -p, rsync without -t), give it back its modification "
+                f"time: touch -d @{seconds}.{nanoseconds:09d} {shlex.quote(now['path'])}"
+            )
+        raise CheckpointError(
+            f"{now['path']} has changed since checkpoint {path} was written ({'; '.join(changes)}), so the "
+            f"resumed steps would read other tokens than the steps before; {on_purpose}"
+        )
 
 
 def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:
@@ -150,7 +210,7 @@ def restore_rng_states(saved: dict, context: DistributedContext, config: Config,
 
 
 def checkpoint_payload(
-    config: Config, data_fingerprint: str, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
+    config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
     """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
     before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
@@ -165,10 +225,11 @@ def checkpoint_payload(
         "config": config_to_dict(config),
         "rng": rng_states(context),
         # The data order is a pure function of (seed, step, global batch), so the position is the step
-        # count; the fingerprint lets a resume refuse data that changed underneath it.
+        # count; the fingerprint and the token files' stamps let a resume refuse data changed underneath it.
         "data": {
             "next_step": counters.steps,
-            "fingerprint": data_fingerprint,
+            "fingerprint": data.fingerprint,
+            "files": list(data.file_stamps),
             "order": DATA_ORDER,
         },
     }

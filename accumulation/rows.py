@@ -382,6 +382,10 @@ class DataSummary:
     tokens: int = 0  # token files: tokens in the files used
     vocab_from: str = "bytes"  # where the vocabulary size came from
     val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
+    # Token files: per training file, its path, size, modification time and a hash of its sampled blocks
+    # (token_files.file_stamps), which resume compares to catch a file changed in place. Empty for text and
+    # JSONL, whose fingerprint hashes every row.
+    file_stamps: tuple = ()
 
     def describe(self) -> str:
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""

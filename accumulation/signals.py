@@ -1,4 +1,4 @@
-"""Preemption: SIGTERM or SIGUSR1 asks the run to stop at a step boundary, with a checkpoint.
+"""Preemption and Ctrl-C: SIGTERM, SIGUSR1 or SIGINT asks the run to stop at a step boundary, with a checkpoint.
 
 Schedulers announce the end of a job with a signal and kill it some time later: SLURM sends SIGTERM (or,
 with `--signal`, SIGUSR1 a chosen number of seconds ahead), Kubernetes and spot instances SIGTERM; under
@@ -10,8 +10,13 @@ step's loss all-reduce (`optimizer_step(stop_requested=...)`), and every rank re
 (`StepResult.stop_requested`) at the same step. Then every rank takes part in one checkpoint and the program exits with
 STOPPED_BY_SIGNAL_STATUS.
 
-A second signal while the checkpoint is written changes nothing (the flag is already up); the write is
-atomic anyway, so even a SIGKILL in the middle leaves the previous checkpoints whole.
+Ctrl-C in a terminal (SIGINT) is the same request from a person: finish the step, checkpoint, exit 130. A
+person who presses it again does not want to wait for the checkpoint, so the first SIGINT hands SIGINT back
+to the kernel's default action: a second one ends the process at once, even inside a collective that has not
+returned to Python. (Under torchrun the workers run in sessions of their own, so the terminal's Ctrl-C reaches
+the agent only, which passes one SIGINT to each worker.) A second SIGTERM or SIGUSR1 while the checkpoint is
+written changes nothing (the flag is already up); the write is atomic anyway, so even a SIGKILL in the middle
+leaves the previous checkpoints whole.
 """
 
 import contextlib
@@ -22,13 +27,15 @@ import signal
 # resume from the checkpoint just written; a script that runs `train.py && next-step` does not go on; and
 # SLURM keeps the job's state honest (a requeue resumes it). Not 1 or 2, which mean a fault or bad input.
 STOPPED_BY_SIGNAL_STATUS = 143
+# 128 + 2: what a shell reports for a program ended by Ctrl-C, and what it expects of one that stops on it.
+INTERRUPTED_STATUS = 130
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
-    """The flag a stop signal raises. Inside `with stop.installed():` SIGTERM and SIGUSR1 set it instead of
-    ending the process; `signal_name` says which signal came first."""
+    """The flag a stop signal raises. Inside `with stop.installed():` SIGTERM, SIGUSR1 and SIGINT set it instead
+    of ending the process; `signal_name` says which signal came first, and `exit_status` what to exit with."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -36,7 +43,7 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self):
-        """SIGTERM and SIGUSR1 raise the flag inside the block; their previous handlers come back after it."""
+        """SIGTERM, SIGUSR1 and SIGINT raise the flag inside the block; their previous handlers come back after it."""
         previous = {stop_signal: signal.signal(stop_signal, self._handle) for stop_signal in STOP_SIGNALS}
         try:
             yield self
@@ -50,3 +57,10 @@ class StopRequest:
         if not self.requested:
             self.requested = True
             self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # the next Ctrl-C ends the process at once
+
+    @property
+    def exit_status(self) -> int:
+        """130 when Ctrl-C came first, else 143 (SIGTERM, SIGUSR1, or a stop another rank asked for)."""
+        return INTERRUPTED_STATUS if self.signal_name == "SIGINT" else STOPPED_BY_SIGNAL_STATUS

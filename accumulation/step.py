@@ -193,6 +193,9 @@ def optimizer_step(
             if out_of_memory:
                 break
             loss_sum_local += loss_sum.detach()
+        # Only for the log: a sum still attached to autograd would chain every micro-batch's graph to it until
+        # the step ends, and no value would show it; so this flag read, which costs nothing, guards it.
+        assert not loss_sum_local.requires_grad, "the logged loss sum must be accumulated detached"
         if out_of_memory:  # outside the except clause: its traceback no longer holds the activations
             recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
 

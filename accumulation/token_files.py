@@ -218,9 +218,17 @@ def check_token_ids(token_file: TokenFile, first: int, tokens: np.ndarray, vocab
     """A DataError naming the file when a token id in `tokens` (the file's tokens from `first` on) is too large."""
     if len(tokens) and int(tokens.max()) >= vocab_size:  # one pass in the common case; the rest only for the message
         offset = int(np.argmax(tokens >= vocab_size))
+        token_id = int(tokens[offset])
+        if vocab_from == "model.vocab_size":  # no meta.json: the setting governs the check
+            advice = f"set model.vocab_size to the tokenizer's vocabulary size (more than {token_id})"
+        else:  # meta.json (or meta.pkl) governs the check; model.vocab_size only widens the model beyond it
+            advice = (
+                f"{vocab_from} governs this check, not model.vocab_size: write the tokenizer's vocabulary size (more "
+                f"than {token_id}) as vocab_size in {token_file.path.parent / 'meta.json'} (read before meta.pkl)"
+            )
         raise DataError(
-            f"{token_file.path}: token {first + offset:,} has id {int(tokens[offset])}, not below the vocabulary "
-            f"size {vocab_size} from {vocab_from}; set model.vocab_size (or meta.json) to the tokenizer's size"
+            f"{token_file.path}: token {first + offset:,} has id {token_id}, not below the vocabulary "
+            f"size {vocab_size} from {vocab_from}; {advice}"
         )
 
 
@@ -294,6 +302,28 @@ def token_fingerprint(token_format: str, files: list[TokenFile], seq_len: int) -
     return digest.hexdigest()[:16]
 
 
+def file_stamps(files: list[TokenFile]) -> tuple[dict, ...]:
+    """What resume compares per file to notice an edit in place. The fingerprint samples a few blocks, so an
+    edit between them (the same length, other tokens) escapes it; the size and the modification time in
+    nanoseconds do not, whatever part was written, and cost one stat. The price: a copy that does not keep
+    modification times (cp without -p, rsync without -t) looks changed too; the refusal says how to restore it."""
+    stamps = []
+    for token_file in files:
+        status = token_file.path.stat()
+        sampled = hashlib.sha256()
+        for first, tokens in sampled_blocks(token_file):
+            sampled.update(f"{first}:".encode() + tokens.astype("<u4").tobytes())
+        stamps.append(
+            {
+                "path": str(token_file.path),
+                "bytes": status.st_size,
+                "mtime_ns": status.st_mtime_ns,
+                "sampled_sha256": sampled.hexdigest()[:16],
+            }
+        )
+    return tuple(stamps)
+
+
 def load_token_files(source: TokenSource, config_source: str, seq_len: int, val_fraction: float, vocab: int) -> Data:
     """Packed rows of the training and validation files; `vocab` is model.vocab_size (0 = from meta.json)."""
     vocab_size, vocab_from = token_vocab_size(source, vocab)
@@ -340,6 +370,7 @@ def load_token_files(source: TokenSource, config_source: str, seq_len: int, val_
         tokens=sum(len(token_file.tokens) for token_file in files),
         vocab_from=vocab_from,
         val_rows_read=val.num_rows if val_fraction > 0 else 0,
+        file_stamps=file_stamps(source.train),
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=vocab_size)
 

@@ -1,4 +1,5 @@
 import os
+import signal
 import tempfile
 
 import pytest
@@ -27,6 +28,25 @@ def pytest_addoption(parser):
         default=None,
         help="tests/conformance: the TOML config of your fork (default: the project's own configs, as CI runs them)",
     )
+
+
+# A test that hangs (a data order that never ends, a collective nobody joins) fails after this long instead of
+# holding CI until its own limit; the slowest test takes well under a minute here. Subprocesses have their own
+# timeouts as well. SIGALRM interrupts Python code (and sleeps, and waits for a child), not a C call that never
+# returns: such a test needs its own subprocess timeout.
+TEST_TIME_LIMIT_S = 300
+
+
+@pytest.fixture(autouse=True)
+def time_limit():
+    def expire(signum, frame):
+        pytest.fail(f"the test ran longer than {TEST_TIME_LIMIT_S} s (tests/conftest.py): it hangs, or is far too slow")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(TEST_TIME_LIMIT_S)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
 
 
 def pytest_collection_modifyitems(config, items):

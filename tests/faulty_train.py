@@ -19,6 +19,7 @@ not repeated), the rank, and one of
                                         until this rank has received its signal, so the stop lands in step S
     "signal_during_save": [S, NAME]     send signal NAME to this rank while the checkpoint of step S is saved
                                         (its temporary file complete, not yet renamed), then let the save go on
+    "sleep_before_start": SECONDS       sleep before train.py starts: this rank is the slowest to start up
 Steps count from 1, as in metrics.jsonl. Just before striking, the fault is appended as one JSON line to the
 file named by ACCUMULATION_FAULT_LOG, so that a test can check it really fired. With ACCUMULATION_STEP_LOG
 set, rank 0 appends the number of every step it completes to that file (scripts/checks/chaos_soak.py counts the
@@ -175,6 +176,10 @@ def save_checkpoint_with_fault(payload, checkpoint_dir, steps, keep):
         os.replace = replace_after_signal
     return real_save_checkpoint(payload, checkpoint_dir, steps, keep)
 
+
+if "sleep_before_start" in FAULT:
+    log_fault(FAULT)
+    time.sleep(FAULT["sleep_before_start"])
 
 # train.py binds these names when it is imported, so they are replaced in their modules first.
 accumulation.step.optimizer_step = optimizer_step_with_fault

@@ -439,8 +439,8 @@ def test_help_text_lists_every_key_with_its_default_and_unit():
 def test_to_toml_round_trips_through_a_file(tmp_path):
     config = load_config(
         [
-            'run.name=a "quoted" name \\ with\ttab and caf\u00e9',
-            "run.out_dir=/tmp/x\u007fy",
+            'run.name=a "quoted" name \\ and caf\u00e9',  # a run name holds no control character
+            "run.out_dir=/tmp/x\u007fy\twith tab",
             "optim.lr=1e-5",
             "optim.weight_decay=0.30000000000000004",
             "model.compile=true",

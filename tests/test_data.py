@@ -655,6 +655,50 @@ def jsonl(path: Path, *objects) -> Path:
     return write(path, ("\n".join(lines) + "\n").encode())
 
 
+@dataclasses.dataclass
+class Encoding:
+    ids: list[int]
+
+
+class WordTokenizer:
+    """A stand-in for a Hugging Face Tokenizer, with the three methods the data layer calls: one id per
+    space-separated word, and an end-of-text token. Lets the end token's place be tested without the
+    optional tokenizers package (with it installed, tests/test_prepare_data.py checks a real BPE too)."""
+
+    END = "<|endoftext|>"
+
+    def __init__(self, words: list[str]):
+        self.ids = {word: number for number, word in enumerate([self.END, *words])}
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list["Encoding"]:
+        return [Encoding([self.ids[word] for word in text.split()]) for text in texts]
+
+    def token_to_id(self, token: str):
+        return self.ids.get(token)
+
+    def get_vocab_size(self) -> int:
+        return len(self.ids)
+
+
+def test_the_end_token_ends_the_response_and_is_supervised(tmp_path):
+    """A model must learn to stop: the end-of-text token follows the response, as a supervised target, in every
+    row; it never follows the prompt (where no row would ever supervise it)."""
+    from accumulation.jsonl import load_jsonl
+
+    tokenizer = WordTokenizer(["what", "is", "two", "plus", "four", "three", "one"])
+    lines = [{"prompt": "what is two plus two", "response": "four"}, {"prompt": "what is one", "response": "one"}]
+    built = load_jsonl(str(jsonl(tmp_path / "sft.jsonl", *lines)), seq_len=16, val_fraction=0.0, tokenizer=tokenizer)
+    end = tokenizer.token_to_id(WordTokenizer.END)
+    _, labels = built.train.examples(torch.arange(built.train.num_rows))
+    for row in range(built.train.num_rows):
+        example = built.train.raw_example(row)
+        targets = [example.targets[position] for position in sorted(example.targets)]
+        prompt = example.inputs[: min(example.targets) + 1]  # the tokens before the first supervised target
+        assert prompt and end not in prompt and targets[-1] == end
+        supervised = labels[row][labels[row] != IGNORE_INDEX].tolist()
+        assert supervised == targets  # the response and its end token, nothing of the prompt
+
+
 def test_jsonl_rows_supervise_exactly_the_response(tmp_path):
     examples = [
         {"prompt": "Q: 2 + 2 =", "response": " 4\n"},

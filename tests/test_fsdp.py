@@ -5,9 +5,11 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import train
-from accumulation.build import build_optimizer, wrap_for_training
+from accumulation.build import build_optimizer, load_optimizer_state, wrap_for_training
 from accumulation.config import load_config
 from accumulation.data import build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext
@@ -72,7 +74,31 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
         optimizer_step(wrapped, micro_batches, optimizer, device=CPU, autocast_dtype=autocast_dtype)
         weights[name] = full_model_state_dict(model)
         weights[f"{name} optimizer"] = full_optimizer_state_dict(optimizer)
+        if name == "fsdp2 adamw":
+            weights["reloaded"] = reloaded_optimizer_state(config, model, optimizer, weights[f"{name} optimizer"])
     return weights
+
+
+def reloaded_optimizer_state(config, model, optimizer, whole_state: dict) -> dict:
+    """A resume of the FSDP2 optimizer: every rank loads the whole state (rank 0's gathered copy, as each rank
+    reads it from the checkpoint) into a fresh optimizer. Each moment must come back as this rank's shard,
+    placed as its parameter is: the same placements, the same local values. (Sharded along another
+    dimension, the step still ran, with gloo warnings and three times slower.)"""
+    box = [whole_state]
+    dist.broadcast_object_list(box, src=0)
+    reloaded = build_optimizer(config, model, CPU)
+    load_optimizer_state(reloaded, box[0])
+    found = {"parameters": len(list(model.parameters())), "moments": 0, "misplaced": [], "different": []}
+    for parameter in model.parameters():
+        for key, value in reloaded.state[parameter].items():
+            if key == "step":
+                continue
+            found["moments"] += 1
+            if not isinstance(value, DTensor) or value.placements != parameter.placements:
+                found["misplaced"].append(key)
+            elif not torch.equal(value.to_local(), optimizer.state[parameter][key].to_local()):
+                found["different"].append(key)
+    return found
 
 
 def updates(initial: dict, after: dict) -> list[torch.Tensor]:
@@ -95,7 +121,12 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
         cases[f"{strategy} adamw"] = (adamw, torch.float32)
         gru = settings(tmp_path, corpus, **{"batch.micro_batch_size": 1, "dist.strategy": strategy})
         cases[f"{strategy} gru"] = (gru + ["model.name=gru"], torch.float32)
-    weights = run_on_ranks(one_update_worker, world_size=2, args=(cases,))[0]
+    per_rank = run_on_ranks(one_update_worker, world_size=2, args=(cases,))
+    weights = per_rank[0]
+    for rank, found in enumerate(per_rank):  # the FSDP2 optimizer state, loaded again: where it was, as it was
+        reloaded = found["reloaded"]
+        assert reloaded["moments"] == 2 * reloaded["parameters"]  # AdamW: exp_avg and exp_avg_sq of each
+        assert reloaded["misplaced"] == [] and reloaded["different"] == [], (rank, reloaded)
 
     config = load_config(cases["fsdp2 m1"][0])
     data = build_data(config)

@@ -20,6 +20,10 @@ import pytest
 import torch
 
 import train
+from accumulation.config import load_config
+from accumulation.distributed import DistributedContext
+from accumulation.resume import restore_rng_states, seed_dropout
+from accumulation.run_dir import LOCK_FILE
 from testkit.disk import fill_disk, small_disk
 from tests.test_logs import assert_tensorboard_matches_metrics
 from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
@@ -426,6 +430,24 @@ def test_the_resume_payload_is_freed_once_loaded(tmp_path, corpus, capsys, monke
     assert payloads == [{}]
 
 
+def test_each_rank_continues_its_own_dropout_stream_after_a_resume():
+    """The restore half of a 2-rank resume, without launching ranks (the slow torchrun tests run it whole):
+    the checkpoint holds one generator state per rank, and rank r must continue stream r. Rank 1 handed
+    rank 0's state would draw rank 0's dropout masks: a run that still trains, and no longer the run."""
+    config = load_config([])
+    saved, expected = {"per_rank": []}, []
+    for rank in range(2):  # each rank's stream some draws in, as at a checkpoint
+        seed_dropout(config.run.seed, rank)
+        torch.rand(7)
+        saved["per_rank"].append({"cpu": torch.get_rng_state()})
+        expected.append(torch.rand(5))
+    assert not torch.equal(expected[0], expected[1])
+    for rank in range(2):
+        torch.manual_seed(12345)  # whatever the new process drew before the resume
+        restore_rng_states(saved, DistributedContext(rank, rank, 2, torch.device("cpu"), "gloo"), config, steps=3)
+        assert torch.equal(torch.rand(5), expected[rank]), rank
+
+
 def garbage(size_bytes: int) -> bytes:
     """Reproducible random bytes behind a pickle header (protocol 33): the unpickler gets far enough to warn
     about the protocol before it fails, and that warning must not reach the user's terminal."""
@@ -436,7 +458,12 @@ def garbage(size_bytes: int) -> bytes:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+    """Every file's bytes, but the lock file's: each job that takes the lock writes its own pid there."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != LOCK_FILE
+    }
 
 
 def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_path, corpus, capsys):
@@ -461,8 +488,9 @@ def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_
 
     status, output, error = run_in_process(arguments, capsys)
     assert status == 0, error
-    assert f"warning: checkpoint {checkpoints / 'latest.pt'} cannot be read" in output
-    assert f"warning: checkpoint {checkpoints / 'step_000004.pt'} cannot be read" in output
+    assert f"warning: checkpoint {checkpoints / 'latest.pt'} cannot be read" in error  # warnings: stderr
+    assert f"warning: checkpoint {checkpoints / 'step_000004.pt'} cannot be read" in error
+    assert "warning" not in output
     assert f"resuming from {checkpoints / 'step_000003.pt'} at step 3" in output
     for key, value in weights_before.items():
         assert torch.equal(final_weights(run_dir)[key], value), key
@@ -508,6 +536,29 @@ def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, 
     status, _, error = run_in_process(arguments + [f"{key}={value}" for key, value in change.items()], capsys)
     assert status == 2
     assert error.count("\n") == 1 and "belongs to a different run" in error and named in error, error
+    assert snapshot(run_dir) == before
+
+
+# Every other setting a resume must share, in one test (one step-0 run to refuse them all: cheap). A resume
+# that skipped, say, beta2 would exit 0 with config.toml saying 0.99 while AdamW's loaded state kept 0.95.
+MORE_SETTINGS_THAT_MUST_MATCH = [
+    ("optim.beta2", 0.99, "0.95 -> 0.99"),
+    ("optim.momentum", 0.8, "0.9 -> 0.8"),
+    ("optim.weight_decay", 0.0, "0.1 -> 0.0"),
+    ("batch.tail", "partial", "'drop' -> 'partial'"),
+    ("model.n_layer", 2, "1 -> 2"),
+    ("model.n_head", 4, "2 -> 4"),
+    ("model.name", "gru", "'gpt' -> 'gru'"),
+]
+
+
+def test_every_setting_that_shapes_the_run_is_compared_on_resume(capsys, started_run):
+    arguments, run_dir = started_run
+    before = snapshot(run_dir)
+    for key, value, change in MORE_SETTINGS_THAT_MUST_MATCH:
+        status, _, error = run_in_process(arguments + [f"{key}={value}"], capsys)
+        assert status == 2, (key, error)
+        assert error.count("\n") == 1 and f"belongs to a different run: {key} {change}" in error, error
     assert snapshot(run_dir) == before
 
 
@@ -608,6 +659,8 @@ def test_a_non_finite_step_is_skipped_or_stops_the_run(
         assert status == 0, error
         assert [line["steps"] for line in metrics] == [1, 2, 3, 4]
         assert metrics[2]["lr"] == metrics[1]["lr"]  # the schedule counts applied updates only
+        # ... and validation counts steps (run.eval_every = 2): at steps 2 and 4, not at update 2 (step 3)
+        assert [line["steps"] for line in metrics if "val_loss" in line] == [2, 4]
         assert all(torch.isfinite(value).all() for value in final_weights(run_dir).values())
     else:
         assert status == 1
@@ -743,6 +796,13 @@ def damage(payload: dict, kind: str) -> dict:
             **payload,
             "optimizer": {**payload["optimizer"], "param_groups": payload["optimizer"]["param_groups"][:1]},
         }
+    if kind == "optimizer state shape":  # the step-0 checkpoint has no state yet: parameter 0 gets a wrong one
+        moments = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        return {**payload, "optimizer": {**payload["optimizer"], "state": {0: moments}}}
+    if kind == "file stamps":
+        return {**payload, "data": {**payload["data"], "files": [None]}}
+    if kind == "non-finite weights":
+        return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
     if kind == "missing parameter":
         return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
     assert kind == "wrong shape"  # the config matches; the tensor does not
@@ -757,7 +817,12 @@ def damage(payload: dict, kind: str) -> dict:
         ("wrong keys", "lacks the keys ['model', 'optimizer'"),
         ("counters", "counters should be the non-negative integers"),
         ("config", "holds a config this program does not accept (optim.name:"),
-        ("optimizer", "optimizer, scheduler or scaler state does not fit this run"),
+        ("optimizer", "its optimizer has parameter groups of [7] parameters, this run's [7, 10]"),
+        # was: "resuming ...", then a RuntimeError traceback at the first update
+        ("optimizer state shape", "optimizer state exp_avg of parameter 0 has shape [3], its parameter [256, 16]"),
+        ("file stamps", "data.files should be a list of the token files' stamps"),
+        # was: every update skipped, exit 0
+        ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
         ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
         ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
     ],
@@ -776,6 +841,26 @@ def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_pa
     status, _, error = run_in_process(arguments, capsys)
     assert status == 2
     assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [('{"steps": 1, "loss": 5.2\n', "line 1 is not JSON"), ('{"loss": 5.2}\n', 'line 1 is not an object with "steps"')],
+    ids=["not-json", "no-steps"],
+)
+def test_a_damaged_metrics_line_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, line, named):
+    """A complete line of metrics.jsonl that is not a record (a half last line is what a kill leaves, and is
+    dropped): the resume cannot tell its step, so it says which line and stops, before anything is written.
+    It was a JSONDecodeError or KeyError traceback on every retry."""
+    arguments, run_dir = started_run
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write(line)
+    before = snapshot(run_dir)
+    status, _, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
+    assert status == 2
+    assert error.startswith(f"error: {run_dir / 'metrics.jsonl'} {named}") and error.count("\n") == 1, error
+    assert "repair or delete that line" in error
     assert snapshot(run_dir) == before
 
 

@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM and SIGUSR1 end a run at a step boundary that every rank agrees on, with a checkpoint,
-exit status 143, and a restart that continues bit-identically.
+"""Preemption and Ctrl-C: SIGTERM and SIGUSR1 (exit status 143) and SIGINT (130) end a run at a step boundary
+that every rank agrees on, with a checkpoint, and a restart continues bit-identically. A second Ctrl-C ends
+the process at once. Exit statuses are the literal numbers a shell shows, never the program's own constants.
 
 The torchrun cases (a signal to one of two ranks, SIGTERM to the agent) are in tests/test_reliability.py,
 next to the 2-rank reference run they are compared with.
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from accumulation.batching import MicroBatch
-from accumulation.signals import STOPPED_BY_SIGNAL_STATUS, StopRequest
+from accumulation.signals import StopRequest
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_reliability import REPO, assert_same_run, read_fault_log
@@ -96,27 +97,34 @@ def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -
 
 
 @pytest.mark.parametrize(
-    "faults",
+    "faults, status",
     [
-        [{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGTERM", "self"]}],
+        ([{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGTERM", "self"]}], 143),
+        # Ctrl-C in a terminal: the same stop, exit 130 (it lost 20 steps without a word before)
+        ([{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGINT", "self"]}], 130),
         # SIGUSR1 (SLURM's --signal), then SIGTERM in the middle of the checkpoint it causes
-        [
-            {"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 0, "SIGUSR1", "self"]},
-            {"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGTERM"]},
-        ],
+        (
+            [
+                {"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 0, "SIGUSR1", "self"]},
+                {"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGTERM"]},
+            ],
+            143,
+        ),
     ],
-    ids=["sigterm-mid-step", "sigusr1-then-sigterm-while-saving"],
+    ids=["sigterm-mid-step", "sigint-mid-step", "sigusr1-then-sigterm-while-saving"],
 )
-def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(tmp_path, corpus, reference, faults):
+def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(
+    tmp_path, corpus, reference, faults, status
+):
     """The signal lands during step 3, before its boundary reads the flag: step 3 ends and carries the flag
     (a one-process run decides alone, but by the same rule as many ranks), the step-3 checkpoint (off the
     2-step cadence) is written, status 143. Started again, the run ends with the reference's bits."""
     fault_log = tmp_path / "faults.jsonl"
     started = time.monotonic()
     stopped = run_with_faults(tiny_settings(tmp_path, corpus, **SETTINGS), faults, fault_log)
-    assert stopped.returncode == STOPPED_BY_SIGNAL_STATUS, stopped.stderr[-3000:]
+    assert stopped.returncode == status, stopped.stderr[-3000:]
     assert len(read_fault_log(fault_log)) == len(faults)  # every signal was really sent
-    assert "stopped at step 3: " in stopped.stderr
+    assert "stopped at step 3: " in stopped.stderr and f"exit status {status};" in stopped.stderr
     assert f"{faults[0]['signal_before_micro_batch'][2]} received" in stopped.stderr
     run_dir = tmp_path / "runs" / "default"
     assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
@@ -129,3 +137,19 @@ def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(tmp
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout and "at step 3" in resumed.stdout
     assert_same_run(run_dir, reference)
+
+
+def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, corpus):
+    """The first Ctrl-C asks for the checkpoint at step 3's boundary; a second one, while that checkpoint is
+    written, ends the process there and then (killed by SIGINT: a shell shows 130). The unfinished checkpoint
+    never replaces a complete one: the newest is step 2's."""
+    faults = [
+        {"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGINT", "self"]},
+        {"attempt": 0, "rank": 0, "signal_during_save": [3, "SIGINT"]},
+    ]
+    stopped = run_with_faults(tiny_settings(tmp_path, corpus, **SETTINGS), faults, tmp_path / "faults.jsonl")
+    assert stopped.returncode == -signal.SIGINT, stopped.stderr[-3000:]
+    assert len(read_fault_log(tmp_path / "faults.jsonl")) == 2
+    assert "stopped at step 3" not in stopped.stderr  # it never got as far as saying so
+    checkpoints = tmp_path / "runs" / "default" / "checkpoints"
+    assert torch.load(checkpoints / "latest.pt", weights_only=True)["counters"]["steps"] == 2

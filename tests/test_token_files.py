@@ -3,6 +3,8 @@ point on 1 and 2 ranks, with split equivalence against the float64 reference and
 
 import json
 import pickle
+import re
+import subprocess
 from collections import OrderedDict
 from pathlib import Path
 
@@ -16,6 +18,7 @@ from accumulation.config import load_config
 from accumulation.data import DataError, build_data, build_micro_batches, step_row_ids
 from accumulation.models import build_model
 from scripts.checks import check_equivalence
+from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_data import assert_rows_match_their_raw_examples, jsonl, window_of
 from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings
@@ -162,6 +165,85 @@ def test_a_token_id_outside_the_vocabulary_is_an_error_naming_the_file(tmp_path)
     built = build(folder)
     with pytest.raises(DataError, match=r"train.bin: token 50,001 has id 1000"):
         built.train.examples(torch.tensor([0, 50_001 // 16]))
+
+
+def test_the_vocabulary_error_names_the_setting_that_governs_and_its_advice_works(tmp_path):
+    """With meta.json beside the files, its vocab_size is what the ids are checked against: the advice to set
+    model.vocab_size (given before) changed nothing. Without meta.json, model.vocab_size governs."""
+    folder = nanogpt_folder(tmp_path / "n")  # meta.json: 64
+    tokens = tokens_of(3000, 1)
+    tokens[5] = 70
+    (folder / "train.bin").write_bytes(tokens.astype("<u2").tobytes())
+    with pytest.raises(DataError, match="meta.json governs this check, not model.vocab_size") as refused:
+        build(folder, "model.vocab_size=100")
+    assert str(folder / "meta.json") in str(refused.value)
+    write_meta(folder, 71)  # what the message says to do
+    assert build(folder, "model.vocab_size=100").vocab_size == 71
+    (folder / "meta.json").unlink()
+    with pytest.raises(DataError, match=r"set model\.vocab_size to the tokenizer's vocabulary size \(more than 70\)"):
+        build(folder, "model.vocab_size=64")
+    assert build(folder, "model.vocab_size=71").vocab_size == 71
+
+
+@pytest.mark.parametrize("token_format", ["nanoGPT", "llm.c"])
+def test_ids_of_a_gpt2_sized_vocabulary_read_back_unsigned(tmp_path, token_format):
+    """Both formats store uint16 for a GPT-2-sized vocabulary (50,257): about a third of the ids are 32,768
+    or more, which a signed 16-bit read turns negative (and the embedding then fails with a traceback)."""
+    vocab = 50_257
+    tokens = tokens_of(3000, 1, vocab)
+    assert (tokens >= 2**15).sum() > 500
+    folder = tmp_path / "gpt2"
+    folder.mkdir()
+    if token_format == "nanoGPT":
+        (folder / "train.bin").write_bytes(tokens.astype("<u2").tobytes())
+    else:
+        (folder / "corpus_train_000000.bin").write_bytes(llmc_bytes(tokens))
+    write_meta(folder, vocab)
+    built = build(folder, "data.val_fraction=0")
+    inputs, labels = built.train.examples(torch.arange(built.train.num_rows))
+    rows = built.train.num_rows
+    assert torch.equal(inputs, torch.from_numpy(tokens[: rows * 16].reshape(rows, 16).astype(np.int64)))
+    assert torch.equal(labels[:, -1], torch.from_numpy(tokens[16 : rows * 16 + 1 : 16].astype(np.int64)))
+
+
+def test_token_files_on_a_read_only_mount_are_read(tmp_path):
+    """The user's token files are only ever read: on a read-only mount (a shared dataset volume) opening them
+    for writing fails with EROFS, for root too, where a writable memory map died with a 23-line traceback."""
+    folder = nanogpt_folder(tmp_path / "n")
+    with read_only_view(folder, tmp_path / "read-only") as read_only:
+        built = build(read_only)
+        inputs, _ = built.train.examples(torch.tensor([3]))
+        assert inputs[0].tolist() == tokens_of(3000, 1)[48:64].tolist()
+
+
+def test_a_resume_over_a_token_file_changed_in_place_is_refused_naming_it(tmp_path, capsys):
+    """Tokens 10,000-29,999 of a 100,000-token train.bin rewritten in place, the length unchanged: between the
+    fingerprint's sampled blocks, so only the file's modification time tells, and the resume is refused naming
+    the file. A file that only lost its modification time (the old tokens written back, as a copy without -p
+    leaves it) is refused the same way; the message's touch command gives the time back and the run resumes."""
+    folder = nanogpt_folder(tmp_path / "n", train_tokens=100_000)
+    train_bin = folder / "train.bin"
+    original = train_bin.read_bytes()
+    arguments = tiny_token_run(tmp_path, folder, **{"run.max_steps": 2, "run.sample_bytes": 0})
+    assert train.main(arguments) == 0
+    fingerprint = build(folder).summary.fingerprint
+    with open(train_bin, "r+b") as file:
+        file.seek(2 * 10_000)
+        file.write(tokens_of(20_000, 99).astype("<u2").tobytes())
+    assert build(folder).summary.fingerprint == fingerprint  # the sampled blocks alone miss this edit
+    capsys.readouterr()
+    assert train.main(arguments + ["run.max_steps=3"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"error: {train_bin} has changed since checkpoint" in error, error
+    assert "modified (ns)" in error and "size" not in error and "another run.name" in error
+
+    train_bin.write_bytes(original)  # the same tokens again; a new modification time, as after a plain cp
+    assert train.main(arguments + ["run.max_steps=3"]) == 2
+    error = capsys.readouterr().err
+    [(stamp, path)] = re.findall(r"touch -d (@[0-9]+\.[0-9]{9}) (\S+)\n", error)  # the line's end
+    subprocess.run(["touch", "-d", stamp, path], check=True)
+    assert train.main(arguments + ["run.max_steps=3"]) == 0
+    assert "resuming from" in capsys.readouterr().out
 
 
 def test_a_bad_token_id_found_mid_run_is_one_line_and_exit_2(tmp_path, capsys):

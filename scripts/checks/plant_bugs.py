@@ -35,6 +35,8 @@ class Bug:
 
 VALIDATION_TEST = "tests/test_reference_checks.py::test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size"
 TENSORBOARD_TEST = "tests/test_logs.py::test_tensorboard_after_a_kill_and_a_resume_equals_metrics"
+TOKEN_FILES_TEST = "tests/test_token_files.py"
+RUN_DIR_TEST = "tests/test_run_dir.py"
 
 BUGS = [
     Bug(
@@ -125,6 +127,106 @@ BUGS = [
         "or finished or result.stop_requested:",
         "or finished:",
         ["tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical"],
+    ),
+    # Issue 21: holes an adversarial session found, each now seen by a test.
+    Bug(
+        "token-ids-signed",
+        "nanoGPT token ids read as signed 16-bit: GPT-2's ids from 32,768 on come out negative",
+        "accumulation/token_files.py",
+        'NANOGPT_TOKEN_TYPE = np.dtype("<u2")',
+        'NANOGPT_TOKEN_TYPE = np.dtype("<i2")',
+        [f"{TOKEN_FILES_TEST}::test_ids_of_a_gpt2_sized_vocabulary_read_back_unsigned"],
+    ),
+    Bug(
+        "token-files-writable",
+        "token files memory-mapped for writing: a read-only mount fails with a traceback",
+        "accumulation/token_files.py",
+        'np.memmap(path, dtype=NANOGPT_TOKEN_TYPE, mode="r")',
+        'np.memmap(path, dtype=NANOGPT_TOKEN_TYPE, mode="r+")',
+        [f"{TOKEN_FILES_TEST}::test_token_files_on_a_read_only_mount_are_read"],
+    ),
+    Bug(
+        "token-file-stamps-ignored",
+        "a resume over a token file edited in place between the sampled blocks goes on silently",
+        "accumulation/resume.py",
+        '    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)\n',
+        "",
+        [f"{TOKEN_FILES_TEST}::test_a_resume_over_a_token_file_changed_in_place_is_refused_naming_it"],
+    ),
+    Bug(
+        "end-token-on-prompt",
+        "the end token appended to the prompt, not the response: no row supervises it, the model never stops",
+        "accumulation/jsonl.py",
+        "(np.array(prompt, dtype=np.int64), np.array(response + end, dtype=np.int64))",
+        "(np.array(prompt + end, dtype=np.int64), np.array(response, dtype=np.int64))",
+        ["tests/test_data.py::test_the_end_token_ends_the_response_and_is_supervised"],
+    ),
+    Bug(
+        "resume-ignores-beta2",
+        "a resume does not compare AdamW's beta2: config.toml says 0.99, AdamW keeps 0.95",
+        "accumulation/resume.py",
+        '    ("optim", "beta2"),\n',
+        "",
+        ["tests/test_reliability.py::test_every_setting_that_shapes_the_run_is_compared_on_resume"],
+    ),
+    Bug(
+        "fsdp2-state-misplaced",
+        "FSDP2 optimizer state sharded along the last dimension on load, not as its parameter",
+        "accumulation/fsdp.py",
+        "param.device_mesh, param.placements, src_data_rank=None",
+        "param.device_mesh, [type(param.placements[0])(value.dim() - 1)], src_data_rank=None",
+        ["tests/test_fsdp.py::test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference"],
+    ),
+    Bug(
+        "validation-every-n-updates",
+        "the validation cadence counted in applied updates: after a skipped step it moves",
+        "train.py",
+        "counters.steps % config.run.eval_every == 0",
+        "counters.updates % config.run.eval_every == 0",
+        ["tests/test_reliability.py::test_a_non_finite_step_is_skipped_or_stops_the_run"],
+    ),
+    Bug(
+        "loss-sum-attached",
+        "the logged loss sum accumulated without detaching (no value changes: only the assertion sees it)",
+        "accumulation/step.py",
+        "loss_sum_local += loss_sum.detach()",
+        "loss_sum_local += loss_sum",
+        ["tests/test_step.py::test_logged_loss_is_the_exact_global_token_mean"],
+    ),
+    Bug(
+        "dropout-stream-of-rank-0",
+        "a resume gives every rank rank 0's dropout stream",
+        "accumulation/resume.py",
+        'torch.set_rng_state(per_rank[context.rank]["cpu"])',
+        'torch.set_rng_state(per_rank[0]["cpu"])',
+        ["tests/test_reliability.py::test_each_rank_continues_its_own_dropout_stream_after_a_resume"],
+    ),
+    Bug(
+        "no-run-lock",
+        "no lock on the run directory: two jobs on one name interleave and lose metrics lines",
+        "accumulation/run_dir.py",
+        "fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+        "pass",
+        [f"{RUN_DIR_TEST}::test_two_jobs_started_together_one_is_refused_and_a_killed_holder_blocks_nobody"],
+    ),
+    Bug(
+        "error-line-rank-0-only",
+        "only rank 0 prints a start-up error: under torchrun the agent can stop it before it prints",
+        "train.py",
+        "    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n        print(",
+        "    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n"
+        "        if rank == 0:\n            print(",
+        [f"{RUN_DIR_TEST}::test_the_error_line_survives_torchrun_when_rank_0_starts_last"],
+    ),
+    Bug(
+        "ctrl-c-not-caught",
+        "Ctrl-C ends the run without a checkpoint (SIGINT not among the stop signals)",
+        "accumulation/signals.py",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)",
+        [
+            "tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical[sigint-mid-step]"
+        ],
     ),
 ]
 

@@ -1,0 +1,154 @@
+"""The run directory `<run.out_dir>/<run.name>/`: where it may be, and one training job at a time in it.
+
+Where: run.name is one path component (config.py refuses "/", "..", "." and control characters), and the
+directory, once symbolic links are resolved, must sit directly inside run.out_dir. A run never writes
+anywhere else.
+
+One job at a time: two jobs on one directory would interleave their checkpoints and each rewrite
+metrics.jsonl for its own resume, losing the other's lines without a word. So rank 0 holds an advisory lock
+(flock) on `<run_dir>/run.lock` for the job's whole life. The kernel releases it when the process ends, however
+it ends (kill -9, an out-of-memory kill, a node reboot), so a lock left by a dead job is never an obstacle:
+the file stays, but nobody holds it. The other ranks of the same torchrun job never take it, and a torchrun
+restart starts only after the previous attempt's processes are gone, so neither counts as another job.
+
+flock needs the file system's cooperation: local disks and NFSv4 give it (NFS emulates it with a byte-range
+lock the server sees, so it holds across nodes); Lustre without its `flock` mount option refuses the call,
+and then the run goes on without a lock and says so on stderr.
+"""
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+from accumulation.checkpoint import why_not_written
+from accumulation.config import Config, ConfigError
+
+LOCK_FILE = "run.lock"
+METRICS_FILE = "metrics.jsonl"
+
+
+class RunDirectoryBusy(ConfigError):
+    """Another job holds the run directory; the message names its host and process id."""
+
+
+def run_directory(config: Config) -> Path:
+    """`<out_dir>/<name>`, refused with a ConfigError when links take it outside out_dir. (The name itself is
+    one path component, checked with the config.)"""
+    out_dir = Path(config.run.out_dir)
+    run_dir = out_dir / config.run.name
+    resolved = run_dir.resolve()  # follows every link that exists; a part that does not exist stays as written
+    if resolved.parent != out_dir.resolve():
+        raise ConfigError(
+            f"run.name: {run_dir} is a link to {resolved}, outside run.out_dir {out_dir}; a run writes only "
+            f"inside run.out_dir: remove the link or choose another run.name"
+        )
+    return run_dir
+
+
+class RunLock:
+    """The advisory lock of one run directory, taken by rank 0 (`acquire`) and held until `release` or the
+    end of the process. `created` lists what acquiring had to create (the directories, the lock file), so that
+    a run refused at start-up can leave the disk as it found it (`release(undo=True)`)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / LOCK_FILE
+        self.descriptor: int | None = None
+        self.created: list[Path] = []
+
+    def acquire(self) -> None:
+        missing = [folder for folder in [self.run_dir, *self.run_dir.parents] if not folder.exists()]
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.created = list(missing)  # innermost first: the order to remove them in
+            if not self.path.exists():
+                self.created.insert(0, self.path)
+            # O_CLOEXEC (Python's default): a program this process starts does not inherit, and keep, the lock.
+            self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            why = why_not_written(error, self.run_dir)
+            raise ConfigError(
+                f"run.out_dir: cannot create the run directory {self.run_dir} ({why}); free space, or choose a "
+                f"writable run.out_dir"
+            ) from None
+        try:
+            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.descriptor, 200, 0).decode(errors="replace").strip() or "a job still starting"
+            os.close(self.descriptor)
+            self.descriptor = None
+            self.created = []  # the holder's now, whoever made them: never removed by a job that was refused
+            raise RunDirectoryBusy(
+                f"run.name: {self.run_dir} is in use by another training job ({holder}); wait for it to end, "
+                f"stop it, or choose another run.name"
+            ) from None
+        except OSError as error:
+            if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                raise
+            print(
+                f"warning: {self.path}: this file system does not support flock ({error.strerror}); nothing "
+                f"stops a second job from using {self.run_dir} at the same time",
+                file=sys.stderr,
+            )
+            return
+        # Who holds it, for the message a second job prints. Written after the lock is ours, so it never
+        # overwrites the holder's line. Only a courtesy: on a full disk the lock holds without it, and the
+        # run's first real write (config.toml) reports the disk in its one line.
+        try:
+            os.ftruncate(self.descriptor, 0)
+            os.pwrite(self.descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+        except OSError:
+            pass
+
+    def release(self, undo: bool = False) -> None:
+        """Unlock (closing the file releases the lock). With `undo`, remove what `acquire` created, when it is
+        still empty: a run refused at start-up leaves nothing behind."""
+        if self.descriptor is not None:
+            os.close(self.descriptor)
+            self.descriptor = None
+        if not undo:
+            return
+        for path in self.created:
+            try:
+                path.unlink() if path == self.path else path.rmdir()  # rmdir refuses a folder that is not empty
+            except OSError:
+                return
+        self.created = []
+
+
+class RunDirectoryError(ValueError):
+    """A file of the run directory that a resume cannot use; the message names it and what to do."""
+
+
+def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
+    A last line without its newline was cut short by a process killed while writing it: not a record, left
+    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
+    RunDirectoryError naming the line."""
+    if not metrics_path.exists():
+        return []
+    try:
+        text = metrics_path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
+    found = []
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            record = error
+        if not isinstance(record, dict) or type(record.get("steps")) is not int:
+            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
+                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
+                f"the metrics afresh), then start again"
+            )
+        found.append((record["steps"], line))
+    return found
