@@ -292,9 +292,11 @@ def accumulate(
         model.set_requires_gradient_sync(not skip_sync)
     skip_sync = skip_sync and isinstance(model, DistributedDataParallel)
     with model.no_sync() if skip_sync else contextlib.nullcontext():
+        # The loss runs under autocast too, as in nanoGPT's loop: an output head inside the loss (the chunked
+        # loss) multiplies in the autocast dtype, and cross-entropy runs in fp32 either way (autocast's rule for it).
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = model(inputs)
-        loss_sum = loss_sum_fn(outputs, labels)  # S_rk
+            loss_sum = loss_sum_fn(outputs, labels)  # S_rk
         try:
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         except torch.OutOfMemoryError as error:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from scripts import gpu_check
+from testkit.syncs import synchronising_calls
 
 
 def test_without_a_gpu_the_check_prints_one_line_and_exits_0(monkeypatch, capsys):
@@ -12,6 +13,18 @@ def test_without_a_gpu_the_check_prints_one_line_and_exits_0(monkeypatch, capsys
     assert gpu_check.main([]) == 0
     output = capsys.readouterr()
     assert output.out.count("\n") == 1 and "no CUDA GPU" in output.out and output.err == ""
+
+
+def test_the_sync_audit_counts_synchronising_calls_not_pytorchs_notice_about_the_mode():
+    """What set_sync_debug_mode("warn") says on a GPU (PyTorch's words, torch 2.11): once the notice that the mode
+    is a prototype, then a warning per synchronising call. Only the second kind is a sync."""
+    notice = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations "
+        "(Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:876.)"
+    )
+    sync = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:151.)"
+    assert synchronising_calls([notice, sync]) == [sync]
+    assert synchronising_calls([notice]) == []
 
 
 def test_an_unknown_check_is_a_usage_error(capsys):
