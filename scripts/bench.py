@@ -733,6 +733,11 @@ def parse_arguments(argv: list[str]) -> argparse.Namespace:
         help="A of --config's comparison, micro-batches per step on one process (default %(default)s)",
     )
     parser.add_argument(
+        "--eager-and-compiled",
+        action="store_true",
+        help="--config: compare both loops eager and compiled, whatever model.compile says (gpu_check.py --perf)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="overrides of --config FILE, as for train.py"
     )
     return parser.parse_args(argv)
@@ -898,8 +903,9 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name(device) if use_cuda else cpu_model()
     peak = args.peak_tflops or (peak_tflops(device_name, precision) if use_cuda else None)
     compiled = resolved_compile(config, device.type)
-    comparison = compare_with_nanogpt(config, vocab_size, steps, device, compiled, warmup_steps, peak)
-    ours = comparison["loops"]["optimizer_step"]
+    modes = (False, True) if args.eager_and_compiled else (compiled,)
+    comparisons = [compare_with_nanogpt(config, vocab_size, steps, device, mode, warmup_steps, peak) for mode in modes]
+    ours = comparisons[modes.index(compiled)]["loops"]["optimizer_step"]  # the config's own mode
     model = build_model(config, vocab_size)
     positions_per_s = accumulation * m * config.data.seq_len / ours["seconds_per_step"]
     supervised = statistics.median(global_counts_of([micro_batches]).tokens for micro_batches in steps)
@@ -921,7 +927,7 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         "peak_tflops": peak,
         "mfu": ours["mfu"],
         "peak_mem_bytes": ours["peak_mem_bytes"],
-        "nanogpt": comparison,
+        "nanogpt": comparisons,
     }
     if use_cuda:
         loop = project_loop(config, vocab_size, device, compiled)
@@ -962,7 +968,8 @@ def config_table(results: dict) -> str:
         lines.append("mfu: no peak for this device; pass --peak-tflops (dense TFLOPS at the precision above)")
     lines += [f"  sync: {sync}" for sync in results.get("cuda_syncs", [])]
     lines += ["", "against nanoGPT's loop on the same model and micro-batches, step by step:"]
-    lines += comparison_table(results["nanogpt"], gib=results["device"] == "cuda")
+    for comparison in results["nanogpt"]:
+        lines += comparison_table(comparison, gib=results["device"] == "cuda")
     lines.append("peak memory: of one step, above what lies allocated between steps (weights, optimizer state)")
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@
     python scripts/gpu_check.py --json     # one JSON object instead
     python scripts/gpu_check.py --only sync_audit,fp16_overflow
 
+    python scripts/gpu_check.py --perf     # this project's step against nanoGPT's loop: the speed table
+
 Without a GPU it prints one line saying so and exits 0. Every check runs on the first GPU with small models
 on the project's own source files as text (no download); a check that raises is a FAIL with its error.
 
@@ -25,6 +27,13 @@ on the project's own source files as text (no download); a check that raises is 
     mfu_gpt2_small                      configs/gpu_8x.toml's model (GPT-2 small) at its m: MFU, tokens/s, memory
     cpu_checkpoint_on_cuda              a run saved on the CPU resumed on the GPU: fused AdamW, counters on the
                                         GPU, training continues
+
+--perf prints instead the table of issue 18: configs/gpu_8x.toml's model (163 M parameters, vocabulary 50,304,
+seq 1024) at m = 16, A = 4 on packed rows of this project's source files (every target supervised), this
+project's optimizer_step (the config's model.loss) against nanoGPT's loop, eager and compiled, the two loops
+taking turns step by step: seconds per step, the ratio, MFU and peak memory of each. It runs
+`scripts/bench.py --config configs/gpu_8x.toml --eager-and-compiled` (see compare_with_nanogpt there). A target
+of 5 minutes on one H100/H200, not yet timed (no GPU was lent when it was written).
 """
 
 import argparse
@@ -356,6 +365,51 @@ CHECKS = {
 }
 
 
+# --perf: the issue's shape, m = 16 and A = 4 on one GPU, measured by scripts/bench.py --config in a process of its
+# own (as mfu_gpt2_small runs it), eager and compiled.
+PERF_OVERRIDES = ["batch.micro_batch_size=16", "batch.global_batch_size=64"]
+PERF_ACCUMULATION = 4
+PERF_TIMEOUT_S = 300
+
+
+def perf_command(text_source: Path, overrides: list[str]) -> list[str]:
+    """bench.py --config configs/gpu_8x.toml at the perf shape on `text_source` (packed byte rows: every target
+    supervised, so nanoGPT's mean per micro-batch weights tokens as ours does), both loops eager and compiled."""
+    return [
+        sys.executable,
+        str(REPOSITORY / "scripts" / "bench.py"),
+        "--config",
+        str(REPOSITORY / "configs" / "gpu_8x.toml"),
+        "--accumulation-steps",
+        str(PERF_ACCUMULATION),
+        "--eager-and-compiled",
+        f"data.source={text_source}",
+        *PERF_OVERRIDES,
+        *overrides,
+    ]
+
+
+def run_perf(overrides: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check --perf: no CUDA GPU on this machine; nothing measured (run it where torch.cuda.is_available())"
+        )
+        return 0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        command = perf_command(text_folder(Path(scratch)), overrides)
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(scratch, "inductor"))}
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=PERF_TIMEOUT_S, cwd=scratch, env=environment
+        )
+    print(completed.stdout, end="")
+    if completed.returncode != 0:
+        print(f"bench.py failed (exit {completed.returncode}): {last_line(completed.stderr)}", file=sys.stderr)
+        return 1
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
 def last_line(text: str) -> str:
     lines = text.strip().splitlines()
     return lines[-1] if lines else ""
@@ -380,7 +434,21 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--only", help=f"comma-separated checks to run (default all: {', '.join(CHECKS)})")
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="instead of the checks: optimizer_step against nanoGPT's loop, eager and compiled (the speed table); "
+        "without a GPU one line, exit 0",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="--perf only: overrides of configs/gpu_8x.toml"
+    )
     arguments = parser.parse_args(argv)
+    if arguments.perf:
+        return run_perf(arguments.overrides)
+    if arguments.overrides:
+        print("error: section.key=value overrides apply to --perf only", file=sys.stderr)
+        return 2
     names = arguments.only.split(",") if arguments.only else list(CHECKS)
     unknown = [name for name in names if name not in CHECKS]
     if unknown:

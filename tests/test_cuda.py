@@ -27,6 +27,21 @@ def test_the_sync_audit_counts_synchronising_calls_not_pytorchs_notice_about_the
     assert synchronising_calls([notice]) == []
 
 
+def test_without_a_gpu_the_perf_table_is_one_line_and_exit_0(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--perf"]) == 0
+    output = capsys.readouterr()
+    assert output.out.count("\n") == 1 and "no CUDA GPU" in output.out and output.err == ""
+
+
+def test_the_perf_command_measures_gpu_8x_at_the_issues_shape_eager_and_compiled(tmp_path):
+    command = gpu_check.perf_command(tmp_path, ["model.loss=plain"])
+    assert command[1].endswith("scripts/bench.py") and command[command.index("--config") + 1].endswith("gpu_8x.toml")
+    assert "--eager-and-compiled" in command and command[command.index("--accumulation-steps") + 1] == "4"
+    assert {"batch.micro_batch_size=16", "batch.global_batch_size=64", f"data.source={tmp_path}"} <= set(command)
+    assert command[-1] == "model.loss=plain"  # the user's overrides last: they win
+
+
 def test_an_unknown_check_is_a_usage_error(capsys):
     assert gpu_check.main(["--only", "sync_audit,warp_drive"]) == 2
     assert "unknown check warp_drive" in capsys.readouterr().err
