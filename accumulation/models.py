@@ -107,18 +107,26 @@ def has_output_head(model: torch.nn.Module) -> bool:
 
 
 def uses_chunked_loss(config: Config, model: torch.nn.Module, device_type: str) -> bool:
-    """model.loss resolved: "auto" is chunked on CUDA under DDP for a model with an output head, plain otherwise
-    (on the CPU the logits' memory matters less, and the plain loss is the one a reader knows)."""
+    """model.loss resolved: "auto" is chunked on CUDA under DDP for a model with an output head and the token
+    cross-entropy as its loss, plain otherwise (on the CPU the logits' memory matters less, the chunks' smaller
+    products cost time (scripts/benchmarks/bench_loss.py), and the plain loss is the one a reader knows)."""
     if config.model.loss == "plain":
         return False
+    # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
+    token_cross_entropy = loss_sum_fn_for(config) is token_cross_entropy_sum
     if config.model.loss == "chunked":
+        if not token_cross_entropy:
+            raise ConfigError(
+                'model.loss: "chunked" computes the token cross-entropy, but loss_sum_fn_for in '
+                'accumulation/models.py returns another loss; use "plain" or "auto"'
+            )
         if not has_output_head(model):
             raise ConfigError(
                 f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
                 f'{config.model.name} model has not; use "plain" or "auto"'
             )
         return True
-    return device_type == "cuda" and config.dist.strategy == "ddp" and has_output_head(model)
+    return device_type == "cuda" and config.dist.strategy == "ddp" and token_cross_entropy and has_output_head(model)
 
 
 def training_forward_and_loss(

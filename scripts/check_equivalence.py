@@ -38,10 +38,16 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
 from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
-from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
+from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data import Data, DataError, RowSet, build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.models import (
+    build_model,
+    count_parameters,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+    training_forward_and_loss,
+)
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
@@ -190,9 +196,11 @@ def loop_step_gradients(config, data: Data, row_ids, model, context: Distributed
     or None when the update was skipped; the StepResult).
 
     The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
-    wrapped = wrap_for_training(model, config, context)
+    # model.loss and model.compile as train.py resolves them: the plain or the chunked loss, compiled or not.
+    compiled = resolved_compile(config, context.device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, context.device.type, compile=compiled)
+    wrapped = wrap_for_training(forward_module, config, context)
     optimizer, handed = first_update_probe(model)
-    loss_sum_fn = loss_sum_fn_for(config)
     rows = data.train
     if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
         rows = dataclasses.replace(rows, supervised=every_real_target(rows))

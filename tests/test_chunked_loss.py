@@ -143,3 +143,21 @@ def test_model_loss_chooses_the_pair_the_step_runs():
         training_forward_and_loss(gru_config, build_model(gru_config, 256), "cpu")
     gru = build_model(load_config(["model.name=gru"]), 256)
     assert training_forward_and_loss(load_config(["model.name=gru"]), gru, "cuda")[0] is gru
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_exact(loss):
+    """What train.py runs with model.compile = true: the forward module compiled (wrap_for_training) and the loss
+    compiled (training_forward_and_loss). Compiled kernels fuse and reorder fp32 operations; FLOAT32_RTOL still
+    bounds that, and a wrong weighting would be off by far more (tests/test_step.py)."""
+    model = GPT(MODEL, seed=3)
+    batches = micro_batches_of(seed=1, count=3)
+    reference = float64_reference_gradient(model, batches)
+    config = load_config([f"model.loss={loss}", "model.compile=true"])
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, "cpu", compile=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    optimizer_step(torch.compile(forward_module), batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
+    assert max_relative_error(captured[0], reference) < FLOAT32_RTOL
