@@ -294,9 +294,10 @@ def accumulate(
     with model.no_sync() if skip_sync else contextlib.nullcontext():
         # The loss runs under autocast too, as in nanoGPT's loop: an output head inside the loss (the chunked
         # loss) multiplies in the autocast dtype, and cross-entropy runs in fp32 either way (autocast's rule for it).
+        # The outputs are never bound to a name here: a name would keep the logits [m, seq_len, vocab] alive
+        # through the backward, though the loss has what it needs (cross-entropy keeps its log-softmax only).
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            outputs = model(inputs)
-            loss_sum = loss_sum_fn(outputs, labels)  # S_rk
+            loss_sum = loss_sum_fn(model(inputs), labels)  # S_rk
         try:
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         except torch.OutOfMemoryError as error:

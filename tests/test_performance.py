@@ -5,6 +5,7 @@ tests/test_step.py and not repeated: one gradient all-reduce per step, counted i
 tensor value into Python during the micro-batches of the plain (single-process) step.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -18,8 +19,10 @@ from accumulation.config import load_config
 from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
 from accumulation.model import GPT, GPTConfig
 from scripts import bench
+from testkit.memory import peak_memory_bytes_of
 from testkit.reference import capture_gradients, max_relative_error
 
+CPU = torch.device("cpu")
 TINY = GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16, vocab_size=BYTE_VOCAB_SIZE)
 ACCUMULATION = 4  # A on each of the two ranks
 MICRO_BATCH_SIZE = 2
@@ -237,3 +240,23 @@ def test_with_uneven_targets_nanogpts_loop_weights_tokens_differently():
     gives each of the 2 eight times the weight of each of the 16."""
     ours, theirs = peer_gradients(["model.loss=plain"], supervised_positions=[16, 2])
     assert max_relative_error(ours, theirs) > 1e-2
+
+
+def test_a_step_holds_no_more_memory_than_nanogpts_loop():
+    """The issue's memory target, on the CPU: the peak of one optimizer_step is that of nanoGPT's loop on the same
+    micro-batches. Here the logits are the largest activations (vocabulary 256, d_model 16), so a step
+    that kept them through the backward (as a name bound to the outputs did) would exceed it by their size."""
+    tiny = ["device=cpu", "data.seq_len=16", "model.n_layer=1", "model.n_head=2", "model.d_model=16"]
+    config = load_config([*tiny, "model.loss=plain"])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, BYTE_VOCAB_SIZE, (2, 8, 17), generator=generator)
+    micro_batches = [MicroBatch(rows[:, :-1], rows[:, 1:], num_examples=8) for rows in tokens]
+    counts = bench.global_counts_of([micro_batches])
+    peaks = {}
+    for build_loop in (bench.project_loop, bench.nanogpt_loop):
+        loop = build_loop(config, BYTE_VOCAB_SIZE, CPU, compiled=False)
+        loop.step(micro_batches, counts)  # the optimizer's state, so both measure one step above it
+        _, peaks[loop.name] = peak_memory_bytes_of(functools.partial(loop.step, micro_batches, counts), CPU)
+    # 1 KiB for the step's own scalars (the float64 loss sum, the flags read back at the boundary: tens of bytes),
+    # far below the 128 KiB of logits (8 rows x 16 positions x 256 x 4 bytes) a step keeping them would add.
+    assert peaks["optimizer_step"] <= peaks["nanogpt"] + 1024, peaks
