@@ -25,8 +25,10 @@ step, G), so every rank can count the whole step's supervised targets from the s
 
 This file is the whole contract a fork relies on. A fork may change the model (any `forward(inputs) ->
 outputs`), the loss (any `loss_sum_fn(outputs, labels)` that returns the SUM of the losses of the supervised
-targets) and the data (any labels with -100 where there is no target, of any shape); the algebra above holds
-for all of them, because it only needs per-target sums and the count N of supervised targets.
+targets; it runs under the forward's autocast) and the data (any labels with -100 where there is no target,
+of any shape); the algebra above holds for all of them, because it only needs per-target sums and the count
+N of supervised targets. (model.loss = "chunked" is one such pair: a module returning hidden states, and a
+loss that applies the output head itself, accumulation/chunked_loss.py.)
 """
 
 import contextlib

@@ -844,15 +844,9 @@ def nanogpt_loop(config: Config, vocab_size: int, device: torch.device, compiled
 
 
 def compare_with_nanogpt(
-    config: Config,
-    vocab_size: int,
-    steps: list[list[MicroBatch]],
-    device: torch.device,
-    compiled: bool,
-    warmup_steps: int,
-    peak: float | None,
+    loops: list[PeerLoop], steps: list[list[MicroBatch]], device: torch.device, warmup_steps: int, peak: float | None
 ) -> dict:
-    """Seconds per step, MFU and peak memory of optimizer_step and of nanoGPT's loop, taking turns step by step.
+    """Seconds per step, MFU and peak memory of `loops` (project_loop's and nanogpt_loop's), taking turns step by step.
 
     Both loops train their own copy of the model on the same micro-batches (pinned on CUDA). Each pair of steps
     alternates which loop goes first, so a slow moment of the machine lands on both alike; the first
@@ -860,7 +854,6 @@ def compare_with_nanogpt(
     each loop is that of one more step, above what lies allocated between steps (weights, optimizer state,
     and the other loop's model). The counts of every step are computed before the timing, as train.py counts
     them from row ids before its step."""
-    loops = [project_loop(config, vocab_size, device, compiled), nanogpt_loop(config, vocab_size, device, compiled)]
     counts = [global_counts_of([micro_batches]) for micro_batches in steps]
     seconds = {loop.name: [] for loop in loops}
     for index, (micro_batches, step_counts) in enumerate(zip(steps, counts, strict=True)):
@@ -880,7 +873,7 @@ def compare_with_nanogpt(
             "peak_mem_bytes": peak_bytes,
         }
     ratio = rows["optimizer_step"]["seconds_per_step"] / rows["nanogpt"]["seconds_per_step"]
-    return {"compiled": compiled, "loops": rows, "ratio_vs_nanogpt": ratio}
+    return {"loops": rows, "ratio_vs_nanogpt": ratio}
 
 
 def measure_config(config: Config, args: argparse.Namespace) -> dict:
@@ -903,9 +896,15 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name(device) if use_cuda else cpu_model()
     peak = args.peak_tflops or (peak_tflops(device_name, precision) if use_cuda else None)
     compiled = resolved_compile(config, device.type)
-    modes = (False, True) if args.eager_and_compiled else (compiled,)
-    comparisons = [compare_with_nanogpt(config, vocab_size, steps, device, mode, warmup_steps, peak) for mode in modes]
-    ours = comparisons[modes.index(compiled)]["loops"]["optimizer_step"]  # the config's own mode
+    comparisons = []
+    for mode in (False, True) if args.eager_and_compiled else (compiled,):
+        loops = [project_loop(config, vocab_size, device, mode), nanogpt_loop(config, vocab_size, device, mode)]
+        comparisons.append({"compiled": mode, **compare_with_nanogpt(loops, steps, device, warmup_steps, peak)})
+        if mode == compiled:
+            ours, our_loop = comparisons[-1]["loops"]["optimizer_step"], loops[0]  # the config's own mode
+        del loops
+        if use_cuda:
+            torch.cuda.empty_cache()
     model = build_model(config, vocab_size)
     positions_per_s = accumulation * m * config.data.seq_len / ours["seconds_per_step"]
     supervised = statistics.median(global_counts_of([micro_batches]).tokens for micro_batches in steps)
@@ -929,11 +928,9 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         "peak_mem_bytes": ours["peak_mem_bytes"],
         "nanogpt": comparisons,
     }
-    if use_cuda:
-        loop = project_loop(config, vocab_size, device, compiled)
+    if use_cuda:  # the synchronising calls of one more step of the config's own loop, warmed up already
         counts = global_counts_of([steps[-1]])
-        loop.step(steps[0], counts)  # warm-up: the optimizer's state, compiling
-        _, syncs = cuda_syncs_of(lambda: loop.step(steps[-1], counts))
+        _, syncs = cuda_syncs_of(lambda: our_loop.step(steps[-1], counts))
         results["cuda_syncs_per_update"], results["cuda_syncs"] = len(syncs), syncs
     return results
 

@@ -320,7 +320,8 @@ def check_mfu(device: torch.device) -> tuple[bool, str]:
         bench = REPOSITORY / "scripts" / "bench.py"
         # The config trains on prepared token files; the benchmark only needs rows of its seq_len to time the model.
         command = [sys.executable, str(bench), "--config", str(config_file), "--json", f"data.source={folder}"]
-        completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=240, cwd=scratch)
+        # Two copies of the model, compiled when the config compiles (tens of seconds each on a GPU).
+        completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300, cwd=scratch)
     results = json.loads(completed.stdout)
     mfu = "n/a (device not in bench.py's PEAK_TFLOPS)" if results["mfu"] is None else f"{results['mfu']:.3f}"
     return results["seconds_per_step"] > 0, (
