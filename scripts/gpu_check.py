@@ -11,14 +11,16 @@ on the project's own source files as text (no download); a check that raises is 
 
     bf16_equivalence, fp16_equivalence  one step (m = 4, A = 4) against the float64 full-batch reference
     fp32_equivalence                    the same in fp32 with TF32 off (what the equivalence checker runs)
+    bf16_chunked_loss                   the bf16 step with model.loss = "chunked" against the same reference
     ddp_two_ranks                       2 gloo ranks on the one GPU, DDP with no_sync: gradient bytes per update
                                         (counted by a communication hook) = one gradient; ranks agree; reference
     sync_audit                          synchronising CUDA calls in one bf16 step with fused AdamW
                                         (torch.cuda.set_sync_debug_mode): at most 1, the boundary's read-back
     fp16_overflow                       an injected inf with fused AdamW and the GradScaler: weights and the
                                         optimizer's step counts unchanged, scale halved, the next step applied
-    compile                             5 bf16 steps with model.compile: time to the first step; losses within
-                                        bf16 tolerance of eager
+    compile                             5 bf16 steps with model.compile (the model and the chunked loss compiled,
+                                        as train.py does on CUDA): time to the first step; losses within bf16
+                                        tolerance of eager with the plain loss
     resume_dropout                      train.py with dropout, 4 steps in one go vs 2 + 2 resumed: the same bits
                                         (and whether two uninterrupted runs agree, to tell a resume bug from
                                         nondeterministic kernels)
@@ -52,11 +54,12 @@ import torch
 import accumulation
 from accumulation.batching import MicroBatch
 from accumulation.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
+from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
 from accumulation.config import load_config
 from accumulation.data import build_micro_batches, make_rows, step_counts, step_row_ids
 from accumulation.distributed import DistributedContext
 from accumulation.model import GPT, GPTConfig
-from accumulation.models import build_model
+from accumulation.models import build_model, training_forward_and_loss
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
@@ -108,7 +111,7 @@ def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
 
 def sgd_gradient(model, micro_batches, counts, device, **options):
     """The gradient an SGD optimizer is handed by one optimizer_step, and the StepResult."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # FinalHiddenStates holds the model's parameters
     captured = capture_gradients(optimizer)
     result = optimizer_step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
     return captured[0], result
@@ -119,16 +122,22 @@ def sgd_gradient(model, micro_batches, counts, device, **options):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def equivalence(dtype_name: str, device: torch.device) -> tuple[bool, str]:
+def equivalence(dtype_name: str, device: torch.device, chunked: bool = False) -> tuple[bool, str]:
+    """One step against the float64 reference; `chunked`: with model.loss = "chunked" (hidden states, chunked loss)."""
     set_tf32(False)
     micro_batches, counts = step_batches(corpus_rows(), 16, 4)
     model = GPT(SMALL, seed=1)
     reference = float64_reference_gradient(model, micro_batches)
     autocast_dtype = AUTOCAST_DTYPES[dtype_name]
     scaler = torch.amp.GradScaler("cuda") if dtype_name == "fp16" else None
-    gradient, result = sgd_gradient(
-        model.to(device), pinned(micro_batches), counts, device, autocast_dtype=autocast_dtype, scaler=scaler
+    model = model.to(device)
+    forward_module, loss_sum_fn = (
+        (FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)) if chunked else (model, None)
     )
+    options = {"autocast_dtype": autocast_dtype, "scaler": scaler}
+    if loss_sum_fn is not None:
+        options["loss_sum_fn"] = loss_sum_fn
+    gradient, result = sgd_gradient(forward_module, pinned(micro_batches), counts, device, **options)
     error = max_relative_error(gradient, reference)
     passed = result.applied and error < TOLERANCE[dtype_name]
     return passed, f"max relative error {error:.2e} (tolerance {TOLERANCE[dtype_name]:g}), N = {result.tokens}"
@@ -223,7 +232,12 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
     losses, first_step_seconds = {}, None
     for compiled in (False, True):
         model = GPT(SMALL, seed=1).to(device)
-        wrapped = wrap_for_training(model, config, single) if compiled else model
+        # Compiled as train.py compiles on CUDA: the chunked loss (model.loss = "auto") compiled with the model.
+        forward_module, loss_sum_fn = (
+            training_forward_and_loss(config, model, device.type, compile=True) if compiled else (model, None)
+        )
+        wrapped = wrap_for_training(forward_module, config, single) if compiled else model
+        loss_options = {"loss_sum_fn": loss_sum_fn} if compiled else {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         losses[compiled] = []
         for step in range(5):
@@ -232,7 +246,13 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
             micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0))
             start = time.perf_counter()
             result = optimizer_step(
-                wrapped, micro_batches, optimizer, device=device, autocast_dtype=torch.bfloat16, global_counts=counts
+                wrapped,
+                micro_batches,
+                optimizer,
+                device=device,
+                autocast_dtype=torch.bfloat16,
+                global_counts=counts,
+                **loss_options,
             )
             if compiled and step == 0:
                 first_step_seconds = time.perf_counter() - start
@@ -355,6 +375,7 @@ CHECKS = {
     "bf16_equivalence": lambda device: equivalence("bf16", device),
     "fp16_equivalence": lambda device: equivalence("fp16", device),
     "fp32_equivalence": lambda device: equivalence("fp32", device),
+    "bf16_chunked_loss": lambda device: equivalence("bf16", device, chunked=True),
     "ddp_two_ranks": check_ddp_two_ranks,
     "sync_audit": check_sync_audit,
     "fp16_overflow": check_fp16_overflow,

@@ -42,6 +42,15 @@ def test_the_perf_command_measures_gpu_8x_at_the_issues_shape_eager_and_compiled
     assert command[-1] == "model.loss=plain"  # the user's overrides last: they win
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_equivalence_checks_logic_passes_on_the_cpu_in_fp32(monkeypatch, chunked):
+    """The check's own code (the reference, the step, the chunked pair) on the CPU; pinning needs CUDA, so it is
+    left out here. On a GPU the same function runs bf16, fp16 and the chunked loss in bf16."""
+    monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
+    passed, figures = gpu_check.equivalence("fp32", torch.device("cpu"), chunked=chunked)
+    assert passed, figures
+
+
 def test_an_unknown_check_is_a_usage_error(capsys):
     assert gpu_check.main(["--only", "sync_audit,warp_drive"]) == 2
     assert "unknown check warp_drive" in capsys.readouterr().err
