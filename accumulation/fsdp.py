@@ -48,8 +48,9 @@ def check_strategy_for_world(config: Config, world_size: int) -> None:
         )
     if config.model.loss == "chunked":
         raise ConfigError(
-            'model.loss: expected "plain" or "auto" with dist.strategy = "fsdp2" (the chunked loss reads the output '
-            'head\'s weight outside the forward, where FSDP2 holds only its shard); use dist.strategy = "ddp"'
+            'model.loss: expected "plain" or "auto" with dist.strategy = "fsdp2" (the chunked loss uses the output '
+            "head's weight outside the model's forward, which is not tested with FSDP2's sharding); use "
+            'dist.strategy = "ddp" for the chunked loss'
         )
     if config.batch.on_oom == "shrink":
         # Recovery needs the rank that ran out of memory to join the others' gradient reduction and then

@@ -123,7 +123,7 @@ def uses_chunked_loss(config: Config, model: torch.nn.Module, device_type: str) 
         if not has_output_head(model):
             raise ConfigError(
                 f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
-                f'{config.model.name} model has not; use "plain" or "auto"'
+                f'{config.model.name} model does not have them; use "plain" or "auto"'
             )
         return True
     return device_type == "cuda" and config.dist.strategy == "ddp" and token_cross_entropy and has_output_head(model)
