@@ -43,7 +43,15 @@ from accumulation.checkpoint import (
     save_checkpoint,
     why_not_written,
 )
-from accumulation.config import Config, ConfigError, config_to_toml, help_text, load_config, resolved_grad_scaler
+from accumulation.config import (
+    Config,
+    ConfigError,
+    config_to_toml,
+    help_text,
+    load_config,
+    resolved_compile,
+    resolved_grad_scaler,
+)
 from accumulation.counters import Counters
 from accumulation.data import (
     Data,
@@ -63,7 +71,13 @@ from accumulation.distributed import (
     teardown_distributed,
 )
 from accumulation.fsdp import describe_sharding
-from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.models import (
+    build_model,
+    count_parameters,
+    resolved_vocab_size,
+    training_forward_and_loss,
+    uses_chunked_loss,
+)
 from accumulation.resume import (
     STOPPED_FILE,
     ExpectedShapes,
@@ -80,6 +94,9 @@ from accumulation.step import StepResult, all_reduce_ints, count_supervised_toke
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
+# The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
+# the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
+WARMUP_STEPS = 2
 
 
 def main(argv: list[str]) -> int:
@@ -107,7 +124,9 @@ def main(argv: list[str]) -> int:
         vocab_size = resolved_vocab_size(config, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
         with torch.device("meta"):  # every parameter's shape, no memory
-            shapes = ExpectedShapes.of(config, build_model(config, vocab_size))
+            model_on_meta = build_model(config, vocab_size)
+            shapes = ExpectedShapes.of(config, model_on_meta)
+        uses_chunked_loss(config, model_on_meta, "cpu")  # model.loss = "chunked" for a model without an output head
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -186,8 +205,10 @@ def train(
         model.load_state_dict(resume["model"])
     # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
     # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
-    wrapped = wrap_for_training(model, config, context)
-    loss_sum_fn = loss_sum_fn_for(config)
+    # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
+    compiled = resolved_compile(config, device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
+    wrapped = wrap_for_training(forward_module, config, context)
     optimizer = build_optimizer(config, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(
@@ -254,7 +275,8 @@ def train(
     )
     say(
         f"model: {model.describe()}; precision {config.precision.dtype}, "
-        f"grad scaler {'on' if scaler.is_enabled() else 'off'}"
+        f"grad scaler {'on' if scaler.is_enabled() else 'off'}; "
+        f"loss {'chunked' if forward_module is not model else 'plain'}; compile {'on' if compiled else 'off'}"
     )
     if config.dist.strategy == "fsdp2":
         say(describe_sharding(model))
@@ -268,7 +290,7 @@ def train(
     say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     first_loss = last_loss = None
-    trained_tokens, trained_seconds, window = 0, 0.0, []
+    session_steps, window = [], []  # (supervised tokens, seconds) of each step of this session, and since the last log
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
@@ -320,8 +342,7 @@ def train(
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
             # Everything below is diagnostics and bookkeeping.
-            trained_tokens += result.tokens
-            trained_seconds += step_seconds
+            session_steps.append((result.tokens, step_seconds))
             window.append((result.tokens, step_seconds))
             first_loss = result.loss if first_loss is None else first_loss
             last_loss = result.loss
@@ -372,7 +393,7 @@ def train(
                 )
                 return stop.exit_status
 
-        ran_steps = trained_seconds > 0
+        ran_steps = bool(session_steps)
         final_val_loss = None
         if ran_steps and data.val is not None:
             # The last step's validation when it had one, else one more pass (every rank takes part).
@@ -384,16 +405,7 @@ def train(
         if context.is_main and ran_steps:
             wall_seconds = time.perf_counter() - session_start
             print_summary(
-                config,
-                counters,
-                first_loss,
-                last_loss,
-                final_val_loss,
-                trained_tokens,
-                trained_seconds,
-                wall_seconds,
-                model,
-                data.train,
+                config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, data.train
             )
     finally:
         # After an error the process ends at once (fail fast); closing a writer that failed would raise a
@@ -437,11 +449,12 @@ def validation_loss(
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
     autocast_dtype = autocast_dtype_for(config)
-    loss_sum_fn = loss_sum_fn_for(config)
+    # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, context.device.type)
     for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            outputs = model(micro_batch.inputs.to(context.device))
-        loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))
+            outputs = forward_module(micro_batch.inputs.to(context.device))
+            loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))
         tokens += count_supervised_tokens(micro_batch.labels)
     model.train()
     if dist.is_initialized():
@@ -620,27 +633,42 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
 
 
 def print_summary(
-    config,
-    counters,
-    first_loss,
-    last_loss,
-    final_val_loss,
-    trained_tokens,
-    trained_seconds,
-    wall_seconds,
-    model,
-    prompt_source,
+    config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, prompt_source
 ) -> None:
-    """The session's last lines: losses, speed, counters, and a sample from the model (bytes decoded as
-    UTF-8, or decoded by the data's tokenizer) when it has generate(). `prompt_source` is the training
-    rows, whose first example gives the prompt."""
+    """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
+    speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
     validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
-    print(
-        f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}; "
-        f"{trained_tokens / trained_seconds / 1e3:.1f}k supervised tokens/s; {trained_seconds:.1f} s in optimizer "
-        f"steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
-    )
+    print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
+    print_sample(config, model, prompt_source)
+    print(speed_line(session_steps, wall_seconds))
+
+
+def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float) -> str:
+    """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
+    WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
+    (supervised tokens, seconds) per step. A session too short for a steady state says so."""
+    total_seconds = sum(seconds for _, seconds in session_steps)
+    tail = f"{total_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
+    if len(session_steps) <= WARMUP_STEPS:
+        tokens = sum(tokens for tokens, _ in session_steps)
+        return (
+            f"speed: {tokens / total_seconds / 1e3:.1f}k supervised tokens/s over all {len(session_steps)} steps, "
+            f"warm-up included (too few steps for a steady state); {tail}"
+        )
+    warmup, steady = session_steps[:WARMUP_STEPS], session_steps[WARMUP_STEPS:]
+    steady_tokens = sum(tokens for tokens, _ in steady)
+    steady_seconds = sum(seconds for _, seconds in steady)
+    warmup_seconds = sum(seconds for _, seconds in warmup)
+    return (
+        f"speed: {steady_tokens / steady_seconds / 1e3:.1f}k supervised tokens/s in steady state "
+        f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
+        f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
+    )
+
+
+def print_sample(config, model, prompt_source) -> None:
+    """A sample from the model (bytes decoded as UTF-8, or decoded by the data's tokenizer), or why there is none."""
     if config.run.sample_bytes == 0:
         return
     if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank

@@ -9,14 +9,16 @@ the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket bounda
 convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
 its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
 other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
-Not measured here: the project's machines have no GPU (scripts/checks/gpu_check.py times a compiled step).
+The loss is compiled too (training_forward_and_loss in accumulation/models.py), on its own: it runs outside
+DDP's forward, where DDP cannot see it. Not measured here: the project's machines have no GPU
+(scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
 """
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
-from accumulation.config import Config, ConfigError
+from accumulation.config import Config, ConfigError, resolved_compile
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
 
@@ -58,14 +60,15 @@ def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device
 
 
 def wrap_for_training(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
-    """The module the step runs, as train.py runs it: torch.compile first when model.compile is set, then
+    """The module the step runs, as train.py runs it: torch.compile first when model.compile resolves to on, then
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
     skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
     dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
-    after this call."""
+    after this call. `model` is the forward module of training_forward_and_loss (accumulation/models.py): the
+    model, or with the chunked loss the module returning its hidden states; the loss is compiled there."""
     if config.dist.strategy == "fsdp2":
         return shard_model(model, context, param_dtype=autocast_dtype_for(config))
-    wrapped = torch.compile(model) if config.model.compile else model
+    wrapped = torch.compile(model) if resolved_compile(config, context.device.type) else model
     if context.world_size == 1:
         return wrapped
     device_ids = [context.device.index] if context.device.type == "cuda" else None

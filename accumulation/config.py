@@ -174,7 +174,21 @@ class ModelConfig:
         at_least=0,
     )
     dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
-    compile: bool = setting(False, "wrap the model in torch.compile (DDP only, not with dist.strategy=fsdp2)")
+    compile: str | bool = setting(
+        "auto",
+        "torch.compile the model and the loss (DDP only); auto = on for CUDA, off on the CPU (where compiling "
+        "takes longer than it saves) and with dist.strategy=fsdp2",
+        choices=("auto", True, False),
+    )
+    loss: str = setting(
+        "auto",
+        "how the token cross-entropy SUM is computed, the same value either way: plain = logits of every "
+        "position, then cross-entropy; chunked = the output head and the cross-entropy a chunk of positions "
+        "at a time, gradients included, never the whole [rows, seq_len, vocab] logits (a model with "
+        "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked on CUDA where the model "
+        "allows, plain otherwise",
+        choices=("auto", "chunked", "plain"),
+    )
 
 
 @dataclass(frozen=True)
@@ -534,6 +548,13 @@ def config_from_dict(tree: dict) -> Config:
 def config_to_dict(config: Config) -> dict:
     """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values."""
     return dataclasses.asdict(config)
+
+
+def resolved_compile(config: Config, device_type: str) -> bool:
+    """Whether to torch.compile: "auto" means on for CUDA under DDP, off on the CPU and under fsdp2."""
+    if config.model.compile == "auto":
+        return device_type == "cuda" and config.dist.strategy == "ddp"
+    return config.model.compile
 
 
 def resolved_grad_scaler(config: Config) -> bool:

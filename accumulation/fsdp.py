@@ -41,10 +41,16 @@ def check_strategy_for_world(config: Config, world_size: int) -> None:
             'dist.strategy: "fsdp2" shards the model over the ranks and needs at least 2 (torchrun '
             '--nproc_per_node=N with N >= 2); on one process use "ddp", which reads the same checkpoints'
         )
-    if config.model.compile:
+    if config.model.compile is True:  # "auto" turns itself off under fsdp2
         raise ConfigError(
-            'model.compile: expected false with dist.strategy = "fsdp2" (torch.compile around fully_shard is not '
-            'tested here); use dist.strategy = "ddp" to compile'
+            'model.compile: expected false or "auto" with dist.strategy = "fsdp2" (torch.compile around '
+            'fully_shard is not tested here); use dist.strategy = "ddp" to compile'
+        )
+    if config.model.loss == "chunked":
+        raise ConfigError(
+            'model.loss: expected "plain" or "auto" with dist.strategy = "fsdp2" (the chunked loss uses the output '
+            "head's weight outside the model's forward, which is not tested with FSDP2's sharding); use "
+            'dist.strategy = "ddp" for the chunked loss'
         )
     if config.batch.on_oom == "shrink":
         # Recovery needs the rank that ran out of memory to join the others' gradient reduction and then

@@ -88,12 +88,22 @@ class GPT(nn.Module):
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(tokens))
+
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The final hidden states [rows, seq_len, d_model] that lm_head maps to logits. With model.loss =
+        "chunked" the step runs this, and the loss applies lm_head chunk by chunk (accumulation/chunked_loss.py)."""
         rows, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
         x = self.embed_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
         for block in self.blocks:
             x = block(x)
-        return self.lm_head(self.final_norm(x))
+        return self.final_norm(x)
+
+    @property
+    def output_head(self) -> nn.Linear:
+        """The layer from hidden_states() to logits: what the chunked loss needs besides the hidden states."""
+        return self.lm_head
 
     def fsdp_units(self) -> list[nn.Module]:
         """The modules dist.strategy = "fsdp2" shards one by one (accumulation/fsdp.py): the transformer blocks.

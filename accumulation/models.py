@@ -21,6 +21,11 @@ The contract. The training loop, the checkpoints and the scripts rely on this an
     generate(prompt, num_new_tokens, generator) -> token ids (optional)
         prompt: 1-D int64 token ids; returns them followed by num_new_tokens sampled ones, drawn with the
         given torch.Generator. A model without it (the GRU here) gets no end-of-run sample.
+    hidden_states(inputs) -> hidden states, and output_head (optional, for model.loss = "chunked")
+        the final hidden states [rows, seq_len, d] and the bias-free nn.Linear that maps them to the logits
+        forward returns. A model with both gets the chunked loss (accumulation/chunked_loss.py): the step runs
+        hidden_states, and the loss applies output_head a chunk of positions at a time, never building the
+        whole logits. Any other model keeps forward + loss_sum_fn(outputs, labels).
     fsdp_units() -> list of submodules (optional)
         the modules dist.strategy = "fsdp2" shards one by one, each its own all-gather and reduce-scatter (the
         GPT: its transformer blocks); the rest is sharded with the whole model. A model without it (the GRU)
@@ -34,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 
+from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
 from accumulation.config import Config, ConfigError
 from accumulation.encoder import Encoder
 from accumulation.gru import GRULanguageModel
@@ -95,3 +101,47 @@ def loss_sum_fn_for(config: Config) -> Callable[[torch.Tensor, torch.Tensor], to
     targets (labels != -100), never their mean: the step divides by the global count N itself. A fork with
     another objective (label smoothing, a per-example classifier's loss, a regression) returns it here."""
     return token_cross_entropy_sum
+
+
+def has_output_head(model: torch.nn.Module) -> bool:
+    """Whether the model offers what the chunked loss needs: hidden_states() and a bias-free output_head."""
+    head = getattr(model, "output_head", None)
+    return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
+
+
+def uses_chunked_loss(config: Config, model: torch.nn.Module, device_type: str) -> bool:
+    """model.loss resolved: "auto" is chunked on CUDA under DDP for a model with an output head and the token
+    cross-entropy as its loss, plain otherwise (on the CPU the logits' memory matters less, the chunks' smaller
+    products cost time (scripts/benchmarks/bench_loss.py), and the plain loss is the one a reader knows)."""
+    if config.model.loss == "plain":
+        return False
+    # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
+    token_cross_entropy = loss_sum_fn_for(config) is token_cross_entropy_sum
+    if config.model.loss == "chunked":
+        if not token_cross_entropy:
+            raise ConfigError(
+                'model.loss: "chunked" computes the token cross-entropy, but loss_sum_fn_for in '
+                'accumulation/models.py returns another loss; use "plain" or "auto"'
+            )
+        if not has_output_head(model):
+            raise ConfigError(
+                f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
+                f'{config.model.name} model does not have them; use "plain" or "auto"'
+            )
+        return True
+    return device_type == "cuda" and config.dist.strategy == "ddp" and token_cross_entropy and has_output_head(model)
+
+
+def training_forward_and_loss(
+    config: Config, model: torch.nn.Module, device_type: str, compile: bool = False
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels).
+
+    Plain: the model itself (logits) and loss_sum_fn_for(config). Chunked: FinalHiddenStates(model) (the same
+    parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
+    `compile` (model.compile resolved) compiles the loss too, so neither its kernels nor its memory stay
+    outside the compiled region; wrap_for_training compiles the module."""
+    if uses_chunked_loss(config, model, device_type):
+        return FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head, compile=compile)
+    loss_sum_fn = loss_sum_fn_for(config)
+    return model, torch.compile(loss_sum_fn) if compile else loss_sum_fn

@@ -25,8 +25,10 @@ step, G), so every rank can count the whole step's supervised targets from the s
 
 This file is the whole contract a fork relies on. A fork may change the model (any `forward(inputs) ->
 outputs`), the loss (any `loss_sum_fn(outputs, labels)` that returns the SUM of the losses of the supervised
-targets) and the data (any labels with -100 where there is no target, of any shape); the algebra above holds
-for all of them, because it only needs per-target sums and the count N of supervised targets.
+targets; it runs under the forward's autocast) and the data (any labels with -100 where there is no target,
+of any shape); the algebra above holds for all of them, because it only needs per-target sums and the count
+N of supervised targets. (model.loss = "chunked" is one such pair: a module returning hidden states, and a
+loss that applies the output head itself, accumulation/chunked_loss.py.)
 """
 
 import contextlib
@@ -295,9 +297,12 @@ def accumulate(
         model.set_requires_gradient_sync(not skip_sync)
     skip_sync = skip_sync and isinstance(model, DistributedDataParallel)
     with model.no_sync() if skip_sync else contextlib.nullcontext():
+        # The loss runs under autocast too, as in nanoGPT's loop: an output head inside the loss (the chunked
+        # loss) multiplies in the autocast dtype, and cross-entropy runs in fp32 either way (autocast's rule for it).
+        # The outputs are never bound to a name here: a name would keep the logits [m, seq_len, vocab] alive
+        # through the backward, though the loss has what it needs (cross-entropy keeps its log-softmax only).
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            outputs = model(inputs)
-        loss_sum = loss_sum_fn(outputs, labels)  # S_rk
+            loss_sum = loss_sum_fn(model(inputs), labels)  # S_rk
         try:
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         except torch.OutOfMemoryError as error:

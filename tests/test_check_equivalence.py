@@ -76,6 +76,16 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
     assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
 
 
+def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, capsys):
+    """The checker runs the step as train.py would with model.loss = "chunked" (hidden states, chunked loss)."""
+    (tmp_path / "pass").mkdir()
+    (tmp_path / "fail").mkdir()
+    status, stdout = run_checker(tmp_path / "pass", ["model.loss=chunked"], 1, capsys)
+    assert status == 0 and reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"], stdout
+    status, stdout = run_checker(tmp_path / "fail", ["model.loss=chunked", "--inject-bug", "mean-of-means"], 1, capsys)
+    assert status == 1 and reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+
+
 @pytest.mark.parametrize(
     "arguments, named",
     [

@@ -14,6 +14,7 @@ from accumulation.config import (
     config_to_toml,
     help_text,
     load_config,
+    resolved_compile,
     resolved_grad_scaler,
 )
 
@@ -217,7 +218,7 @@ def test_a_number_too_large_for_a_float_is_rejected():
 
 @pytest.mark.parametrize("text", ["yes", "1", "True", ""])
 def test_bool_keys_accept_only_true_or_false(text):
-    assert error_message([f"model.compile={text}"]) == f"model.compile: expected true or false, got {text}"
+    assert error_message([f"precision.tf32={text}"]) == f"precision.tf32: expected true or false, got {text}"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -277,8 +278,8 @@ def test_wrong_types_for_numbers_and_bools_in_a_file(tmp_path):
     assert error_message(["--config", write(tmp_path, "[optim]\nlr = nan\n")]) == (
         "optim.lr: expected a finite number > 0, got nan"
     )
-    assert error_message(["--config", write(tmp_path, "[model]\ncompile = 1\n")]) == (
-        "model.compile: expected true or false, got 1"
+    assert error_message(["--config", write(tmp_path, "[precision]\ntf32 = 1\n")]) == (
+        "precision.tf32: expected true or false, got 1"
     )
     assert error_message(["--config", write(tmp_path, "[precision]\ngrad_scaler = 1\n")]) == (
         'precision.grad_scaler: expected one of "auto", true, false, got 1'
@@ -373,6 +374,14 @@ def test_grad_scaler_with_fp32_is_allowed_and_auto_means_fp16_only():
     assert resolved_grad_scaler(load_config(["precision.dtype=bf16"])) is False
     assert resolved_grad_scaler(load_config(["precision.dtype=fp16"])) is True
     assert resolved_grad_scaler(load_config(["precision.dtype=fp16", "precision.grad_scaler=false"])) is False
+
+
+def test_compile_auto_means_cuda_under_ddp_only():
+    assert resolved_compile(load_config([]), "cuda") is True
+    assert resolved_compile(load_config([]), "cpu") is False  # compiling on a CPU takes longer than it saves
+    assert resolved_compile(load_config(["dist.strategy=fsdp2"]), "cuda") is False
+    assert resolved_compile(load_config(["model.compile=true"]), "cpu") is True
+    assert resolved_compile(load_config(["model.compile=false"]), "cuda") is False
 
 
 def test_missing_config_file(tmp_path):

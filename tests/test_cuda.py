@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from scripts.checks import gpu_check
+from testkit.syncs import synchronising_calls
 
 
 def test_without_a_gpu_the_check_prints_one_line_and_exits_0(monkeypatch, capsys):
@@ -12,6 +13,44 @@ def test_without_a_gpu_the_check_prints_one_line_and_exits_0(monkeypatch, capsys
     assert gpu_check.main([]) == 0
     output = capsys.readouterr()
     assert output.out.count("\n") == 1 and "no CUDA GPU" in output.out and output.err == ""
+
+
+def test_the_sync_audit_counts_synchronising_calls_not_pytorchs_notice_about_the_mode():
+    """What set_sync_debug_mode("warn") says on a GPU (PyTorch's words, torch 2.11): once the notice that the mode
+    is a prototype, then a warning per synchronising call. Only the second kind is a sync."""
+    notice = (
+        "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations "
+        "(Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp:876.)"
+    )
+    sync = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:151.)"
+    assert synchronising_calls([notice, sync]) == [sync]
+    assert synchronising_calls([notice]) == []
+
+
+def test_without_a_gpu_the_perf_table_is_one_line_and_exit_0(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main(["--perf"]) == 0
+    output = capsys.readouterr()
+    assert output.out.count("\n") == 1 and "no CUDA GPU" in output.out and output.err == ""
+
+
+def test_the_perf_command_measures_gpu_8x_at_the_issues_shape_eager_and_compiled(tmp_path):
+    command = gpu_check.perf_command(tmp_path, ["model.loss=plain"])
+    assert command[1].endswith("scripts/benchmarks/bench.py") and command[command.index("--config") + 1].endswith(
+        "gpu_8x.toml"
+    )
+    assert "--eager-and-compiled" in command and command[command.index("--accumulation-steps") + 1] == "4"
+    assert {"batch.micro_batch_size=16", "batch.global_batch_size=64", f"data.source={tmp_path}"} <= set(command)
+    assert command[-1] == "model.loss=plain"  # the user's overrides last: they win
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_equivalence_checks_logic_passes_on_the_cpu_in_fp32(monkeypatch, chunked):
+    """The check's own code (the reference, the step, the chunked pair) on the CPU; pinning needs CUDA, so it is
+    left out here. On a GPU the same function runs bf16, fp16 and the chunked loss in bf16."""
+    monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
+    passed, figures = gpu_check.equivalence("fp32", torch.device("cpu"), chunked=chunked)
+    assert passed, figures
 
 
 def test_an_unknown_check_is_a_usage_error(capsys):

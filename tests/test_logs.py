@@ -181,3 +181,15 @@ def test_plant_bugs_tells_a_caught_bug_from_a_harmless_change_and_a_vanished_tex
     assert plant_bugs.plant(attached)["outcome"] == "caught"
     assert plant_bugs.plant(comment)["outcome"] == "NOT caught"
     assert plant_bugs.plant(vanished) == {"bug": "vanished", "outcome": "not applicable", "seconds": 0.0}
+
+
+def test_the_last_line_is_the_steady_state_speed_with_the_warm_up_apart():
+    """A first step of 20 s (compiling) must not drag the speed a user gets: 4 steps of 1,000 supervised tokens,
+    the first two 20 s and 2 s, the last two 0.5 s each: 2,000 tokens in 1 s = 2.0k tokens/s in steady state."""
+    line = train.speed_line([(1000, 20.0), (1000, 2.0), (1000, 0.5), (1000, 0.5)], wall_seconds=25.0)
+    assert line.startswith("speed: 2.0k supervised tokens/s in steady state (2 steps, 0.500 s per step)")
+    assert f"the first {train.WARMUP_STEPS} steps (compiling, warm-up) took 22.0 s" in line
+    assert "23.0 s in optimizer steps of 25.0 s wall time" in line
+    # Too short for a steady state: all steps together, and said so.
+    short = train.speed_line([(1000, 2.0), (1000, 0.5)], wall_seconds=3.0)
+    assert short.startswith("speed: 0.8k supervised tokens/s over all 2 steps, warm-up included (too few steps")

@@ -5,6 +5,7 @@ tests/test_step.py and not repeated: one gradient all-reduce per step, counted i
 tensor value into Python during the micro-batches of the plain (single-process) step.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -12,11 +13,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.build import load_optimizer_state
+from accumulation.config import load_config
 from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
 from accumulation.model import GPT, GPTConfig
 from scripts.benchmarks import bench
+from testkit.memory import peak_memory_bytes_of
+from testkit.reference import capture_gradients, max_relative_error
 
+CPU = torch.device("cpu")
 TINY = GPTConfig(seq_len=16, n_layer=1, n_head=2, d_model=16, vocab_size=BYTE_VOCAB_SIZE)
 ACCUMULATION = 4  # A on each of the two ranks
 MICRO_BATCH_SIZE = 2
@@ -180,7 +186,77 @@ def test_bench_config_measures_any_config_on_the_cpu(tmp_path, capsys):
     results = json.loads(capsys.readouterr().out)
     assert (results["device"], results["mfu"], results["micro_batch_size"], results["seq_len"]) == ("cpu", None, 2, 16)
     assert results["flops_per_token"] > 6 * 16 * 16  # at least the 6 FLOPs of each weight of one d x d matrix
+    # The peer: nanoGPT's loop ran beside ours, both rows reported, the ratio is ours over theirs.
+    [comparison] = results["nanogpt"]
+    loops = comparison["loops"]
+    assert set(loops) == {"optimizer_step", "nanogpt"} and comparison["compiled"] is False  # auto: off on a CPU
+    assert comparison["ratio_vs_nanogpt"] == pytest.approx(
+        loops["optimizer_step"]["seconds_per_step"] / loops["nanogpt"]["seconds_per_step"]
+    )
+    assert all(row["peak_mem_bytes"] > 0 for row in loops.values())
     assert bench.main(["--config", str(config), "--quick", "--json", "--peak-tflops", "1"]) == 0
     results = json.loads(capsys.readouterr().out)
     assert results["mfu"] == pytest.approx(results["positions_per_s"] * results["flops_per_token"] / 1e12)
+    assert results["nanogpt"][0]["loops"]["nanogpt"]["mfu"] > 0
+    assert bench.main(["--config", str(config), "--quick"]) == 0
+    table = capsys.readouterr().out
+    assert "eager, nanogpt " in table and "eager, optimizer_step " in table
     assert bench.main(["--config", str(tmp_path / "missing.toml")]) == 2
+
+
+def peer_gradients(config_arguments: list[str], supervised_positions: list[int]) -> list[list[torch.Tensor]]:
+    """The gradient each loop (optimizer_step, nanoGPT's) hands its optimizer in one step of A = 2 micro-batches of
+    2 rows; micro-batch k supervises the first supervised_positions[k] targets of each row."""
+    tiny = ["device=cpu", "data.seq_len=16", "model.n_layer=1", "model.n_head=2", "model.d_model=16"]
+    config = load_config(tiny + config_arguments)
+    generator = torch.Generator().manual_seed(0)
+    micro_batches = []
+    for supervised in supervised_positions:
+        inputs = torch.randint(0, BYTE_VOCAB_SIZE, (2, 16), generator=generator)
+        labels = torch.randint(0, BYTE_VOCAB_SIZE, (2, 16), generator=generator)
+        labels[:, supervised:] = IGNORE_INDEX
+        micro_batches.append(MicroBatch(inputs, labels, num_examples=2))
+    counts = bench.global_counts_of([micro_batches])
+    gradients = []
+    for build_loop in (bench.project_loop, bench.nanogpt_loop):
+        loop = build_loop(config, BYTE_VOCAB_SIZE, torch.device("cpu"), compiled=False)
+        captured = capture_gradients(loop.optimizer)
+        loop.step(micro_batches, counts)
+        gradients.append(captured[0])
+    return gradients
+
+
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_the_project_and_nanogpt_loops_make_the_same_update_when_every_target_is_supervised(loss):
+    """Every micro-batch holds the same number of targets, so nanoGPT's mean per micro-batch divided by A is the
+    token mean, and both loops hand the optimizer the same clipped gradient. They add the same fp32 terms in
+    another order (sums, then means, versus one global division): 1e-5 of the largest entry bounds that."""
+    ours, theirs = peer_gradients([f"model.loss={loss}"], supervised_positions=[16, 16])
+    assert max_relative_error(ours, theirs) < 1e-5
+
+
+def test_with_uneven_targets_nanogpts_loop_weights_tokens_differently():
+    """The contrast that makes the test above able to fail: 16 and 2 targets per row, and nanoGPT's mean of means
+    gives each of the 2 eight times the weight of each of the 16."""
+    ours, theirs = peer_gradients(["model.loss=plain"], supervised_positions=[16, 2])
+    assert max_relative_error(ours, theirs) > 1e-2
+
+
+def test_a_step_holds_no_more_memory_than_nanogpts_loop():
+    """The issue's memory target, on the CPU: the peak of one optimizer_step is that of nanoGPT's loop on the same
+    micro-batches. Here the logits are the largest activations (vocabulary 256, d_model 16), so a step
+    that kept them through the backward (as a name bound to the outputs did) would exceed it by their size."""
+    tiny = ["device=cpu", "data.seq_len=16", "model.n_layer=1", "model.n_head=2", "model.d_model=16"]
+    config = load_config([*tiny, "model.loss=plain"])
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, BYTE_VOCAB_SIZE, (2, 8, 17), generator=generator)
+    micro_batches = [MicroBatch(rows[:, :-1], rows[:, 1:], num_examples=8) for rows in tokens]
+    counts = bench.global_counts_of([micro_batches])
+    peaks = {}
+    for build_loop in (bench.project_loop, bench.nanogpt_loop):
+        loop = build_loop(config, BYTE_VOCAB_SIZE, CPU, compiled=False)
+        loop.step(micro_batches, counts)  # the optimizer's state, so both measure one step above it
+        _, peaks[loop.name] = peak_memory_bytes_of(functools.partial(loop.step, micro_batches, counts), CPU)
+    # 1 KiB for the step's own scalars (the float64 loss sum, the flags read back at the boundary: tens of bytes),
+    # far below the 128 KiB of logits (8 rows x 16 positions x 256 x 4 bytes) a step keeping them would add.
+    assert peaks["optimizer_step"] <= peaks["nanogpt"] + 1024, peaks

@@ -50,7 +50,11 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     def micro_batch_mean(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
 
-    monkeypatch.setattr(sweep_microbatch, "loss_sum_fn_for", lambda config: micro_batch_mean)
+    monkeypatch.setattr(
+        sweep_microbatch,
+        "training_forward_and_loss",
+        lambda config, model, device_type, compile=False: (model, micro_batch_mean),
+    )
     rows = swept_rows(tmp_path, [1, 8])
     assert rows[1]["grad_max_relative_difference"] > 1e-2
     assert not sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])

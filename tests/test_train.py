@@ -123,6 +123,7 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, ranks
         assert any((run_dir / "tensorboard" / axis).glob("events.out.tfevents.*"))
     assert f"global 8 = micro 2 x accum {accum} x ranks {ranks}" in completed.stdout
     assert "sample:" in completed.stdout
+    assert completed.stdout.splitlines()[-1].startswith("speed: ")  # the last line is the speed a user gets
 
 
 # Plain SGD at lr 1 (no momentum, decay, clipping or warm-up): one update is minus the gradient, so comparing
@@ -218,6 +219,7 @@ BAD_CONFIGS = [
     (["--config", "/no/such/file.toml"], "/no/such/file.toml"),
     (["run.max_steps=2.5"], "run.max_steps"),
     (["device=tpu"], "device"),
+    (["model.name=gru", "model.loss=chunked"], "model.loss"),  # the GRU has no output head to chunk
 ]
 
 

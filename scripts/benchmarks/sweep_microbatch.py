@@ -37,10 +37,10 @@ import torch.distributed as dist
 
 from accumulation.batching import accumulation_steps
 from accumulation.build import autocast_dtype_for, check_device_available, wrap_for_training
-from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
+from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data import Data, DataError, build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.models import build_model, loss_sum_fn_for, resolved_vocab_size
+from accumulation.models import build_model, resolved_vocab_size, training_forward_and_loss
 from accumulation.step import optimizer_step
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
@@ -207,7 +207,10 @@ def measure_one_update(
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
     model = build_model(without_dropout(config), vocab_size).to(device)  # the same initial weights for every m
-    wrapped = wrap_for_training(model, config, context)
+    # model.loss and model.compile as train.py resolves them (the chunked loss lets m grow further on a GPU).
+    compiled = resolved_compile(config, device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
+    wrapped = wrap_for_training(forward_module, config, context)
     optimizer, handed = first_update_probe(model)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     micro_batches = build_micro_batches(  # row_ids are step 0's, and the rows are as step 0 sees them
@@ -227,7 +230,7 @@ def measure_one_update(
             optimizer,
             device=device,
             scaler=scaler,
-            loss_sum_fn=loss_sum_fn_for(config),
+            loss_sum_fn=loss_sum_fn,
             grad_clip=config.optim.grad_clip,
             autocast_dtype=autocast_dtype_for(config),
         )

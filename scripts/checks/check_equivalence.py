@@ -53,7 +53,7 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
 from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
-from accumulation.config import Config, ConfigError, load_config, resolved_grad_scaler
+from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data import (
     DataError,
     RawExample,
@@ -65,7 +65,13 @@ from accumulation.data import (
     step_batch,
 )
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.models import (
+    build_model,
+    count_parameters,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+    training_forward_and_loss,
+)
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
@@ -345,7 +351,14 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
     the StepResult).
 
     The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
-    wrapped = wrap_for_training(model, config, context)
+    # model.loss and model.compile as train.py resolves them: the plain or the chunked loss, compiled or not.
+    compiled = resolved_compile(config, context.device.type)
+    forward_module, train_loss_sum_fn = training_forward_and_loss(config, model, context.device.type, compile=compiled)
+    if bug != "mean-loss":  # SELF-TEST ONLY otherwise: the loop keeps the given loss, a mean instead of a sum
+        loss_sum_fn = train_loss_sum_fn
+    else:
+        forward_module = model
+    wrapped = wrap_for_training(forward_module, config, context)
     optimizer, handed = first_update_probe(model)
     micro_batches = batch.micro_batches
     if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included

@@ -4,19 +4,23 @@
     python scripts/checks/gpu_check.py --json     # one JSON object instead
     python scripts/checks/gpu_check.py --only sync_audit,fp16_overflow
 
+    python scripts/checks/gpu_check.py --perf     # this project's step against nanoGPT's loop: the speed table
+
 Without a GPU it prints one line saying so and exits 0. Every check runs on the first GPU with small models
 on the project's own source files as text (no download); a check that raises is a FAIL with its error.
 
     bf16_equivalence, fp16_equivalence  one step (m = 4, A = 4) against the float64 full-batch reference
     fp32_equivalence                    the same in fp32 with TF32 off (what the equivalence checker runs)
+    bf16_chunked_loss                   the bf16 step with model.loss = "chunked" against the same reference
     ddp_two_ranks                       2 gloo ranks on the one GPU, DDP with no_sync: gradient bytes per update
                                         (counted by a communication hook) = one gradient; ranks agree; reference
     sync_audit                          synchronising CUDA calls in one bf16 step with fused AdamW
                                         (torch.cuda.set_sync_debug_mode): at most 1, the boundary's read-back
     fp16_overflow                       an injected inf with fused AdamW and the GradScaler: weights and the
                                         optimizer's step counts unchanged, scale halved, the next step applied
-    compile                             5 bf16 steps with model.compile: time to the first step; losses within
-                                        bf16 tolerance of eager
+    compile                             5 bf16 steps with model.compile (the model and the chunked loss compiled,
+                                        as train.py does on CUDA): time to the first step; losses within bf16
+                                        tolerance of eager with the plain loss
     resume_dropout                      train.py with dropout, 4 steps in one go vs 2 + 2 resumed: the same bits
                                         (and whether two uninterrupted runs agree, to tell a resume bug from
                                         nondeterministic kernels)
@@ -25,6 +29,13 @@ on the project's own source files as text (no download); a check that raises is 
     mfu_gpt2_small                      configs/gpu_8x.toml's model (GPT-2 small) at its m: MFU, tokens/s, memory
     cpu_checkpoint_on_cuda              a run saved on the CPU resumed on the GPU: fused AdamW, counters on the
                                         GPU, training continues
+
+--perf prints instead the table of issue 18: configs/gpu_8x.toml's model (163 M parameters, vocabulary 50,304,
+seq 1024) at m = 16, A = 4 on packed rows of this project's source files (every target supervised), this
+project's optimizer_step (the config's model.loss) against nanoGPT's loop, eager and compiled, the two loops
+taking turns step by step: seconds per step, the ratio, MFU and peak memory of each. It runs
+`scripts/benchmarks/bench.py --config configs/gpu_8x.toml --eager-and-compiled` (see compare_with_nanogpt
+there). A target of 5 minutes on one H100/H200, not yet timed (no GPU was lent when it was written).
 """
 
 import argparse
@@ -43,11 +54,12 @@ import torch
 import accumulation
 from accumulation.batching import MicroBatch
 from accumulation.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
+from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
 from accumulation.config import load_config
 from accumulation.data import build_micro_batches, make_rows, step_counts, step_row_ids
 from accumulation.distributed import DistributedContext
 from accumulation.model import GPT, GPTConfig
-from accumulation.models import build_model
+from accumulation.models import build_model, training_forward_and_loss
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
@@ -99,7 +111,7 @@ def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
 
 def sgd_gradient(model, micro_batches, counts, device, **options):
     """The gradient an SGD optimizer is handed by one optimizer_step, and the StepResult."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # FinalHiddenStates holds the model's parameters
     captured = capture_gradients(optimizer)
     result = optimizer_step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
     return captured[0], result
@@ -110,16 +122,22 @@ def sgd_gradient(model, micro_batches, counts, device, **options):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def equivalence(dtype_name: str, device: torch.device) -> tuple[bool, str]:
+def equivalence(dtype_name: str, device: torch.device, chunked: bool = False) -> tuple[bool, str]:
+    """One step against the float64 reference; `chunked`: with model.loss = "chunked" (hidden states, chunked loss)."""
     set_tf32(False)
     micro_batches, counts = step_batches(corpus_rows(), 16, 4)
     model = GPT(SMALL, seed=1)
     reference = float64_reference_gradient(model, micro_batches)
     autocast_dtype = AUTOCAST_DTYPES[dtype_name]
     scaler = torch.amp.GradScaler("cuda") if dtype_name == "fp16" else None
-    gradient, result = sgd_gradient(
-        model.to(device), pinned(micro_batches), counts, device, autocast_dtype=autocast_dtype, scaler=scaler
+    model = model.to(device)
+    forward_module, loss_sum_fn = (
+        (FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)) if chunked else (model, None)
     )
+    options = {"autocast_dtype": autocast_dtype, "scaler": scaler}
+    if loss_sum_fn is not None:
+        options["loss_sum_fn"] = loss_sum_fn
+    gradient, result = sgd_gradient(forward_module, pinned(micro_batches), counts, device, **options)
     error = max_relative_error(gradient, reference)
     passed = result.applied and error < TOLERANCE[dtype_name]
     return passed, f"max relative error {error:.2e} (tolerance {TOLERANCE[dtype_name]:g}), N = {result.tokens}"
@@ -214,7 +232,12 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
     losses, first_step_seconds = {}, None
     for compiled in (False, True):
         model = GPT(SMALL, seed=1).to(device)
-        wrapped = wrap_for_training(model, config, single) if compiled else model
+        # Compiled as train.py compiles on CUDA: the chunked loss (model.loss = "auto") compiled with the model.
+        forward_module, loss_sum_fn = (
+            training_forward_and_loss(config, model, device.type, compile=True) if compiled else (model, None)
+        )
+        wrapped = wrap_for_training(forward_module, config, single) if compiled else model
+        loss_options = {"loss_sum_fn": loss_sum_fn} if compiled else {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         losses[compiled] = []
         for step in range(5):
@@ -223,7 +246,13 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
             micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
             start = time.perf_counter()
             result = optimizer_step(
-                wrapped, micro_batches, optimizer, device=device, autocast_dtype=torch.bfloat16, global_counts=counts
+                wrapped,
+                micro_batches,
+                optimizer,
+                device=device,
+                autocast_dtype=torch.bfloat16,
+                global_counts=counts,
+                **loss_options,
             )
             if compiled and step == 0:
                 first_step_seconds = time.perf_counter() - start
@@ -311,7 +340,8 @@ def check_mfu(device: torch.device) -> tuple[bool, str]:
         bench = REPOSITORY / "scripts" / "benchmarks" / "bench.py"
         # The config trains on prepared token files; the benchmark only needs rows of its seq_len to time the model.
         command = [sys.executable, str(bench), "--config", str(config_file), "--json", f"data.source={folder}"]
-        completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=240, cwd=scratch)
+        # Two copies of the model, compiled when the config compiles (tens of seconds each on a GPU).
+        completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300, cwd=scratch)
     results = json.loads(completed.stdout)
     mfu = "n/a (device not in bench.py's PEAK_TFLOPS)" if results["mfu"] is None else f"{results['mfu']:.3f}"
     return results["seconds_per_step"] > 0, (
@@ -345,6 +375,7 @@ CHECKS = {
     "bf16_equivalence": lambda device: equivalence("bf16", device),
     "fp16_equivalence": lambda device: equivalence("fp16", device),
     "fp32_equivalence": lambda device: equivalence("fp32", device),
+    "bf16_chunked_loss": lambda device: equivalence("bf16", device, chunked=True),
     "ddp_two_ranks": check_ddp_two_ranks,
     "sync_audit": check_sync_audit,
     "fp16_overflow": check_fp16_overflow,
@@ -354,6 +385,51 @@ CHECKS = {
     "mfu_gpt2_small": check_mfu,
     "cpu_checkpoint_on_cuda": check_cpu_checkpoint_on_cuda,
 }
+
+
+# --perf: the issue's shape, m = 16 and A = 4 on one GPU, measured by scripts/benchmarks/bench.py --config in a
+# process of its own (as mfu_gpt2_small runs it), eager and compiled.
+PERF_OVERRIDES = ["batch.micro_batch_size=16", "batch.global_batch_size=64"]
+PERF_ACCUMULATION = 4
+PERF_TIMEOUT_S = 300
+
+
+def perf_command(text_source: Path, overrides: list[str]) -> list[str]:
+    """bench.py --config configs/gpu_8x.toml at the perf shape on `text_source` (packed byte rows: every target
+    supervised, so nanoGPT's mean per micro-batch weights tokens as ours does), both loops eager and compiled."""
+    return [
+        sys.executable,
+        str(REPOSITORY / "scripts" / "benchmarks" / "bench.py"),
+        "--config",
+        str(REPOSITORY / "configs" / "gpu_8x.toml"),
+        "--accumulation-steps",
+        str(PERF_ACCUMULATION),
+        "--eager-and-compiled",
+        f"data.source={text_source}",
+        *PERF_OVERRIDES,
+        *overrides,
+    ]
+
+
+def run_perf(overrides: list[str]) -> int:
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check --perf: no CUDA GPU on this machine; nothing measured (run it where torch.cuda.is_available())"
+        )
+        return 0
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
+        command = perf_command(text_folder(Path(scratch)), overrides)
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(scratch, "inductor"))}
+        completed = subprocess.run(
+            command, capture_output=True, text=True, timeout=PERF_TIMEOUT_S, cwd=scratch, env=environment
+        )
+    print(completed.stdout, end="")
+    if completed.returncode != 0:
+        print(f"bench.py failed (exit {completed.returncode}): {last_line(completed.stderr)}", file=sys.stderr)
+        return 1
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
 
 
 def last_line(text: str) -> str:
@@ -380,7 +456,21 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--only", help=f"comma-separated checks to run (default all: {', '.join(CHECKS)})")
+    parser.add_argument(
+        "--perf",
+        action="store_true",
+        help="instead of the checks: optimizer_step against nanoGPT's loop, eager and compiled (the speed table); "
+        "without a GPU one line, exit 0",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="section.key=value", help="--perf only: overrides of configs/gpu_8x.toml"
+    )
     arguments = parser.parse_args(argv)
+    if arguments.perf:
+        return run_perf(arguments.overrides)
+    if arguments.overrides:
+        print("error: section.key=value overrides apply to --perf only", file=sys.stderr)
+        return 2
     names = arguments.only.split(",") if arguments.only else list(CHECKS)
     unknown = [name for name in names if name not in CHECKS]
     if unknown:

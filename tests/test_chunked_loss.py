@@ -1,0 +1,163 @@
+"""model.loss = "chunked": the output head and the cross-entropy a chunk of positions at a time, gradients
+computed in the forward. The same SUM and the same gradients as the plain loss, and through optimizer_step the
+same update as the independent float64 reference (testkit/reference.py), on one process and on 2 gloo ranks."""
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
+from accumulation.config import ConfigError, load_config
+from accumulation.model import GPT, GPTConfig
+from accumulation.models import build_model, training_forward_and_loss
+from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from testkit.ranks import run_on_ranks
+from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
+
+CPU = torch.device("cpu")
+MODEL = GPTConfig(seq_len=8, n_layer=1, n_head=2, d_model=16, vocab_size=64)
+# 5 positions per chunk: 3 rows of 8 cut into 5 chunks, the last one shorter, chunks spanning two rows.
+CHUNK_POSITIONS = 5
+# float64: the chunked and plain sums add the same terms in another order, a few ulps (2.2e-16) each over
+# at most a few hundred terms; 1e-12 relative is far above that and far below any real difference.
+FLOAT64_RTOL = 1e-12
+# fp32: each logit and gradient entry is a d = 16 term dot product (about 1e-7 relative error each), the sums
+# run over a few hundred positions in another order: 1e-5 relative to the largest entry leaves room for both.
+FLOAT32_RTOL = 1e-5
+
+
+def hidden_and_labels(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [3, 8, 16] and labels with masked positions: a padded row end and a wholly masked row."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(3, 8, 16, generator=generator, dtype=dtype)
+    labels = torch.randint(0, MODEL.vocab_size, (3, 8), generator=generator)
+    labels[0, 5:] = IGNORE_INDEX
+    labels[2, :] = IGNORE_INDEX  # with 5-position chunks, chunk [20, 24) holds no target at all
+    return hidden, labels
+
+
+def sum_and_gradients(loss_sum_fn, outputs_of, hidden, head) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    hidden = hidden.clone().requires_grad_()
+    head.weight.grad = None
+    loss_sum = loss_sum_fn(outputs_of(hidden), LABELS)
+    loss_sum.backward()
+    return loss_sum.detach(), [hidden.grad, head.weight.grad]
+
+
+_, LABELS = hidden_and_labels(torch.float64)
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, FLOAT64_RTOL), (torch.float32, FLOAT32_RTOL)])
+def test_the_chunked_sum_and_its_gradients_equal_the_plain_loss(dtype, rtol):
+    hidden, _ = hidden_and_labels(dtype)
+    head = torch.nn.Linear(16, MODEL.vocab_size, bias=False).to(dtype)
+    chunked_sum, chunked = sum_and_gradients(ChunkedCrossEntropySum(head, CHUNK_POSITIONS), lambda h: h, hidden, head)
+    plain_sum, plain = sum_and_gradients(token_cross_entropy_sum, head, hidden, head)
+    assert chunked_sum.dtype == plain_sum.dtype == dtype
+    torch.testing.assert_close(chunked_sum, plain_sum, rtol=rtol, atol=0)
+    assert max_relative_error(chunked, plain) < rtol
+    with torch.no_grad():  # validation: the sum alone, no gradient kept
+        assert torch.allclose(ChunkedCrossEntropySum(head, CHUNK_POSITIONS)(hidden, LABELS), plain_sum, rtol=rtol)
+
+
+def test_under_bf16_autocast_the_chunked_loss_matches_the_plain_loss_under_autocast():
+    """The logits are a bf16 product in both (autocast's rule for a Linear), the cross-entropy fp32 in both. The
+    two differ only in how bf16 products are blocked and in fp32 summation order: 1e-3 relative on a sum of
+    ~4 per target is 100 times bf16's rounding of the sum's terms averaged out, and a loss computed in fp32
+    logits instead would differ by about bf16's 4e-3 per logit."""
+    hidden, _ = hidden_and_labels(torch.float32)
+    head = torch.nn.Linear(16, MODEL.vocab_size, bias=False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        chunked_sum, chunked = sum_and_gradients(
+            ChunkedCrossEntropySum(head, CHUNK_POSITIONS), lambda h: h, hidden, head
+        )
+        plain_sum, plain = sum_and_gradients(token_cross_entropy_sum, head, hidden, head)
+    assert chunked_sum.dtype == torch.float32
+    torch.testing.assert_close(chunked_sum, plain_sum, rtol=1e-3, atol=0)
+    # bf16 gradients: each entry rounds to 2^-9 relative; 2e-2 of the largest entry bounds a sum of a few.
+    assert max_relative_error(chunked, plain) < 2e-2
+
+
+def micro_batches_of(seed: int, count: int) -> list[MicroBatch]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for k in range(count):
+        inputs = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len), generator=generator)
+        labels = torch.randint(0, MODEL.vocab_size, (2, MODEL.seq_len), generator=generator)
+        labels[k % 2, 3 + k :] = IGNORE_INDEX  # uneven supervised counts across micro-batches
+        batches.append(MicroBatch(inputs, labels, num_examples=2))
+    return batches
+
+
+def chunked_step_gradient(model, micro_batches, global_counts=None) -> list[torch.Tensor]:
+    """One optimizer_step of the chunked pair (hidden states + chunked loss) with SGD: the gradient it applies."""
+    forward_module = FinalHiddenStates(model)
+    if torch.distributed.is_initialized():
+        forward_module = DistributedDataParallel(forward_module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    loss_sum_fn = ChunkedCrossEntropySum(model.output_head, CHUNK_POSITIONS)
+    optimizer_step(
+        forward_module, micro_batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, global_counts=global_counts
+    )
+    return captured[0]
+
+
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float64, 1e-10), (torch.float32, FLOAT32_RTOL)])
+def test_one_process_step_with_the_chunked_loss_equals_the_float64_reference(dtype, rtol):
+    """1e-10 in float64 as tests/test_step.py bounds the plain step (only the order of additions differs)."""
+    model = GPT(MODEL, seed=3)
+    batches = micro_batches_of(seed=1, count=3)
+    reference = float64_reference_gradient(model, batches)
+    assert max_relative_error(chunked_step_gradient(model.to(dtype), batches), reference) < rtol
+
+
+def two_rank_chunked_worker(rank: int, world_size: int) -> list[torch.Tensor]:
+    every = micro_batches_of(seed=2, count=4)
+    counts = GlobalCounts(sum(count_supervised_tokens(mb.labels) for mb in every), 8)
+    return chunked_step_gradient(GPT(MODEL, seed=3).double(), every[rank * 2 : rank * 2 + 2], counts)
+
+
+def test_two_ranks_with_the_chunked_loss_equal_the_float64_reference():
+    """DDP wraps the hidden-states module; the output head's weight, used only in the loss, still gets its
+    gradient in the backward and is all-reduced with the rest (a missing all-reduce would leave the ranks
+    apart, a missing gradient would fail DDP)."""
+    gradients = run_on_ranks(two_rank_chunked_worker, world_size=2)
+    reference = float64_reference_gradient(GPT(MODEL, seed=3), micro_batches_of(seed=2, count=4))
+    assert all(torch.equal(a, b) for a, b in zip(gradients[0], gradients[1], strict=True))
+    assert max_relative_error(gradients[0], reference) < 1e-10
+
+
+def test_model_loss_chooses_the_pair_the_step_runs():
+    gpt = build_model(load_config(["model.loss=chunked"]), 256)
+    module, loss_sum_fn = training_forward_and_loss(load_config(["model.loss=chunked"]), gpt, "cpu")
+    assert isinstance(module, FinalHiddenStates) and isinstance(loss_sum_fn, ChunkedCrossEntropySum)
+    # auto: chunked on CUDA, plain on the CPU; plain is the model and the token cross-entropy
+    assert isinstance(training_forward_and_loss(load_config([]), gpt, "cuda")[0], FinalHiddenStates)
+    assert training_forward_and_loss(load_config([]), gpt, "cpu") == (gpt, token_cross_entropy_sum)
+    assert training_forward_and_loss(load_config(["model.loss=plain"]), gpt, "cuda")[0] is gpt
+    # A model without hidden_states() and output_head keeps the plain loss under auto, and is refused for chunked.
+    gru_config = load_config(["model.name=gru", "model.loss=chunked"])
+    with pytest.raises(ConfigError, match='model.loss: "chunked" needs a model with hidden_states'):
+        training_forward_and_loss(gru_config, build_model(gru_config, 256), "cpu")
+    gru = build_model(load_config(["model.name=gru"]), 256)
+    assert training_forward_and_loss(load_config(["model.name=gru"]), gru, "cuda")[0] is gru
+
+
+@pytest.mark.slow
+@pytest.mark.compile
+@pytest.mark.parametrize("loss", ["plain", "chunked"])
+def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_exact(loss):
+    """What train.py runs with model.compile = true: the forward module compiled (wrap_for_training) and the loss
+    compiled (training_forward_and_loss). Compiled kernels fuse and reorder fp32 operations; FLOAT32_RTOL still
+    bounds that, and a wrong weighting would be off by far more (tests/test_step.py)."""
+    model = GPT(MODEL, seed=3)
+    batches = micro_batches_of(seed=1, count=3)
+    reference = float64_reference_gradient(model, batches)
+    config = load_config([f"model.loss={loss}", "model.compile=true"])
+    forward_module, loss_sum_fn = training_forward_and_loss(config, model, "cpu", compile=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    optimizer_step(torch.compile(forward_module), batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
+    assert max_relative_error(captured[0], reference) < FLOAT32_RTOL
