@@ -34,20 +34,17 @@ def assert_drawn(png_path: Path) -> None:
 @pytest.mark.slow
 def test_loss_curves_on_two_ranks_write_the_figure_and_a_row_per_run(tmp_path):
     png_path = tmp_path / "loss_curves.png"
-    completed = run_script("loss_curves.py", "--steps", "3", "--png", str(png_path), "--json")
+    completed = run_script("loss_curves.py", "--steps", "3", "--seeds", "2", "--png", str(png_path), "--json")
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert_drawn(png_path)
     rows = json.loads(completed.stdout)
-    assert [row["variant"] for row in rows] == [
-        "correct",
-        "mean of micro-batch means",
-        "per-rank N",
-        "×D forgotten",
-        "correct, other data order",
-    ]
-    assert rows[0]["train_minus_correct"] == 0.0
-    # Three steps from the same weights: the mean of means already moves the weights elsewhere.
-    assert rows[1]["train_minus_correct"] != 0.0
+    assert [row["variant"] for row in rows] == ["correct", "mean of micro-batch means", "per-rank N", "×D forgotten"]
+    assert all(len(row["val_loss"]) == 2 for row in rows)  # one value per seed
+    assert rows[0]["val_minus_correct"] == [0.0, 0.0]  # paired with itself
+    # Two seeds are two different runs (weights and data order): their validation losses differ.
+    assert rows[0]["val_loss"][0] != rows[0]["val_loss"][1]
+    # Three steps from the same weights: the mean of means already moves the weights elsewhere, on each seed.
+    assert all(difference != 0.0 for difference in rows[1]["train_minus_correct"])
 
 
 def test_cadence_writes_the_figure_and_same_g_is_one_curve(tmp_path):

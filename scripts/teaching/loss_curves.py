@@ -1,24 +1,25 @@
 """Does it matter in training? The same run with the correct step and with three buggy normalizations.
 
-    python scripts/teaching/loss_curves.py [--steps 300] [--png docs/figures/loss_curves.png] [--json]
+    python scripts/teaching/loss_curves.py [--steps 300] [--seeds 3] [--png docs/figures/loss_curves.png] [--json]
 
 Supervised fine-tuning on data/sft_arithmetic.jsonl (configs/sft.toml: one prompt/response per row, only the
 response supervised, 3 to 85 supervised tokens per row) with a smaller GPT, on 2 gloo ranks the script
 spawns itself, global batch 32 = micro 4 x accum 4 x ranks 2, AdamW with the config's warm-up, cosine decay
-and clipping at 1.0. Four runs from the same initial weights on the same examples, step by step, and a fifth for scale:
+and clipping at 1.0. Four runs per seed, from the same initial weights on the same examples, step by step:
 
   correct                      the project's optimizer_step: each rank backpropagates S_rk · D / N
   mean of micro-batch means    each micro-batch's mean loss / A (the classic loop; gallery row 1)
   per-rank N                   S_rk / N_r with each rank's own token count (gallery row 2)
   ×D forgotten                 S_rk / N, no × D: the gradient is half the true one (gallery row 15)
-  correct, other data order    the correct step on the examples of run.seed + 1: how far two correct
-                               runs land apart by chance, the yardstick for the differences above
 
-Every run logs the same quantity, the step's exact global token-mean loss, so the curves are comparable;
-the validation loss (token mean over the validation split) is measured at the end. The table on stdout
-(or --json) gives each run's final numbers and their difference from the correct run; the figure shows the
-training curves (a moving average over SMOOTHING steps) and each run's difference from the correct one.
-About three minutes for 300 steps on 2 CPU cores.
+and all four again for each of --seeds values of run.seed (initial weights and data order both change).
+The seeds are the yardstick: how far two correct runs land apart by chance, against how far a bug moves a
+run from the correct run on the same seed. Every run logs the same quantity, the step's exact global
+token-mean loss, so the curves are comparable; the validation loss (token mean over the validation split)
+is measured at the end. The table on stdout (or --json) gives, per run, the validation loss of each seed
+and the paired difference from the correct run of the same seed; the figure shows the training curves of
+the first seed (a moving average over SMOOTHING steps) and each bug's paired difference on every seed.
+The run time grows with steps x seeds: see docs/accumulation.md, section 11, for a measured one.
 """
 
 import argparse
@@ -50,7 +51,7 @@ CONFIG_ARGUMENTS = [
     "model.d_model=48",
     "model.n_head=2",
 ]
-VARIANTS = ("correct", "mean of micro-batch means", "per-rank N", "×D forgotten", "correct, other data order")
+VARIANTS = ("correct", "mean of micro-batch means", "per-rank N", "×D forgotten")
 SMOOTHING = 25  # steps in the moving average of the figure
 FINAL_WINDOW = 50  # the final training loss is the mean over the last this many steps
 CPU = torch.device("cpu")
@@ -101,54 +102,60 @@ def validation_loss(model, data, micro_batch_size: int, rank: int, world_size: i
     return float(summed[0] / summed[1])
 
 
-def train_all_variants(rank: int, world_size: int, steps: int) -> dict:
-    """Runs on each rank: the four runs one after the other; returns each run's losses."""
-    config = load_config(CONFIG_ARGUMENTS)
-    data = build_data(config)
-    batch = config.batch
-    curves = {}
-    for variant in VARIANTS:
-        model = build_model(config, data.vocab_size)  # the same initial weights for every run and rank
-        wrapped = DistributedDataParallel(model)
-        optimizer = build_optimizer(config, model, CPU)
-        schedule = config.schedule
-        scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
-        losses = []
-        for step in range(steps):
-            seed = config.run.seed + 1 if variant == "correct, other data order" else config.run.seed
-            micro_batches = step_batch(
-                data.train,
-                step,
-                seed=seed,
-                global_batch_size=batch.global_batch_size,
-                tail=batch.tail,
-                micro_batch_size=batch.micro_batch_size,
-                world_size=world_size,
-                rank=rank,
-            ).micro_batches
-            if variant.startswith("correct"):
-                result = optimizer_step(wrapped, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
-                losses.append(result.loss)
-            else:
-                losses.append(global_token_mean(wrapped, micro_batches))
-                buggy_step(wrapped, micro_batches, optimizer, variant, config.optim.grad_clip)
-            scheduler.step()  # every step applies its update here: no GradScaler, no empty step
-        curves[variant] = {
-            "train": losses,
-            "val": validation_loss(model, data, batch.micro_batch_size, rank, world_size),
-        }
+def train_all_variants(rank: int, world_size: int, steps: int, seeds: int) -> dict:
+    """Runs on each rank: every variant on every seed, one after the other; returns {variant: [one
+    {"train": losses, "val": loss} per seed]}."""
+    first_seed = load_config(CONFIG_ARGUMENTS).run.seed
+    curves = {variant: [] for variant in VARIANTS}
+    for seed in range(first_seed, first_seed + seeds):
+        config = load_config([*CONFIG_ARGUMENTS, f"run.seed={seed}"])
+        for variant in VARIANTS:
+            curves[variant].append(train_one(config, variant, steps, rank, world_size))
     return curves
 
 
+def train_one(config, variant: str, steps: int, rank: int, world_size: int) -> dict:
+    """One run of `variant` on this rank: its training losses per step and its final validation loss."""
+    data = build_data(config)
+    batch = config.batch
+    model = build_model(config, data.vocab_size)  # the same initial weights for every run and rank
+    wrapped = DistributedDataParallel(model)
+    optimizer = build_optimizer(config, model, CPU)
+    schedule = config.schedule
+    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
+    losses = []
+    for step in range(steps):
+        micro_batches = step_batch(
+            data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=batch.global_batch_size,
+            tail=batch.tail,
+            micro_batch_size=batch.micro_batch_size,
+            world_size=world_size,
+            rank=rank,
+        ).micro_batches
+        if variant == "correct":
+            result = optimizer_step(wrapped, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
+            losses.append(result.loss)
+        else:
+            losses.append(global_token_mean(wrapped, micro_batches))
+            buggy_step(wrapped, micro_batches, optimizer, variant, config.optim.grad_clip)
+        scheduler.step()  # every step applies its update here: no GradScaler, no empty step
+    return {"train": losses, "val": validation_loss(model, data, batch.micro_batch_size, rank, world_size)}
+
+
 def summary(curves: dict) -> list[dict]:
+    """Per variant: each seed's final training loss (mean of the last FINAL_WINDOW steps) and validation
+    loss, and the paired differences from the correct run of the same seed."""
     rows = []
-    for variant, curve in curves.items():
-        final_train = sum(curve["train"][-FINAL_WINDOW:]) / len(curve["train"][-FINAL_WINDOW:])
-        rows.append({"variant": variant, "final_train_loss": final_train, "val_loss": curve["val"]})
+    for variant, runs in curves.items():
+        train = [sum(run["train"][-FINAL_WINDOW:]) / len(run["train"][-FINAL_WINDOW:]) for run in runs]
+        rows.append({"variant": variant, "final_train_loss": train, "val_loss": [run["val"] for run in runs]})
     correct = rows[0]
     for row in rows:
-        row["train_minus_correct"] = row["final_train_loss"] - correct["final_train_loss"]
-        row["val_minus_correct"] = row["val_loss"] - correct["val_loss"]
+        for key, difference in (("final_train_loss", "train_minus_correct"), ("val_loss", "val_minus_correct")):
+            row[difference] = [value - base for value, base in zip(row[key], correct[key], strict=True)]
     return rows
 
 
@@ -160,47 +167,64 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def draw(curves: dict, png_path: str) -> None:
+    """Left: the training curves of the first seed. Right: each bug's paired difference from the correct run
+    of the same seed, one thin line per seed, and the correct runs' own spread across seeds for scale."""
     from matplotlib.figure import Figure  # imported here: only drawing needs matplotlib
 
     figure = Figure(figsize=(11, 4), layout="constrained")
     loss_axes, difference_axes = figure.subplots(1, 2)
-    window = min(SMOOTHING, len(curves["correct"]["train"]))
-    correct = moving_average(curves["correct"]["train"], window)
-    for variant, curve in curves.items():
-        smoothed = moving_average(curve["train"], window)
-        steps = range(1, len(smoothed) + 1)
-        style = {"color": "grey", "linestyle": "--"} if variant == "correct, other data order" else {}
-        loss_axes.plot(steps, smoothed, label=f"{variant} (val {curve['val']:.3f})", linewidth=1.2, **style)
-        differences = [s - c for s, c in zip(smoothed, correct, strict=True)]
-        difference_axes.plot(steps, differences, linewidth=1.2, **style)
+    window = min(SMOOTHING, len(curves["correct"][0]["train"]))
+    correct = [moving_average(run["train"], window) for run in curves["correct"]]
+    for (variant, runs), colour in zip(curves.items(), ("black", "tab:red", "tab:orange", "tab:blue"), strict=True):
+        smoothed = [moving_average(run["train"], window) for run in runs]
+        updates = range(1, len(smoothed[0]) + 1)
+        validation = ", ".join(f"{run['val']:.3f}" for run in runs)
+        loss_axes.plot(updates, smoothed[0], color=colour, linewidth=1.2, label=f"{variant} (val {validation})")
+        if variant == "correct":
+            continue
+        for seed_index, (run, base) in enumerate(zip(smoothed, correct, strict=True)):
+            differences = [value - reference for value, reference in zip(run, base, strict=True)]
+            difference_axes.plot(
+                updates, differences, color=colour, linewidth=0.9, label=variant if seed_index == 0 else None
+            )
+    spread = [max(values) - min(values) for values in zip(*correct, strict=True)]
+    difference_axes.fill_between(
+        updates, [-s for s in spread], spread, color="grey", alpha=0.25, label="± spread of correct runs across seeds"
+    )
     loss_axes.set_xlabel("optimizer updates")
-    loss_axes.set_ylabel(f"training loss (token mean, average of {window} steps)")
-    loss_axes.legend(fontsize=8)
+    loss_axes.set_ylabel(f"training loss (nats per token, {window}-step mean)")
+    loss_axes.set_title("first seed; val = validation loss of each seed", fontsize=9)
+    loss_axes.legend(fontsize=7)
     difference_axes.axhline(0.0, color="grey", linewidth=0.8)
     difference_axes.set_xlabel("optimizer updates")
-    difference_axes.set_ylabel("minus the correct run")
-    figure.suptitle("SFT arithmetic, 2 ranks, global 32 = micro 4 x accum 4 x ranks 2, AdamW", fontsize=10)
+    difference_axes.set_ylabel("bug − correct, same seed (nats per token)")
+    difference_axes.legend(fontsize=7)
+    seeds = len(curves["correct"])
+    figure.suptitle(
+        f"SFT arithmetic, 2 ranks, global 32 = micro 4 x accum 4 x ranks 2, AdamW, {seeds} seeds", fontsize=10
+    )
     figure.savefig(png_path, dpi=90)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default: %(default)s)")
+    parser.add_argument("--seeds", type=int, default=3, help="run.seed values per variant (default: %(default)s)")
     parser.add_argument("--png", default="loss_curves.png", help="where to write the figure (default: %(default)s)")
     parser.add_argument("--json", action="store_true", help="print the final numbers as JSON instead of a table")
     args = parser.parse_args(argv)
 
-    curves = run_on_ranks(train_all_variants, WORLD_SIZE, args=(args.steps,), timeout_s=3600)[0]
+    curves = run_on_ranks(train_all_variants, WORLD_SIZE, args=(args.steps, args.seeds), timeout_s=7200)[0]
     rows = summary(curves)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'run':<28}{'final train loss':>18}{'val loss':>10}{'train - correct':>17}{'val - correct':>15}")
+        print(f"{'run':<28}{'val loss per seed':>26}{'val - correct per seed':>30}{'train - correct, mean':>23}")
         for row in rows:
-            print(
-                f"{row['variant']:<28}{row['final_train_loss']:>18.4f}{row['val_loss']:>10.4f}"
-                f"{row['train_minus_correct']:>+17.4f}{row['val_minus_correct']:>+15.4f}"
-            )
+            validation = " ".join(f"{value:.4f}" for value in row["val_loss"])
+            paired = " ".join(f"{value:+.4f}" for value in row["val_minus_correct"])
+            train = sum(row["train_minus_correct"]) / len(row["train_minus_correct"])
+            print(f"{row['variant']:<28}{validation:>26}{paired:>30}{train:>+23.4f}")
     draw(curves, args.png)
     return 0
 

@@ -1,0 +1,41 @@
+"""The coding exercises of docs/exercises.md (11 to 13): the checker fails on the broken code the student is
+given, and passes on the solution printed in docs/exercises_key.md, run exactly as printed there."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from scripts.teaching.exercises import checks, scaler_order, schedule_clock, token_mean
+
+REPO = Path(__file__).resolve().parent.parent
+# exercise -> (the checker, the student's module as given, the name of the function the student fixes)
+EXERCISES = {
+    "token_mean": (checks.check_token_mean, token_mean, "accumulate"),
+    "scaler_order": (checks.check_scaler_order, scaler_order, "update"),
+    "schedule_clock": (checks.check_schedule_clock, schedule_clock, "train"),
+}
+
+
+def key_solution(name: str):
+    """The function of the key's code block that starts with `# key: <name>`, executed as a module."""
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(rf"```python\n(# key: {name}\n.*?)```", key, flags=re.DOTALL)
+    namespace = {}
+    exec(compile(source, f"exercises_key.md:{name}", "exec"), namespace)
+    return namespace[EXERCISES[name][2]]
+
+
+# The given schedule_clock steps the scheduler before the optimizer: PyTorch warns about that very mistake.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+@pytest.mark.parametrize("name", EXERCISES)
+def test_the_checker_fails_on_the_given_code(name):
+    check, module, function = EXERCISES[name]
+    with pytest.raises(AssertionError):
+        check(getattr(module, function))
+
+
+@pytest.mark.parametrize("name", EXERCISES)
+def test_the_checker_passes_on_the_keys_solution(name):
+    check, _, _ = EXERCISES[name]
+    check(key_solution(name))
