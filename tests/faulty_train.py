@@ -116,7 +116,7 @@ def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
     if FAULT.get("hang_at_step") == step:
         log_fault(FAULT)
         # A stuck rank never reaches the step boundary where a stop request is acted on, so with train.py's
-        # handler it dies only of the agent's SIGKILL 30 s after the SIGTERM (README, "Preemption"). The tests
+        # handler it dies only of the agent's SIGKILL 30 s after the SIGTERM (docs/faults.md, "Preemption"). The tests
         # need not wait for that: SIGTERM's default action ends this one at once.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(3600)  # the other ranks wait for this one in their next collective

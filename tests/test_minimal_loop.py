@@ -18,7 +18,7 @@ def run(*arguments: str) -> subprocess.CompletedProcess:
 
 def code_lines(source: str) -> int:
     """Lines holding code: comments, blank lines and docstrings (a string that is a whole statement) excluded,
-    counted with Python's tokenizer as the README counts step.py."""
+    counted with Python's tokenizer as docs/forking.md counts step.py."""
     lines = set()
     previous = tokenize.NEWLINE
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
