@@ -18,7 +18,7 @@ from accumulation.build import load_optimizer_state
 from accumulation.config import load_config
 from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
 from accumulation.model import GPT, GPTConfig
-from scripts.benchmarks import bench
+from scripts.benchmarks import bench, invariants, measuring, nanogpt_peer
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import capture_gradients, max_relative_error
 
@@ -56,7 +56,7 @@ def two_rank_steps(steps: int = 2) -> list[list]:
     """Per rank, the micro-batches of `steps` optimizer steps, cut from this file's own text."""
     rows = make_rows([Path(__file__).read_bytes()], TINY.seq_len)
     return [
-        [bench.step_micro_batches(rows, step, MICRO_BATCH_SIZE, ACCUMULATION, 2, rank) for step in range(steps)]
+        [measuring.step_micro_batches(rows, step, MICRO_BATCH_SIZE, ACCUMULATION, 2, rank) for step in range(steps)]
         for rank in range(2)
     ]
 
@@ -70,32 +70,32 @@ def test_peak_memory_is_flat_under_accumulation():
     model that is 3.5 MB against 19.5 MB of activations at m = 4, so the issue's m_A8 <= 1.05 · m_A1 is
     asserted with grad_bytes added.
     """
-    rows = build_data(bench.DEFAULTS).train
+    rows = build_data(measuring.DEFAULTS).train
     cpu = torch.device("cpu")
     m = 4
 
     def peak_bytes(micro_batch_size: int, accumulation: int) -> int:
-        model = GPT(bench.default_model_config(), seed=0)
-        return bench.peak_update_memory_bytes(
-            model, bench.step_micro_batches(rows, 0, micro_batch_size, accumulation, 1, 0), cpu
+        model = GPT(invariants.default_model_config(), seed=0)
+        return invariants.peak_update_memory_bytes(
+            model, measuring.step_micro_batches(rows, 0, micro_batch_size, accumulation, 1, 0), cpu
         )
 
     m_a1, m_a2, m_a8, eight_m_a1 = peak_bytes(m, 1), peak_bytes(m, 2), peak_bytes(m, 8), peak_bytes(8 * m, 1)
-    grad_bytes = bench.gradient_bytes(GPT(bench.default_model_config(), seed=0))
-    assert m_a8 <= bench.TARGET_MEMORY_RATIO * m_a2  # flat in A: micro-batches 3..8 cost nothing more
-    assert m_a8 <= bench.TARGET_MEMORY_RATIO * m_a1 + grad_bytes
+    grad_bytes = invariants.gradient_bytes(GPT(invariants.default_model_config(), seed=0))
+    assert m_a8 <= invariants.TARGET_MEMORY_RATIO * m_a2  # flat in A: micro-batches 3..8 cost nothing more
+    assert m_a8 <= invariants.TARGET_MEMORY_RATIO * m_a1 + grad_bytes
     # The same 8m rows in one micro-batch: the measurement does see activations grow.
-    assert eight_m_a1 > bench.MIN_8M_OVER_M_A8 * m_a8
+    assert eight_m_a1 > invariants.MIN_8M_OVER_M_A8 * m_a8
 
 
 def test_a_step_makes_one_scalar_collective_and_no_host_read_in_its_micro_batches():
     steps = two_rank_steps()
-    honest = bench.step_traffic(tiny_gpt, steps)
-    chatty = bench.step_traffic(ChattyGPT, steps, bypass_no_sync=True)
+    honest = invariants.step_traffic(tiny_gpt, steps)
+    chatty = invariants.step_traffic(ChattyGPT, steps, bypass_no_sync=True)
     for rank in (0, 1):
         grad_bytes = honest[rank]["grad_bytes"]
         for step in honest[rank]["steps"]:
-            assert step["scalar_collectives"] == bench.TARGET_SCALAR_COLLECTIVES == 1  # the boundary's only
+            assert step["scalar_collectives"] == invariants.TARGET_SCALAR_COLLECTIVES == 1  # the boundary's only
             assert step["host_reads_by_call"].get("tolist") == 1  # (loss, flags, grad norm), read back together
             assert step["host_reads_in_micro_batches"] == 0
             assert step["grad_allreduce_bytes"] == grad_bytes
@@ -116,7 +116,7 @@ def test_a_step_makes_one_scalar_collective_and_no_host_read_in_its_micro_batche
 def test_compiled_model_inside_ddp_all_reduces_its_gradients_once_per_step():
     """model.compile = true keeps the no_sync semantics: A = 4 micro-batches, one gradient's bytes per step."""
     # Compiling takes about a minute on 2 busy cores; the timeout only guards against a hang.
-    traffic = bench.step_traffic(compiled_tiny_gpt, two_rank_steps(), timeout_s=600.0)
+    traffic = invariants.step_traffic(compiled_tiny_gpt, two_rank_steps(), timeout_s=600.0)
     for rank in (0, 1):
         grad_bytes = traffic[rank]["grad_bytes"]
         assert [step["grad_allreduce_bytes"] for step in traffic[rank]["steps"]] == [grad_bytes, grad_bytes]
@@ -171,7 +171,7 @@ def test_a_checkpointed_optimizer_state_loads_with_this_runs_flags_on_the_parame
     ],
 )
 def test_the_peak_is_looked_up_by_the_gpus_name(device_name, precision, expected):
-    assert bench.peak_tflops(device_name, precision) == expected
+    assert measuring.peak_tflops(device_name, precision) == expected
 
 
 def test_bench_config_measures_any_config_on_the_cpu(tmp_path, capsys):
@@ -216,9 +216,9 @@ def peer_gradients(config_arguments: list[str], supervised_positions: list[int])
         labels = torch.randint(0, BYTE_VOCAB_SIZE, (2, 16), generator=generator)
         labels[:, supervised:] = IGNORE_INDEX
         micro_batches.append(MicroBatch(inputs, labels, num_examples=2))
-    counts = bench.global_counts_of([micro_batches])
+    counts = measuring.global_counts_of([micro_batches])
     gradients = []
-    for build_loop in (bench.project_loop, bench.nanogpt_loop):
+    for build_loop in (nanogpt_peer.project_loop, nanogpt_peer.nanogpt_loop):
         loop = build_loop(config, BYTE_VOCAB_SIZE, torch.device("cpu"), compiled=False)
         captured = capture_gradients(loop.optimizer)
         loop.step(micro_batches, counts)
@@ -251,9 +251,9 @@ def test_a_step_holds_no_more_memory_than_nanogpts_loop():
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, BYTE_VOCAB_SIZE, (2, 8, 17), generator=generator)
     micro_batches = [MicroBatch(rows[:, :-1], rows[:, 1:], num_examples=8) for rows in tokens]
-    counts = bench.global_counts_of([micro_batches])
+    counts = measuring.global_counts_of([micro_batches])
     peaks = {}
-    for build_loop in (bench.project_loop, bench.nanogpt_loop):
+    for build_loop in (nanogpt_peer.project_loop, nanogpt_peer.nanogpt_loop):
         loop = build_loop(config, BYTE_VOCAB_SIZE, CPU, compiled=False)
         loop.step(micro_batches, counts)  # the optimizer's state, so both measure one step above it
         _, peaks[loop.name] = peak_memory_bytes_of(functools.partial(loop.step, micro_batches, counts), CPU)

@@ -13,27 +13,27 @@ from pathlib import Path
 import pytest
 
 from accumulation.model import GPT
-from scripts.teaching import pitfalls
+from scripts.teaching import pitfall_setup, pitfalls
 
 REPO = Path(__file__).resolve().parent.parent
-ACCUMULATION_STEPS = pitfalls.ACCUMULATION_STEPS  # A: micro-batches per rank in every step of the gallery
-GRADIENT_BYTES = sum(p.numel() * 8 for p in GPT(pitfalls.MODEL, seed=0).parameters())  # float64 gradients
+ACCUMULATION_STEPS = pitfall_setup.ACCUMULATION_STEPS  # A: micro-batches per rank in every step of the gallery
+GRADIENT_BYTES = sum(p.numel() * 8 for p in GPT(pitfall_setup.MODEL, seed=0).parameters())  # float64 gradients
 
 # metric -> (the correct twin agrees with its reference, the buggy twin is measurably off), each on one row.
 RULES = {
-    pitfalls.GRADIENT_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
-    pitfalls.UPDATE_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
-    pitfalls.LOSS_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
-    pitfalls.LR_ERROR: (lambda row: row["correct"] < 1e-12, lambda row: row["buggy"] > 1e-3),
-    pitfalls.RANK_DIVERGENCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] > 1e-3),
-    pitfalls.ROWS_NOT_ONCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] >= 1),
+    pitfall_setup.GRADIENT_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfall_setup.UPDATE_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfall_setup.LOSS_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfall_setup.LR_ERROR: (lambda row: row["correct"] < 1e-12, lambda row: row["buggy"] > 1e-3),
+    pitfall_setup.RANK_DIVERGENCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] > 1e-3),
+    pitfall_setup.ROWS_NOT_ONCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] >= 1),
     # One all-reduce of every gradient per update, against one per micro-batch.
-    pitfalls.ALLREDUCE_BYTES: (
+    pitfall_setup.ALLREDUCE_BYTES: (
         lambda row: row["correct"] == GRADIENT_BYTES,
         lambda row: row["buggy"] == ACCUMULATION_STEPS * GRADIENT_BYTES,
     ),
     # One micro-batch's saved activations at a time, against all A micro-batches' at once.
-    pitfalls.SAVED_BYTES: (
+    pitfall_setup.SAVED_BYTES: (
         lambda row: 0 < row["correct"] * ACCUMULATION_STEPS <= row["buggy"],
         lambda row: row["buggy"] >= 2 * row["correct"],
     ),
@@ -74,7 +74,7 @@ def test_json_is_a_list_of_pitfall_metric_buggy_correct(gallery):
         assert isinstance(row["pitfall"], str) and isinstance(row["metric"], str) and row["reference"]
         assert isinstance(row["buggy"], float) and isinstance(row["correct"], float)
         # Direction and scale belong to the rows that compare vectors, and to all of them.
-        has_vectors = row["metric"] in (pitfalls.GRADIENT_ERROR, pitfalls.UPDATE_ERROR)
+        has_vectors = row["metric"] in (pitfall_setup.GRADIENT_ERROR, pitfall_setup.UPDATE_ERROR)
         assert (row["cosine"] is not None) == has_vectors == (row["norm_ratio"] is not None), row
     assert len({row["pitfall"] for row in rows}) == len(rows)
 
@@ -106,7 +106,7 @@ def test_scale_only_bugs_keep_the_direction_and_have_the_predicted_length(galler
     rows = rows_of(gallery)
     expected_ratio = {
         "divided by A on top of N": 1 / ACCUMULATION_STEPS,
-        "×D compensation forgotten": 1 / pitfalls.WORLD_SIZE,
+        "×D compensation forgotten": 1 / pitfall_setup.WORLD_SIZE,
         "partial last group divided by A": 2 / ACCUMULATION_STEPS,
         "clipped before unscale_": 1 / 1024,
     }
@@ -139,14 +139,20 @@ def test_every_buggy_twin_shows_its_bug(gallery):
 def test_a_failed_check_is_named_in_the_table():
     """What makes the exit status 1: each way a pair can fail is reported on its own row."""
     measurements = [
-        pitfalls.Measurement(
-            "1. fine", pitfalls.GRADIENT_ERROR, 0.5, 1e-16, correct_agrees=True, bug_shown=True, reference="r"
+        pitfall_setup.Measurement(
+            "1. fine", pitfall_setup.GRADIENT_ERROR, 0.5, 1e-16, correct_agrees=True, bug_shown=True, reference="r"
         ),
-        pitfalls.Measurement(
-            "2. loop broken", pitfalls.GRADIENT_ERROR, 0.5, 0.3, correct_agrees=False, bug_shown=True, reference="r"
+        pitfall_setup.Measurement(
+            "2. loop broken",
+            pitfall_setup.GRADIENT_ERROR,
+            0.5,
+            0.3,
+            correct_agrees=False,
+            bug_shown=True,
+            reference="r",
         ),
-        pitfalls.Measurement(
-            "3. bug hidden", pitfalls.SAVED_BYTES, 1000, 1000, correct_agrees=True, bug_shown=False, reference="r"
+        pitfall_setup.Measurement(
+            "3. bug hidden", pitfall_setup.SAVED_BYTES, 1000, 1000, correct_agrees=True, bug_shown=False, reference="r"
         ),
     ]
     lines = pitfalls.table(measurements).splitlines()

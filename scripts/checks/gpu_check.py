@@ -35,7 +35,8 @@ seq 1024) at m = 16, A = 4 on packed rows of this project's source files (every 
 project's optimizer_step (the config's model.loss) against nanoGPT's loop, eager and compiled, the two loops
 taking turns step by step: seconds per step, the ratio, MFU and peak memory of each. It runs
 `scripts/benchmarks/bench.py --config configs/gpu_8x.toml --eager-and-compiled` (see compare_with_nanogpt
-there). A target of 5 minutes on one H100/H200, not yet timed (no GPU was lent when it was written).
+in scripts/benchmarks/nanogpt_peer.py). A target of 5 minutes on one H100/H200, not yet timed (no GPU was lent
+when it was written).
 """
 
 import argparse
@@ -343,7 +344,8 @@ def check_mfu(device: torch.device) -> tuple[bool, str]:
         # Two copies of the model, compiled when the config compiles (tens of seconds each on a GPU).
         completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300, cwd=scratch)
     results = json.loads(completed.stdout)
-    mfu = "n/a (device not in bench.py's PEAK_TFLOPS)" if results["mfu"] is None else f"{results['mfu']:.3f}"
+    no_peak = "n/a (device not in PEAK_TFLOPS, scripts/benchmarks/measuring.py)"
+    mfu = no_peak if results["mfu"] is None else f"{results['mfu']:.3f}"
     return results["seconds_per_step"] > 0, (
         f"MFU {mfu} at m = {results['micro_batch_size']}, {results['precision']} "
         f"(peak {results['peak_tflops']} TFLOPS); {results['tokens_per_s']:,.0f} tokens/s; "

@@ -1,0 +1,236 @@
+"""Every key of every config section, declared once: its default, its unit, a help string and the values it
+allows. accumulation/config.py composes the sections into Config and derives from these declarations the type
+checks, the range checks, `--help`, and the TOML written to the run directory: a key added here is checked,
+listed in --help and written to the run's TOML with no other change to the config code."""
+
+from dataclasses import dataclass, field
+
+
+def setting(default, help, unit="", *, choices=None, at_least=None, above=None, at_most=None, below=None):
+    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values."""
+    return field(
+        default=default,
+        metadata={
+            "help": help,
+            "unit": unit,
+            "choices": choices,
+            "at_least": at_least,
+            "above": above,
+            "at_most": at_most,
+            "below": below,
+        },
+    )
+
+
+# Types are written as real classes (no `from __future__ import annotations`): the checks read them.
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = setting("default", "name of the run; the run directory is <out_dir>/<name>/")
+    out_dir: str = setting("runs", "folder that holds one directory per run")
+    seed: int = setting(
+        1337, "one seed for initialisation, data order and everything random", at_least=0, at_most=2**32 - 1
+    )
+    max_steps: int = setting(
+        600,
+        "optimizer step attempts (accumulation groups) over the whole run, resumes included; "
+        "0 builds everything, writes the initial checkpoint and exits",
+        "steps",
+        at_least=0,
+    )
+    log_every: int = setting(20, "print a progress line every this many steps", "steps", at_least=1)
+    checkpoint_every: int = setting(
+        200, "write a checkpoint every this many steps (and always at the end)", "steps", at_least=1
+    )
+    eval_every: int = setting(
+        200,
+        "validation loss in metrics.jsonl every this many steps (0 = never); the summary always prints the final one",
+        "steps",
+        at_least=0,
+    )
+    resume: str = setting(
+        "auto",
+        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; "
+        "never: start afresh (refused if the run directory already holds a run)",
+        choices=("auto", "never"),
+    )
+    keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
+    sample_bytes: int = setting(
+        200,
+        "tokens generated at the end after the first training example's prompt (or its first 4 tokens), "
+        "bytes for the byte vocabulary; 0 = none; skipped for a model without generate()",
+        "tokens",
+        at_least=0,
+    )
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    global_batch_size: int = setting(
+        32,
+        "examples per optimizer step over all ranks: micro_batch_size x accumulation steps x ranks",
+        "examples",
+        at_least=1,
+    )
+    micro_batch_size: int = setting(
+        4, "examples per forward/backward on one rank; accumulation steps are derived", "examples", at_least=1
+    )
+    tail: str = setting(
+        "drop",
+        "the last, incomplete global batch of an epoch: drop it, or train on it as a partial step",
+        choices=("drop", "partial"),
+    )
+    on_oom: str = setting(
+        "fail",
+        "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
+        "largest divisor below half, A grown to match: the same examples and the same update up to float "
+        "reordering; the smaller size is kept for the rest of the session; DDP only, not with dist.strategy=fsdp2)",
+        choices=("fail", "shrink"),
+    )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = setting(
+        "stdlib",
+        '"stdlib" (the embedded corpus), a text file or folder, a .jsonl file of {"prompt", "response"} or '
+        '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
+        "glob of *_train_*.bin / *_val_*.bin); scripts/operations/prepare_data.py writes both",
+    )
+    seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
+    val_fraction: float = setting(
+        0.01,
+        "share of text or JSONL held out for validation; token files bring their own split, and 0 turns "
+        "validation off for every source",
+        "fraction",
+        at_least=0,
+        below=1,
+    )
+    layout: str = setting(
+        "auto",
+        "documents: one document (or example) per row, padded; packed: documents concatenated and cut into full "
+        "rows, every target supervised; auto: packed for token files, documents for text and JSONL",
+        choices=("auto", "documents", "packed"),
+    )
+    tokenizer: str = setting(
+        "bytes",
+        'how text and JSONL become tokens: "bytes" (UTF-8 bytes, vocabulary 256) or the path of a Hugging Face '
+        "tokenizer.json (needs the optional `tokenizers` package, requirements-bpe.txt)",
+    )
+    task: str = setting(
+        "next-token",
+        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked afresh "
+        "every step (80% [MASK], 10% a random token, 10% kept) and only those supervised (accumulation/masked_lm.py)",
+        choices=("next-token", "masked"),
+    )
+    val_rows: int = setting(
+        1024,
+        "validation reads at most this many rows, evenly spaced over the split (the same rows for every m, A, D); "
+        "0 = every row",
+        "rows",
+        at_least=0,
+    )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = setting(
+        "gpt",
+        "the architecture, built by accumulation/models.py: a GPT transformer, a GRU language model, or a "
+        'bidirectional transformer encoder (needs data.task = "masked")',
+        choices=("gpt", "gru", "encoder"),
+    )
+    # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
+    # model on the meta device, which takes time in proportion to its number of modules.
+    n_layer: int = setting(
+        4, "transformer blocks (gpt) or stacked GRU layers (gru)", "layers", at_least=1, at_most=1024
+    )
+    n_head: int = setting(4, "attention heads per block; must divide d_model (gpt only)", "heads", at_least=1)
+    d_model: int = setting(
+        128, "width of the model: the residual stream (gpt), the hidden state (gru)", "features", at_least=1
+    )
+    vocab_size: int = setting(
+        0,
+        "0 = from the data (bytes: 256); else the vocabulary size, at least the data's (larger leaves ids unused)",
+        "tokens",
+        at_least=0,
+    )
+    dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
+    compile: str | bool = setting(
+        "auto",
+        "torch.compile the model and the loss (DDP only); auto = on for CUDA, off on the CPU (where compiling "
+        "takes longer than it saves) and with dist.strategy=fsdp2",
+        choices=("auto", True, False),
+    )
+    loss: str = setting(
+        "auto",
+        "how the token cross-entropy SUM is computed, the same value either way: plain = logits of every "
+        "position, then cross-entropy; chunked = the output head and the cross-entropy a chunk of positions "
+        "at a time, gradients included, never the whole [rows, seq_len, vocab] logits (a model with "
+        "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked on CUDA where the model "
+        "allows, plain otherwise",
+        choices=("auto", "chunked", "plain"),
+    )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = setting("adamw", "the optimizer", choices=("adamw", "sgd"))
+    lr: float = setting(3e-3, "peak learning rate, reached at the end of warm-up", above=0)
+    weight_decay: float = setting(0.1, "decoupled weight decay (AdamW) or L2 penalty (SGD)", at_least=0)
+    momentum: float = setting(0.9, "SGD momentum, and AdamW beta1", at_least=0, below=1)
+    beta2: float = setting(0.95, "AdamW beta2 (ignored by SGD)", above=0, below=1)
+    grad_clip: float = setting(
+        1.0, "clip the global gradient norm to this value; 0 turns clipping off", "L2 norm", at_least=0
+    )
+    on_nonfinite: str = setting(
+        "skip",
+        "when the step's gradients hold inf or nan: skip that update, or stop the run",
+        choices=("skip", "stop"),
+    )
+    max_consecutive_skips: int = setting(20, "stop the run after this many skipped steps in a row", "steps", at_least=1)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    name: str = setting(
+        "cosine", "learning-rate shape after warm-up: cosine decay or constant", choices=("cosine", "constant")
+    )
+    warmup_updates: int = setting(30, "linear warm-up to optim.lr over this many updates", "updates", at_least=0)
+    decay_updates: int = setting(
+        0,
+        "the cosine horizon; 0 means run.max_steps (set it explicitly when a run is meant to be extended)",
+        "updates",
+        at_least=0,
+    )
+    min_lr_ratio: float = setting(
+        0.1, "the cosine floor, as a fraction of optim.lr", "fraction of optim.lr", at_least=0, at_most=1
+    )
+
+
+@dataclass(frozen=True)
+class PrecisionConfig:
+    dtype: str = setting(
+        "fp32",
+        "autocast dtype of the forward pass; parameters and gradients stay fp32",
+        choices=("fp32", "bf16", "fp16"),
+    )
+    grad_scaler: str | bool = setting(
+        "auto", "scale the loss against fp16 underflow; auto = on for fp16 only", choices=("auto", True, False)
+    )
+    tf32: bool = setting(
+        True,
+        "CUDA only: fp32 matrix products and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 "
+        "accumulation), several times faster on Ampere and newer; the equivalence checker turns it off",
+    )
+
+
+@dataclass(frozen=True)
+class DistConfig:
+    timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
+    strategy: str = setting(
+        "ddp",
+        "ddp: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel); "
+        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/fsdp.py), needs 2 or more ranks, "
+        "without model.compile or batch.on_oom=shrink; the same exact step and the same checkpoint files either way",
+        choices=("ddp", "fsdp2"),
+    )
