@@ -1,6 +1,6 @@
-"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size,
-the optimizer, the autocast dtype, and the module the optimizer step runs. The model itself is built by
-accumulation/models.py.
+"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size
+or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs. The model
+itself is built by accumulation/models.py.
 
 torch.compile and DDP: the model is compiled first and wrapped in DDP after (wrap_for_training), as the
 PyTorch manual's "Where to apply torch.compile?" advises (compile the module passed to the wrapper). The
@@ -14,6 +14,8 @@ DDP's forward, where DDP cannot see it. Not measured here: the project's machine
 (scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
 """
 
+import os
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
@@ -21,6 +23,10 @@ from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError, resolved_compile
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
+from accumulation.models import count_parameters
+
+# Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
+TRAINING_BYTES_PER_PARAMETER = 16
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -117,3 +123,26 @@ def set_tf32(enabled: bool) -> None:
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
+    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
+    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
+    parameters = count_parameters(config, vocab_size)
+    if config.device != "cpu" and torch.cuda.is_available():
+        where, memory_bytes = (
+            "the GPU",
+            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+        )
+    else:
+        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
+    if needed_bytes > memory_bytes:
+        raise ConfigError(
+            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
+            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
+            f"{f' over {shards} shards' if shards > 1 else ''}), "
+            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )

@@ -4,16 +4,21 @@ the session's summary, its speed). A full disk becomes one WriteError line here,
 """
 
 import json
+import math
 import os
+import resource
 import threading
 from pathlib import Path
 
 import torch
 
+from accumulation.batching import describe_batch
 from accumulation.checkpoint import WriteError, os_error_in, why_not_written
 from accumulation.config import Config
 from accumulation.counters import Counters
+from accumulation.data import Data, rows_dropped_per_epoch
 from accumulation.distributed import DistributedContext
+from accumulation.fsdp import describe_sharding
 from accumulation.run_dir import metrics_lines
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
@@ -219,3 +224,44 @@ def print_sample(config, model, prompt_source) -> None:
     prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
     sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
     print("sample:\n" + decode(sample.tolist()))
+
+
+def print_run_header(
+    config: Config, data: Data, run_dir: Path, context: DistributedContext, training, counters, say
+) -> None:
+    """The session's first lines: the batch, the model and its precision, the data, the run directory.
+    `training` is train.py's Training (the model, its forward module, the scaler, whether compiled)."""
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    say(
+        f"accumulation: {batch}"
+        f" examples per update; {config.data.seq_len} tokens per row; "
+        f"device {context.device} ({context.backend or 'single process'})"
+    )
+    loss = "chunked" if training.forward_module is not training.model else "plain"
+    say(
+        f"model: {training.model.describe()}; precision {config.precision.dtype}, "
+        f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+        f"loss {loss}; compile {'on' if training.compiled else 'off'}"
+    )
+    if config.dist.strategy == "fsdp2":
+        say(describe_sharding(training.model))
+    say(data.summary.describe())
+    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+    say(
+        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
+        if dropped
+        else f"batch.tail={config.batch.tail}: every row is used each epoch"
+    )
+    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or inf: a non-finite value is written as null."""
+    return value if math.isfinite(value) else None
