@@ -120,15 +120,16 @@ def main(argv: list[str]) -> int:
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
         # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
         check_model_fits_in_memory(config, vocab_size=max(config.model.vocab_size, 1))
-        data = build_data(config)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-        vocab_size = resolved_vocab_size(config, data.vocab_size)
+        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
         with torch.device("meta"):  # every parameter's shape, no memory
-            model_on_meta = build_model(config, vocab_size)
+            model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
             shapes = ExpectedShapes.of(config, model_on_meta)
-        uses_chunked_loss(config, model_on_meta, "cpu")  # model.loss = "chunked" for a model without an output head
+        # model.loss = "chunked" for a model without an output head: refused here, before anything is written
+        uses_chunked_loss(config.model, config.dist, model_on_meta, "cpu")
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -207,7 +208,7 @@ def train(
     session = Session(config, data, run_dir, context, training, consecutive_skips, say)
     session.begin(counters, resumed=resume is not None)
     print_run_header(config, data, run_dir, context, training, counters, say)
-    autocast_dtype = autocast_dtype_for(config)
+    autocast_dtype = autocast_dtype_for(config.precision)
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
@@ -289,16 +290,20 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     """The model (with a resume's weights), its wrapper, the loss, the optimizer, the schedule and the scaler."""
     device = context.device
     seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
-    model = build_model(config, vocab_size).to(device)  # the same initial weights on every rank
+    # the same initial weights on every rank
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
     if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
         model.load_state_dict(resume["model"])
     # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
     # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
     # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
     compiled = resolved_compile(config, device.type)
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
-    wrapped = wrap_for_training(forward_module, config, context)
-    optimizer = build_optimizer(config, model, device)
+    forward_module, loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, device.type, compile=compiled
+    )
+    param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
+    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
+    optimizer = build_optimizer(config.optim, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(
         optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
@@ -495,9 +500,9 @@ def validation_loss(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
-    autocast_dtype = autocast_dtype_for(config)
+    autocast_dtype = autocast_dtype_for(config.precision)
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, context.device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
     for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = forward_module(micro_batch.inputs.to(context.device))
