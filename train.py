@@ -8,9 +8,11 @@ D = ranks, global batch G = m·A·D examples per optimizer step. A "step" is one
 accumulation group); an "update" is a step whose update was applied. `accumulation/step.py` holds the
 maths of one step; this file is the loop around it: set-up, the training section, and diagnostics.
 
-Read top-down: `main` checks everything a user can get wrong, `train` builds the run and holds the training
-section, and the helpers follow. A fork changes three things, each in one place: the model and the loss
-(accumulation/models.py) and the data (accumulation/data.py: `build_data`). docs/forking.md walks through it.
+Read top-down: `main` checks everything a user can get wrong; `train` reads as the run's story (build_training,
+resume_training, the fenced training section, then Session: checkpoints, logs and the checks after each step);
+the helpers follow. The logs themselves (metrics.jsonl, TensorBoard, the printed lines) are accumulation/logs.py.
+A fork changes three things, each in one place: the model and the loss (accumulation/models.py) and the data
+(accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
 import math
