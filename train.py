@@ -8,20 +8,21 @@ D = ranks, global batch G = m·A·D examples per optimizer step. A "step" is one
 accumulation group); an "update" is a step whose update was applied. `accumulation/step.py` holds the
 maths of one step; this file is the loop around it: set-up, the training section, and diagnostics.
 
-Read top-down: `main` checks everything a user can get wrong, `train` builds the run and holds the training
-section, and the helpers follow. A fork changes three things, each in one place: the model and the loss
-(accumulation/models.py) and the data (accumulation/data.py: `build_data`). docs/forking.md walks through it.
+Read top-down: `main` checks everything a user can get wrong; `train` reads as the run's story (build_training,
+resume_training, the fenced training section, then Session: checkpoints, logs and the checks after each step);
+the helpers follow. The logs themselves (metrics.jsonl, TensorBoard, the printed lines) are accumulation/logs.py.
+A fork changes three things, each in one place: the model and the loss (accumulation/models.py) and the data
+(accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
-import json
 import math
 import os
-import resource
 import sys
-import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +32,7 @@ from accumulation.build import (
     autocast_dtype_for,
     build_optimizer,
     check_config_for_world,
+    check_model_fits_in_memory,
     load_optimizer_state,
     set_tf32,
     wrap_for_training,
@@ -39,7 +41,6 @@ from accumulation.checkpoint import (
     WRITE_ERROR_STATUS,
     CheckpointError,
     WriteError,
-    os_error_in,
     save_checkpoint,
     why_not_written,
 )
@@ -59,7 +60,6 @@ from accumulation.data import (
     build_data,
     check_supervised_counts,
     eval_micro_batches,
-    rows_dropped_per_epoch,
     step_batch,
     steps_per_epoch,
 )
@@ -70,10 +70,20 @@ from accumulation.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from accumulation.fsdp import describe_sharding
+from accumulation.logs import (
+    close_logs,
+    finite_or_none,
+    flush_logs,
+    keep_metrics_up_to,
+    open_logs,
+    peak_memory_bytes,
+    print_run_header,
+    print_summary,
+    progress_line,
+    write_metrics,
+)
 from accumulation.models import (
     build_model,
-    count_parameters,
     resolved_vocab_size,
     training_forward_and_loss,
     uses_chunked_loss,
@@ -91,12 +101,6 @@ from accumulation.run_dir import RunDirectoryError, RunLock, metrics_lines, run_
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
-
-# Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
-TRAINING_BYTES_PER_PARAMETER = 16
-# The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
-# the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
-WARMUP_STEPS = 2
 
 
 def main(argv: list[str]) -> int:
@@ -118,15 +122,16 @@ def main(argv: list[str]) -> int:
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
         # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
         check_model_fits_in_memory(config, vocab_size=max(config.model.vocab_size, 1))
-        data = build_data(config)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-        vocab_size = resolved_vocab_size(config, data.vocab_size)
+        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
         with torch.device("meta"):  # every parameter's shape, no memory
-            model_on_meta = build_model(config, vocab_size)
+            model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
             shapes = ExpectedShapes.of(config, model_on_meta)
-        uses_chunked_loss(config, model_on_meta, "cpu")  # model.loss = "chunked" for a model without an output head
+        # model.loss = "chunked" for a model without an output head: refused here, before anything is written
+        uses_chunked_loss(config.model, config.dist, model_on_meta, "cpu")
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -197,100 +202,15 @@ def train(
     say,
     stop: StopRequest,
 ) -> int:
+    """One session of the run: build, resume, the training section, finish. Returns the exit status."""
     session_start = time.perf_counter()
     device = context.device
-    seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
-    model = build_model(config, vocab_size).to(device)  # the same initial weights on every rank
-    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
-        model.load_state_dict(resume["model"])
-    # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
-    # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
-    # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
-    compiled = resolved_compile(config, device.type)
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
-    wrapped = wrap_for_training(forward_module, config, context)
-    optimizer = build_optimizer(config, model, device)
-    decay_updates = config.schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(
-        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
-    )
-    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
-    counters = Counters()
-    consecutive_skips = 0  # skipped steps in a row, up to optim.max_consecutive_skips; checkpointed with the counters
-    set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
-    if resume is not None:
-        # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
-        # state dicts are checked by their loaders, still before anything is written.
-        try:
-            # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
-            load_optimizer_state(optimizer, resume["optimizer"])
-            scheduler.load_state_dict(resume["scheduler"])
-            if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
-                scaler.load_state_dict(resume["scaler"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            raise CheckpointError(
-                f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})"
-            ) from None
-        set_learning_rates(scheduler)  # the new config's schedule governs the very next step
-        counters = Counters(**resume["counters"])
-        consecutive_skips = resume["skips_in_a_row"]
-        restore_rng_states(resume["rng"], context, config, counters.steps)
-    resumed = resume is not None
-    if resumed:
-        resume.clear()  # the loaded state lives in the model and optimizer now: the payload's copy is freed
-    autocast_dtype = autocast_dtype_for(config)
-    checkpoint_dir = run_dir / "checkpoints"
-
-    metrics_file, writers = None, []  # rank 0 opens them below, after the step-0 checkpoint
-
-    def save(counters: Counters) -> None:
-        payload = checkpoint_payload(
-            config, data.summary, model, optimizer, scheduler, scaler, counters, consecutive_skips, context
-        )
-        if context.is_main:
-            # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
-            # resume keeps them and runs only the later steps again (TensorBoard buffers for up to 2 minutes).
-            flush_logs(metrics_file, writers)
-            save_checkpoint(payload, checkpoint_dir, counters.steps, config.run.keep_checkpoints)
-
-    metrics_path = run_dir / "metrics.jsonl"
-    if context.is_main:
-        try:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(config_to_toml(config))
-        except OSError as error:
-            raise WriteError(
-                f"{run_dir / 'config.toml'} could not be written: {why_not_written(error, run_dir)}"
-            ) from None
-        keep_metrics_up_to(metrics_path, counters.steps)
-    if resume is None:
-        save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start
-    metrics_file, writers = open_logs(context, run_dir, metrics_path, resumed, counters)
-
-    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
-    say(
-        f"accumulation: {batch}"
-        f" examples per update; {config.data.seq_len} tokens per row; "
-        f"device {device} ({context.backend or 'single process'})"
-    )
-    say(
-        f"model: {model.describe()}; precision {config.precision.dtype}, "
-        f"grad scaler {'on' if scaler.is_enabled() else 'off'}; "
-        f"loss {'chunked' if forward_module is not model else 'plain'}; compile {'on' if compiled else 'off'}"
-    )
-    if config.dist.strategy == "fsdp2":
-        say(describe_sharding(model))
-    say(data.summary.describe())
-    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-    say(
-        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
-        if dropped
-        else f"batch.tail={config.batch.tail}: every row is used each epoch"
-    )
-    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
-
-    first_loss = last_loss = None
-    session_steps, window = [], []  # (supervised tokens, seconds) of each step of this session, and since the last log
+    training = build_training(config, vocab_size, resume, context)
+    counters, consecutive_skips = resume_training(training, resume, config, context)
+    session = Session(config, data, run_dir, context, training, consecutive_skips, say)
+    session.begin(counters, resumed=resume is not None)
+    print_run_header(config, data, run_dir, context, training, counters, say)
+    autocast_dtype = autocast_dtype_for(config.precision)
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
@@ -318,12 +238,12 @@ def train(
             if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
                 micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
             result = optimizer_step(
-                wrapped,
+                training.wrapped,
                 micro_batches,
-                optimizer,
+                training.optimizer,
                 device=device,
-                scaler=scaler,
-                loss_sum_fn=loss_sum_fn,
+                scaler=training.scaler,
+                loss_sum_fn=training.loss_sum_fn,
                 grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
                 global_counts=batch.global_counts,
@@ -331,7 +251,7 @@ def train(
                 stop_requested=lambda: stop.requested,  # read at the step's boundary
             )
             if result.applied:
-                scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance it
+                training.scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance
             counters.add(result)
             if result.micro_batch_size != micro_batch_size:  # out of memory: the step was redone with smaller m
                 micro_batch_size = result.micro_batch_size
@@ -342,100 +262,234 @@ def train(
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
             # Everything below is diagnostics and bookkeeping.
-            session_steps.append((result.tokens, step_seconds))
-            window.append((result.tokens, step_seconds))
-            first_loss = result.loss if first_loss is None else first_loss
-            last_loss = result.loss
-            record = {
-                **vars(counters),
-                "loss": finite_or_none(result.loss),
-                "lr": result.lr,
-                "grad_norm": finite_or_none(result.grad_norm),
-                "scale": result.loss_scale,  # the scale of this step's losses: no extra read of the device
-                "tokens_per_s": result.tokens / step_seconds,
-                "peak_mem_bytes": peak_memory_bytes(device),
-                "time_s": step_seconds,
-            }
-            if not result.applied:
-                record["skip_reason"] = result.skip_reason
-                say(f"step {counters.steps}: update skipped: {result.skip_reason}")
-            finished = counters.steps == config.run.max_steps
-            # Validation on its own cadence of steps, never depending on where a session happens to end,
-            # so an interrupted and resumed run writes the same lines as an uninterrupted one.
-            if data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-                record["val_loss"] = finite_or_none(validation_loss(model, data, config, context, micro_batch_size))
-            write_metrics(context, metrics_file, writers, record)
-            if counters.steps % config.run.log_every == 0 or finished:
-                say(progress_line(counters, config, record, window))
-                window = []
-
-            consecutive_skips = 0 if result.applied else consecutive_skips + 1
-            stop_reason = nonfinite_stop_reason(config, result, scaler, consecutive_skips)
-            if stop_reason:
-                save(counters)  # a skipped update left the weights at the last good state
-                if context.is_main:
-                    # A restart (torchrun --max-restarts, a requeued job) must not quietly resume past the
-                    # step that stopped the run; this file makes it refuse until a person removes it.
-                    (run_dir / STOPPED_FILE).write_text(f"stopped at step {counters.steps}: {stop_reason}\n")
-                say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
-                return 1
-            # A stop signal on any rank (the step's all-reduce told every rank at the same step): checkpoint
-            # here and exit, so that a restart loses nothing. Signal to exit: the rest of the step in progress
-            # (or the whole next one, when the signal came after this step's boundary), its validation, one save.
-            if counters.steps % config.run.checkpoint_every == 0 or finished or result.stop_requested:
-                save(counters)
-            if result.stop_requested and not finished:
-                received = f"{stop.signal_name} received" if stop.requested else "another rank got a stop signal"
-                say(
-                    f"stopped at step {counters.steps}: {received}; checkpoint written; exit status "
-                    f"{stop.exit_status}; starting again (a requeued job, torchrun --max-restarts) resumes it",
-                    file=sys.stderr,
-                )
-                return stop.exit_status
-
-        ran_steps = bool(session_steps)
-        final_val_loss = None
-        if ran_steps and data.val is not None:
-            # The last step's validation when it had one, else one more pass (every rank takes part).
-            final_val_loss = (
-                record["val_loss"]
-                if "val_loss" in record
-                else finite_or_none(validation_loss(model, data, config, context, micro_batch_size))
-            )
-        if context.is_main and ran_steps:
-            wall_seconds = time.perf_counter() - session_start
-            print_summary(
-                config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, data.train
-            )
+            exit_status = session.after_step(counters, result, step_seconds, micro_batch_size, stop)
+            if exit_status is not None:
+                return exit_status
+        session.finish(counters, micro_batch_size, session_start)
     finally:
         # After an error the process ends at once (fail fast); closing a writer that failed would raise a
         # second error and hide the first.
         if sys.exc_info()[0] is None:
-            close_logs(metrics_file, writers)
+            session.close()
     return 0
 
 
-def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
-    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
-    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
-    parameters = count_parameters(config, vocab_size)
-    if config.device != "cpu" and torch.cuda.is_available():
-        where, memory_bytes = (
-            "the GPU",
-            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+class Training(NamedTuple):
+    """What the training section runs: the model (checkpoints hold it), the module the step runs (`wrapped`),
+    the loss, and the optimizer with its schedule and GradScaler."""
+
+    model: torch.nn.Module
+    forward_module: torch.nn.Module  # the model, or with the chunked loss the module returning its hidden states
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    wrapped: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    compiled: bool
+
+
+def build_training(config: Config, vocab_size: int, resume: dict | None, context: DistributedContext) -> Training:
+    """The model (with a resume's weights), its wrapper, the loss, the optimizer, the schedule and the scaler."""
+    device = context.device
+    seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
+    # the same initial weights on every rank
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
+    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+        model.load_state_dict(resume["model"])
+    # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
+    # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
+    # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
+    compiled = resolved_compile(config, device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, device.type, compile=compiled
+    )
+    param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
+    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
+    optimizer = build_optimizer(config.optim, model, device)
+    decay_updates = config.schedule.decay_updates or config.run.max_steps
+    scheduler = build_scheduler(
+        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
+    return Training(model, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled)
+
+
+def resume_training(
+    training: Training, resume: dict | None, config: Config, context: DistributedContext
+) -> tuple[Counters, int]:
+    """A resume's optimizer, scheduler, scaler and random states loaded; returns the counters and the skipped
+    steps in a row (up to optim.max_consecutive_skips; checkpointed with the counters). A fresh run: zeros."""
+    if resume is None:
+        return Counters(), 0
+    # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
+    # state dicts are checked by their loaders, still before anything is written.
+    try:
+        # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
+        load_optimizer_state(training.optimizer, resume["optimizer"])
+        training.scheduler.load_state_dict(resume["scheduler"])
+        if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
+            training.scaler.load_state_dict(resume["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})"
+        ) from None
+    set_learning_rates(training.scheduler)  # the new config's schedule governs the very next step
+    counters = Counters(**resume["counters"])
+    consecutive_skips = resume["skips_in_a_row"]
+    restore_rng_states(resume["rng"], context, config, counters.steps)
+    resume.clear()  # the loaded state lives in the model and optimizer now: the payload's copy is freed
+    return counters, consecutive_skips
+
+
+class Session:
+    """Everything around the training section, on every rank: checkpoints, the logs (rank 0), the lines on the
+    terminal, and the checks after each step that may end the run. The steps' (supervised tokens, seconds) are
+    kept for this session (the summary's speed) and since the last progress line (its tokens/s)."""
+
+    def __init__(
+        self,
+        config: Config,
+        data: Data,
+        run_dir: Path,
+        context: DistributedContext,
+        training: Training,
+        consecutive_skips: int,
+        say,
+    ) -> None:
+        self.config, self.data, self.run_dir, self.context, self.training = config, data, run_dir, context, training
+        self.say = say
+        self.consecutive_skips = consecutive_skips
+        self.metrics_file, self.writers = None, []  # rank 0 opens them in begin(), after the step-0 checkpoint
+        self.session_steps, self.window = [], []
+        self.first_loss = self.last_loss = None
+        self.record = {}  # the last step's metrics line
+
+    def save(self, counters: Counters) -> None:
+        training, context = self.training, self.context
+        payload = checkpoint_payload(
+            self.config,
+            self.data.summary,
+            training.model,
+            training.optimizer,
+            training.scheduler,
+            training.scaler,
+            counters,
+            self.consecutive_skips,
+            context,
         )
-    else:
-        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
-    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
-    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
-    if needed_bytes > memory_bytes:
-        raise ConfigError(
-            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
-            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
-            f"{f' over {shards} shards' if shards > 1 else ''}), "
-            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
-        )
+        if context.is_main:
+            # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
+            # resume keeps them and runs only the later steps again (TensorBoard buffers for up to 2 minutes).
+            flush_logs(self.metrics_file, self.writers)
+            save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
+
+    def begin(self, counters: Counters, resumed: bool) -> None:
+        """config.toml, the metrics of steps after the checkpoint dropped, the step-0 checkpoint, the logs opened."""
+        run_dir = self.run_dir
+        metrics_path = run_dir / "metrics.jsonl"
+        if self.context.is_main:
+            try:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.toml").write_text(config_to_toml(self.config))
+            except OSError as error:
+                raise WriteError(
+                    f"{run_dir / 'config.toml'} could not be written: {why_not_written(error, run_dir)}"
+                ) from None
+            keep_metrics_up_to(metrics_path, counters.steps)
+        if not resumed:
+            self.save(counters)  # step 0: a run killed before its first checkpoint still resumes from the start
+        self.metrics_file, self.writers = open_logs(self.context, run_dir, metrics_path, resumed, counters)
+
+    def after_step(
+        self, counters: Counters, result: StepResult, step_seconds: float, micro_batch_size: int, stop: StopRequest
+    ) -> int | None:
+        """The step's metrics line, validation, progress line and checkpoint; the exit status when the run
+        must stop here (a non-finite step, a stop signal), else None."""
+        config, context, say = self.config, self.context, self.say
+        self.session_steps.append((result.tokens, step_seconds))
+        self.window.append((result.tokens, step_seconds))
+        self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        self.last_loss = result.loss
+        record = self.record = {
+            **vars(counters),
+            "loss": finite_or_none(result.loss),
+            "lr": result.lr,
+            "grad_norm": finite_or_none(result.grad_norm),
+            "scale": result.loss_scale,  # the scale of this step's losses: no extra read of the device
+            "tokens_per_s": result.tokens / step_seconds,
+            "peak_mem_bytes": peak_memory_bytes(context.device),
+            "time_s": step_seconds,
+        }
+        if not result.applied:
+            record["skip_reason"] = result.skip_reason
+            say(f"step {counters.steps}: update skipped: {result.skip_reason}")
+        finished = counters.steps == config.run.max_steps
+        # Validation on its own cadence of steps, never depending on where a session happens to end,
+        # so an interrupted and resumed run writes the same lines as an uninterrupted one.
+        if self.data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
+            val_loss = validation_loss(self.training.model, self.data, config, context, micro_batch_size)
+            record["val_loss"] = finite_or_none(val_loss)
+        write_metrics(context, self.metrics_file, self.writers, record)
+        if counters.steps % config.run.log_every == 0 or finished:
+            say(progress_line(counters, config, record, self.window))
+            self.window = []
+
+        self.consecutive_skips = 0 if result.applied else self.consecutive_skips + 1
+        stop_reason = nonfinite_stop_reason(config, result, self.training.scaler, self.consecutive_skips)
+        if stop_reason:
+            self.save(counters)  # a skipped update left the weights at the last good state
+            if context.is_main:
+                # A restart (torchrun --max-restarts, a requeued job) must not quietly resume past the
+                # step that stopped the run; this file makes it refuse until a person removes it.
+                (self.run_dir / STOPPED_FILE).write_text(f"stopped at step {counters.steps}: {stop_reason}\n")
+            say(f"error: stopping at step {counters.steps}: {stop_reason}; checkpoint written", file=sys.stderr)
+            return 1
+        # A stop signal on any rank (the step's all-reduce told every rank at the same step): checkpoint
+        # here and exit, so that a restart loses nothing. Signal to exit: the rest of the step in progress
+        # (or the whole next one, when the signal came after this step's boundary), its validation, one save.
+        if counters.steps % config.run.checkpoint_every == 0 or finished or result.stop_requested:
+            self.save(counters)
+        if result.stop_requested and not finished:
+            received = f"{stop.signal_name} received" if stop.requested else "another rank got a stop signal"
+            say(
+                f"stopped at step {counters.steps}: {received}; checkpoint written; exit status "
+                f"{stop.exit_status}; starting again (a requeued job, torchrun --max-restarts) resumes it",
+                file=sys.stderr,
+            )
+            return stop.exit_status
+        return None
+
+    def finish(self, counters: Counters, micro_batch_size: int, session_start: float) -> None:
+        """The final validation loss and rank 0's summary, when this session ran any step."""
+        if not self.session_steps:
+            return
+        final_val_loss = None
+        if self.data.val is not None:
+            # The last step's validation when it had one, else one more pass (every rank takes part).
+            final_val_loss = (
+                self.record["val_loss"]
+                if "val_loss" in self.record
+                else finite_or_none(
+                    validation_loss(self.training.model, self.data, self.config, self.context, micro_batch_size)
+                )
+            )
+        if self.context.is_main:
+            wall_seconds = time.perf_counter() - session_start
+            print_summary(
+                self.config,
+                counters,
+                self.first_loss,
+                self.last_loss,
+                final_val_loss,
+                self.session_steps,
+                wall_seconds,
+                self.training.model,
+                self.data.train,
+            )
+
+    def close(self) -> None:
+        close_logs(self.metrics_file, self.writers)
 
 
 @torch.no_grad()
@@ -448,9 +502,9 @@ def validation_loss(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
-    autocast_dtype = autocast_dtype_for(config)
+    autocast_dtype = autocast_dtype_for(config.precision)
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, context.device.type)
+    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
     for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = forward_module(micro_batch.inputs.to(context.device))
@@ -461,18 +515,6 @@ def validation_loss(
         dist.all_reduce(loss_sum)
     [tokens_global] = all_reduce_ints([tokens], context.device)
     return loss_sum.item() / max(tokens_global, 1)
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def finite_or_none(value: float) -> float | None:
-    """JSON has no NaN or inf: a non-finite value is written as null."""
-    return value if math.isfinite(value) else None
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutive_skips: int) -> str | None:
@@ -491,206 +533,6 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutiv
         if not result.applied and not scaler.is_enabled():
             return f"{result.skip_reason} (optim.on_nonfinite=stop)"
     return None
-
-
-def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
-    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
-    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
-    if not metrics_path.exists():
-        return
-    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
-    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
-    try:
-        temporary.write_text("".join(kept))
-        os.replace(temporary, metrics_path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise WriteError(
-            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
-            f"the file is unchanged"
-        ) from None
-
-
-class MetricsFile:
-    """metrics.jsonl opened for appending whole lines: a line is on disk whole or not at all, so the file
-    never holds a half line that a resume would keep, even when the disk fills in the middle of one."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, line: str) -> None:
-        size_before = os.fstat(self.descriptor).st_size
-        remaining = memoryview(line.encode())
-        try:
-            while remaining:  # a full disk takes part of a write, then refuses the rest
-                remaining = remaining[os.write(self.descriptor, remaining) :]
-        except OSError as error:
-            os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            raise WriteError(
-                f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
-                f"was not written and the lines before are untouched"
-            ) from None
-
-    def flush(self) -> None:
-        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
-
-    def close(self) -> None:
-        os.close(self.descriptor)
-
-
-def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resumed: bool, counters: Counters):
-    """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
-    On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
-    if not context.is_main:
-        return None, []
-    from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
-
-    metrics_file = MetricsFile(metrics_path)
-    quiet_tensorboard_thread_errors()
-    by_updates = SummaryWriter(
-        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
-    )
-    by_tokens = SummaryWriter(
-        run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resumed else None
-    )
-    return metrics_file, [by_updates, by_tokens]
-
-
-def write_metrics(context: DistributedContext, metrics_file, writers, record: dict) -> None:
-    if not context.is_main:
-        return
-    metrics_file.write(json.dumps(record) + "\n")
-    by_updates, by_tokens = writers
-    try:
-        for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-            if record.get(name) is not None:
-                by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-                by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
-    except Exception as error:
-        raise tensorboard_write_error(error, by_updates) from None
-
-
-def flush_logs(metrics_file, writers) -> None:
-    if metrics_file is not None:
-        metrics_file.flush()
-    try:
-        for writer in writers:
-            writer.flush()
-    except Exception as error:
-        raise tensorboard_write_error(error, writers[0]) from None
-
-
-def close_logs(metrics_file, writers) -> None:
-    flush_logs(metrics_file, writers)
-    if metrics_file is not None:
-        metrics_file.close()
-    for writer in writers:
-        writer.close()
-
-
-def quiet_tensorboard_thread_errors() -> None:
-    """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
-    which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
-    where it becomes one line (tensorboard_write_error). Only that traceback is kept off the terminal."""
-    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
-
-    print_traceback = threading.excepthook
-
-    def hook(arguments) -> None:
-        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
-            print_traceback(arguments)
-
-    threading.excepthook = hook
-
-
-def tensorboard_write_error(error: Exception, writer) -> Exception:
-    """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
-    a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
-    cause = os_error_in(error)
-    if cause is None:
-        return error
-    folder = Path(writer.get_logdir()).parent
-    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
-    # record cut short, and the resume's purge_step drops the points after the checkpoint.
-    return WriteError(
-        f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; "
-        f"metrics.jsonl holds every step up to here"
-    )
-
-
-def progress_line(counters: Counters, config: Config, record: dict, window: list) -> str:
-    window_tokens = sum(tokens for tokens, _ in window)
-    window_seconds = sum(seconds for _, seconds in window)
-    seconds_per_step = window_seconds / len(window)
-    eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-    return (
-        f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
-        f"{window_tokens / window_seconds / 1e3:.1f}k tok/s | eta {eta_s / 60:.1f} min"
-    )
-
-
-def print_summary(
-    config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, prompt_source
-) -> None:
-    """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
-    speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
-    validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
-    print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
-    print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
-    print_sample(config, model, prompt_source)
-    print(speed_line(session_steps, wall_seconds))
-
-
-def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float) -> str:
-    """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
-    WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
-    (supervised tokens, seconds) per step. A session too short for a steady state says so."""
-    total_seconds = sum(seconds for _, seconds in session_steps)
-    tail = f"{total_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
-    if len(session_steps) <= WARMUP_STEPS:
-        tokens = sum(tokens for tokens, _ in session_steps)
-        return (
-            f"speed: {tokens / total_seconds / 1e3:.1f}k supervised tokens/s over all {len(session_steps)} steps, "
-            f"warm-up included (too few steps for a steady state); {tail}"
-        )
-    warmup, steady = session_steps[:WARMUP_STEPS], session_steps[WARMUP_STEPS:]
-    steady_tokens = sum(tokens for tokens, _ in steady)
-    steady_seconds = sum(seconds for _, seconds in steady)
-    warmup_seconds = sum(seconds for _, seconds in warmup)
-    return (
-        f"speed: {steady_tokens / steady_seconds / 1e3:.1f}k supervised tokens/s in steady state "
-        f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
-        f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
-    )
-
-
-def print_sample(config, model, prompt_source) -> None:
-    """A sample from the model (bytes decoded as UTF-8, or decoded by the data's tokenizer), or why there is none."""
-    if config.run.sample_bytes == 0:
-        return
-    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
-        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
-        return
-    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
-        print(f"sample: skipped, the {config.model.name} model has no generate()")
-        return
-    from accumulation.token_files import sample_decoder  # imported here: the sample is this function's alone
-
-    decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
-    if decode is None:
-        print(f"sample: skipped, {why_not}")
-        return
-    # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
-    # least four tokens.
-    example = prompt_source.raw_example(0, 0)
-    prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
-    model.eval()
-    prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
-    sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
-    print("sample:\n" + decode(sample.tolist()))
 
 
 if __name__ == "__main__":

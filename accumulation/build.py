@@ -1,6 +1,6 @@
-"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size,
-the optimizer, the autocast dtype, and the module the optimizer step runs. The model itself is built by
-accumulation/models.py.
+"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size
+or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs. The model
+itself is built by accumulation/models.py.
 
 torch.compile and DDP: the model is compiled first and wrapped in DDP after (wrap_for_training), as the
 PyTorch manual's "Where to apply torch.compile?" advises (compile the module passed to the wrapper). The
@@ -14,13 +14,19 @@ DDP's forward, where DDP cannot see it. Not measured here: the project's machine
 (scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
 """
 
+import os
+
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
-from accumulation.config import Config, ConfigError, resolved_compile
+from accumulation.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
+from accumulation.models import count_parameters
+
+# Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
+TRAINING_BYTES_PER_PARAMETER = 16
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,35 +46,43 @@ def check_device_available(config: Config) -> None:
         raise ConfigError('device: "cuda" was asked for but no CUDA device is available; use device=auto or device=cpu')
 
 
-def autocast_dtype_for(config: Config) -> torch.dtype | None:
+def autocast_dtype_for(precision: PrecisionConfig) -> torch.dtype | None:
     """The dtype autocast runs matrix products in; None for plain fp32. Parameters and gradients stay fp32."""
-    return AUTOCAST_DTYPES[config.precision.dtype]
+    return AUTOCAST_DTYPES[precision.dtype]
 
 
-def build_optimizer(config: Config, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(optim: OptimConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     """Weight decay on matrices only; biases and the norms' gains (everything one-dimensional) do not decay."""
     decayed = [p for p in model.parameters() if p.dim() >= 2]
     not_decayed = [p for p in model.parameters() if p.dim() < 2]
     groups = [
-        {"params": decayed, "weight_decay": config.optim.weight_decay},
+        {"params": decayed, "weight_decay": optim.weight_decay},
         {"params": not_decayed, "weight_decay": 0.0},
     ]
-    if config.optim.name == "sgd":
-        return torch.optim.SGD(groups, lr=config.optim.lr, momentum=config.optim.momentum)
-    betas = (config.optim.momentum, config.optim.beta2)
-    return torch.optim.AdamW(groups, lr=config.optim.lr, betas=betas, fused=device.type == "cuda")
+    if optim.name == "sgd":
+        return torch.optim.SGD(groups, lr=optim.lr, momentum=optim.momentum)
+    betas = (optim.momentum, optim.beta2)
+    return torch.optim.AdamW(groups, lr=optim.lr, betas=betas, fused=device.type == "cuda")
 
 
-def wrap_for_training(model: torch.nn.Module, config: Config, context: DistributedContext) -> torch.nn.Module:
-    """The module the step runs, as train.py runs it: torch.compile first when model.compile resolves to on, then
+def wrap_for_training(
+    model: torch.nn.Module,
+    dist_config: DistConfig,
+    context: DistributedContext,
+    *,
+    compile: bool,
+    param_dtype: torch.dtype | None,
+) -> torch.nn.Module:
+    """The module the step runs, as train.py runs it: torch.compile first when `compile` (model.compile resolved
+    by resolved_compile) is on, then
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
     skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
     dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
     after this call. `model` is the forward module of training_forward_and_loss (accumulation/models.py): the
     model, or with the chunked loss the module returning its hidden states; the loss is compiled there."""
-    if config.dist.strategy == "fsdp2":
-        return shard_model(model, context, param_dtype=autocast_dtype_for(config))
-    wrapped = torch.compile(model) if resolved_compile(config, context.device.type) else model
+    if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
+        return shard_model(model, context, param_dtype=param_dtype)
+    wrapped = torch.compile(model) if compile else model
     if context.world_size == 1:
         return wrapped
     device_ids = [context.device.index] if context.device.type == "cuda" else None
@@ -117,3 +131,26 @@ def set_tf32(enabled: bool) -> None:
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision
+
+
+def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
+    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
+    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
+    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
+    if config.device != "cpu" and torch.cuda.is_available():
+        where, memory_bytes = (
+            "the GPU",
+            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
+        )
+    else:
+        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
+    if needed_bytes > memory_bytes:
+        raise ConfigError(
+            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
+            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
+            f"{f' over {shards} shards' if shards > 1 else ''}), "
+            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )

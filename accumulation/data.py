@@ -25,7 +25,7 @@ import torch
 
 from accumulation import jsonl, masked_lm, text_corpus, token_files
 from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
-from accumulation.config import Config
+from accumulation.config import DataConfig
 from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
     BYTE_VOCAB_SIZE,
     Data,
@@ -70,15 +70,16 @@ def validation_subset(rows: Rows, max_rows: int) -> Rows:
     return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)
 
 
-def build_data(config: Config) -> Data:
-    """The training and validation rows that config.data describes.
+def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> Data:
+    """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
+    model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it).
 
     Token files (a nanoGPT folder, llm.c shards): accumulation/token_files.py, packed; a path ending in
     .jsonl: prompt/response examples (accumulation/jsonl.py), one per row; anything else: text
     (accumulation/text_corpus.py), one document per row or packed. Validation then reads at most
     data.val_rows of its rows (validation_subset).
     """
-    settings = config.data
+    settings = data_config
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
     found_token_files = token_files.open_token_files(source, with_validation=val_fraction > 0)
     # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
@@ -92,10 +93,10 @@ def build_data(config: Config) -> Data:
             )
         if settings.task == "masked":
             built = masked_lm.load_masked_token_files(
-                found_token_files, source, seq_len, val_fraction, config.model.vocab_size, config.run.seed
+                found_token_files, source, seq_len, val_fraction, model_vocab_size, seed
             )
         else:
-            vocab = config.model.vocab_size
+            vocab = model_vocab_size
             built = token_files.load_token_files(found_token_files, source, seq_len, val_fraction, vocab)
     elif settings.task == "masked":
         raise DataError(

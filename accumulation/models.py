@@ -1,13 +1,14 @@
 """The model factory and the loss: the places a fork adds or swaps an architecture or an objective.
 
-`build_model(config, vocab_size)` is used everywhere a model is made; `model.name` chooses the architecture.
+`build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
+chooses the architecture.
 To add one, add its name to the choices of `model.name` in accumulation/config.py and a branch below.
-`loss_sum_fn_for(config)` is the loss train.py, validation and the equivalence checker use.
+`loss_sum_fn_for(config.model)` is the loss train.py, validation and the equivalence checker use.
 
 The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
 
     forward(inputs) -> outputs
-        inputs: int64 token ids [rows, seq_len]. outputs: whatever loss_sum_fn_for(config) accepts with the
+        inputs: int64 token ids [rows, seq_len]. outputs: whatever loss_sum_fn_for(config.model) accepts with the
         labels (the default, accumulation.step.token_cross_entropy_sum, takes logits [rows, seq_len, vocab_size]).
         Labels hold -100 where a position has no target (padding, prompt, ignored positions); the model never
         sees them. The loss is a SUM over supervised positions, so outputs at unsupervised positions are harmless.
@@ -40,17 +41,17 @@ from collections.abc import Callable
 import torch
 
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
-from accumulation.config import Config, ConfigError
+from accumulation.config import ConfigError, DistConfig, ModelConfig
 from accumulation.encoder import Encoder
 from accumulation.gru import GRULanguageModel
 from accumulation.model import GPT, GPTConfig
 from accumulation.step import token_cross_entropy_sum
 
 
-def resolved_vocab_size(config: Config, data_vocab_size: int) -> int:
+def resolved_vocab_size(model_config: ModelConfig, data_vocab_size: int) -> int:
     """model.vocab_size when set (> 0), else the data's. A vocabulary smaller than the data's would give
     token ids with no embedding row, so it is refused; a larger one only leaves ids that never occur."""
-    asked = config.model.vocab_size
+    asked = model_config.vocab_size
     if asked == 0:
         return data_vocab_size
     if asked < data_vocab_size:
@@ -61,42 +62,42 @@ def resolved_vocab_size(config: Config, data_vocab_size: int) -> int:
     return asked
 
 
-def gpt_config(config: Config, vocab_size: int) -> GPTConfig:
-    model = config.model
+def gpt_config(model_config: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
     return GPTConfig(
-        seq_len=config.data.seq_len,
-        n_layer=model.n_layer,
-        n_head=model.n_head,
-        d_model=model.d_model,
+        seq_len=seq_len,
+        n_layer=model_config.n_layer,
+        n_head=model_config.n_head,
+        d_model=model_config.d_model,
         vocab_size=vocab_size,
-        dropout=model.dropout,
+        dropout=model_config.dropout,
     )
 
 
-def build_model(config: Config, vocab_size: int) -> torch.nn.Module:
-    """The model config.model.name names, with vocab_size tokens (see resolved_vocab_size), initialised
-    from config.run.seed. Built on the current default device: call `.to(device)` afterwards."""
-    name = config.model.name
+def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, seed: int) -> torch.nn.Module:
+    """The model model_config.name names (config.model), with vocab_size tokens (see resolved_vocab_size), rows
+    of seq_len tokens (config.data.seq_len), initialised from `seed` (config.run.seed). Built on the current
+    default device: call `.to(device)` afterwards."""
+    name = model_config.name
     if name == "gpt":
-        return GPT(gpt_config(config, vocab_size), seed=config.run.seed)
+        return GPT(gpt_config(model_config, vocab_size, seq_len), seed=seed)
     if name == "gru":
-        model = config.model
-        return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=config.run.seed)
+        model = model_config
+        return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=seed)
     if name == "encoder":  # the masked-LM fork (docs/forking.md, worked example 4)
-        return Encoder(gpt_config(config, vocab_size), seed=config.run.seed)
+        return Encoder(gpt_config(model_config, vocab_size, seq_len), seed=seed)
     # Only reachable in a fork that added a choice to model.name in config.py but no branch here.
     raise ConfigError(f'model.name: no model is built for "{name}"; add it to build_model in accumulation/models.py')
 
 
-def count_parameters(config: Config, vocab_size: int) -> int:
+def count_parameters(model_config: ModelConfig, vocab_size: int, seq_len: int) -> int:
     """The configured model's parameter count, from a build on PyTorch's "meta" device: every shape, no
     memory and no values, so any depth or width is counted exactly and at once."""
     with torch.device("meta"):
-        model = build_model(config, vocab_size)
+        model = build_model(model_config, vocab_size, seq_len=seq_len, seed=0)  # no values: any seed
     return sum(param.numel() for param in model.parameters())
 
 
-def loss_sum_fn_for(config: Config) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def loss_sum_fn_for(model_config: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """The loss of every model here: loss_sum_fn(outputs, labels) -> the SUM of the losses of the supervised
     targets (labels != -100), never their mean: the step divides by the global count N itself. A fork with
     another objective (label smoothing, a per-example classifier's loss, a regression) returns it here."""
@@ -109,15 +110,17 @@ def has_output_head(model: torch.nn.Module) -> bool:
     return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
 
 
-def uses_chunked_loss(config: Config, model: torch.nn.Module, device_type: str) -> bool:
+def uses_chunked_loss(
+    model_config: ModelConfig, dist_config: DistConfig, model: torch.nn.Module, device_type: str
+) -> bool:
     """model.loss resolved: "auto" is chunked on CUDA under DDP for a model with an output head and the token
     cross-entropy as its loss, plain otherwise (on the CPU the logits' memory matters less, the chunks' smaller
     products cost time (scripts/benchmarks/bench_loss.py), and the plain loss is the one a reader knows)."""
-    if config.model.loss == "plain":
+    if model_config.loss == "plain":
         return False
     # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
-    token_cross_entropy = loss_sum_fn_for(config) is token_cross_entropy_sum
-    if config.model.loss == "chunked":
+    token_cross_entropy = loss_sum_fn_for(model_config) is token_cross_entropy_sum
+    if model_config.loss == "chunked":
         if not token_cross_entropy:
             raise ConfigError(
                 'model.loss: "chunked" computes the token cross-entropy, but loss_sum_fn_for in '
@@ -126,22 +129,26 @@ def uses_chunked_loss(config: Config, model: torch.nn.Module, device_type: str) 
         if not has_output_head(model):
             raise ConfigError(
                 f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
-                f'{config.model.name} model does not have them; use "plain" or "auto"'
+                f'{model_config.name} model does not have them; use "plain" or "auto"'
             )
         return True
-    return device_type == "cuda" and config.dist.strategy == "ddp" and token_cross_entropy and has_output_head(model)
+    return device_type == "cuda" and dist_config.strategy == "ddp" and token_cross_entropy and has_output_head(model)
 
 
 def training_forward_and_loss(
-    config: Config, model: torch.nn.Module, device_type: str, compile: bool = False
+    model_config: ModelConfig,
+    dist_config: DistConfig,
+    model: torch.nn.Module,
+    device_type: str,
+    compile: bool = False,
 ) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels).
 
-    Plain: the model itself (logits) and loss_sum_fn_for(config). Chunked: FinalHiddenStates(model) (the same
+    Plain: the model itself (logits) and loss_sum_fn_for(model_config). Chunked: FinalHiddenStates(model) (the same
     parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
     `compile` (model.compile resolved) compiles the loss too, so neither its kernels nor its memory stay
     outside the compiled region; wrap_for_training compiles the module."""
-    if uses_chunked_loss(config, model, device_type):
+    if uses_chunked_loss(model_config, dist_config, model, device_type):
         return FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head, compile=compile)
-    loss_sum_fn = loss_sum_fn_for(config)
+    loss_sum_fn = loss_sum_fn_for(model_config)
     return model, torch.compile(loss_sum_fn) if compile else loss_sum_fn

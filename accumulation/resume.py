@@ -75,7 +75,7 @@ class ExpectedShapes:
     def of(cls, config: Config, model: torch.nn.Module) -> "ExpectedShapes":
         """Read from `model` (build it on the meta device: shapes without memory) and the optimizer that
         build_optimizer makes for it, so the grouping is the one training uses."""
-        optimizer = build_optimizer(config, model, torch.device("meta"))
+        optimizer = build_optimizer(config.optim, model, torch.device("meta"))
         return cls(
             model={name: tensor.shape for name, tensor in model.state_dict().items()},
             optimizer=[[parameter.shape for parameter in group["params"]] for group in optimizer.param_groups],

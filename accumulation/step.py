@@ -165,6 +165,10 @@ def optimizer_step(
         raise TypeError("with more than one rank the model must be wrapped in DistributedDataParallel or fully_shard")
     scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
 
+    # The step's four parts stay together here, in the order they run: each holds the maths of one stage (N, the
+    # micro-batches, the boundary's one all-reduce and read-back, the update), and the boundary's values feed the
+    # retry and the update. The micro-batch loop, the out-of-memory retry and the update are functions of their own.
+
     # 1. The global denominator N, before any forward.
     if global_counts is None:  # the fallback: one collective on host-side counts
         tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
@@ -178,28 +182,10 @@ def optimizer_step(
     rng_at_start = dropout_generator_states(device) if shrink_on_oom else None
 
     while True:
-        # 2. The micro-batches. Nothing in this loop reads a value back to the host (the loss sums stay on the
-        # device), so on a GPU the host keeps queueing copies and kernels while earlier ones still run.
-        last = len(micro_batches) - 1
-        loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
-        out_of_memory = False
-        for k, micro_batch in enumerate(micro_batches):
-            try:
-                loss_sum = accumulate(
-                    model, micro_batch, device, k < last, loss_sum_fn, loss_multiplier, scaler, autocast_dtype
-                )
-            except torch.OutOfMemoryError:
-                if not shrink_on_oom or micro_batch.labels.shape[0] == 1:
-                    raise
-                out_of_memory = True
-            if out_of_memory:
-                break
-            loss_sum_local += loss_sum.detach()
-        # Only for the log: a sum still attached to autograd would chain every micro-batch's graph to it until
-        # the step ends, and no value would show it; so this flag read, which costs nothing, guards it.
-        assert not loss_sum_local.requires_grad, "the logged loss sum must be accumulated detached"
-        if out_of_memory:  # outside the except clause: its traceback no longer holds the activations
-            recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
+        # 2. The micro-batches (run_micro_batches): this rank's loss sum, or the flag that it ran out of memory.
+        loss_sum_local, out_of_memory = run_micro_batches(
+            model, micro_batches, device, loss_sum_fn, loss_multiplier, scaler, autocast_dtype, shrink_on_oom
+        )
 
         # 3. The boundary: ONE float64 all-reduce carries the loss sum (for the exact logged loss), the stop flag
         # and the OOM flag; it is read back once, together with the gradient norm.
@@ -228,19 +214,37 @@ def optimizer_step(
         if out_of_memory_ranks == 0:
             break
         # Some rank ran out of memory: every rank saw it in the same all-reduce, so all shrink alike.
-        micro_batch_size = micro_batches[0].labels.shape[0]
-        smaller = smaller_micro_batch_size(micro_batch_size)
-        if smaller is None:
-            raise torch.OutOfMemoryError(f"out of memory with micro-batches of {micro_batch_size} row on some rank")
-        if unscaled and scaler.is_enabled():
-            # unscale_ was recorded for this optimizer; update() with the unchanged scale forgets it and leaves
-            # the scale and its growth count as they were at the step's start. (A read-back; OOMs are rare.)
-            scaler.update(new_scale=scaler.get_scale())
-        optimizer.zero_grad(set_to_none=True)
-        restore_dropout_generator_states(rng_at_start, device)
-        micro_batches = split_micro_batches(micro_batches, smaller)
+        micro_batches = shrink_for_retry(micro_batches, optimizer, scaler, unscaled, rng_at_start, device)
 
-    applied, skip_reason, grad_norm = False, None, (grad_norm[0] if grad_norm else 0.0)
+    # 4. At most one update, or the reason for none.
+    grad_norm = grad_norm[0] if grad_norm else 0.0
+    loss, applied, skip_reason = update_or_skip(optimizer, scaler, loss_sum_value, tokens_global, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss,
+        tokens_global,
+        global_counts.examples,
+        applied,
+        grad_norm,
+        skip_reason,
+        lr,
+        micro_batches=len(micro_batches),
+        micro_batch_size=micro_batches[0].labels.shape[0],
+        stop_requested=stops > 0,
+        loss_scale=loss_scale,
+    )
+
+
+def update_or_skip(
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    loss_sum_value: float,
+    tokens_global: int,
+    grad_norm: float,
+) -> tuple[float, bool, str | None]:
+    """The step's mean loss, whether its update was applied, and why not. `loss_sum_value` is the sum of every
+    rank's token losses, `tokens_global` the step's N, `grad_norm` the unscaled gradient's total norm."""
+    applied, skip_reason = False, None
     if tokens_global == 0:
         skip_reason = "no supervised tokens in the step"
         loss = math.nan
@@ -259,20 +263,67 @@ def optimizer_step(
         else:
             skip_reason = "non-finite gradient"
         scaler.update()
+    return loss, applied, skip_reason
+
+
+def run_micro_batches(
+    model: torch.nn.Module,
+    micro_batches: list[MicroBatch],
+    device: torch.device,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_multiplier: float,
+    scaler: torch.amp.GradScaler,
+    autocast_dtype: torch.dtype | None,
+    shrink_on_oom: bool,
+) -> tuple[torch.Tensor, bool]:
+    """Forward and backward of each micro-batch (accumulate), the all-reduce only in the last one's backward.
+    Returns this rank's loss sum (float64, on the device) and whether it ran out of memory (shrink_on_oom).
+    Nothing here reads a value back to the host (the loss sums stay on the device), so on a GPU the host keeps
+    queueing copies and kernels while earlier ones still run."""
+    last = len(micro_batches) - 1
+    loss_sum_local = torch.zeros((), dtype=torch.float64, device=device)  # a scalar: float64 costs nothing
+    out_of_memory = False
+    for k, micro_batch in enumerate(micro_batches):
+        try:
+            loss_sum = accumulate(
+                model, micro_batch, device, k < last, loss_sum_fn, loss_multiplier, scaler, autocast_dtype
+            )
+        except torch.OutOfMemoryError:
+            if not shrink_on_oom or micro_batch.labels.shape[0] == 1:
+                raise
+            out_of_memory = True
+        if out_of_memory:
+            break
+        loss_sum_local += loss_sum.detach()
+    # Only for the log: a sum still attached to autograd would chain every micro-batch's graph to it until
+    # the step ends, and no value would show it; so this flag read, which costs nothing, guards it.
+    assert not loss_sum_local.requires_grad, "the logged loss sum must be accumulated detached"
+    if out_of_memory:  # outside the except clause: its traceback no longer holds the activations
+        recover_from_out_of_memory(model, micro_batches[last], device, loss_sum_fn)
+    return loss_sum_local, out_of_memory
+
+
+def shrink_for_retry(
+    micro_batches: list[MicroBatch],
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    unscaled: bool,
+    rng_at_start: list[torch.Tensor],
+    device: torch.device,
+) -> list[MicroBatch]:
+    """After an out-of-memory error on some rank: the step's state put back as it was at its start, and the
+    same rows in micro-batches of the next smaller m (A grows, the examples do not change)."""
+    micro_batch_size = micro_batches[0].labels.shape[0]
+    smaller = smaller_micro_batch_size(micro_batch_size)
+    if smaller is None:
+        raise torch.OutOfMemoryError(f"out of memory with micro-batches of {micro_batch_size} row on some rank")
+    if unscaled and scaler.is_enabled():
+        # unscale_ was recorded for this optimizer; update() with the unchanged scale forgets it and leaves
+        # the scale and its growth count as they were at the step's start. (A read-back; OOMs are rare.)
+        scaler.update(new_scale=scaler.get_scale())
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(
-        loss,
-        tokens_global,
-        global_counts.examples,
-        applied,
-        grad_norm,
-        skip_reason,
-        lr,
-        micro_batches=len(micro_batches),
-        micro_batch_size=micro_batches[0].labels.shape[0],
-        stop_requested=stops > 0,
-        loss_scale=loss_scale,
-    )
+    restore_dropout_generator_states(rng_at_start, device)
+    return split_micro_batches(micro_batches, smaller)
 
 
 def accumulate(

@@ -153,8 +153,8 @@ def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys,
     rank (dropout seeds it per rank) and in each build: the checker refuses it."""
     real_build_model = check_equivalence.build_model
 
-    def unseeded_build_model(config, vocab_size):
-        model = real_build_model(config, vocab_size)
+    def unseeded_build_model(model_config, vocab_size, *, seq_len, seed):
+        model = real_build_model(model_config, vocab_size, seq_len=seq_len, seed=seed)
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.normal_(0, 0.02)  # the global generator, which moves on between builds

@@ -130,19 +130,26 @@ def test_two_ranks_with_the_chunked_loss_equal_the_float64_reference():
 
 
 def test_model_loss_chooses_the_pair_the_step_runs():
-    gpt = build_model(load_config(["model.loss=chunked"]), 256)
-    module, loss_sum_fn = training_forward_and_loss(load_config(["model.loss=chunked"]), gpt, "cpu")
+    def pair(overrides, model, device_type):
+        config = load_config(overrides)
+        return training_forward_and_loss(config.model, config.dist, model, device_type)
+
+    def build(overrides):
+        config = load_config(overrides)
+        return build_model(config.model, 256, seq_len=config.data.seq_len, seed=config.run.seed)
+
+    gpt = build(["model.loss=chunked"])
+    module, loss_sum_fn = pair(["model.loss=chunked"], gpt, "cpu")
     assert isinstance(module, FinalHiddenStates) and isinstance(loss_sum_fn, ChunkedCrossEntropySum)
     # auto: chunked on CUDA, plain on the CPU; plain is the model and the token cross-entropy
-    assert isinstance(training_forward_and_loss(load_config([]), gpt, "cuda")[0], FinalHiddenStates)
-    assert training_forward_and_loss(load_config([]), gpt, "cpu") == (gpt, token_cross_entropy_sum)
-    assert training_forward_and_loss(load_config(["model.loss=plain"]), gpt, "cuda")[0] is gpt
+    assert isinstance(pair([], gpt, "cuda")[0], FinalHiddenStates)
+    assert pair([], gpt, "cpu") == (gpt, token_cross_entropy_sum)
+    assert pair(["model.loss=plain"], gpt, "cuda")[0] is gpt
     # A model without hidden_states() and output_head keeps the plain loss under auto, and is refused for chunked.
-    gru_config = load_config(["model.name=gru", "model.loss=chunked"])
     with pytest.raises(ConfigError, match='model.loss: "chunked" needs a model with hidden_states'):
-        training_forward_and_loss(gru_config, build_model(gru_config, 256), "cpu")
-    gru = build_model(load_config(["model.name=gru"]), 256)
-    assert training_forward_and_loss(load_config(["model.name=gru"]), gru, "cuda")[0] is gru
+        pair(["model.name=gru", "model.loss=chunked"], build(["model.name=gru", "model.loss=chunked"]), "cpu")
+    gru = build(["model.name=gru"])
+    assert pair(["model.name=gru"], gru, "cuda")[0] is gru
 
 
 @pytest.mark.slow
@@ -156,7 +163,7 @@ def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_ex
     batches = micro_batches_of(seed=1, count=3)
     reference = float64_reference_gradient(model, batches)
     config = load_config([f"model.loss={loss}", "model.compile=true"])
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, "cpu", compile=True)
+    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, "cpu", compile=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     optimizer_step(torch.compile(forward_module), batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)

@@ -34,9 +34,9 @@ def rows_of(document: bytes, seq_len: int) -> int:
 
 def build(source, seq_len: int, val_fraction: float) -> data.Data:
     """The data of a source, validation reading its whole split (data.val_rows = 0)."""
-    return data.build_data(
-        Config(data=DataConfig(source=str(source), seq_len=seq_len, val_fraction=float(val_fraction), val_rows=0))
-    )
+    settings = DataConfig(source=str(source), seq_len=seq_len, val_fraction=float(val_fraction), val_rows=0)
+    defaults = Config()
+    return data.build_data(settings, model_vocab_size=defaults.model.vocab_size, seed=defaults.run.seed)
 
 
 def supervised_targets(rows: data.RowSet) -> bytes:
@@ -829,7 +829,7 @@ def test_configs_sft_toml_builds_its_data_without_truncation(monkeypatch):
     monkeypatch.chdir(REPO)  # data.source is relative to where train.py is started
     config = load_config(["--config", "configs/sft.toml"])
     assert config.data.source == "data/sft_arithmetic.jsonl"
-    built = data.build_data(config)
+    built = data.build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     summary = built.summary
     assert built.vocab_size == 256
     assert (summary.documents, summary.dropped_documents, summary.truncated_documents) == (2800, 0, 0)

@@ -41,7 +41,8 @@ def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
     assert [line["steps"] for line in metrics] == [1, 2, 3, 4]
     # Counted independently from the raw examples: every response byte is one supervised target (the
     # prompt, at least one byte, is never supervised; no example of this file is truncated at seq_len 100).
-    data = build_data(load_config(["--config", SFT_CONFIG]))
+    config = load_config(["--config", SFT_CONFIG])
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     expected_tokens = 0
     for line in metrics:
         row_ids = step_row_ids(data.train.num_rows, 8, 1337, line["steps"] - 1, "drop")
@@ -110,7 +111,8 @@ def test_mlm_counts_only_the_masked_positions(tmp_path, capsys):
     raw examples at each step (about 15% of 64 per row, different in every step)."""
     assert train.main(small_mlm(tmp_path, **{"run.max_steps": 3})) == 0
     metrics = read_metrics(tmp_path / "runs" / "mlm")
-    data = build_data(load_config(small_mlm(tmp_path)))
+    config = load_config(small_mlm(tmp_path))
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     expected_tokens, per_step = 0, []
     for line in metrics:
         step = line["steps"] - 1

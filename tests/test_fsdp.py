@@ -9,8 +9,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import train
-from accumulation.build import build_optimizer, load_optimizer_state, wrap_for_training
-from accumulation.config import load_config
+from accumulation.build import autocast_dtype_for, build_optimizer, load_optimizer_state, wrap_for_training
+from accumulation.config import load_config, resolved_compile
 from accumulation.data import build_data, build_micro_batches, step_row_ids
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
@@ -62,10 +62,16 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
     weights = {}
     for name, (arguments, dtype) in cases.items():
         config = load_config(arguments)
-        data = build_data(config)
-        model = build_model(config, resolved_vocab_size(config, data.vocab_size)).to(dtype)
-        wrapped = wrap_for_training(model, config, context)
-        optimizer = build_optimizer(config, model, CPU)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+        model = build_model(
+            config.model,
+            resolved_vocab_size(config.model, data.vocab_size),
+            seq_len=config.data.seq_len,
+            seed=config.run.seed,
+        ).to(dtype)
+        compiled, param_dtype = resolved_compile(config, "cpu"), autocast_dtype_for(config.precision)
+        wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
+        optimizer = build_optimizer(config.optim, model, CPU)
         row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
         micro_batches = build_micro_batches(
             data.train, row_ids, GLOBAL_BATCH_SIZE, config.batch.micro_batch_size, world_size, rank, step=0
@@ -86,7 +92,7 @@ def reloaded_optimizer_state(config, model, optimizer, whole_state: dict) -> dic
     dimension, the step still ran, with gloo warnings and three times slower.)"""
     box = [whole_state]
     dist.broadcast_object_list(box, src=0)
-    reloaded = build_optimizer(config, model, CPU)
+    reloaded = build_optimizer(config.optim, model, CPU)
     load_optimizer_state(reloaded, box[0])
     found = {"parameters": len(list(model.parameters())), "moments": 0, "misplaced": [], "different": []}
     for parameter in model.parameters():
@@ -129,8 +135,13 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
         assert reloaded["misplaced"] == [] and reloaded["different"] == [], (rank, reloaded)
 
     config = load_config(cases["fsdp2 m1"][0])
-    data = build_data(config)
-    model = build_model(config, resolved_vocab_size(config, data.vocab_size))
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    model = build_model(
+        config.model,
+        resolved_vocab_size(config.model, data.vocab_size),
+        seq_len=config.data.seq_len,
+        seed=config.run.seed,
+    )
     initial = model.state_dict()
     row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
     everything = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, GLOBAL_BATCH_SIZE, 1, 0, step=0)
@@ -152,7 +163,12 @@ def test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference(tmp_pat
             assert fsdp2_state["state"][number][key].shape == value.shape, (number, key)
             assert max_relative_error([fsdp2_state["state"][number][key]], [value]) <= FP32_RTOL, (number, key)
     gru_config = load_config(cases["ddp gru"][0])
-    gru_initial = build_model(gru_config, resolved_vocab_size(gru_config, data.vocab_size)).state_dict()
+    gru_initial = build_model(
+        gru_config.model,
+        resolved_vocab_size(gru_config.model, data.vocab_size),
+        seq_len=gru_config.data.seq_len,
+        seed=gru_config.run.seed,
+    ).state_dict()
     gru_ddp, gru_fsdp2 = updates(gru_initial, weights["ddp gru"]), updates(gru_initial, weights["fsdp2 gru"])
     assert max_relative_error(gru_fsdp2, gru_ddp) <= FP32_RTOL
 
@@ -161,11 +177,17 @@ def communication_worker(rank: int, world_size: int, arguments: list[str]) -> di
     """Counted collectives of one fsdp2 update with A = 4, with and without the step's no-sync; then the
     GradScaler on sharded gradients where only rank 0's shard holds an inf."""
     config = load_config(arguments)
-    data = build_data(config)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
-    model = build_model(config, resolved_vocab_size(config, data.vocab_size))
-    wrapped = wrap_for_training(model, config, context)
-    optimizer = build_optimizer(config, model, CPU)
+    model = build_model(
+        config.model,
+        resolved_vocab_size(config.model, data.vocab_size),
+        seq_len=config.data.seq_len,
+        seed=config.run.seed,
+    )
+    compiled, param_dtype = resolved_compile(config, "cpu"), autocast_dtype_for(config.precision)
+    wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
+    optimizer = build_optimizer(config.optim, model, CPU)
     row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
     micro_batches = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, 1, world_size, rank, step=0)
     found = {}

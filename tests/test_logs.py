@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-import train
+from accumulation import logs
 from accumulation.checkpoint import WriteError
 from accumulation.counters import Counters
 from accumulation.distributed import DistributedContext
@@ -49,9 +49,9 @@ def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"steps": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
     path.write_text("".join(lines) + '{"steps": 4, "lo')  # a process killed in the middle of writing step 4
-    train.keep_metrics_up_to(path, 3)
+    logs.keep_metrics_up_to(path, 3)
     assert path.read_text() == "".join(lines)
-    train.keep_metrics_up_to(path, 2)
+    logs.keep_metrics_up_to(path, 2)
     assert path.read_text() == "".join(lines[:2])
 
 
@@ -59,7 +59,7 @@ def test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all(tmp_path):
     """A real full disk: the kernel takes part of the line, then refuses the rest. The part is cut off
     again, so the file ends with the last whole line, and the error is one line naming the file."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        metrics_file = train.MetricsFile(disk / "metrics.jsonl")
+        metrics_file = logs.MetricsFile(disk / "metrics.jsonl")
         metrics_file.write(json.dumps({"steps": 1}) + "\n")
         fill_disk(disk, leave_free_bytes=0)
         # tmpfs counts whole pages: the file's first page still has room for part of a long line
@@ -79,7 +79,7 @@ def test_rewriting_metrics_on_a_full_disk_leaves_the_file_unchanged(tmp_path):
         path.write_text(text)
         fill_disk(disk, leave_free_bytes=0)
         with pytest.raises(WriteError, match="could not be rewritten for the resume: the disk is full"):
-            train.keep_metrics_up_to(path, 20)
+            logs.keep_metrics_up_to(path, 20)
         assert path.read_text() == text
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]  # no temporary file
 
@@ -88,15 +88,15 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
     """TensorBoard's writer thread fails first; its error comes back at a later call as one WriteError, and
     the thread's own traceback stays off the terminal."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        metrics_file, writers = train.open_logs(SINGLE_PROCESS, disk, disk / "metrics.jsonl", False, Counters())
+        metrics_file, writers = logs.open_logs(SINGLE_PROCESS, disk, disk / "metrics.jsonl", False, Counters())
         metrics_file.close()
-        metrics_file = train.MetricsFile(tmp_path / "metrics.jsonl")  # the metrics file elsewhere: only TB fills
+        metrics_file = logs.MetricsFile(tmp_path / "metrics.jsonl")  # the metrics file elsewhere: only TB fills
         fill_disk(disk, leave_free_bytes=0)
         record = {**vars(Counters()), **dict.fromkeys(SCALARS, 1.0)}
         with pytest.raises(WriteError) as raised:
             for step in range(1, 5000):
-                train.write_metrics(SINGLE_PROCESS, metrics_file, writers, {**record, "updates": step, "tokens": step})
-                train.flush_logs(metrics_file, writers)
+                logs.write_metrics(SINGLE_PROCESS, metrics_file, writers, {**record, "updates": step, "tokens": step})
+                logs.flush_logs(metrics_file, writers)
         assert str(raised.value).startswith(f"TensorBoard events in {disk / 'tensorboard'} could not be written")
         assert "the disk is full" in str(raised.value)
         assert "Traceback" not in capfd.readouterr().err
@@ -186,10 +186,10 @@ def test_plant_bugs_tells_a_caught_bug_from_a_harmless_change_and_a_vanished_tex
 def test_the_last_line_is_the_steady_state_speed_with_the_warm_up_apart():
     """A first step of 20 s (compiling) must not drag the speed a user gets: 4 steps of 1,000 supervised tokens,
     the first two 20 s and 2 s, the last two 0.5 s each: 2,000 tokens in 1 s = 2.0k tokens/s in steady state."""
-    line = train.speed_line([(1000, 20.0), (1000, 2.0), (1000, 0.5), (1000, 0.5)], wall_seconds=25.0)
+    line = logs.speed_line([(1000, 20.0), (1000, 2.0), (1000, 0.5), (1000, 0.5)], wall_seconds=25.0)
     assert line.startswith("speed: 2.0k supervised tokens/s in steady state (2 steps, 0.500 s per step)")
-    assert f"the first {train.WARMUP_STEPS} steps (compiling, warm-up) took 22.0 s" in line
+    assert f"the first {logs.WARMUP_STEPS} steps (compiling, warm-up) took 22.0 s" in line
     assert "23.0 s in optimizer steps of 25.0 s wall time" in line
     # Too short for a steady state: all steps together, and said so.
-    short = train.speed_line([(1000, 2.0), (1000, 0.5)], wall_seconds=3.0)
+    short = logs.speed_line([(1000, 2.0), (1000, 0.5)], wall_seconds=3.0)
     assert short.startswith("speed: 0.8k supervised tokens/s over all 2 steps, warm-up included (too few steps")

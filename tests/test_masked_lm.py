@@ -13,7 +13,7 @@ from tests.conformance.tokens import REPO, write_token_folder
 def masked_rows(tmp_path, seed: int = 1337):
     tokens = write_token_folder(tmp_path)
     config = load_config(["--config", str(REPO / "configs" / "mlm.toml"), f"data.source={tokens}", f"run.seed={seed}"])
-    return build_data(config).train
+    return build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed).train
 
 
 def test_fifteen_percent_masked_80_10_10_and_only_the_masked_supervised(tmp_path):

@@ -70,7 +70,9 @@ def test_peak_memory_is_flat_under_accumulation():
     model that is 3.5 MB against 19.5 MB of activations at m = 4, so the issue's m_A8 <= 1.05 · m_A1 is
     asserted with grad_bytes added.
     """
-    rows = build_data(measuring.DEFAULTS).train
+    rows = build_data(
+        measuring.DEFAULTS.data, model_vocab_size=measuring.DEFAULTS.model.vocab_size, seed=measuring.DEFAULTS.run.seed
+    ).train
     cpu = torch.device("cpu")
     m = 4
 

@@ -52,8 +52,12 @@ def test_bytes_in_both_formats_hold_the_documents_and_load_as_the_same_rows(tmp_
     assert meta["train_tokens"] == len(expected["train"])
 
     settings = ["data.seq_len=16"]
-    from_nanogpt = build_data(load_config([f"data.source={nanogpt}", *settings]))
-    from_llmc = build_data(load_config([f"data.source={tmp_path / 'out' / 'llmc'}", *settings]))
+    nanogpt_config = load_config([f"data.source={nanogpt}", *settings])
+    llmc_config = load_config([f"data.source={tmp_path / 'out' / 'llmc'}", *settings])
+    from_nanogpt = build_data(
+        nanogpt_config.data, model_vocab_size=nanogpt_config.model.vocab_size, seed=nanogpt_config.run.seed
+    )
+    from_llmc = build_data(llmc_config.data, model_vocab_size=llmc_config.model.vocab_size, seed=llmc_config.run.seed)
     assert from_nanogpt.train.num_rows == from_llmc.train.num_rows == (len(expected["train"]) - 1) // 16
     ids = torch.arange(from_nanogpt.train.num_rows)
     pairs = zip(from_nanogpt.train.examples(ids), from_llmc.train.examples(ids), strict=True)
@@ -145,7 +149,8 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
     lines = [{"prompt": "The first", "response": " document."}, {"text": "third\nthird\n"}]
     source = jsonl(tmp_path / "sft.jsonl", *lines)
     settings = [f"data.source={source}", f"data.tokenizer={tokenizer_path}", "data.val_fraction=0", "data.seq_len=32"]
-    built = build_data(load_config(settings))
+    config = load_config(settings)
+    built = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     assert built.vocab_size == tokenizer.get_vocab_size() and built.summary.vocab_from == "data.tokenizer"
     example = built.train.raw_example(0)
     prompt = tokenizer.encode("The first", add_special_tokens=False).ids
@@ -156,9 +161,8 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
     supervised = labels[0][labels[0] != -100].tolist()
     assert supervised == response
     # Text with the tokenizer, packed: documents separated by the end token.
-    packed = build_data(
-        load_config([f"data.source={tmp_path / 'c'}", f"data.tokenizer={tokenizer_path}", "data.layout=packed"])
-    )
+    config = load_config([f"data.source={tmp_path / 'c'}", f"data.tokenizer={tokenizer_path}", "data.layout=packed"])
+    packed = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     assert packed.train.raw_example(0).inputs[0] == end
     assert packed.summary.padding_fraction == 0
 
@@ -166,4 +170,5 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
 def test_a_missing_tokenizer_file_is_a_data_error(tmp_path):
     pytest.importorskip("tokenizers")
     with pytest.raises(data.DataError, match="cannot load it as a tokenizer.json"):
-        build_data(load_config([f"data.tokenizer={tmp_path / 'nope.json'}"]))
+        config = load_config([f"data.tokenizer={tmp_path / 'nope.json'}"])
+        build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)

@@ -65,9 +65,9 @@ def validation_worker(rank: int, world_size: int, corpus: Path, micro_batch_size
     losses = []
     for micro_batch_size in micro_batch_sizes:
         config = load_config(validation_settings(corpus, micro_batch_size))
-        data = build_data(config)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         torch.manual_seed(0)
-        model = build_model(config, data.vocab_size)
+        model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
         context = DistributedContext(rank, rank, world_size, CPU, "gloo" if world_size > 1 else None)
         losses.append(train.validation_loss(model, data, config, context, config.batch.micro_batch_size))
     return losses
@@ -76,7 +76,7 @@ def validation_worker(rank: int, world_size: int, corpus: Path, micro_batch_size
 def test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size(tmp_path):
     corpus = validation_corpus(tmp_path / "corpus")
     config = load_config(validation_settings(corpus, 1))
-    data = build_data(config)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     rows = data.val.num_rows
     # Several rows on each rank, and micro-batch sizes that leave a short last micro-batch (rows % m > 0)
     # and an odd number of micro-batches, so that the ranks hold different numbers of real ones and one
@@ -85,7 +85,9 @@ def test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size(tmp_path):
     assert rows >= 8 and all(rows % m for m in micro_batch_sizes[1:]), rows
     assert any(math.ceil(rows / m) % 2 for m in micro_batch_sizes), rows
     torch.manual_seed(0)
-    model = build_model(config, data.vocab_size).double().eval()
+    model = (
+        build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).double().eval()
+    )
     inputs, labels = data.val.examples(torch.arange(rows))
     with torch.no_grad():
         reference = full_batch_mean_loss(model(inputs), labels).item()

@@ -21,7 +21,7 @@ SINGLE_CPU_PROCESS = DistributedContext(rank=0, local_rank=0, world_size=1, devi
 def swept_rows(tmp_path, micro_batch_sizes: list[int]) -> list[dict]:
     corpus_folder = short_documents_corpus(tmp_path / "corpus")
     config = load_config([*TINY_CONFIG, f"data.source={corpus_folder}"])
-    corpus = build_data(config)
+    corpus = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     row_ids = step_row_ids(corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail)
     rows = sweep_microbatch.planned_rows(config.batch.global_batch_size, micro_batch_sizes, world_size=1)
     sweep_microbatch.sweep(config, corpus, corpus.vocab_size, row_ids, SINGLE_CPU_PROCESS, rows)
@@ -53,7 +53,7 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     monkeypatch.setattr(
         sweep_microbatch,
         "training_forward_and_loss",
-        lambda config, model, device_type, compile=False: (model, micro_batch_mean),
+        lambda model_config, dist_config, model, device_type, compile=False: (model, micro_batch_mean),
     )
     rows = swept_rows(tmp_path, [1, 8])
     assert rows[1]["grad_max_relative_difference"] > 1e-2
@@ -111,7 +111,7 @@ def test_a_micro_batch_size_that_does_not_fit_is_marked_and_the_sweep_goes_on(tm
                 raise torch.OutOfMemoryError("injected: more than 2 rows")
             return self.model(inputs)
 
-    monkeypatch.setattr(sweep_microbatch, "build_model", lambda *a: RaisesAboveTwoRows(build_model(*a)))
+    monkeypatch.setattr(sweep_microbatch, "build_model", lambda *a, **k: RaisesAboveTwoRows(build_model(*a, **k)))
     rows = swept_rows(tmp_path, [4, 1, 8, 2])
     assert [row["skipped"] for row in rows] == [
         sweep_microbatch.OUT_OF_MEMORY,

@@ -64,7 +64,8 @@ def llmc_folder(folder: Path, shard_tokens=(1200, 900, 700), val_tokens=400, ver
 
 
 def build(source, *settings) -> data.Data:
-    return build_data(load_config([f"data.source={source}", "data.seq_len=16", *settings]))
+    config = load_config([f"data.source={source}", "data.seq_len=16", *settings])
+    return build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -434,9 +435,9 @@ def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_
     # The reference: the initial weights, minus lr (1.0) times the float64 gradient of the mean loss over
     # every supervised target of step 0's 8 rows as one batch.
     config = load_config(tiny_token_run(tmp_path, source, **ONE_PLAIN_SGD_STEP_WITHOUT_VALIDATION))
-    loaded = build_data(config)
+    loaded = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     initial = torch.load(tmp_path / "runs" / "m8_D1" / "checkpoints" / "step_000000.pt", weights_only=True)["model"]
-    model = build_model(config, loaded.vocab_size)
+    model = build_model(config.model, loaded.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     model.load_state_dict(initial)
     row_ids = step_row_ids(loaded.train.num_rows, 8, config.run.seed, 0, "drop")
     gradient = float64_reference_gradient(model, build_micro_batches(loaded.train, row_ids, 8, 8, 1, 0, step=0))

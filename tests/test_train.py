@@ -103,7 +103,8 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, ranks
     metrics = read_metrics(run_dir)
     assert [m["steps"] for m in metrics] == [1, 2, 3, 4]
     accum = accumulation_steps(8, 2, ranks)
-    loaded = build_data(load_config([f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.1"]))
+    config = load_config([f"data.source={corpus}", "data.seq_len=16", "data.val_fraction=0.1"])
+    loaded = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     consumed_tokens = 0
     for line in metrics:
         assert CONTRACT_METRICS <= line.keys()

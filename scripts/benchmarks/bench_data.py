@@ -66,7 +66,7 @@ def feeding_speed(folder: Path, seconds: float) -> tuple[float, float, float]:
     torch.set_num_threads(1)
     start = time.perf_counter()
     config = load_config([f"data.source={folder}", f"data.seq_len={SEQ_LEN}", "model.vocab_size=50304"])
-    data = build_data(config)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     startup_s = time.perf_counter() - start
     micro_batches = tokens = step = 0
     start = time.perf_counter()

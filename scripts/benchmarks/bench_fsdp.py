@@ -40,8 +40,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accumulation.build import build_optimizer, wrap_for_training
-from accumulation.config import Config, load_config
+from accumulation.build import autocast_dtype_for, build_optimizer, wrap_for_training
+from accumulation.config import Config, load_config, resolved_compile
 from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_micro_batches, make_rows, step_row_ids
 from accumulation.distributed import DistributedContext
 from accumulation.models import build_model
@@ -104,7 +104,9 @@ def padded_gradient_bytes(model_config: Config, world_size: int) -> int:
     """The whole fp32 gradient with every parameter padded to a multiple of `world_size` rows, as FSDP2
     lays it out for its reduce-scatter."""
     with torch.device("meta"):
-        model = build_model(model_config, BYTE_VOCAB_SIZE)
+        model = build_model(
+            model_config.model, BYTE_VOCAB_SIZE, seq_len=model_config.data.seq_len, seed=model_config.run.seed
+        )
     total = 0
     for param in model.parameters():
         rows = -(-param.shape[0] // world_size) * world_size
@@ -142,10 +144,12 @@ def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
     """One rank's figures for one strategy (run by run_on_ranks)."""
     config = bench_config(strategy)
     rows = source_rows(config.data.seq_len)
-    model = build_model(config, BYTE_VOCAB_SIZE)
+    model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
-    wrapped = wrap_for_training(model, config, context)
-    optimizer = build_optimizer(config, model, CPU)
+    compiled = resolved_compile(config, CPU.type)
+    param_dtype = autocast_dtype_for(config.precision)
+    wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
+    optimizer = build_optimizer(config.optim, model, CPU)
     figures = {}
     batches = iter(step_batches(config, rows, step, world_size, rank) for step in range(4))
     optimizer_step(wrapped, next(batches), optimizer, device=CPU)  # warm-up: AdamW creates its state
@@ -189,7 +193,7 @@ def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
 def measure() -> dict:
     config = bench_config("fsdp2")
     with torch.device("meta"):
-        model = build_model(config, BYTE_VOCAB_SIZE)
+        model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     parameters = sum(p.numel() for p in model.parameters())
     results = {
         "parameters": parameters,

@@ -74,7 +74,7 @@ COLLECTIVES = (
 
 
 def default_model_config() -> GPTConfig:
-    return gpt_config(DEFAULTS, BYTE_VOCAB_SIZE)
+    return gpt_config(DEFAULTS.model, BYTE_VOCAB_SIZE, DEFAULTS.data.seq_len)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class LoopState:
 def default_loop_state(model: torch.nn.Module, device: torch.device) -> LoopState:
     """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler, and fresh
     counters."""
-    optimizer = build_optimizer(DEFAULTS, model, device)
+    optimizer = build_optimizer(DEFAULTS.optim, model, device)
     schedule = DEFAULTS.schedule
     scheduler = build_scheduler(
         optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio
@@ -109,7 +109,7 @@ def run_step(model, micro_batches, loop: LoopState, device, autocast_dtype=None,
         loop.optimizer,
         device=device,
         scaler=loop.scaler,
-        loss_sum_fn=loss_sum_fn_for(DEFAULTS),
+        loss_sum_fn=loss_sum_fn_for(DEFAULTS.model),
         grad_clip=DEFAULTS.optim.grad_clip,
         autocast_dtype=autocast_dtype,
         global_counts=global_counts if global_counts is not None else global_counts_of([micro_batches]),
@@ -153,7 +153,7 @@ def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pair
     ours_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
     bare_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
     ours_loop = default_loop_state(ours_model, device)
-    bare_optimizer = build_optimizer(DEFAULTS, bare_model, device)
+    bare_optimizer = build_optimizer(DEFAULTS.optim, bare_model, device)
     ours_seconds, bare_seconds = [], []
     counts_of_steps = [global_counts_of([micro_batches]) for micro_batches in batches_of_steps]  # train.py: from ids
     for pair in range(warmup_pairs + timed_pairs):
@@ -442,7 +442,7 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     autocast_dtype = torch.bfloat16 if device.type == "cuda" else None  # GPUs train in bf16 (configs/gpu_8x.toml)
     torch.set_num_threads(args.threads)
-    rows = build_data(DEFAULTS).train
+    rows = build_data(DEFAULTS.data, model_vocab_size=DEFAULTS.model.vocab_size, seed=DEFAULTS.run.seed).train
     return {
         **measure_time(rows, args, device, autocast_dtype),
         **measure_memory(rows, args, device, autocast_dtype),

@@ -72,10 +72,12 @@ class PeerLoop:
 def project_loop(config: Config, vocab_size: int, device: torch.device, compiled: bool) -> PeerLoop:
     """This project's step as train.py runs it: training_forward_and_loss (model.loss), compiled when `compiled`,
     optimizer_step with the config's scaler, clipping and autocast, and the step's counts given."""
-    model = build_model(config, vocab_size).to(device)
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
+    forward_module, loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, device.type, compile=compiled
+    )
     wrapped = torch.compile(forward_module) if compiled else forward_module
-    optimizer = build_optimizer(config, model, device)
+    optimizer = build_optimizer(config.optim, model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
 
     def step(micro_batches: list[MicroBatch], global_counts: GlobalCounts) -> None:
@@ -87,7 +89,7 @@ def project_loop(config: Config, vocab_size: int, device: torch.device, compiled
             scaler=scaler,
             loss_sum_fn=loss_sum_fn,
             grad_clip=config.optim.grad_clip,
-            autocast_dtype=autocast_dtype_for(config),
+            autocast_dtype=autocast_dtype_for(config.precision),
             global_counts=global_counts,
         )
 
@@ -101,12 +103,12 @@ def nanogpt_loop(config: Config, vocab_size: int, device: torch.device, compiled
     gradient sync only in the last micro-batch; then unscale, clip, step, update and zero the gradients. The mean
     over a micro-batch divided by A weights every token equally only when every micro-batch holds the same number
     of supervised targets (packed rows, every target supervised): that is the case the comparison runs."""
-    model = build_model(config, vocab_size).to(device)
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
     model_and_loss = MeanCrossEntropy(model)
     model_and_loss = torch.compile(model_and_loss) if compiled else model_and_loss
-    optimizer = build_optimizer(config, model, device)
+    optimizer = build_optimizer(config.optim, model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
-    autocast_dtype = autocast_dtype_for(config)
+    autocast_dtype = autocast_dtype_for(config.precision)
 
     def step(micro_batches: list[MicroBatch], global_counts: GlobalCounts) -> None:
         accumulation = len(micro_batches)
@@ -169,8 +171,8 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
     device = torch.device("cuda" if use_cuda else "cpu")
     torch.set_num_threads(args.threads)
     set_tf32(config.precision.tf32)
-    data = build_data(config)
-    vocab_size = resolved_vocab_size(config, data.vocab_size)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    vocab_size = resolved_vocab_size(config.model, data.vocab_size)
     m, accumulation = config.batch.micro_batch_size, args.accumulation_steps
     warmup_steps, timed_steps = (1, 2) if args.quick else (3, 10)
     steps = pinned(
@@ -190,7 +192,7 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         del loops
         if use_cuda:
             torch.cuda.empty_cache()
-    model = build_model(config, vocab_size)
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     positions_per_s = accumulation * m * config.data.seq_len / ours["seconds_per_step"]
     supervised = statistics.median(global_counts_of([micro_batches]).tokens for micro_batches in steps)
     results = {
@@ -203,7 +205,7 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         "seq_len": config.data.seq_len,
         "precision": precision,
         "compile": compiled,
-        "loss": "chunked" if uses_chunked_loss(config, model, device.type) else "plain",
+        "loss": "chunked" if uses_chunked_loss(config.model, config.dist, model, device.type) else "plain",
         "seconds_per_step": ours["seconds_per_step"],
         "positions_per_s": positions_per_s,
         "tokens_per_s": supervised / ours["seconds_per_step"],

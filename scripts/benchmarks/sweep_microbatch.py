@@ -108,8 +108,8 @@ def main(argv: list[str]) -> int:
                 f"--micro: none of {arguments.micro} gives a whole number of accumulation steps ({rows[0]['skipped']})"
             )
         check_device_available(config)
-        corpus = build_data(config)
-        vocab_size = resolved_vocab_size(config, corpus.vocab_size)
+        corpus = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+        vocab_size = resolved_vocab_size(config.model, corpus.vocab_size)
         row_ids = step_row_ids(
             corpus.train.num_rows, config.batch.global_batch_size, config.run.seed, 0, config.batch.tail
         )
@@ -206,11 +206,15 @@ def measure_one_update(
     """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
-    model = build_model(without_dropout(config), vocab_size).to(device)  # the same initial weights for every m
+    plain = without_dropout(config)  # the same initial weights for every m
+    model = build_model(plain.model, vocab_size, seq_len=plain.data.seq_len, seed=plain.run.seed).to(device)
     # model.loss and model.compile as train.py resolves them (the chunked loss lets m grow further on a GPU).
     compiled = resolved_compile(config, device.type)
-    forward_module, loss_sum_fn = training_forward_and_loss(config, model, device.type, compile=compiled)
-    wrapped = wrap_for_training(forward_module, config, context)
+    forward_module, loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, device.type, compile=compiled
+    )
+    param_dtype = autocast_dtype_for(config.precision)
+    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
     optimizer, handed = first_update_probe(model)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     micro_batches = build_micro_batches(  # row_ids are step 0's, and the rows are as step 0 sees them
@@ -232,7 +236,7 @@ def measure_one_update(
             scaler=scaler,
             loss_sum_fn=loss_sum_fn,
             grad_clip=config.optim.grad_clip,
-            autocast_dtype=autocast_dtype_for(config),
+            autocast_dtype=autocast_dtype_for(config.precision),
         )
 
     one_update()

@@ -117,12 +117,18 @@ def run_dir_summary(run_dir: Path) -> tuple[dict, dict, list[dict]]:
 
 
 def soak(steps: int, faults: int, seed: int, work: Path, say=print) -> dict:
+    """The uninterrupted run, the same run under faults, and the report comparing their run directories."""
     rng = random.Random(seed)
     corpus = write_corpus(work / "corpus")
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     environment.setdefault("TORCHINDUCTOR_CACHE_DIR", str(work / "inductor"))
+    reference_s = run_uninterrupted(steps, corpus, work, environment, say)
+    injected, launches, chaos_s = run_under_faults(steps, faults, rng, corpus, work, environment)
+    return compare_with_reference(steps, faults, work, injected, launches, reference_s, chaos_s)
 
-    # The uninterrupted run.
+
+def run_uninterrupted(steps: int, corpus: Path, work: Path, environment: dict, say) -> float:
+    """The reference: the run with no fault, in work/reference. Returns its seconds."""
     started = time.monotonic()
     with open(work / "reference.log", "w") as log:
         status = launch(
@@ -132,7 +138,14 @@ def soak(steps: int, faults: int, seed: int, work: Path, say=print) -> dict:
     if status != 0:
         raise SystemExit(f"the uninterrupted run failed (exit {status}); see {work / 'reference.log'}")
     say(f"uninterrupted run: {steps} steps in {reference_s:.1f} s")
+    return reference_s
 
+
+def run_under_faults(
+    steps: int, faults: int, rng: random.Random, corpus: Path, work: Path, environment: dict
+) -> tuple[list[dict], int, float]:
+    """The same run in work/chaos, under torchrun, with `faults` faults injected; a job whose agent was sent
+    SIGTERM is launched again, as a requeue. Returns (the faults injected, torchrun launches, seconds)."""
     # The faults: about a quarter are kills during a save, planned at random checkpoint steps; the rest are
     # drawn at random moments from the other two kinds.
     checkpoint_steps = list(range(10, steps, 10))
@@ -186,7 +199,15 @@ def soak(steps: int, faults: int, seed: int, work: Path, say=print) -> dict:
                 mark = progress
             time.sleep(0.05)
     chaos_s = time.monotonic() - started
+    return injected, launches, chaos_s
 
+
+def compare_with_reference(
+    steps: int, faults: int, work: Path, injected: list[dict], launches: int, reference_s: float, chaos_s: float
+) -> dict:
+    """The report: the faults, the time lost, and whether the run under faults ended exactly as the reference."""
+    step_log = work / "steps.log"
+    chaos = work / "chaos"
     fired_in_save = [json.loads(line) for line in (work / "faults.jsonl").read_text().splitlines()]
     for entry in fired_in_save:
         injected.append({"kind": "kill-in-save", "after_step": entry["kill_before_rename"], "at_s": None})

@@ -138,8 +138,8 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(config_argv)
         check_config_for_world(config, world_size)
-        data = build_data(config)
-        vocab_size = resolved_vocab_size(config, data.vocab_size)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         rows = BuggyRows(data.train, bug, rank) if bug in FORK_BUGS and bug != "mean-loss" else data.train
         batch = step_batch(
             rows,
@@ -192,10 +192,12 @@ def check(
 ) -> int:
     config = without_dropout(config)
     set_tf32(False)  # whatever precision.tf32 says: TF32 rounds fp32 products to ~1e-3, above the fp32 tolerance
-    model = build_model(config, vocab_size).to(context.device)
-    reference_model = build_model(config, vocab_size).double()  # a second build: it must equal the first
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(context.device)
+    reference_model = build_model(
+        config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed
+    ).double()  # a second build: it must equal the first
     same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
-    loss_sum_fn = mean_loss(loss_sum_fn_for(config)) if bug == "mean-loss" else loss_sum_fn_for(config)
+    loss_sum_fn = mean_loss(loss_sum_fn_for(config.model)) if bug == "mean-loss" else loss_sum_fn_for(config.model)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
     loop_gradients, result = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
@@ -207,8 +209,9 @@ def check(
         f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
     )
+    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
     print(
-        f"model: {type(model).__name__} ({config.model.name}), {count_parameters(config, vocab_size):,} parameters "
+        f"model: {type(model).__name__} ({config.model.name}), {parameters:,} parameters "
         f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
     )
     if bug:
@@ -353,12 +356,15 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
     The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
     # model.loss and model.compile as train.py resolves them: the plain or the chunked loss, compiled or not.
     compiled = resolved_compile(config, context.device.type)
-    forward_module, train_loss_sum_fn = training_forward_and_loss(config, model, context.device.type, compile=compiled)
+    forward_module, train_loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, context.device.type, compile=compiled
+    )
     if bug != "mean-loss":  # SELF-TEST ONLY otherwise: the loop keeps the given loss, a mean instead of a sum
         loss_sum_fn = train_loss_sum_fn
     else:
         forward_module = model
-    wrapped = wrap_for_training(forward_module, config, context)
+    param_dtype = autocast_dtype_for(config.precision)
+    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
     optimizer, handed = first_update_probe(model)
     micro_batches = batch.micro_batches
     if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
@@ -384,7 +390,7 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         device=context.device,
         scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
         loss_sum_fn=loss_sum_fn,
-        autocast_dtype=autocast_dtype_for(config),
+        autocast_dtype=autocast_dtype_for(config.precision),
         global_counts=global_counts,
     )
     return (handed[0] if result.applied else None), result

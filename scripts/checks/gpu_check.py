@@ -235,9 +235,15 @@ def check_compile(device: torch.device) -> tuple[bool, str]:
         model = GPT(SMALL, seed=1).to(device)
         # Compiled as train.py compiles on CUDA: the chunked loss (model.loss = "auto") compiled with the model.
         forward_module, loss_sum_fn = (
-            training_forward_and_loss(config, model, device.type, compile=True) if compiled else (model, None)
+            training_forward_and_loss(config.model, config.dist, model, device.type, compile=True)
+            if compiled
+            else (model, None)
         )
-        wrapped = wrap_for_training(forward_module, config, single) if compiled else model
+        wrapped = (
+            wrap_for_training(forward_module, config.dist, single, compile=True, param_dtype=None)
+            if compiled
+            else model
+        )
         loss_options = {"loss_sum_fn": loss_sum_fn} if compiled else {}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         losses[compiled] = []
@@ -361,9 +367,10 @@ def check_cpu_checkpoint_on_cuda(device: torch.device) -> tuple[bool, str]:
         checkpoint = torch.load(Path(scratch, "runs", "check", "checkpoints", "latest.pt"), weights_only=True)
         resumed = train(Path(scratch), *common, "device=cuda", "run.max_steps=4")
     config = load_config([*SMALL_RUN, f"data.source={folder}"])
-    model = build_model(config, vocab_size=256).to(device)  # bytes, as the run's data
+    # bytes, as the run's data
+    model = build_model(config.model, vocab_size=256, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
     model.load_state_dict(checkpoint["model"])
-    optimizer = build_optimizer(config, model, device)
+    optimizer = build_optimizer(config.optim, model, device)
     load_optimizer_state(optimizer, checkpoint["optimizer"])
     fused = all(group.get("fused") for group in optimizer.param_groups)
     on_gpu = all(state["step"].device.type == "cuda" for state in optimizer.state.values())

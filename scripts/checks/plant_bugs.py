@@ -58,7 +58,7 @@ BUGS = [
     Bug(
         "tb-purge-off-by-one",
         "TensorBoard's purge step on resume one too early: the checkpoint's own point is dropped",
-        "train.py",
+        "accumulation/logs.py",
         "purge_step=counters.updates + 1 if resumed else None",
         "purge_step=counters.updates if resumed else None",
         [TENSORBOARD_TEST],
@@ -66,7 +66,7 @@ BUGS = [
     Bug(
         "tb-no-purge-on-tokens",
         "no purge on the token axis: points of steps run twice appear twice",
-        "train.py",
+        "accumulation/logs.py",
         "purge_step=counters.tokens + 1 if resumed else None",
         "purge_step=None",
         [TENSORBOARD_TEST],
@@ -99,7 +99,7 @@ BUGS = [
     Bug(
         "half-metrics-line",
         "a full disk leaves half a metrics line that a resume would keep as a record",
-        "train.py",
+        "accumulation/logs.py",
         "            os.ftruncate(self.descriptor, size_before)",
         "            pass",
         ["tests/test_logs.py::test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all"],

@@ -41,8 +41,9 @@ CPU = torch.device("cpu")
 
 def train(config, data, global_batch_size: int, micro_batch_size: int, steps: int) -> list[float]:
     """The training loss of every step of one run (the step's exact token-mean loss)."""
-    model = build_model(config, data.vocab_size)  # the same initial weights for every run
-    optimizer = build_optimizer(config, model, CPU)
+    # the same initial weights for every run
+    model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    optimizer = build_optimizer(config.optim, model, CPU)
     schedule = config.schedule
     scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
     losses = []
@@ -98,7 +99,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)  # the same matrix kernels for every run: only the micro-batch layout differs
     config = load_config(CONFIG_ARGUMENTS)
-    data = build_data(config)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     curves = {run: train(config, data, *run, args.steps) for run in RUNS}
     for (global_batch_size, micro_batch_size), losses in curves.items():
         tail = losses[-SMOOTHING:]

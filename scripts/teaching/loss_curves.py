@@ -116,11 +116,12 @@ def train_all_variants(rank: int, world_size: int, steps: int, seeds: int) -> di
 
 def train_one(config, variant: str, steps: int, rank: int, world_size: int) -> dict:
     """One run of `variant` on this rank: its training losses per step and its final validation loss."""
-    data = build_data(config)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     batch = config.batch
-    model = build_model(config, data.vocab_size)  # the same initial weights for every run and rank
+    # the same initial weights for every run and rank
+    model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     wrapped = DistributedDataParallel(model)
-    optimizer = build_optimizer(config, model, CPU)
+    optimizer = build_optimizer(config.optim, model, CPU)
     schedule = config.schedule
     scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, steps, schedule.min_lr_ratio)
     losses = []

@@ -29,29 +29,33 @@ STEPS = (0, 1)  # two steps: rows that change with the step must change consiste
 
 def built(fork_argv: list[str]):
     config = load_config(fork_argv)
-    data = build_data(config)
-    return config, data, resolved_vocab_size(config, data.vocab_size)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    return config, data, resolved_vocab_size(config.model, data.vocab_size)
 
 
 def test_model_contract(fork_argv):
     """Same weights from the seed in every build; buildable on the meta device; forward on the step's inputs
     gives outputs the loss turns into one finite number; the state dict holds all state; describe() a line."""
     config, data, vocab_size = built(fork_argv)
-    first, second = build_model(config, vocab_size), build_model(config, vocab_size)
+    first, second = (
+        build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed),
+        build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed),
+    )
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name}: two builds from the same seed differ; initialise from config.run.seed"
-    assert count_parameters(config, vocab_size) == sum(p.numel() for p in first.parameters())  # meta build
+    # meta build
+    assert count_parameters(config.model, vocab_size, config.data.seq_len) == sum(p.numel() for p in first.parameters())
     batch = step_batch(
         data.train, 0, seed=config.run.seed, global_batch_size=8, tail="drop", micro_batch_size=8, world_size=1, rank=0
     )
     (micro_batch,) = batch.micro_batches
     first.eval()
     outputs = first(micro_batch.inputs)
-    loss_sum = loss_sum_fn_for(config)(outputs, micro_batch.labels)
+    loss_sum = loss_sum_fn_for(config.model)(outputs, micro_batch.labels)
     assert loss_sum.dim() == 0 and torch.isfinite(loss_sum)
     loss_sum.backward()
     assert any(p.grad is not None for p in first.parameters())
-    third = build_model(config, vocab_size)
+    third = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     with torch.no_grad():
         for parameter in third.parameters():
             parameter.add_(1.0)  # other weights, until the state dict is loaded
@@ -87,7 +91,10 @@ def test_data_contract(fork_argv, step):
     assert 0 <= int(inputs.min()) and int(inputs.max()) < vocab_size
     supervised = labels[labels != IGNORE_INDEX]
     assert 0 <= int(supervised.min()) and int(supervised.max()) < vocab_size
-    assert build_data(config).summary.fingerprint == data.summary.fingerprint
+    assert (
+        build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed).summary.fingerprint
+        == data.summary.fingerprint
+    )
 
 
 def run_checker(fork_argv: list[str], ranks: int, capsys, tmp_path) -> tuple[int, str]:

@@ -1,0 +1,267 @@
+"""The run's logs, written by rank 0: metrics.jsonl (one whole line per step, in steps), two TensorBoard
+writers (x axis: applied updates; x axis: supervised tokens), and the lines printed to the terminal (progress,
+the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback.
+"""
+
+import json
+import math
+import os
+import resource
+import threading
+from pathlib import Path
+
+import torch
+
+from accumulation.batching import describe_batch
+from accumulation.checkpoint import WriteError, os_error_in, why_not_written
+from accumulation.config import Config
+from accumulation.counters import Counters
+from accumulation.data import Data, rows_dropped_per_epoch
+from accumulation.distributed import DistributedContext
+from accumulation.fsdp import describe_sharding
+from accumulation.run_dir import metrics_lines
+
+# The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
+# the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
+WARMUP_STEPS = 2
+
+
+def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
+    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
+    if not metrics_path.exists():
+        return
+    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
+    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
+    try:
+        temporary.write_text("".join(kept))
+        os.replace(temporary, metrics_path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
+
+
+class MetricsFile:
+    """metrics.jsonl opened for appending whole lines: a line is on disk whole or not at all, so the file
+    never holds a half line that a resume would keep, even when the disk fills in the middle of one."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, line: str) -> None:
+        size_before = os.fstat(self.descriptor).st_size
+        remaining = memoryview(line.encode())
+        try:
+            while remaining:  # a full disk takes part of a write, then refuses the rest
+                remaining = remaining[os.write(self.descriptor, remaining) :]
+        except OSError as error:
+            os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
+            raise WriteError(
+                f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
+                f"was not written and the lines before are untouched"
+            ) from None
+
+    def flush(self) -> None:
+        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
+
+    def close(self) -> None:
+        os.close(self.descriptor)
+
+
+def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resumed: bool, counters: Counters):
+    """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
+    On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+    if not context.is_main:
+        return None, []
+    from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+
+    metrics_file = MetricsFile(metrics_path)
+    quiet_tensorboard_thread_errors()
+    by_updates = SummaryWriter(
+        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
+    )
+    by_tokens = SummaryWriter(
+        run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resumed else None
+    )
+    return metrics_file, [by_updates, by_tokens]
+
+
+def write_metrics(context: DistributedContext, metrics_file, writers, record: dict) -> None:
+    if not context.is_main:
+        return
+    metrics_file.write(json.dumps(record) + "\n")
+    by_updates, by_tokens = writers
+    try:
+        for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
+            if record.get(name) is not None:
+                by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
+                by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+    except Exception as error:
+        raise tensorboard_write_error(error, by_updates) from None
+
+
+def flush_logs(metrics_file, writers) -> None:
+    if metrics_file is not None:
+        metrics_file.flush()
+    try:
+        for writer in writers:
+            writer.flush()
+    except Exception as error:
+        raise tensorboard_write_error(error, writers[0]) from None
+
+
+def close_logs(metrics_file, writers) -> None:
+    flush_logs(metrics_file, writers)
+    if metrics_file is not None:
+        metrics_file.close()
+    for writer in writers:
+        writer.close()
+
+
+def quiet_tensorboard_thread_errors() -> None:
+    """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
+    which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
+    where it becomes one line (tensorboard_write_error). Only that traceback is kept off the terminal."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    print_traceback = threading.excepthook
+
+    def hook(arguments) -> None:
+        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
+            print_traceback(arguments)
+
+    threading.excepthook = hook
+
+
+def tensorboard_write_error(error: Exception, writer) -> Exception:
+    """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
+    a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
+    cause = os_error_in(error)
+    if cause is None:
+        return error
+    folder = Path(writer.get_logdir()).parent
+    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
+    # record cut short, and the resume's purge_step drops the points after the checkpoint.
+    return WriteError(
+        f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; "
+        f"metrics.jsonl holds every step up to here"
+    )
+
+
+def progress_line(counters: Counters, config: Config, record: dict, window: list) -> str:
+    window_tokens = sum(tokens for tokens, _ in window)
+    window_seconds = sum(seconds for _, seconds in window)
+    seconds_per_step = window_seconds / len(window)
+    eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
+    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+    validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+    return (
+        f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
+        f"{window_tokens / window_seconds / 1e3:.1f}k tok/s | eta {eta_s / 60:.1f} min"
+    )
+
+
+def print_summary(
+    config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, prompt_source
+) -> None:
+    """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
+    speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
+    validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
+    print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
+    print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
+    print_sample(config, model, prompt_source)
+    print(speed_line(session_steps, wall_seconds))
+
+
+def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float) -> str:
+    """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
+    WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
+    (supervised tokens, seconds) per step. A session too short for a steady state says so."""
+    total_seconds = sum(seconds for _, seconds in session_steps)
+    tail = f"{total_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
+    if len(session_steps) <= WARMUP_STEPS:
+        tokens = sum(tokens for tokens, _ in session_steps)
+        return (
+            f"speed: {tokens / total_seconds / 1e3:.1f}k supervised tokens/s over all {len(session_steps)} steps, "
+            f"warm-up included (too few steps for a steady state); {tail}"
+        )
+    warmup, steady = session_steps[:WARMUP_STEPS], session_steps[WARMUP_STEPS:]
+    steady_tokens = sum(tokens for tokens, _ in steady)
+    steady_seconds = sum(seconds for _, seconds in steady)
+    warmup_seconds = sum(seconds for _, seconds in warmup)
+    return (
+        f"speed: {steady_tokens / steady_seconds / 1e3:.1f}k supervised tokens/s in steady state "
+        f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
+        f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
+    )
+
+
+def print_sample(config, model, prompt_source) -> None:
+    """A sample from the model (bytes decoded as UTF-8, or decoded by the data's tokenizer), or why there is none."""
+    if config.run.sample_bytes == 0:
+        return
+    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
+        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
+        return
+    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
+        print(f"sample: skipped, the {config.model.name} model has no generate()")
+        return
+    from accumulation.token_files import sample_decoder  # imported here: the sample is this function's alone
+
+    decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
+    if decode is None:
+        print(f"sample: skipped, {why_not}")
+        return
+    # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
+    # least four tokens.
+    example = prompt_source.raw_example(0, 0)
+    prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
+    model.eval()
+    prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
+    sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
+    print("sample:\n" + decode(sample.tolist()))
+
+
+def print_run_header(
+    config: Config, data: Data, run_dir: Path, context: DistributedContext, training, counters, say
+) -> None:
+    """The session's first lines: the batch, the model and its precision, the data, the run directory.
+    `training` is train.py's Training (the model, its forward module, the scaler, whether compiled)."""
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    say(
+        f"accumulation: {batch}"
+        f" examples per update; {config.data.seq_len} tokens per row; "
+        f"device {context.device} ({context.backend or 'single process'})"
+    )
+    loss = "chunked" if training.forward_module is not training.model else "plain"
+    say(
+        f"model: {training.model.describe()}; precision {config.precision.dtype}, "
+        f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+        f"loss {loss}; compile {'on' if training.compiled else 'off'}"
+    )
+    if config.dist.strategy == "fsdp2":
+        say(describe_sharding(training.model))
+    say(data.summary.describe())
+    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+    say(
+        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
+        if dropped
+        else f"batch.tail={config.batch.tail}: every row is used each epoch"
+    )
+    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN or inf: a non-finite value is written as null."""
+    return value if math.isfinite(value) else None
