@@ -1,9 +1,14 @@
 import os
+import shutil
 import signal
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.test_checkpoints import run_in_process
+from tests.test_train import tiny_settings
 
 # DDP and torch.compile cache compiled kernels under /tmp/torchinductor_<user> by default; keep the test
 # suite from writing outside its own temporary space.
@@ -57,3 +62,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# Shared by tests/test_checkpoints.py and tests/test_bad_input.py; `corpus` is the requesting file's own fixture.
+@pytest.fixture
+def started_run(tmp_path, corpus, capsys) -> tuple[list[str], Path]:
+    """A run directory holding the step-0 checkpoint of tiny settings on a private copy of the corpus, and
+    those settings."""
+    own_corpus = shutil.copytree(corpus, tmp_path / "corpus")
+    arguments = tiny_settings(tmp_path, own_corpus, **{"run.max_steps": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    return arguments, tmp_path / "runs" / "default"

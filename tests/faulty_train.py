@@ -1,4 +1,4 @@
-"""train.py with an injected fault, for tests/test_reliability.py only: the real program, killed or stalled
+"""train.py with an injected fault, for tests/test_disrupted_runs.py only: the real program, killed or stalled
 at a chosen point of a chosen torchrun attempt, so that a test can check what survives.
 
     ACCUMULATION_FAULTS='[{"attempt": 0, "rank": 1, "kill_before_micro_batch": [3, 1]}]' \

@@ -1,8 +1,8 @@
 """Performance invariants, measured with the benchmark's own functions (scripts/benchmarks/bench.py).
 
-Timings live in the benchmark only; what is asserted here holds on any machine. Already asserted in
-tests/test_step.py and not repeated: one gradient all-reduce per step, counted in bytes, and no read of a
-tensor value into Python during the micro-batches of the plain (single-process) step.
+Timings live in the benchmark only; what is asserted here holds on any machine. Already asserted and not
+repeated: one gradient all-reduce per step, counted in bytes (tests/test_step_two_ranks.py), and no read of a
+tensor value into Python during the micro-batches of the plain (single-process) step (tests/test_step.py).
 """
 
 import functools

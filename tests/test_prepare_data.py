@@ -12,7 +12,8 @@ from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import build_data
 from scripts.operations import prepare_data
-from tests.test_data import jsonl, window_of
+from tests.test_jsonl import jsonl
+from tests.test_rows import window_of
 
 DOCUMENTS = {
     "a.txt": "The first document.\n" * 20,

@@ -16,7 +16,8 @@ import torch
 from accumulation.config import ConfigError, load_config
 from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock
 from testkit.disk import fill_disk, small_disk
-from tests.test_reliability import REPO, finish, run_in_process, snapshot, start_torchrun
+from tests.test_checkpoints import run_in_process, snapshot
+from tests.test_disrupted_runs import REPO, finish, start_torchrun
 from tests.test_train import run_train, tiny_settings, uneven_corpus
 
 

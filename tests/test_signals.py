@@ -2,7 +2,7 @@
 that every rank agrees on, with a checkpoint, and a restart continues bit-identically. A second Ctrl-C ends
 the process at once. Exit statuses are the literal numbers a shell shows, never the program's own constants.
 
-The torchrun cases (a signal to one of two ranks, SIGTERM to the agent) are in tests/test_reliability.py,
+The torchrun cases (a signal to one of two ranks, SIGTERM to the agent) are in tests/test_disrupted_runs.py,
 next to the 2-rank reference run they are compared with.
 """
 
@@ -21,7 +21,7 @@ from accumulation.batching import MicroBatch
 from accumulation.signals import StopRequest
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
-from tests.test_reliability import REPO, assert_same_run, read_fault_log
+from tests.test_disrupted_runs import REPO, assert_same_run, read_fault_log
 from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
 
 # Dropout on: the restart must also continue each rank's random stream exactly.

@@ -20,7 +20,8 @@ from accumulation.models import build_model
 from scripts.checks import check_equivalence
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
-from tests.test_data import assert_rows_match_their_raw_examples, jsonl, window_of
+from tests.test_jsonl import jsonl
+from tests.test_rows import assert_rows_match_their_raw_examples, window_of
 from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings
 
 VOCAB = 64  # the vocabulary of the generated token files

@@ -159,7 +159,7 @@ BUGS = [
         "accumulation/jsonl.py",
         "(np.array(prompt, dtype=np.int64), np.array(response + end, dtype=np.int64))",
         "(np.array(prompt + end, dtype=np.int64), np.array(response, dtype=np.int64))",
-        ["tests/test_data.py::test_the_end_token_ends_the_response_and_is_supervised"],
+        ["tests/test_jsonl.py::test_the_end_token_ends_the_response_and_is_supervised"],
     ),
     Bug(
         "resume-ignores-beta2",
@@ -167,7 +167,7 @@ BUGS = [
         "accumulation/resume.py",
         '    ("optim", "beta2"),\n',
         "",
-        ["tests/test_reliability.py::test_every_setting_that_shapes_the_run_is_compared_on_resume"],
+        ["tests/test_checkpoints.py::test_every_setting_that_shapes_the_run_is_compared_on_resume"],
     ),
     Bug(
         "fsdp2-state-misplaced",
@@ -183,7 +183,7 @@ BUGS = [
         "train.py",
         "counters.steps % config.run.eval_every == 0",
         "counters.updates % config.run.eval_every == 0",
-        ["tests/test_reliability.py::test_a_non_finite_step_is_skipped_or_stops_the_run"],
+        ["tests/test_nonfinite_steps.py::test_a_non_finite_step_is_skipped_or_stops_the_run"],
     ),
     Bug(
         "loss-sum-attached",
@@ -199,7 +199,7 @@ BUGS = [
         "accumulation/resume.py",
         'torch.set_rng_state(per_rank[context.rank]["cpu"])',
         'torch.set_rng_state(per_rank[0]["cpu"])',
-        ["tests/test_reliability.py::test_each_rank_continues_its_own_dropout_stream_after_a_resume"],
+        ["tests/test_checkpoints.py::test_each_rank_continues_its_own_dropout_stream_after_a_resume"],
     ),
     Bug(
         "no-run-lock",

@@ -1,0 +1,271 @@
+"""Bad input of every kind (settings, data, checkpoints, metrics lines, checkpoints that differ between
+ranks): one line naming what is wrong, a non-zero exit, and nothing written. Most cases call train.main in
+this process (fast); a few go through the real entry point."""
+
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_checkpoints import garbage, run_in_process, snapshot
+from tests.test_disrupted_runs import REPO, free_port
+from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return uneven_corpus(tmp_path_factory.mktemp("data") / "corpus")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input, systematically
+# ---------------------------------------------------------------------------------------------------------
+
+BAD_SETTINGS = [
+    # types
+    ({"run.max_steps": "abc"}, "run.max_steps"),
+    ({"run.seed": "true"}, "run.seed"),
+    ({"model.dropout": "yes"}, "model.dropout"),
+    ({"precision.grad_scaler": 1}, "precision.grad_scaler"),
+    ({"optim.lr": "nan"}, "optim.lr"),
+    # zero
+    ({"batch.global_batch_size": 0}, "batch.global_batch_size"),
+    ({"data.seq_len": 0}, "data.seq_len"),
+    ({"optim.lr": 0}, "optim.lr"),
+    ({"run.checkpoint_every": 0}, "run.checkpoint_every"),
+    # negative
+    ({"optim.lr": -1}, "optim.lr"),
+    ({"model.n_layer": -2}, "model.n_layer"),
+    ({"dist.timeout_s": -5}, "dist.timeout_s"),
+    # huge
+    ({"run.seed": 2**70}, "run.seed"),
+    ({"model.d_model": 65536}, "model.d_model"),
+    ({"model.n_layer": 10**9}, "model.n_layer"),
+    ({"data.seq_len": 10**9}, "data.seq_len"),
+    ({"batch.global_batch_size": 10**12}, "fewer than one global batch of 1000000000000"),
+    # contradictory
+    ({"model.d_model": 30, "model.n_head": 4}, "model.d_model"),
+    ({"batch.micro_batch_size": 16}, "batch.micro_batch_size"),
+    (
+        {"batch.global_batch_size": 12, "batch.micro_batch_size": 8},
+        "micro_batch_size must be one of [1, 2, 3, 4, 6, 12]",
+    ),
+    ({"schedule.warmup_updates": 10, "schedule.decay_updates": 5}, "schedule.warmup_updates"),
+    ({"device": "cuda"} if not torch.cuda.is_available() else {"device": "tpu"}, "device"),
+    ({"optim.adam": 1}, "optim.adam"),
+]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    BAD_SETTINGS,
+    ids=[" ".join(f"{key}={value}" for key, value in change.items()) for change, _ in BAD_SETTINGS],
+)
+def test_a_bad_setting_is_one_line_and_nothing_written(tmp_path, corpus, capsys, change, named):
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **change), capsys)
+    assert status == 2
+    assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert not (tmp_path / "runs").exists()
+
+
+def bad_data(folder: Path, kind: str) -> Path:
+    """A data.source of the given kind, created under `folder`."""
+    folder.mkdir()
+    if kind == "empty folder":
+        return folder
+    if kind == "binary files only":
+        (folder / "image.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" * 10)
+        return folder
+    if kind == "invalid UTF-8 file":
+        (folder / "latin1.txt").write_bytes("déjà vu, ça va".encode("latin-1"))
+        return folder / "latin1.txt"
+    if kind == "one byte":
+        (folder / "tiny.txt").write_text("x")
+        return folder
+    assert kind == "less than one global batch"  # 3 rows of seq_len 16, global batch 8
+    (folder / "short.txt").write_text("a" * 40)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("empty folder", "has no usable text"),
+        ("binary files only", "has no usable text"),
+        ("invalid UTF-8 file", "is not a text file"),
+        ("one byte", "has no usable text"),
+        ("less than one global batch", "the training data has 3 rows, fewer than one global batch of 8"),
+    ],
+)
+def test_bad_data_is_one_line_and_nothing_written(tmp_path, capsys, kind, named):
+    source = bad_data(tmp_path / "data", kind)
+    status, _, error = run_in_process(tiny_settings(tmp_path, source, **{"data.val_fraction": 0.0}), capsys)
+    assert status == 2
+    assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert not (tmp_path / "runs").exists()
+
+
+def damage(payload: dict, kind: str) -> dict:
+    """A checkpoint payload damaged in the given way."""
+    if kind == "wrong keys":
+        return {"weights": payload["model"], "step": 0}
+    if kind == "not a dict":
+        return [payload["model"]]
+    if kind == "counters":
+        return {**payload, "counters": {"steps": -1}}
+    if kind == "config":
+        return {**payload, "config": {**payload["config"], "optim": {**payload["config"]["optim"], "name": "adam"}}}
+    if kind == "optimizer":
+        return {
+            **payload,
+            "optimizer": {**payload["optimizer"], "param_groups": payload["optimizer"]["param_groups"][:1]},
+        }
+    if kind == "optimizer state shape":  # the step-0 checkpoint has no state yet: parameter 0 gets a wrong one
+        moments = {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+        return {**payload, "optimizer": {**payload["optimizer"], "state": {0: moments}}}
+    if kind == "file stamps":
+        return {**payload, "data": {**payload["data"], "files": [None]}}
+    if kind == "non-finite weights":
+        return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
+    if kind == "missing parameter":
+        return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
+    assert kind == "wrong shape"  # the config matches; the tensor does not
+    return {**payload, "model": {**payload["model"], "lm_head.weight": torch.zeros(256, 8)}}
+
+
+@pytest.mark.parametrize(
+    "kind, named",
+    [
+        ("random bytes", "cannot be read"),
+        ("not a dict", "holds a list, not a checkpoint dict"),
+        ("wrong keys", "lacks the keys ['model', 'optimizer'"),
+        ("counters", "counters should be the non-negative integers"),
+        ("config", "holds a config this program does not accept (optim.name:"),
+        ("optimizer", "its optimizer has parameter groups of [7] parameters, this run's [7, 10]"),
+        # was: "resuming ...", then a RuntimeError traceback at the first update
+        ("optimizer state shape", "optimizer state exp_avg of parameter 0 has shape [3], its parameter [256, 16]"),
+        ("file stamps", "data.files should be a list of the token files' stamps"),
+        # was: every update skipped, exit 0
+        ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
+        ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
+        ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
+    ],
+)
+def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, kind, named):
+    arguments, run_dir = started_run
+    checkpoints = run_dir / "checkpoints"
+    payload = torch.load(checkpoints / "latest.pt", weights_only=True)
+    for path in checkpoints.iterdir():  # no older checkpoint to fall back on
+        path.unlink()
+    if kind == "random bytes":
+        (checkpoints / "latest.pt").write_bytes(garbage(3000))
+    else:
+        torch.save(damage(payload, kind), checkpoints / "latest.pt")
+    before = snapshot(run_dir)
+    status, _, error = run_in_process(arguments, capsys)
+    assert status == 2
+    assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize(
+    "line, named",
+    [('{"steps": 1, "loss": 5.2\n', "line 1 is not JSON"), ('{"loss": 5.2}\n', 'line 1 is not an object with "steps"')],
+    ids=["not-json", "no-steps"],
+)
+def test_a_damaged_metrics_line_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, line, named):
+    """A complete line of metrics.jsonl that is not a record (a half last line is what a kill leaves, and is
+    dropped): the resume cannot tell its step, so it says which line and stops, before anything is written.
+    It was a JSONDecodeError or KeyError traceback on every retry."""
+    arguments, run_dir = started_run
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write(line)
+    before = snapshot(run_dir)
+    status, _, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
+    assert status == 2
+    assert error.startswith(f"error: {run_dir / 'metrics.jsonl'} {named}") and error.count("\n") == 1, error
+    assert "repair or delete that line" in error
+    assert snapshot(run_dir) == before
+
+
+def test_documented_fallbacks_train_instead_of_failing(tmp_path, capsys, started_run):
+    """Input that is odd but has a documented meaning: a folder with binary files among the text (they are
+    skipped and counted), a corpus smaller than one global batch with batch.tail = "partial" (every step
+    is one partial batch), and a GradScaler switched on when resuming a run that had none (it starts afresh)."""
+    arguments, _ = started_run
+    status, _, error = run_in_process(arguments + ["run.max_steps=1", "precision.grad_scaler=true"], capsys)
+    assert status == 0, error
+
+    source = bad_data(tmp_path / "data", "less than one global batch")
+    (source / "image.png").write_bytes(b"\x00\x01\x02" * 100)
+    small = tiny_settings(
+        tmp_path, source, **{"data.val_fraction": 0.0, "batch.tail": "partial", "run.max_steps": 1, "run.name": "small"}
+    )
+    status, output, error = run_in_process(small, capsys)
+    assert status == 0, error
+    assert "(1 non-text skipped)" in output
+    assert read_metrics(tmp_path / "runs" / "small")[0]["examples"] == 3
+
+
+def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
+    """The exit status and stderr a shell sees: exit 2, one line, no traceback, for a checkpoint of random
+    bytes and for a data file that is not UTF-8."""
+    settings = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    checkpoints = tmp_path / "runs" / "default" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / "latest.pt").write_bytes(garbage(3000))
+    source = bad_data(tmp_path / "data", "invalid UTF-8 file")
+    for arguments, named in [
+        (settings, "latest.pt cannot be read"),
+        (settings + [f"data.source={source}"], "is not a text file"),
+    ]:
+        completed = run_train(arguments)
+        assert completed.returncode == 2
+        assert (
+            completed.stderr.count("\n") == 1 and named in completed.stderr and "Traceback" not in completed.stderr
+        ), completed.stderr
+
+
+@pytest.mark.slow
+def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, corpus, capsys):
+    """Two nodes without a shared run.out_dir: rank 0 finds the checkpoint, rank 1 (another folder here)
+    finds none. Both are started by hand, as a launcher without torchrun's agent would (rank 0 hosts the
+    store); both exit 2 and rank 0 says which rank saw what."""
+    shared = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(shared, capsys)[0] == 0
+    port = free_port()
+    ranks = []
+    for rank, out_dir in [(0, tmp_path / "runs"), (1, tmp_path / "other_node_runs")]:
+        environment = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        command = [sys.executable, str(REPO / "train.py"), *shared, "run.max_steps=2", f"run.out_dir={out_dir}"]
+        ranks.append(
+            subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment, cwd=REPO
+            )
+        )
+    deadline = time.monotonic() + 90
+    results = []
+    for process in ranks:
+        try:
+            results.append(process.communicate(timeout=max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            for each in ranks:
+                each.kill()
+            pytest.fail("the ranks did not finish in time (a hang?)")
+    assert [process.returncode for process in ranks] == [2, 2], results
+    error = results[0][1]
+    assert error.count("\n") == 1 and "rank 0 step 0, rank 1 none" in error and "every node shares" in error, error
+    assert not (tmp_path / "other_node_runs").exists()

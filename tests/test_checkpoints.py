@@ -1,0 +1,203 @@
+"""Checkpoints: the newest k kept and damaged ones passed over, each rank's dropout stream restored, and the
+checkpoint of another run or a malicious pickle refused. train.main runs in this process (fast).
+
+Damaged checkpoints and metrics lines as bad input are in tests/test_bad_input.py; the `started_run` fixture
+both use is in tests/conftest.py.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from accumulation.config import load_config
+from accumulation.distributed import DistributedContext
+from accumulation.resume import restore_rng_states, seed_dropout
+from accumulation.run_dir import LOCK_FILE
+from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, uneven_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return uneven_corpus(tmp_path_factory.mktemp("data") / "corpus")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+
+def run_in_process(arguments: list[str], capsys) -> tuple[int, str, str]:
+    status = train.main(arguments)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_the_resume_payload_is_freed_once_loaded(tmp_path, corpus, capsys, monkeypatch):
+    """The checkpoint read for a resume (the whole model and optimizer state in host memory) is emptied
+    once its state has been loaded, instead of being held for the rest of the run."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.sample_bytes": 0, "run.max_steps": 2})
+    assert run_in_process(arguments, capsys)[0] == 0
+    payloads = []
+    real_find_resume_point = train.find_resume_point
+
+    def keep_a_reference(*args, **kwargs):
+        payloads.append(real_find_resume_point(*args, **kwargs))
+        return payloads[-1]
+
+    monkeypatch.setattr(train, "find_resume_point", keep_a_reference)
+    status, out, _ = run_in_process(arguments + ["run.max_steps=3"], capsys)  # the last value of a key wins
+    assert status == 0 and "at step 2" in out
+    assert payloads == [{}]
+
+
+def test_each_rank_continues_its_own_dropout_stream_after_a_resume():
+    """The restore half of a 2-rank resume, without launching ranks (the slow torchrun tests run it whole):
+    the checkpoint holds one generator state per rank, and rank r must continue stream r. Rank 1 handed
+    rank 0's state would draw rank 0's dropout masks: a run that still trains, and no longer the run."""
+    config = load_config([])
+    saved, expected = {"per_rank": []}, []
+    for rank in range(2):  # each rank's stream some draws in, as at a checkpoint
+        seed_dropout(config.run.seed, rank)
+        torch.rand(7)
+        saved["per_rank"].append({"cpu": torch.get_rng_state()})
+        expected.append(torch.rand(5))
+    assert not torch.equal(expected[0], expected[1])
+    for rank in range(2):
+        torch.manual_seed(12345)  # whatever the new process drew before the resume
+        restore_rng_states(saved, DistributedContext(rank, rank, 2, torch.device("cpu"), "gloo"), config, steps=3)
+        assert torch.equal(torch.rand(5), expected[rank]), rank
+
+
+def garbage(size_bytes: int) -> bytes:
+    """Reproducible random bytes behind a pickle header (protocol 33): the unpickler gets far enough to warn
+    about the protocol before it fails, and that warning must not reach the user's terminal."""
+    generator = torch.Generator().manual_seed(size_bytes)
+    return bytes([0x80, 33]) + bytes(
+        torch.randint(0, 256, (size_bytes,), generator=generator, dtype=torch.uint8).tolist()
+    )
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file's bytes, but the lock file's: each job that takes the lock writes its own pid there."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != LOCK_FILE
+    }
+
+
+def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_path, corpus, capsys):
+    """keep_checkpoints = 2 keeps step files 3 and 4. Then latest.pt is truncated, step_000004.pt holds
+    random bytes and metrics.jsonl ends in half a line, as after a crash: the resume warns about both
+    files, continues from step 3 and ends with the same bits and the same metrics as before."""
+    arguments = tiny_settings(
+        tmp_path, corpus, **{"run.checkpoint_every": 1, "run.keep_checkpoints": 2, "run.sample_bytes": 0}
+    )
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest.pt", "step_000003.pt", "step_000004.pt"]
+    weights_before, metrics_before = final_weights(run_dir), read_metrics(run_dir)
+
+    latest_bytes = (checkpoints / "latest.pt").read_bytes()
+    (checkpoints / "latest.pt").unlink()  # a new file: latest.pt may be a hard link to step_000004.pt
+    (checkpoints / "latest.pt").write_bytes(latest_bytes[: len(latest_bytes) // 2])
+    (checkpoints / "step_000004.pt").write_bytes(garbage(5000))
+    with open(run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"micro_batches": 20, "ste')
+
+    status, output, error = run_in_process(arguments, capsys)
+    assert status == 0, error
+    assert f"warning: checkpoint {checkpoints / 'latest.pt'} cannot be read" in error  # warnings: stderr
+    assert f"warning: checkpoint {checkpoints / 'step_000004.pt'} cannot be read" in error
+    assert "warning" not in output
+    assert f"resuming from {checkpoints / 'step_000003.pt'} at step 3" in output
+    for key, value in weights_before.items():
+        assert torch.equal(final_weights(run_dir)[key], value), key
+    assert comparable(read_metrics(run_dir)) == comparable(metrics_before)
+    assert sorted(path.name for path in checkpoints.iterdir()) == ["latest.pt", "step_000003.pt", "step_000004.pt"]
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"model.d_model": 32}, "model.d_model 16 -> 32"),
+        ({"batch.global_batch_size": 16}, "batch.global_batch_size 8 -> 16"),
+        ({"run.seed": 7}, "run.seed 1337 -> 7"),
+        ({"data.seq_len": 8}, "data.seq_len 16 -> 8"),
+        ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
+        ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
+        ("edited data", "training data fingerprint"),
+        ("another data order", "data order feistel-4 -> feistel-8-blake2b"),
+    ],
+)
+def test_a_checkpoint_of_another_run_is_refused_naming_the_difference(tmp_path, capsys, started_run, change, named):
+    arguments, run_dir = started_run
+    if change == "edited data":  # the same data.source and settings; every file has one more line
+        for document in (tmp_path / "corpus").iterdir():
+            document.write_text(document.read_text() + "\nedited")
+        change = {}
+    if change == "another data order":  # a checkpoint of a program version that ordered the rows otherwise
+        for path in (run_dir / "checkpoints").glob("*.pt"):
+            payload = torch.load(path, weights_only=True)
+            torch.save({**payload, "data": {**payload["data"], "order": "feistel-4"}}, path)
+        change = {}
+    before = snapshot(run_dir)
+    status, _, error = run_in_process(arguments + [f"{key}={value}" for key, value in change.items()], capsys)
+    assert status == 2
+    assert error.count("\n") == 1 and "belongs to a different run" in error and named in error, error
+    assert snapshot(run_dir) == before
+
+
+# Every other setting a resume must share, in one test (one step-0 run to refuse them all: cheap). A resume
+# that skipped, say, beta2 would exit 0 with config.toml saying 0.99 while AdamW's loaded state kept 0.95.
+MORE_SETTINGS_THAT_MUST_MATCH = [
+    ("optim.beta2", 0.99, "0.95 -> 0.99"),
+    ("optim.momentum", 0.8, "0.9 -> 0.8"),
+    ("optim.weight_decay", 0.0, "0.1 -> 0.0"),
+    ("batch.tail", "partial", "'drop' -> 'partial'"),
+    ("model.n_layer", 2, "1 -> 2"),
+    ("model.n_head", 4, "2 -> 4"),
+    ("model.name", "gru", "'gpt' -> 'gru'"),
+]
+
+
+def test_every_setting_that_shapes_the_run_is_compared_on_resume(capsys, started_run):
+    arguments, run_dir = started_run
+    before = snapshot(run_dir)
+    for key, value, change in MORE_SETTINGS_THAT_MUST_MATCH:
+        status, _, error = run_in_process(arguments + [f"{key}={value}"], capsys)
+        assert status == 2, (key, error)
+        assert error.count("\n") == 1 and f"belongs to a different run: {key} {change}" in error, error
+    assert snapshot(run_dir) == before
+
+
+class CreatesAFileWhenUnpickled:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling calls open(path, "w")
+        return (open, (str(self.path), "w"))
+
+
+def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, started_run):
+    arguments, run_dir = started_run
+    marker = tmp_path / "created_by_the_pickle"
+    payload = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    payload["counters"] = CreatesAFileWhenUnpickled(marker)
+    for path in (run_dir / "checkpoints").iterdir():
+        path.unlink()
+    torch.save(payload, run_dir / "checkpoints" / "latest.pt")
+
+    status, _, error = run_in_process(arguments, capsys)
+    assert status == 2 and error.count("\n") == 1, error
+    assert (
+        "latest.pt cannot be read (the weights-only loader, which accepts tensors and plain values only, refused it"
+        in error
+    )
+    assert not marker.exists()
+    # The file is a working attack: an unrestricted load runs it.
+    torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
+    assert marker.exists()
