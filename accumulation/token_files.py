@@ -291,14 +291,21 @@ class PackedTokenRows:
         return next_token_example([], self.window(int(row_id)).tolist(), self._seq_len)
 
 
+def sampled_block_bytes(token_file: TokenFile) -> bytes:
+    """The sampled blocks of a file as the fingerprint and the file stamps hash them: each block's first token
+    index, then its tokens as little-endian uint32."""
+    return b"".join(
+        f"{first}:".encode() + tokens.astype("<u4").tobytes() for first, tokens in sampled_blocks(token_file)
+    )
+
+
 def token_fingerprint(token_format: str, files: list[TokenFile], seq_len: int) -> str:
     """16 hex digits of sha256 over the format, seq_len and, per file, its header, token count and sampled
     blocks (tokens hashed as little-endian uint32): what resume checks, read without a pass over the data."""
     digest = hashlib.sha256(f"{token_format} seq_len {seq_len}".encode())
     for token_file in files:
         digest.update(token_file.header + f" {len(token_file.tokens)} tokens".encode())
-        for first, tokens in sampled_blocks(token_file):
-            digest.update(f"{first}:".encode() + tokens.astype("<u4").tobytes())
+        digest.update(sampled_block_bytes(token_file))
     return digest.hexdigest()[:16]
 
 
@@ -310,9 +317,7 @@ def file_stamps(files: list[TokenFile]) -> tuple[dict, ...]:
     stamps = []
     for token_file in files:
         status = token_file.path.stat()
-        sampled = hashlib.sha256()
-        for first, tokens in sampled_blocks(token_file):
-            sampled.update(f"{first}:".encode() + tokens.astype("<u4").tobytes())
+        sampled = hashlib.sha256(sampled_block_bytes(token_file))
         stamps.append(
             {
                 "path": str(token_file.path),
