@@ -6,6 +6,14 @@ Layout inside the run directory:
 
 A checkpoint is a dict of tensors and plain Python values, loadable with torch.load(weights_only=True):
     model, optimizer, scheduler, scaler, counters, config, rng, data
+
+Verified before use: torch.save writes a zip archive with a CRC-32 of every entry (the pickle, each tensor's
+bytes), and torch.load never checks them, so a flipped bit in a tensor loads without a word. read_checkpoint
+reads every entry once and compares its CRC-32 (check_archive) before torch.load sees the file. Every byte
+torch.load reads is covered: an entry's bytes by its CRC, the names and offsets that locate it by zipfile's
+own cross-checks of the central directory against each entry's header; what is left (timestamps, padding)
+changes nothing that is loaded. The cost is one more read of the file, at CRC-32 speed (docs/training.md has
+the figure), and nothing at all when writing: torch computes the CRCs anyway.
 """
 
 import dataclasses
@@ -14,6 +22,7 @@ import os
 import re
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 
 import torch
@@ -85,10 +94,15 @@ def write_atomically(payload: dict, path: Path) -> None:
     """Write to a temporary file in the same folder, flush it to disk, then rename over `path`. A reader
     sees either the old file or the complete new one, never a partial write, even if this process dies."""
     temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file:
-        torch.save(payload, file)
-        file.flush()
-        os.fsync(file.fileno())
+    computing_crcs = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)  # the CRC-32 of every entry, which check_archive verifies
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+    finally:
+        torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
     os.replace(temporary, path)
     fsync_directory(path.parent)
 
@@ -161,6 +175,7 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def read_checkpoint(path: Path) -> dict:
     """Load a checkpoint safely: weights_only=True refuses any pickled object that is not a tensor or a
     plain container, so a malicious file cannot run code. Raises CheckpointError for anything unusable."""
+    check_archive(path)
     try:
         # A damaged file can make the unpickler warn (e.g. of an unknown pickle protocol) before it fails;
         # the error below says all there is to say, so the warnings stay out of the user's terminal.
@@ -178,6 +193,32 @@ def read_checkpoint(path: Path) -> dict:
     if problem:
         raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
     return payload
+
+
+def check_archive(path: Path) -> None:
+    """Read every entry of the checkpoint's zip archive and compare it with the CRC-32 stored beside it
+    (zipfile does the comparison as the last byte of an entry is read). Raises CheckpointError naming the
+    file and the first damaged entry: a flipped bit, a truncated or overwritten file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            for entry in archive.infolist():
+                try:
+                    with archive.open(entry) as stream:
+                        while stream.read(2**20):
+                            pass
+                except Exception as error:  # a wrong CRC, a damaged header, a size that runs past the end
+                    if "CRC" in str(error):
+                        why = f"the CRC of its entry {entry.filename} does not match its bytes"
+                    else:
+                        why = f"its entry {entry.filename} cannot be read ({error})"
+                    raise CheckpointError(
+                        f"checkpoint {path} is damaged: {why} (a bit flipped on the disk or in a copy, or the "
+                        f"file was overwritten); resume from an older checkpoint or restore a good copy"
+                    ) from None
+    except CheckpointError:
+        raise
+    except Exception as error:  # not a zip archive at all: truncated, random bytes, a directory, unreadable
+        raise CheckpointError(f"checkpoint {path} cannot be read ({load_failure(error)})") from None
 
 
 def load_failure(error: Exception) -> str:

@@ -5,6 +5,7 @@ Damaged checkpoints and metrics lines as bad input are in tests/test_bad_input.p
 both use is in tests/conftest.py.
 """
 
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,57 @@ def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_
         assert torch.equal(final_weights(run_dir)[key], value), key
     assert comparable(read_metrics(run_dir)) == comparable(metrics_before)
     assert sorted(path.name for path in checkpoints.iterdir()) == ["latest.pt", "step_000003.pt", "step_000004.pt"]
+
+
+def flip_middle_byte(path: Path) -> str:
+    """One bit of the byte in the middle of `path` flipped in place, as a failing disk or a bad transfer does;
+    returns the name of the archive entry that byte lies in (a tensor's bytes, in these small checkpoints)."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    with zipfile.ZipFile(path) as archive:
+        entry = max(
+            (info for info in archive.infolist() if info.header_offset < middle), key=lambda info: info.header_offset
+        )
+    data[middle] ^= 0x10
+    with open(path, "r+b") as file:  # in place: latest.pt and its step file are one file (a hard link)
+        file.write(data)
+    return entry.filename
+
+
+def test_a_bit_flip_in_a_checkpoint_is_found_and_the_previous_one_used(tmp_path, corpus, capsys):
+    """One bit flipped in the middle of latest.pt (a byte of AdamW's moments or a weight): torch.load reads
+    it without a word (it does not check the zip archive's CRCs), and the run resumed "from step 4" though it
+    no longer was the run. Now the CRCs are checked before loading: latest.pt and step_000004.pt (the same
+    file, hard-linked) are each reported naming the damaged entry, the run continues from step 3 and ends
+    with the bits of the undamaged run. With no older checkpoint left, it is one line and exit 2."""
+    arguments = tiny_settings(
+        tmp_path, corpus, **{"run.checkpoint_every": 1, "run.keep_checkpoints": 2, "run.sample_bytes": 0}
+    )
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    checkpoints = run_dir / "checkpoints"
+    weights_before = final_weights(run_dir)
+    entry = flip_middle_byte(checkpoints / "latest.pt")
+    torch.load(checkpoints / "latest.pt", weights_only=True)  # what made it silent: torch reads it anyway
+
+    status, output, error = run_in_process(arguments, capsys)
+    assert status == 0, error
+    for name in ("latest.pt", "step_000004.pt"):
+        assert f"warning: checkpoint {checkpoints / name} is damaged: the CRC of its entry {entry} " in error, error
+    assert error.count("\n") == 2, error
+    assert f"resuming from {checkpoints / 'step_000003.pt'} at step 3" in output
+    for key, value in weights_before.items():
+        assert torch.equal(final_weights(run_dir)[key], value), key
+
+    for path in checkpoints.iterdir():
+        if path.name != "latest.pt":
+            path.unlink()
+    entry = flip_middle_byte(checkpoints / "latest.pt")
+    before = snapshot(run_dir)
+    status, output, error = run_in_process(arguments, capsys)
+    assert status == 2 and error.count("\n") == 1, error
+    assert f"checkpoint {checkpoints / 'latest.pt'} is damaged: the CRC of its entry {entry} " in error, error
+    assert "resuming" not in output and snapshot(run_dir) == before
 
 
 @pytest.mark.parametrize(
