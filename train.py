@@ -97,7 +97,7 @@ from accumulation.resume import (
     restore_rng_states,
     seed_dropout,
 )
-from accumulation.run_dir import RunDirectoryError, RunLock, metrics_lines, run_directory
+from accumulation.run_dir import RunDirectoryError, RunLock, check_run_directory, metrics_lines, run_directory
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
@@ -127,6 +127,7 @@ def main(argv: list[str]) -> int:
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
+        check_run_directory(run_dir)  # this program's own files only (a fresh run: in a folder of no other run)
         with torch.device("meta"):  # every parameter's shape, no memory
             model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
             shapes = ExpectedShapes.of(config, model_on_meta)

@@ -20,15 +20,32 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
 
-from accumulation.checkpoint import why_not_written
-from accumulation.config import Config, ConfigError
+from accumulation.checkpoint import STEP_FILE, few, why_not_written
+from accumulation.config import Config, ConfigError, config_to_toml
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
+STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
+
+# What this program writes into a run directory, each name a file or a folder, and what the name holds.
+RUN_ENTRIES = {
+    METRICS_FILE: ("file", "the metrics of each step"),
+    "config.toml": ("file", "the resolved config"),
+    LOCK_FILE: ("file", "the lock of the job that holds the run"),
+    STOPPED_FILE: ("file", "why a run was stopped"),
+    "checkpoints": ("folder", "the checkpoints"),
+    "tensorboard": ("folder", "the TensorBoard event files"),
+}
+# Left by a write that was killed before its rename (metrics.jsonl and config.toml are rewritten atomically).
+TEMPORARY_FILES = (".metrics.jsonl.tmp", ".config.toml.tmp")
+CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp")
+# The first line of every config.toml this program writes: a config.toml without it is the user's own.
+CONFIG_FIRST_LINE = config_to_toml(Config()).partition("\n")[0]
 
 
 class RunDirectoryBusy(ConfigError):
@@ -47,6 +64,73 @@ def run_directory(config: Config) -> Path:
             f"inside run.out_dir: remove the link or choose another run.name"
         )
     return run_dir
+
+
+class RunDirectoryError(ValueError):
+    """A run directory, or a file in it, that a run cannot use; the message names it and what to do."""
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """Refuse, before anything is written (RunDirectoryError, one line), a run directory this program cannot
+    use: one of its own names of the wrong kind (a file `tensorboard`, a folder `run.lock`, a folder
+    `checkpoints/latest.pt`), and for a fresh run (no checkpoint file yet) a folder that holds anything this
+    program did not write, or that lies inside another run's directory: a fresh run writes config.toml,
+    metrics.jsonl and its folders, which would replace a user's files of those names or mix into that run.
+    What a start-up killed before its first checkpoint leaves (the lock file, config.toml, a checkpoints
+    folder with a temporary file) is this program's own, and a fresh run starts over it."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirectoryError(
+            f"run.name: {run_dir} is a file, not a folder; choose another run.name, or move the file away"
+        )
+    checkpoint_dir = run_dir / "checkpoints"
+    for path, (kind, role) in [
+        *[(run_dir / name, entry) for name, entry in RUN_ENTRIES.items()],
+        (checkpoint_dir / "latest.pt", ("file", "the newest checkpoint")),
+    ]:
+        if path.exists() and path.is_dir() != (kind == "folder"):
+            raise RunDirectoryError(
+                f"{path} is a {'folder' if path.is_dir() else 'file'}, where this program keeps {role} "
+                f"(a {kind}); move it away (or choose another run.name), then start again"
+            )
+    holds_checkpoint = (checkpoint_dir / "latest.pt").exists() or any(
+        STEP_FILE.fullmatch(path.name) for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
+    )
+    if holds_checkpoint:
+        return  # a run to continue (or one a fresh run refuses, in find_resume_point): its own files only matter
+    foreign = [] if not run_dir.is_dir() else sorted(entry.name for entry in run_dir.iterdir() if not ours(entry))
+    if checkpoint_dir.is_dir():
+        foreign += [
+            f"checkpoints/{entry.name}"
+            for entry in sorted(checkpoint_dir.iterdir())
+            if not CHECKPOINT_TEMPORARY.fullmatch(entry.name)
+        ]
+    if foreign:
+        raise RunDirectoryError(
+            f"run.name: {run_dir} is not empty and holds no run: it holds {few(foreign)}, which this program did "
+            f"not write and a fresh run would write over or mix with; choose another run.name (a new folder), "
+            f"or move those files away"
+        )
+    for folder in [run_dir.resolve().parent, *run_dir.resolve().parent.parents]:
+        if (folder / LOCK_FILE).is_file() or (folder / "checkpoints" / "latest.pt").is_file():
+            raise RunDirectoryError(
+                f"run.out_dir: {run_dir.parent} lies inside the run directory {folder}; a run's folder is never "
+                f"another run's home: choose a run.out_dir outside every run directory"
+            )
+
+
+def ours(entry: Path) -> bool:
+    """Whether a name in a fresh run's directory is one this program writes (config.toml: with its first line)."""
+    if entry.name in TEMPORARY_FILES:
+        return True
+    if entry.name not in RUN_ENTRIES:
+        return False
+    if entry.name != "config.toml":
+        return True
+    try:
+        with open(entry, encoding="utf-8", errors="replace") as file:
+            return file.readline().rstrip("\n") == CONFIG_FIRST_LINE
+    except OSError:
+        return False
 
 
 class RunLock:
@@ -118,10 +202,6 @@ class RunLock:
             except OSError:
                 return
         self.created = []
-
-
-class RunDirectoryError(ValueError):
-    """A file of the run directory that a resume cannot use; the message names it and what to do."""
 
 
 def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:

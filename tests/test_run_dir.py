@@ -3,6 +3,7 @@ training job at a time holds it (accumulation/run_dir.py). Also: a start-up erro
 so torchrun cannot swallow it."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,6 +81,61 @@ def test_a_linked_out_dir_is_fine(tmp_path, corpus, capsys):
     status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"run.max_steps": 0}), capsys)
     assert status == 0, error
     assert (tmp_path / "scratch" / "default" / "checkpoints" / "latest.pt").exists()
+
+
+def test_a_fresh_run_refuses_a_folder_of_the_users_files_and_writes_nothing(tmp_path, corpus, capsys):
+    """The user's folder with their own config.toml and notes.txt, given as run.out_dir=<parent>
+    run.name=<folder>: before, exit 0, their config.toml replaced and checkpoints/, metrics.jsonl,
+    tensorboard/ and run.lock added among their files. Now one line naming the folder and what is in it,
+    exit 2, and the folder exactly as it was (no run.lock either). A config.toml alone is refused too:
+    this program's own starts with its header line, the user's does not."""
+    folder = tmp_path / "work" / "my-project"
+    folder.mkdir(parents=True)
+    (folder / "config.toml").write_text("[optim]\nlr = 0.01  # my own settings\n")
+    (folder / "notes.txt").write_text("what I tried\n")
+    arguments = tiny_settings(tmp_path, corpus, **{"run.out_dir": folder.parent, "run.max_steps": 0})
+    for files in (["config.toml", "notes.txt"], ["config.toml"]):
+        for path in folder.iterdir():
+            if path.name not in files:
+                path.unlink()
+        before = {path.name: path.read_bytes() for path in folder.iterdir()}
+        status, _, error = run_in_process(arguments + ["run.name=my-project"], capsys)
+        assert status == 2 and error.count("\n") == 1, error
+        assert error.startswith(f"error: run.name: {folder} is not empty and holds no run: it holds {files[0]}")
+        assert all(name in error for name in files), error
+        assert {path.name: path.read_bytes() for path in folder.iterdir()} == before
+
+
+def test_a_fresh_run_refuses_to_start_inside_another_runs_folders(tmp_path, corpus, capsys):
+    """run.out_dir pointing into an existing run (its tensorboard/ folder, or the run directory itself):
+    before, the new run was written there, and TensorBoard on the old run showed the new one's curves."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    before = snapshot(run_dir)
+    for out_dir, name in [(run_dir / "tensorboard", "nested"), (run_dir, "nested"), (run_dir, "tensorboard")]:
+        status, _, error = run_in_process(arguments + [f"run.out_dir={out_dir}", f"run.name={name}"], capsys)
+        assert status == 2 and error.count("\n") == 1, (out_dir, name, error)
+        assert "is not empty and holds no run" in error or f"lies inside the run directory {run_dir};" in error
+        assert snapshot(run_dir) == before and not (out_dir / "nested").exists()
+
+
+def test_a_fresh_run_starts_over_what_a_killed_start_up_left(tmp_path, corpus, capsys):
+    """An empty folder, and what a first attempt killed before its step-0 checkpoint leaves (the lock file,
+    this program's config.toml, the checkpoint's temporary file), are a fresh run's to use."""
+    run_dir = tmp_path / "runs" / "default"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(arguments, capsys)[0] == 0  # an empty folder
+    config_text = (run_dir / "config.toml").read_text()
+    for path in [*(run_dir / "checkpoints").iterdir(), run_dir / "metrics.jsonl"]:
+        path.unlink()
+    shutil.rmtree(run_dir / "tensorboard")
+    (run_dir / "checkpoints" / ".step_000000.pt.tmp").write_bytes(b"half a checkpoint")
+    (run_dir / "config.toml").write_text(config_text.replace("max_steps = 0", "max_steps = 5"))
+    status, output, error = run_in_process(arguments, capsys)
+    assert status == 0, error
+    assert "resuming" not in output and (run_dir / "checkpoints" / "latest.pt").is_file()
 
 
 def test_the_lock_refuses_a_second_holder_naming_the_first_and_is_free_once_released(tmp_path):
