@@ -97,7 +97,7 @@ from accumulation.resume import (
     restore_rng_states,
     seed_dropout,
 )
-from accumulation.run_dir import RunDirectoryError, RunLock, check_run_directory, metrics_lines, run_directory
+from accumulation.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
@@ -138,8 +138,6 @@ def main(argv: list[str]) -> int:
             lock.acquire()
         warn = print_to_stderr if rank == 0 else say
         resume = find_resume_point(config, data.summary, shapes, run_dir, warn, say)
-        if resume is not None:
-            metrics_lines(run_dir / "metrics.jsonl")  # a damaged line is refused now, before anything is written
     except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         if lock is not None:
@@ -333,7 +331,8 @@ def resume_training(
             training.scaler.load_state_dict(resume["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
-            f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error})"
+            f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error}); resume "
+            f"from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
         ) from None
     set_learning_rates(training.scheduler)  # the new config's schedule governs the very next step
     counters = Counters(**resume["counters"])

@@ -18,6 +18,7 @@ the figure), and nothing at all when writing: torch computes the CRCs anyway.
 
 import dataclasses
 import errno
+import math
 import os
 import re
 import shutil
@@ -264,7 +265,20 @@ def structure_problem(payload: dict) -> str | None:
     )
     if not states_ok:
         return "rng lacks the random-number-generator state of each rank"
+    # torch.set_rng_state accepts only a state of its generator's size: another one would be a traceback
+    # after "resuming from". CPU: the Mersenne Twister's state; CUDA: Philox's seed and offset, 8 bytes each.
+    for rank, state in enumerate(per_rank):
+        for device, size in (("cpu", torch.get_rng_state().numel()), ("cuda", CUDA_RNG_STATE_BYTES)):
+            value = state.get(device, torch.zeros(size, dtype=torch.uint8))
+            if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.shape == (size,)):
+                got = f"{value.numel()} bytes" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
+                return (
+                    f"the random-number-generator state of rank {rank} has {got}, a {device.upper()} generator's {size}"
+                )
     return None
+
+
+CUDA_RNG_STATE_BYTES = 16
 
 
 def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch.Size]) -> None:
@@ -284,6 +298,23 @@ def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch
         )
 
 
+def check_model_dtypes(path: Path, stored: dict, expected_dtypes: dict[str, torch.dtype]) -> None:
+    """Refuse a weight stored in another dtype than the configured model's: load_state_dict would copy it
+    in without a word, an fp16 weight rounded, an int64 one cut to whole numbers."""
+    for name, dtype in expected_dtypes.items():
+        if name in stored and stored[name].dtype != dtype:
+            raise CheckpointError(
+                f"checkpoint {path}: its weight {name} is stored as {stored[name].dtype}, the configured model's "
+                f"is {dtype}; the file is damaged or was converted: {OLDER_CHECKPOINT}"
+            )
+
+
+# What to do about a checkpoint that is damaged, ending each such line.
+OLDER_CHECKPOINT = (
+    "resume from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
+)
+
+
 def check_weights_finite(path: Path, stored: dict) -> None:
     """Refuse weights holding NaN or inf: every update from them is non-finite and skipped, so the run would
     go on without learning anything (one pass over the weights, on the host)."""
@@ -295,12 +326,18 @@ def check_weights_finite(path: Path, stored: dict) -> None:
         )
 
 
-def check_optimizer_state(path: Path, stored, parameter_shapes: list[list[torch.Size]]) -> None:
+def check_optimizer_state(
+    path: Path,
+    stored,
+    parameter_shapes: list[list[torch.Size]],
+    parameter_dtypes: list[list[torch.dtype]] | None = None,
+) -> None:
     """Refuse an optimizer state that does not fit this run's optimizer, before anything is written:
     `parameter_shapes` holds each parameter group's parameter shapes, in the optimizer's order (the numbering
     its state dict uses). Every state tensor but the scalar step counter is shaped like its parameter (AdamW's
     two moments, SGD's momentum buffer); one of another shape would fail at the first update, a whole
-    traceback after "resuming"."""
+    traceback after "resuming". With `parameter_dtypes`, each such tensor must also have its parameter's
+    dtype (load_state_dict would convert an fp16 moment back without a word, its low bits lost)."""
     groups = stored.get("param_groups") if isinstance(stored, dict) else None
     state = stored.get("state") if isinstance(stored, dict) else None
     if not isinstance(groups, list) or not isinstance(state, dict):
@@ -313,6 +350,7 @@ def check_optimizer_state(path: Path, stored, parameter_shapes: list[list[torch.
             f"{expected_sizes}; it was written by another model or optimizer"
         )
     shapes = [shape for group in parameter_shapes for shape in group]  # numbered as the state dict numbers them
+    dtypes = [dtype for group in parameter_dtypes or [] for dtype in group]
     for number, values in state.items():
         if not (isinstance(number, int) and 0 <= number < len(shapes) and isinstance(values, dict)):
             raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {number!r}; it is damaged")
@@ -322,9 +360,107 @@ def check_optimizer_state(path: Path, stored, parameter_shapes: list[list[torch.
             if value.shape != shapes[number]:
                 raise CheckpointError(
                     f"checkpoint {path}: optimizer state {key} of parameter {number} has shape {list(value.shape)}, "
-                    f"its parameter {list(shapes[number])}; the file is damaged: resume from an older checkpoint "
-                    f"(delete the newer step files and latest.pt), or start a new run.name"
+                    f"its parameter {list(shapes[number])}; the file is damaged: {OLDER_CHECKPOINT}"
                 )
+            if dtypes and value.is_floating_point() and value.dtype != dtypes[number]:
+                raise CheckpointError(
+                    f"checkpoint {path}: optimizer state {key} of parameter {number} is stored as {value.dtype}, "
+                    f"its parameter's {dtypes[number]}; the file is damaged or was converted: {OLDER_CHECKPOINT}"
+                )
+
+
+def check_training_state(path: Path, payload: dict, fresh: dict, moments: tuple[str, tuple[str, ...]]) -> None:
+    """Refuse optimizer, scheduler and GradScaler state that PyTorch's loaders would take without a word
+    and that would then fail at the first step, or quietly train another run. `fresh` holds the state dicts
+    of a new optimizer, scheduler and scaler of this run ("optimizer", "scheduler", "scaler"): each stored
+    value must be of the kind of the new one (a number where a number is, a list as long), the numbers
+    finite. `moments` names what the optimizer keeps per parameter, e.g. ("AdamW's moments", ("exp_avg",
+    "exp_avg_sq")): after an applied update every entry of its state holds them, and an empty state would
+    restart them from zero."""
+    problem = training_state_problem(payload, fresh, moments)
+    if problem:
+        raise CheckpointError(
+            f"checkpoint {path}: {problem}; the file is damaged or was not written by this program: {OLDER_CHECKPOINT}"
+        )
+
+
+def training_state_problem(payload: dict, fresh: dict, moments: tuple[str, tuple[str, ...]]) -> str | None:
+    updates = payload["counters"]["updates"]
+    groups = payload["optimizer"]["param_groups"]  # a list as long as this run's: check_optimizer_state
+    for number, (stored_group, fresh_group) in enumerate(zip(groups, fresh["optimizer"]["param_groups"], strict=True)):
+        if not isinstance(stored_group, dict):
+            return f"its optimizer state's param_groups[{number}] is not a dict"
+        for key, fresh_value in fresh_group.items():
+            if key == "params" or (key not in stored_group and kind_of(fresh_value) != "a number"):
+                continue  # the flags PyTorch fills in when a checkpoint of an older version lacks them
+            if key not in stored_group:
+                return f"its optimizer state's param_groups[{number}] lacks {key}"
+            problem = value_problem(stored_group[key], fresh_value)
+            if problem:
+                return f"its optimizer state's param_groups[{number}].{key} {problem}"
+    scheduler = payload["scheduler"]
+    for key in ("base_lrs", "last_epoch"):
+        if key not in scheduler:
+            return f"its scheduler state lacks {key}"
+    for key in fresh["scheduler"].keys() & scheduler.keys():
+        problem = value_problem(scheduler[key], fresh["scheduler"][key])
+        if problem:
+            return f"its scheduler state's {key} {problem}"
+    if scheduler["last_epoch"] != updates:  # the schedule's unit is applied updates: the two count the same
+        return f"its scheduler is at {scheduler['last_epoch']} applied updates, its counters at {updates}"
+    scaler = payload["scaler"]
+    if scaler:  # empty when the run had no GradScaler
+        scale = scaler.get("scale")
+        if kind_of(scale) == "a number" and not (math.isfinite(scale) and scale > 0):
+            return f"its GradScaler state's scale is {scale}, expected a finite number above 0"
+        for key, fresh_value in fresh["scaler"].items():
+            problem = value_problem(scaler[key], fresh_value) if key in scaler else "is missing"
+            if problem:
+                return f"its GradScaler state's {key} {problem}"
+    what, keys = moments
+    state = payload["optimizer"]["state"]
+    if keys and updates > 0 and not state:
+        return f"its optimizer state is empty after {updates} applied updates: {what} would restart from zero"
+    for number, values in state.items():
+        missing = [key for key in keys if key not in values]
+        if missing:
+            return f"its optimizer state of parameter {number} lacks {', '.join(missing)}"
+    return None
+
+
+def kind_of(value) -> str:
+    if isinstance(value, bool):  # before numbers: bool is a subclass of int
+        return "true or false"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list | tuple):
+        return "a list"
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, torch.Tensor):
+        return "a tensor"
+    return "None" if value is None else f"a {type(value).__name__}"
+
+
+def value_problem(stored, fresh) -> str | None:
+    """How `stored` differs in kind from `fresh` (a new object's value for the same key), or None. None in
+    `fresh` (a setting left to PyTorch, a scheduler's lambda) accepts anything."""
+    if fresh is None:
+        return None
+    expected, got = kind_of(fresh), kind_of(stored)
+    if got != expected:
+        shown = f"the text {stored!r}" if isinstance(stored, str) else ("None" if stored is None else got)
+        return f"is {shown}, expected {expected}"
+    if expected == "a number" and not math.isfinite(stored):
+        return f"is {stored}, expected a finite number"
+    if expected == "a list":
+        if len(stored) != len(fresh):
+            return f"holds {len(stored)} values, expected {len(fresh)}"
+        for index, (stored_item, fresh_item) in enumerate(zip(stored, fresh, strict=True)):
+            problem = value_problem(stored_item, fresh_item)
+            if problem:
+                return f"[{index}] {problem}"
+    return None
 
 
 def few(names: list[str]) -> str:

@@ -16,9 +16,12 @@ import torch.distributed as dist
 from accumulation.build import build_optimizer
 from accumulation.checkpoint import (
     CheckpointError,
+    check_model_dtypes,
     check_model_state,
     check_optimizer_state,
+    check_training_state,
     check_weights_finite,
+    few,
     newest_readable_checkpoint,
     step_checkpoints,
 )
@@ -26,6 +29,8 @@ from accumulation.config import Config, ConfigError, config_from_dict, config_to
 from accumulation.data import DATA_ORDER, DataSummary
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
+from accumulation.schedule import build_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -50,8 +55,6 @@ MUST_MATCH_ON_RESUME = [
     ("optim", "beta2"),
 ]
 
-STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
-
 # Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
 # draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data.py.)
 DROPOUT_SEED_OFFSET = 2**40
@@ -63,22 +66,49 @@ def seed_dropout(seed: int, rank: int, steps: int = 0) -> None:
     torch.manual_seed(seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + rank)
 
 
+# What each optimizer keeps per parameter once it has applied an update (SGD only with momentum).
+OPTIMIZER_MOMENTS = {"adamw": ("AdamW's moments", ("step", "exp_avg", "exp_avg_sq")), "sgd": ("", ())}
+SGD_MOMENTUM = ("SGD's momentum buffers", ("momentum_buffer",))
+
+
 @dataclass
 class ExpectedShapes:
-    """The shapes a checkpoint's state must have to fit this run: the model's state dict, name -> shape, and
-    the optimizer's parameters, group by group in the order its state dict numbers them."""
+    """What a checkpoint's state must look like to fit this run: the model's state dict (name -> shape, and
+    dtype), the optimizer's parameters (shapes and dtypes, group by group in the order its state dict
+    numbers them), the state dicts of a new optimizer, scheduler and GradScaler (`fresh`: a stored one must
+    hold values of the same kinds), and what the optimizer keeps per parameter (`moments`)."""
 
     model: dict[str, torch.Size]
     optimizer: list[list[torch.Size]]
+    model_dtypes: dict[str, torch.dtype]
+    parameter_dtypes: list[list[torch.dtype]]
+    fresh: dict
+    moments: tuple[str, tuple[str, ...]]
 
     @classmethod
     def of(cls, config: Config, model: torch.nn.Module) -> "ExpectedShapes":
-        """Read from `model` (build it on the meta device: shapes without memory) and the optimizer that
-        build_optimizer makes for it, so the grouping is the one training uses."""
+        """Read from `model` (build it on the meta device: shapes without memory) and the optimizer and
+        schedule that build_optimizer and build_scheduler make for it, so everything is as training has it."""
         optimizer = build_optimizer(config.optim, model, torch.device("meta"))
+        schedule = config.schedule
+        decay_updates = schedule.decay_updates or config.run.max_steps
+        scheduler = build_scheduler(
+            optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio
+        )
+        moments = OPTIMIZER_MOMENTS.get(config.optim.name, ("", ()))
+        if config.optim.name == "sgd" and config.optim.momentum != 0:
+            moments = SGD_MOMENTUM
         return cls(
             model={name: tensor.shape for name, tensor in model.state_dict().items()},
             optimizer=[[parameter.shape for parameter in group["params"]] for group in optimizer.param_groups],
+            model_dtypes={name: tensor.dtype for name, tensor in model.state_dict().items()},
+            parameter_dtypes=[[parameter.dtype for parameter in group["params"]] for group in optimizer.param_groups],
+            fresh={
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "scaler": torch.amp.GradScaler("cpu", enabled=True).state_dict(),
+            },
+            moments=moments,
         )
 
 
@@ -110,6 +140,19 @@ def find_resume_point(
             )
         return None
     path, payload = found
+    # config_from_dict fills in a missing key with its default, and the comparison below would then compare
+    # this run's value with that default: every key it compares must be in the file.
+    missing = [
+        f"{section}.{key}"
+        for section, key in MUST_MATCH_ON_RESUME
+        if not (isinstance(payload["config"].get(section), dict) and key in payload["config"][section])
+    ]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path}: its config lacks {few(missing)}, which a resume compares with this run's; the "
+            f"file is damaged or was written by an older version: resume from an older checkpoint, or start a "
+            f"new run.name"
+        )
     try:
         stored = config_from_dict(payload["config"])
     except ConfigError as error:
@@ -135,8 +178,11 @@ def find_resume_point(
             f"beyond max_steps={config.run.max_steps}; give a larger run.max_steps to extend the run"
         )
     check_model_state(path, payload["model"], shapes.model)
+    check_model_dtypes(path, payload["model"], shapes.model_dtypes)
     check_weights_finite(path, payload["model"])
-    check_optimizer_state(path, payload["optimizer"], shapes.optimizer)
+    check_optimizer_state(path, payload["optimizer"], shapes.optimizer, shapes.parameter_dtypes)
+    check_training_state(path, payload, shapes.fresh, shapes.moments)
+    metrics_lines(run_dir / METRICS_FILE)  # a damaged line is refused now, before anything is written
     say(f"resuming from {path} at step {payload['counters']['steps']}")
     return payload
 

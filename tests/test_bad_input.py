@@ -134,8 +134,31 @@ def damage(payload: dict, kind: str) -> dict:
         return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
     if kind == "missing parameter":
         return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
-    assert kind == "wrong shape"  # the config matches; the tensor does not
-    return {**payload, "model": {**payload["model"], "lm_head.weight": torch.zeros(256, 8)}}
+    if kind == "wrong shape":  # the config matches; the tensor does not
+        return {**payload, "model": {**payload["model"], "lm_head.weight": torch.zeros(256, 8)}}
+    if kind in ("weight fp16", "weight int64"):  # the right shape, values rounded or cut to integers
+        dtype = torch.float16 if kind == "weight fp16" else torch.int64
+        return {
+            **payload,
+            "model": {**payload["model"], "lm_head.weight": payload["model"]["lm_head.weight"].to(dtype)},
+        }
+    if kind == "rng size":
+        return {**payload, "rng": {"per_rank": [{"cpu": torch.zeros(100, dtype=torch.uint8)}]}}
+    if kind == "scheduler value":
+        return {**payload, "scheduler": {**payload["scheduler"], "last_epoch": "0"}}
+    if kind == "scheduler position":  # a number, but not the applied updates the counters hold
+        return {**payload, "scheduler": {**payload["scheduler"], "last_epoch": 7}}
+    if kind == "optimizer value":
+        groups = payload["optimizer"]["param_groups"]
+        return {
+            **payload,
+            "optimizer": {**payload["optimizer"], "param_groups": [{**groups[0], "eps": None}, groups[1]]},
+        }
+    if kind == "scaler value":
+        scaler = {"scale": float("inf"), "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
+        return {**payload, "scaler": {**scaler, "_growth_tracker": 0}}
+    assert kind == "config without optim"  # config_from_dict would fill in the defaults, and compare with them
+    return {**payload, "config": {key: value for key, value in payload["config"].items() if key != "optim"}}
 
 
 @pytest.mark.parametrize(
@@ -154,6 +177,17 @@ def damage(payload: dict, kind: str) -> dict:
         ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
         ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
         ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
+        # was: each accepted, exit 0 (the weights silently rounded, or the stored config's defaults compared)
+        ("weight fp16", "lm_head.weight is stored as torch.float16, the configured model's is torch.float32"),
+        ("weight int64", "lm_head.weight is stored as torch.int64, the configured model's is torch.float32"),
+        ("config without optim", "its config lacks optim.name, optim.lr, optim.weight_decay and 2 more"),
+        # was: a traceback after "resuming from"
+        ("rng size", "the random-number-generator state of rank 0 has 100 bytes, a CPU generator's 5056"),
+        # was: a line naming neither the file nor what to do
+        ("scheduler value", "its scheduler state's last_epoch is the text '0', expected a number"),
+        ("scheduler position", "its scheduler is at 7 applied updates, its counters at 0"),
+        ("optimizer value", "its optimizer state's param_groups[0].eps is None, expected a number"),
+        ("scaler value", "its GradScaler state's scale is inf, expected a finite number above 0"),
     ],
 )
 def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, kind, named):
@@ -167,10 +201,38 @@ def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_pa
     else:
         torch.save(damage(payload, kind), checkpoints / "latest.pt")
     before = snapshot(run_dir)
-    status, _, error = run_in_process(arguments, capsys)
+    status, output, error = run_in_process(arguments, capsys)
     assert status == 2
     assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert f"checkpoint {checkpoints / 'latest.pt'}" in error, error
+    assert "resuming" not in output  # every check comes before "resuming from"
     assert snapshot(run_dir) == before
+
+
+def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corpus, capsys):
+    """After 2 applied updates AdamW holds two moments per parameter. A checkpoint whose optimizer state is
+    empty (the moments would restart from zero, exit 0 before), or holds a moment without its partner, or a
+    moment stored in fp16 (rounded when loaded back into fp32): one line each, before "resuming"."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 2, "run.sample_bytes": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    latest = tmp_path / "runs" / "default" / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    for path in latest.parent.iterdir():
+        path.unlink()
+    state = payload["optimizer"]["state"]
+    damaged = [
+        ({}, "its optimizer state is empty after 2 applied updates: AdamW's moments would restart from zero"),
+        ({**state, 3: {"step": state[3]["step"], "exp_avg": state[3]["exp_avg"]}}, "parameter 3 lacks exp_avg_sq"),
+        (
+            {**state, 0: {**state[0], "exp_avg": state[0]["exp_avg"].half()}},
+            "optimizer state exp_avg of parameter 0 is stored as torch.float16, its parameter's torch.float32",
+        ),
+    ]
+    for optimizer_state, named in damaged:
+        torch.save({**payload, "optimizer": {**payload["optimizer"], "state": optimizer_state}}, latest)
+        status, output, error = run_in_process(arguments + ["run.max_steps=3"], capsys)
+        assert status == 2 and error.count("\n") == 1 and named in error, error
+        assert f"checkpoint {latest}" in error and "resuming" not in output
 
 
 @pytest.mark.parametrize(
@@ -186,9 +248,10 @@ def test_a_damaged_metrics_line_is_one_line_and_the_run_directory_untouched(tmp_
     with open(run_dir / "metrics.jsonl", "a") as metrics:
         metrics.write(line)
     before = snapshot(run_dir)
-    status, _, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
+    status, output, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
     assert status == 2
     assert error.startswith(f"error: {run_dir / 'metrics.jsonl'} {named}") and error.count("\n") == 1, error
+    assert "resuming" not in output  # was printed before the refusal
     assert "repair or delete that line" in error
     assert snapshot(run_dir) == before
 
