@@ -224,11 +224,19 @@ def check_archive(path: Path) -> None:
 
 def load_failure(error: Exception) -> str:
     """What torch.load found wrong with a file, in one line. A refusal of the weights-only unpickler comes
-    wrapped in advice to load the file with weights_only=False: exactly what must not be done with a file of
-    unknown origin, so only the reason, which follows "WeightsUnpickler error:", is kept."""
+    wrapped in advice to load the file with weights_only=False, or to allow the refused global: exactly what
+    must not be done with a file of unknown origin. So for any message that speaks of weights_only, only the
+    reason is kept ("unsupported GLOBAL posix.system ..."), found as the first line that is not advice: torch
+    versions word and order the advice differently, and not all of them mark the reason."""
     text = str(error).strip()
-    if "WeightsUnpickler error:" in text:
-        reason = text.split("WeightsUnpickler error:", 1)[1].strip().splitlines()[0].split(". ")[0]
+    if "weights_only" in text:
+        reasons = [
+            line.strip().removeprefix("WeightsUnpickler error:").strip().split(". ")[0].rstrip(".")
+            for line in text.splitlines()
+            if line.strip()
+            and not any(advice in line for advice in ("weights_only", "Weights only", "Check the documentation"))
+        ]
+        reason = reasons[0] if reasons else "it holds objects that are not tensors or plain values"
         return f"the weights-only loader, which accepts tensors and plain values only, refused it: {reason}"
     return text.splitlines()[0] if text else type(error).__name__
 

@@ -5,6 +5,8 @@ Damaged checkpoints and metrics lines as bad input are in tests/test_bad_input.p
 both use is in tests/conftest.py.
 """
 
+import os
+import shlex
 import zipfile
 from pathlib import Path
 
@@ -234,11 +236,30 @@ class CreatesAFileWhenUnpickled:
         return (open, (str(self.path), "w"))
 
 
-def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, started_run):
+class RunsACommandWhenUnpickled:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):  # unpickling calls os.system("touch path")
+        return (os.system, (f"touch {shlex.quote(str(self.path))}",))
+
+
+@pytest.mark.parametrize(
+    "attack, reason",
+    [
+        (CreatesAFileWhenUnpickled, "Unsupported global: GLOBAL io.open was not an allowed global by default"),
+        # torch 2.13 words this refusal without "WeightsUnpickler error:": the advice was kept, the reason lost
+        (RunsACommandWhenUnpickled, "Trying to load unsupported GLOBAL posix.system whose module posix is blocked"),
+    ],
+    ids=["open", "os.system"],
+)
+def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, started_run, attack, reason):
+    """Refused, with the reason, and without PyTorch's advice to load it with weights_only=False or to
+    allow the global: the two things that would run it."""
     arguments, run_dir = started_run
     marker = tmp_path / "created_by_the_pickle"
     payload = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
-    payload["counters"] = CreatesAFileWhenUnpickled(marker)
+    payload["counters"] = attack(marker)
     for path in (run_dir / "checkpoints").iterdir():
         path.unlink()
     torch.save(payload, run_dir / "checkpoints" / "latest.pt")
@@ -246,9 +267,10 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, star
     status, _, error = run_in_process(arguments, capsys)
     assert status == 2 and error.count("\n") == 1, error
     assert (
-        "latest.pt cannot be read (the weights-only loader, which accepts tensors and plain values only, refused it"
-        in error
-    )
+        "latest.pt cannot be read (the weights-only loader, which accepts tensors and plain values only, refused it: "
+        f"{reason})" in error
+    ), error
+    assert "weights_only" not in error and "safe_globals" not in error and "trust" not in error, error
     assert not marker.exists()
     # The file is a working attack: an unrestricted load runs it.
     torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
