@@ -97,7 +97,13 @@ from accumulation.resume import (
     restore_rng_states,
     seed_dropout,
 )
-from accumulation.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
+from accumulation.run_dir import (
+    RunDirectoryError,
+    RunLock,
+    check_run_directory,
+    run_directory,
+    write_text_atomically,
+)
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
 from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
@@ -391,7 +397,7 @@ class Session:
         if self.context.is_main:
             try:
                 run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.toml").write_text(config_to_toml(self.config))
+                write_text_atomically(run_dir / "config.toml", config_to_toml(self.config))
             except OSError as error:
                 raise WriteError(
                     f"{run_dir / 'config.toml'} could not be written: {why_not_written(error, run_dir)}"

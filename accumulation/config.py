@@ -155,6 +155,14 @@ def _allowed_text(declaration: dataclasses.Field) -> str:
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
+    if isinstance(value, str) and not _is_utf8(value):
+        # A command-line argument of bytes that are not UTF-8 arrives with them escaped (os.fsdecode); the
+        # run's config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+        shown = os.fsencode(value).decode("utf-8", errors="backslashreplace")
+        raise ConfigError(
+            f"{key}: {shown!r} holds bytes that are not UTF-8, which the run's config.toml cannot record; use a "
+            f"UTF-8 name (for a file or folder: rename it, or link to it under a UTF-8 name)"
+        )
     choices = declaration.metadata["choices"]
     if choices is not None:
         allowed = _is_one_of(value, choices)
@@ -162,6 +170,14 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
         allowed = _has_type(value, declaration.type) and _within_bounds(value, declaration.metadata)
     if not allowed:
         raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_describe(value)}")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_combinations(config: Config) -> None:

@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from accumulation.checkpoint import STEP_FILE, few, why_not_written
+from accumulation.checkpoint import STEP_FILE, disk_full, few, why_not_written
 from accumulation.config import Config, ConfigError, config_to_toml
 
 LOCK_FILE = "run.lock"
@@ -54,8 +54,9 @@ class RunDirectoryBusy(ConfigError):
 
 def run_directory(config: Config) -> Path:
     """`<out_dir>/<name>`, refused with a ConfigError when links take it outside out_dir. (The name itself is
-    one path component, checked with the config.)"""
-    out_dir = Path(config.run.out_dir)
+    one path component, checked with the config.) A leading `~` is the home directory, as in a shell: a
+    TOML file's "~/runs" is no folder named "~"."""
+    out_dir = Path(config.run.out_dir).expanduser()
     run_dir = out_dir / config.run.name
     resolved = run_dir.resolve()  # follows every link that exists; a part that does not exist stays as written
     if resolved.parent != out_dir.resolve():
@@ -155,9 +156,9 @@ class RunLock:
             self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             why = why_not_written(error, self.run_dir)
+            fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
             raise ConfigError(
-                f"run.out_dir: cannot create the run directory {self.run_dir} ({why}); free space, or choose a "
-                f"writable run.out_dir"
+                f"run.out_dir: cannot create the run directory {self.run_dir} and its lock file ({why}); {fix}"
             ) from None
         try:
             fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -215,7 +216,7 @@ def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
         text = metrics_path.read_text()
     except (OSError, UnicodeDecodeError) as error:
         raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
-    found = []
+    found, previous_number = [], None  # previous_number: the line of found[-1]
     for number, line in enumerate(text.splitlines(keepends=True), start=1):
         if not line.endswith("\n") or not line.strip():
             continue
@@ -230,5 +231,27 @@ def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
                 f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
                 f"the metrics afresh), then start again"
             )
+        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
+                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
+                f"file away to start the metrics afresh), then start again"
+            )
         found.append((record["steps"], line))
+        previous_number = number
     return found
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to a temporary file beside `path`, flush it to disk, and rename it over `path`:
+    a failure (a full disk, a value that cannot be encoded) leaves the old file or none, never an empty one."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

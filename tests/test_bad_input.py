@@ -73,6 +73,18 @@ def test_a_bad_setting_is_one_line_and_nothing_written(tmp_path, corpus, capsys,
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("key", ["run.name", "data.source"])
+def test_a_setting_of_bytes_that_are_not_utf8_is_one_line_and_nothing_written(tmp_path, corpus, capsys, key):
+    """A name typed with a Latin-1 byte arrives escaped (os.fsdecode of b"run\\xff"): before, an 18-line
+    UnicodeEncodeError and an empty config.toml left behind. config.toml could never record the name."""
+    name = os.fsdecode(b"run\xff")
+    value = name if key == "run.name" else str(tmp_path / name)
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{key: value}), capsys)
+    assert status == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"error: {key}: ") and "holds bytes that are not UTF-8" in error and "\\xff" in error
+    assert not (tmp_path / "runs").exists()
+
+
 def bad_data(folder: Path, kind: str) -> Path:
     """A data.source of the given kind, created under `folder`."""
     folder.mkdir()
@@ -237,8 +249,13 @@ def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corp
 
 @pytest.mark.parametrize(
     "line, named",
-    [('{"steps": 1, "loss": 5.2\n', "line 1 is not JSON"), ('{"loss": 5.2}\n', 'line 1 is not an object with "steps"')],
-    ids=["not-json", "no-steps"],
+    [
+        ('{"steps": 1, "loss": 5.2\n', "line 1 is not JSON"),
+        ('{"loss": 5.2}\n', 'line 1 is not an object with "steps"'),
+        # was: both lines kept by the resume, the file no longer one line per step
+        ('{"steps": 1}\n{"steps": 1}\n', "line 2 is of step 1, after line 1 of step 1"),
+    ],
+    ids=["not-json", "no-steps", "repeated-step"],
 )
 def test_a_damaged_metrics_line_is_one_line_and_the_run_directory_untouched(tmp_path, capsys, started_run, line, named):
     """A complete line of metrics.jsonl that is not a record (a half last line is what a kill leaves, and is

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from accumulation.config import ConfigError, load_config
-from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock
+from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
 from tests.test_checkpoints import run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, finish, start_torchrun
@@ -136,6 +136,55 @@ def test_a_fresh_run_starts_over_what_a_killed_start_up_left(tmp_path, corpus, c
     status, output, error = run_in_process(arguments, capsys)
     assert status == 0, error
     assert "resuming" not in output and (run_dir / "checkpoints" / "latest.pt").is_file()
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [("tensorboard", "file"), ("checkpoints", "file"), ("run.lock", "folder"), ("checkpoints/latest.pt", "folder")],
+)
+def test_a_name_of_the_run_directory_of_the_wrong_kind_is_one_line(tmp_path, corpus, capsys, name, kind):
+    """Before: a file `tensorboard` was a 36-line traceback, a folder `run.lock` a line about free space, a file
+    `checkpoints` "File exists" at the first save, a folder `latest.pt` a run that trained and then failed at
+    its final save. Now one line naming the path, exit 2, before anything is written."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    path = run_dir / name
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    path.mkdir() if kind == "folder" else path.write_text("")
+    before = sorted(str(each) for each in run_dir.rglob("*")), snapshot(run_dir)
+    status, output, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
+    assert status == 2 and error.count("\n") == 1, error
+    assert error.startswith(f"error: {path} is a {kind}, where this program keeps "), error
+    assert (sorted(str(each) for each in run_dir.rglob("*")), snapshot(run_dir)) == before
+    assert "resuming" not in output
+
+
+def test_a_home_directory_out_dir_is_expanded(tmp_path, corpus, capsys, monkeypatch):
+    """out_dir = "~/runs" in a TOML file (no shell expands it there): before, a folder named "~" in the
+    current directory, while the header printed ~/runs. Now the home directory, as the header says."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    config_file = tmp_path / "run.toml"
+    config_file.write_text('[run]\nout_dir = "~/runs"\n')
+    arguments = ["--config", str(config_file)] + [
+        setting for setting in tiny_settings(tmp_path, corpus, **{"run.max_steps": 0}) if "out_dir" not in setting
+    ]
+    status, output, error = run_in_process(arguments, capsys)
+    assert status == 0, error
+    assert (tmp_path / "home" / "runs" / "default" / "checkpoints" / "latest.pt").is_file()
+    assert not (tmp_path / "~").exists()
+    assert f"run directory {tmp_path / 'home' / 'runs' / 'default'};" in output
+
+
+def test_config_toml_is_written_whole_or_not_at_all(tmp_path):
+    """A write that fails half-way (here: text that cannot be encoded) leaves the previous file as it was
+    and no temporary file; before, config.toml was left empty."""
+    path = tmp_path / "config.toml"
+    write_text_atomically(path, "max_steps = 1\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomically(path, "name = " + os.fsdecode(b"\xff") + "\n")
+    assert path.read_text() == "max_steps = 1\n" and sorted(os.listdir(tmp_path)) == ["config.toml"]
 
 
 def test_the_lock_refuses_a_second_holder_naming_the_first_and_is_free_once_released(tmp_path):
