@@ -149,11 +149,13 @@ def main(argv: list[str]) -> int:
         if lock is not None:
             lock.release(undo=True)  # a refused run leaves no folder or lock file it created
         return 2
+    status = 1  # if train_in_run_directory raises
     try:
-        return train_in_run_directory(config, data, vocab_size, run_dir, resume, rank, world_size, say)
+        status = train_in_run_directory(config, data, vocab_size, run_dir, resume, rank, world_size, say)
+        return status
     finally:
         if lock is not None:
-            lock.release()
+            lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
 
 
 def print_to_stderr(*args, **kwargs) -> None:

@@ -149,37 +149,44 @@ class RunLock:
         missing = [folder for folder in [self.run_dir, *self.run_dir.parents] if not folder.exists()]
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.created = list(missing)  # innermost first: the order to remove them in
-            if not self.path.exists():
-                self.created.insert(0, self.path)
-            # O_CLOEXEC (Python's default): a program this process starts does not inherit, and keep, the lock.
-            self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            why = why_not_written(error, self.run_dir)
-            fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
-            raise ConfigError(
-                f"run.out_dir: cannot create the run directory {self.run_dir} and its lock file ({why}); {fix}"
-            ) from None
-        try:
-            fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self.descriptor, 200, 0).decode(errors="replace").strip() or "a job still starting"
+            raise self.not_created(error) from None
+        self.created = list(missing)  # innermost first: the order to remove them in
+        # A lock is worth having only on the file the path names. A job refused at start-up removes the lock
+        # file it created (release(undo=True)); a job that opened that file just before and locks it just after
+        # would hold a lock on a file nobody else finds, and the next job would create and lock a new one. So
+        # once locked, the path must still name the locked file; if not, start again with the file there now.
+        while True:
+            created_file = self.open_lock_file()
+            if created_file is None:
+                continue  # removed between our two attempts to open it
+            try:
+                fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(self.descriptor, 200, 0).decode(errors="replace").strip() or "a job still starting"
+                os.close(self.descriptor)
+                self.descriptor = None
+                self.created = []  # the holder's now, whoever made them: never removed by a job that was refused
+                raise RunDirectoryBusy(
+                    f"run.name: {self.run_dir} is in use by another training job ({holder}); wait for it to end, "
+                    f"stop it, or choose another run.name"
+                ) from None
+            except OSError as error:
+                if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
+                    raise
+                print(
+                    f"warning: {self.path}: this file system does not support flock ({error.strerror}); nothing "
+                    f"stops a second job from using {self.run_dir} at the same time",
+                    file=sys.stderr,
+                )
+                self.created += [self.path] if created_file else []
+                return
+            if self.names_the_locked_file():
+                break
             os.close(self.descriptor)
             self.descriptor = None
-            self.created = []  # the holder's now, whoever made them: never removed by a job that was refused
-            raise RunDirectoryBusy(
-                f"run.name: {self.run_dir} is in use by another training job ({holder}); wait for it to end, "
-                f"stop it, or choose another run.name"
-            ) from None
-        except OSError as error:
-            if error.errno not in (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOLCK, errno.EINVAL):
-                raise
-            print(
-                f"warning: {self.path}: this file system does not support flock ({error.strerror}); nothing "
-                f"stops a second job from using {self.run_dir} at the same time",
-                file=sys.stderr,
-            )
-            return
+        if created_file:
+            self.created.insert(0, self.path)
         # Who holds it, for the message a second job prints. Written after the lock is ours, so it never
         # overwrites the holder's line. Only a courtesy: on a full disk the lock holds without it, and the
         # run's first real write (config.toml) reports the disk in its one line.
@@ -189,19 +196,56 @@ class RunLock:
         except OSError:
             pass
 
+    def open_lock_file(self) -> bool | None:
+        """Open the lock file into self.descriptor, creating it if need be; whether this call created it, or
+        None when it vanished between the two tries (exclusive creation, then opening the existing file)."""
+        # O_CLOEXEC (Python's default): a program this process starts does not inherit, and keep, the lock.
+        try:
+            try:
+                self.descriptor = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                return True
+            except FileExistsError:
+                self.descriptor = os.open(self.path, os.O_RDWR)
+                return False
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            raise self.not_created(error) from None
+
+    def names_the_locked_file(self) -> bool:
+        try:
+            return os.path.samestat(os.fstat(self.descriptor), os.stat(self.path))
+        except FileNotFoundError:
+            return False
+
+    def not_created(self, error: OSError) -> ConfigError:
+        why = why_not_written(error, self.run_dir)
+        fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
+        return ConfigError(
+            f"run.out_dir: cannot create the run directory {self.run_dir} and its lock file ({why}); {fix}"
+        )
+
     def release(self, undo: bool = False) -> None:
         """Unlock (closing the file releases the lock). With `undo`, remove what `acquire` created, when it is
-        still empty: a run refused at start-up leaves nothing behind."""
+        still empty: a run refused at start-up leaves nothing behind. The lock file goes while it is still
+        locked: a job waiting to lock it then finds it gone and starts again (acquire)."""
+        if undo and self.path in self.created:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass  # the folder is unreachable: nothing to clean up
         if self.descriptor is not None:
             os.close(self.descriptor)
             self.descriptor = None
         if not undo:
             return
-        for path in self.created:
+        for folder in self.created:
+            if folder == self.path:
+                continue
             try:
-                path.unlink() if path == self.path else path.rmdir()  # rmdir refuses a folder that is not empty
+                folder.rmdir()  # refuses a folder that is not empty
             except OSError:
-                return
+                break
         self.created = []
 
 

@@ -8,12 +8,15 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import accumulation.run_dir as run_dir_module
+import train
 from accumulation.config import ConfigError, load_config
 from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
@@ -205,6 +208,68 @@ def test_a_run_refused_after_taking_the_lock_leaves_no_folder_behind(tmp_path, c
     lock.acquire()
     lock.release(undo=True)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_refused_jobs_clean_up_never_removes_the_lock_another_job_holds(tmp_path, corpus, capsys, monkeypatch):
+    """The race, made certain: job B creates run.lock, takes the lock, and is refused (the folder already
+    holds a run's metrics.jsonl); job C opened run.lock while B held it and locks it just after B's clean-up
+    removed it. Before, C then held a lock on a file nobody could find, and a third job D created a fresh
+    run.lock, locked it and went on beside C. Now B removes the file while still holding the lock, C finds
+    the path no longer names its file and locks the new one, and D is refused naming C."""
+    run_dir = tmp_path / "runs" / "default"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")  # B and D are refused on this, after taking the lock
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    opened, b_done = threading.Event(), threading.Event()
+    real_flock, real_find_resume_point = run_dir_module.fcntl.flock, train.find_resume_point
+    job_c = RunLock(run_dir)
+
+    def flock_once_b_is_done(descriptor, operation):  # C's flock waits until B has cleaned up
+        if threading.current_thread() is c_thread:
+            opened.set()
+            b_done.wait(30)
+        return real_flock(descriptor, operation)
+
+    def c_opens_while_b_holds_the_lock(*args, **kwargs):
+        c_thread.start()
+        assert opened.wait(30)
+        return real_find_resume_point(*args, **kwargs)
+
+    c_thread = threading.Thread(target=job_c.acquire)
+    monkeypatch.setattr(run_dir_module.fcntl, "flock", flock_once_b_is_done)
+    monkeypatch.setattr(train, "find_resume_point", c_opens_while_b_holds_the_lock)
+    status, _, error = run_in_process(arguments, capsys)  # job B
+    b_done.set()
+    c_thread.join(30)
+    assert status == 2 and "already holds a run" in error, error
+    monkeypatch.setattr(train, "find_resume_point", real_find_resume_point)
+    try:
+        assert job_c.descriptor is not None  # C holds the lock...
+        status, _, error = run_in_process(arguments, capsys)  # job D
+        assert status == 2 and "is in use by another training job" in error, error  # ...on the file D finds
+    finally:
+        job_c.release()
+
+
+def test_a_run_refused_after_taking_the_lock_removes_the_lock_file_it_created(tmp_path, corpus, capsys, monkeypatch):
+    """A run directory without run.lock (copied from another machine, or of an older version), whose
+    optimizer state then fails to load (train.py's refusal after the rank set-up, exit 2): the lock file this
+    job created went only on the refusals before it; now on every exit 2, and what was there stays."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    (run_dir / LOCK_FILE).unlink()
+    before = snapshot(run_dir)
+
+    def does_not_fit(optimizer, state_dict):
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
+
+    monkeypatch.setattr(train, "load_optimizer_state", does_not_fit)
+    status, _, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
+    assert status == 2 and error.count("\n") == 1 and "resume from an older checkpoint" in error, error
+    assert not (run_dir / LOCK_FILE).exists() and snapshot(run_dir) == before
 
 
 def start_train(arguments: list[str]) -> subprocess.Popen:
