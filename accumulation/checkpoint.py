@@ -201,25 +201,24 @@ def check_archive(path: Path) -> None:
     (zipfile does the comparison as the last byte of an entry is read). Raises CheckpointError naming the
     file and the first damaged entry: a flipped bit, a truncated or overwritten file."""
     try:
-        with zipfile.ZipFile(path) as archive:
-            for entry in archive.infolist():
-                try:
-                    with archive.open(entry) as stream:
-                        while stream.read(2**20):
-                            pass
-                except Exception as error:  # a wrong CRC, a damaged header, a size that runs past the end
-                    if "CRC" in str(error):
-                        why = f"the CRC of its entry {entry.filename} does not match its bytes"
-                    else:
-                        why = f"its entry {entry.filename} cannot be read ({error})"
-                    raise CheckpointError(
-                        f"checkpoint {path} is damaged: {why} (a bit flipped on the disk or in a copy, or the "
-                        f"file was overwritten); resume from an older checkpoint or restore a good copy"
-                    ) from None
-    except CheckpointError:
-        raise
+        archive = zipfile.ZipFile(path)
     except Exception as error:  # not a zip archive at all: truncated, random bytes, a directory, unreadable
         raise CheckpointError(f"checkpoint {path} cannot be read ({load_failure(error)})") from None
+    with archive:
+        for entry in archive.infolist():
+            try:
+                with archive.open(entry) as stream:
+                    while stream.read(2**20):
+                        pass
+            except Exception as error:  # a wrong CRC, a damaged header, a size that runs past the end
+                if "CRC" in str(error):
+                    why = f"the CRC of its entry {entry.filename} does not match its bytes"
+                else:
+                    why = f"its entry {entry.filename} cannot be read ({error})"
+                raise CheckpointError(
+                    f"checkpoint {path} is damaged: {why} (a bit flipped on the disk or in a copy, or the file "
+                    f"changed in place)"
+                ) from None
 
 
 def load_failure(error: Exception) -> str:

@@ -66,9 +66,13 @@ def seed_dropout(seed: int, rank: int, steps: int = 0) -> None:
     torch.manual_seed(seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + rank)
 
 
-# What each optimizer keeps per parameter once it has applied an update (SGD only with momentum).
-OPTIMIZER_MOMENTS = {"adamw": ("AdamW's moments", ("step", "exp_avg", "exp_avg_sq")), "sgd": ("", ())}
-SGD_MOMENTUM = ("SGD's momentum buffers", ("momentum_buffer",))
+def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
+    """What the optimizer keeps per parameter once it has applied an update: in words, and its state keys."""
+    if optim.name == "adamw":
+        return "AdamW's moments", ("step", "exp_avg", "exp_avg_sq")
+    if optim.name == "sgd" and optim.momentum != 0:
+        return "SGD's momentum buffers", ("momentum_buffer",)
+    return "", ()  # SGD without momentum keeps nothing
 
 
 @dataclass
@@ -95,9 +99,6 @@ class ExpectedShapes:
         scheduler = build_scheduler(
             optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio
         )
-        moments = OPTIMIZER_MOMENTS.get(config.optim.name, ("", ()))
-        if config.optim.name == "sgd" and config.optim.momentum != 0:
-            moments = SGD_MOMENTUM
         return cls(
             model={name: tensor.shape for name, tensor in model.state_dict().items()},
             optimizer=[[parameter.shape for parameter in group["params"]] for group in optimizer.param_groups],
@@ -108,7 +109,7 @@ class ExpectedShapes:
                 "scheduler": scheduler.state_dict(),
                 "scaler": torch.amp.GradScaler("cpu", enabled=True).state_dict(),
             },
-            moments=moments,
+            moments=optimizer_moments(config.optim),
         )
 
 
