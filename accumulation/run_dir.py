@@ -112,11 +112,19 @@ def check_run_directory(run_dir: Path) -> None:
             f"or move those files away"
         )
     for folder in [run_dir.resolve().parent, *run_dir.resolve().parent.parents]:
-        if (folder / LOCK_FILE).is_file() or (folder / "checkpoints" / "latest.pt").is_file():
+        if is_a_run_directory(folder):
             raise RunDirectoryError(
                 f"run.out_dir: {run_dir.parent} lies inside the run directory {folder}; a run's folder is never "
                 f"another run's home: choose a run.out_dir outside every run directory"
             )
+
+
+def is_a_run_directory(folder: Path) -> bool:
+    """Whether `folder` is this program's run directory: its config.toml (with this program's first line) beside
+    its checkpoints or metrics. Any one of them alone may be something else: a config copied out of a run,
+    another tool's checkpoints/ or run.lock."""
+    holds_run_files = (folder / "checkpoints").is_dir() or (folder / METRICS_FILE).is_file()
+    return holds_run_files and (folder / "config.toml").is_file() and ours(folder / "config.toml")
 
 
 def ours(entry: Path) -> bool:

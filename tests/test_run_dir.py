@@ -123,6 +123,21 @@ def test_a_fresh_run_refuses_to_start_inside_another_runs_folders(tmp_path, corp
         assert snapshot(run_dir) == before and not (out_dir / "nested").exists()
 
 
+def test_another_tools_files_above_the_run_are_no_run(tmp_path, corpus, capsys):
+    """A project folder with another tool's run.lock, checkpoints/latest.pt and a config.toml copied out of a
+    run (the header kept) is no run directory: a fresh run under it starts."""
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "checkpoints" / "latest.pt").write_bytes(b"another tool's")
+    (project / LOCK_FILE).write_text("")
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0, "run.out_dir": project / "runs"})
+    assert run_in_process(arguments, capsys)[0] == 0
+    shutil.copyfile(project / "runs" / "default" / "config.toml", project / "config.toml")
+    shutil.rmtree(project / "checkpoints")
+    status, _, error = run_in_process(arguments + ["run.name=second"], capsys)
+    assert status == 0, error
+
+
 def test_a_fresh_run_starts_over_what_a_killed_start_up_left(tmp_path, corpus, capsys):
     """An empty folder, and what a first attempt killed before its step-0 checkpoint leaves (the lock file,
     this program's config.toml, the checkpoint's temporary file), are a fresh run's to use."""
