@@ -137,7 +137,7 @@ def ours(entry: Path) -> bool:
         return True
     try:
         with open(entry, encoding="utf-8", errors="replace") as file:
-            return file.readline().rstrip("\n") == CONFIG_FIRST_LINE
+            return file.readline(len(CONFIG_FIRST_LINE) + 1).rstrip("\n") == CONFIG_FIRST_LINE  # never a whole big file
     except OSError:
         return False
 
