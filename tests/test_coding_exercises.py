@@ -39,3 +39,33 @@ def test_the_checker_fails_on_the_given_code(name):
 def test_the_checker_passes_on_the_keys_solution(name):
     check, _, _ = EXERCISES[name]
     check(key_solution(name))
+
+
+# Exercise 12's checker must see each way a loop mishandles the GradScaler, not only the given mistake:
+# each variant is the key's solution with one edit, and each must fail.
+SCALER_MISTAKES = {
+    "no GradScaler at all": [
+        ("scaler.scale(loss_sum / tokens).backward()", "(loss_sum / tokens).backward()"),
+        ("    scaler.unscale_(optimizer)", "    pass  #"),
+        ("scaler.step(optimizer)", "optimizer.step()"),
+        ("    scaler.update()", "    pass  #"),
+    ],
+    "scaler.update() omitted": [("    scaler.update()", "    pass  #")],
+    "optimizer.step() instead of scaler.step()": [("scaler.step(optimizer)", "optimizer.step()")],
+    "scheduler stepped after a skipped update": [("    if torch.isfinite(grad_norm):", "    if True:")],
+}
+
+
+# A skipped update followed by scheduler.step(): PyTorch warns about that very mistake.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+@pytest.mark.parametrize("mistake", SCALER_MISTAKES)
+def test_the_scaler_checker_fails_on_each_scaler_mistake(mistake):
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: scaler_order\n.*?)```", key, flags=re.DOTALL)
+    for old, new in SCALER_MISTAKES[mistake]:
+        assert old in source, f"the key no longer holds {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, f"exercises_key.md:scaler_order ({mistake})", "exec"), namespace)
+    with pytest.raises(AssertionError):
+        checks.check_scaler_order(namespace["update"])

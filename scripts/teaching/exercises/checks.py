@@ -62,22 +62,65 @@ def check_token_mean(accumulate) -> None:
     assert error <= RTOL, f"gradient off by {error:.3g} of its largest entry (allowed {RTOL:g})"
 
 
+def inject_inf_once(model: nn.Module):
+    """A hook that turns one entry of the last layer's weight gradient into inf in the next backward, as an
+    fp16 overflow does; removed after that backward. Returns the hook's handle."""
+    weight = model[-1].weight
+    handle = None
+
+    def overflow(grad: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    handle = weight.register_hook(overflow)
+    return handle
+
+
 def check_scaler_order(update) -> None:
-    """Exercise 12: update(model, micro_batches, optimizer, scaler, max_norm) applies one SGD update with the
-    true gradient clipped once to max_norm, whatever the loss scale."""
-    lr, scale = 0.1, 2.0**10
+    """Exercise 12: update(model, micro_batches, optimizer, scaler, scheduler, max_norm) applies one SGD update
+    with the true gradient clipped once to max_norm, whatever the loss scale, and steps the scheduler only
+    when the update was applied. Two updates: in the first an inf appears in one micro-batch's gradient (an
+    fp16 overflow), so the update must be skipped, the scale halved once and the schedule left where it is;
+    the second is clean and must be the clipped true gradient at the warm-up's first learning rate."""
+    lr, scale, warmup_updates = 0.1, 2.0**10, 4
     model = make_model()
     micro_batches = make_step(seed=2)
     reference = reference_gradient(model, micro_batches)
     true_norm = float(torch.cat([g.flatten() for g in reference]).norm())
     max_norm = true_norm / 2  # clipping bites: the update must have half the true gradient's length
-    expected = [-lr * g * max_norm / (true_norm + 1e-6) for g in reference]  # clip_grad_norm_'s own formula
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    update(model, micro_batches, optimizer, torch.amp.GradScaler("cpu", init_scale=scale), max_norm)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (warmup_updates + 1)))
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+
+    inject_inf_once(model)
+    try:
+        update(model, micro_batches, optimizer, scaler, scheduler, max_norm)
+    except Exception as error:  # an exception is a failed check too, with what raised it
+        raise AssertionError(f"update 1 (with an inf in the gradient) raised {error!r}") from error
+    changed = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    assert not changed, "update 1 had an inf in its gradient and must be skipped, but the weights changed"
+    assert scaler.get_scale() == scale / 2, (
+        f"after the skipped update the scale is {scaler.get_scale():g}, expected {scale / 2:g} "
+        "(scaler.update() once per update halves it after an inf)"
+    )
+    assert scheduler.last_epoch == 0, (
+        f"the scheduler advanced {scheduler.last_epoch} times over a skipped update; it counts applied updates"
+    )
+
+    try:
+        update(model, micro_batches, optimizer, scaler, scheduler, max_norm)
+    except Exception as error:
+        raise AssertionError(f"update 2 (clean) raised {error!r}") from error
+    first_lr = lr * 1 / (warmup_updates + 1)  # the warm-up's factor after 0 applied updates
+    expected = [-first_lr * g * max_norm / (true_norm + 1e-6) for g in reference]  # clip_grad_norm_'s formula
     applied = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
     error = relative_error(applied, expected)
-    assert error <= RTOL, f"update off by {error:.3g} of its largest entry (allowed {RTOL:g})"
+    assert error <= RTOL, f"update 2 off by {error:.3g} of its largest entry (allowed {RTOL:g})"
+    assert scaler.get_scale() == scale / 2, f"after a clean update the scale is {scaler.get_scale():g}"
+    assert scheduler.last_epoch == 1, f"the scheduler advanced {scheduler.last_epoch} times over one applied update"
 
 
 def check_schedule_clock(train) -> None:
