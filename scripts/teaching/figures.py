@@ -83,7 +83,8 @@ def draw_normalization(example: dict, png_path: Path):
     sums_axes, ranks_axes, mean_axes = figure.subplots(1, 3, width_ratios=[1.4, 1, 1])
     labels = [f"rank {r}\nmicro-batch {k}\n{TOKENS[r][k]} tokens" for r in range(2) for k in range(2)]
     values = [s for row in example["loss_sums"] for s in row]
-    bars = sums_axes.bar(labels, values, color=["tab:blue", "tab:blue", "tab:green", "tab:green"])
+    colours = ["tab:blue", "tab:blue", "tab:purple", "tab:purple"]  # one per rank; green and red mean right, wrong
+    bars = sums_axes.bar(labels, values, color=colours)
     sums_axes.bar_label(bars, fmt="%.1f", fontsize=FONT_PT)
     sums_axes.set_ylabel("loss sum S_rk (nats)")
     sums_axes.set_title("1. each backward: S_rk, then × D / N", fontsize=TITLE_PT)
