@@ -1,4 +1,4 @@
-"""The coding exercises of docs/exercises.md (11 to 13): the checker fails on the broken code the student is
+"""The coding exercises of docs/exercises.md (11 to 15): the checker fails on the broken code the student is
 given, and passes on the solution printed in docs/exercises_key.md, run exactly as printed there."""
 
 import re
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.teaching.exercises import checks, scaler_order, schedule_clock, token_mean
+from scripts.teaching.exercises import adam_eps, checks, scaler_order, schedule_clock, token_mean, two_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 # exercise -> (the checker, the student's module as given, the name of the function the student fixes)
@@ -14,6 +14,8 @@ EXERCISES = {
     "token_mean": (checks.check_token_mean, token_mean, "accumulate"),
     "scaler_order": (checks.check_scaler_order, scaler_order, "update"),
     "schedule_clock": (checks.check_schedule_clock, schedule_clock, "train"),
+    "two_ranks": (checks.check_two_ranks, two_ranks, "accumulate"),
+    "adam_eps": (checks.check_adam_eps, adam_eps, "update"),
 }
 
 
@@ -39,3 +41,56 @@ def test_the_checker_fails_on_the_given_code(name):
 def test_the_checker_passes_on_the_keys_solution(name):
     check, _, _ = EXERCISES[name]
     check(key_solution(name))
+
+
+# Exercise 12's checker must see each way a loop mishandles the GradScaler, not only the given mistake:
+# each variant is the key's solution with one edit, and each must fail.
+SCALER_MISTAKES = {
+    "no GradScaler at all": [
+        ("scaler.scale(loss_sum / tokens).backward()", "(loss_sum / tokens).backward()"),
+        ("    scaler.unscale_(optimizer)", "    pass  #"),
+        ("scaler.step(optimizer)", "optimizer.step()"),
+        ("    scaler.update()", "    pass  #"),
+    ],
+    "scaler.update() omitted": [("    scaler.update()", "    pass  #")],
+    "optimizer.step() instead of scaler.step()": [("scaler.step(optimizer)", "optimizer.step()")],
+    "scheduler stepped after a skipped update": [("    if torch.isfinite(grad_norm):", "    if True:")],
+}
+
+
+# A skipped update followed by scheduler.step(): PyTorch warns about that very mistake.
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
+@pytest.mark.parametrize("mistake", SCALER_MISTAKES)
+def test_the_scaler_checker_fails_on_each_scaler_mistake(mistake):
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: scaler_order\n.*?)```", key, flags=re.DOTALL)
+    for old, new in SCALER_MISTAKES[mistake]:
+        assert old in source, f"the key no longer holds {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, f"exercises_key.md:scaler_order ({mistake})", "exec"), namespace)
+    with pytest.raises(AssertionError):
+        checks.check_scaler_order(namespace["update"])
+
+
+# Exercise 14's checker sees each half of the exercise on its own: the key with the × D dropped (the
+# gradient is off by 1/2), and the key with no_sync dropped (the gradient is right, the bytes are 4 times).
+TWO_RANK_MISTAKES = {
+    "× D forgotten": ("(loss_sum * ranks / tokens)", "(loss_sum / tokens)"),
+    "no no_sync": (
+        "with model.no_sync() if k != last else contextlib.nullcontext():",
+        "with contextlib.nullcontext():",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", TWO_RANK_MISTAKES)
+def test_the_two_rank_checker_fails_on_each_half_of_the_exercise(mistake):
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: two_ranks\n.*?)```", key, flags=re.DOTALL)
+    old, new = TWO_RANK_MISTAKES[mistake]
+    assert old in source, f"the key no longer holds {old!r}"
+    namespace = {}
+    exec(compile(source.replace(old, new), f"exercises_key.md:two_ranks ({mistake})", "exec"), namespace)
+    with pytest.raises(AssertionError, match="off by" if mistake == "× D forgotten" else "all-reduced"):
+        checks.check_two_ranks(namespace["accumulate"])

@@ -21,13 +21,14 @@ SENTENCES = {
     "schedule.lr_factor_if_stepped_per_micro_batch": "but is {}, and",
     "schedule.warmup_done_after_updates_when_wrong": "warm-up is over after {} updates",
     "float.fp32_reorder_relative_difference": "in fp32 differs by {} relative",
-    # The table of section 10: one row per A, the bf16 cell then the fp32 cell.
-    "float.bf16_accumulation_error_A8": "| 8 | {} |",
-    "float.fp32_accumulation_error_A8": " | {} |\n| 32 |",
-    "float.bf16_accumulation_error_A32": "| 32 | {} |",
-    "float.fp32_accumulation_error_A32": " | {} |\n| 512 |",
-    "float.bf16_accumulation_error_A512": "| 512 | {} |",
-    "float.fp32_accumulation_error_A512": " | {} |\n\nUp to A = 32",
+    # The ratios of the table of section 10 (its cells are checked row by row below).
+    "float.bf16_over_fp32_A8": "a bf16 buffer is {} times\nworse at A = 8",
+    "float.bf16_over_fp32_A32": "and {} times worse at A = 32 on one-sign terms",
+    "float.bf16_over_fp32_mixed_A8": "on one-sign terms ({} and",
+    "float.bf16_over_fp32_mixed_A32": "and {} times on mixed signs)",
+    "float.bf16_over_fp32_A512": "{} times worse at A = 512",
+    "float.bf16_over_fp32_mixed_A512": "at A = 512 ({} on mixed signs)",
+    "float.fp32_mixed_accumulation_error_A512": "with mixed signs it stays at {}, the bf16 rounding",
     "clip.true_gradient_norm": "a true gradient of norm {}, clipped at 1",
     "clip.effective_threshold": "The effective threshold is\n{}, `max_norm / s`.",
     "clip.update_norm_when_clipped_scaled": "once unscaled, has norm {}, where the true gradient",
@@ -49,6 +50,17 @@ def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide():
     ).stdout
     guide = (REPO / "docs" / "accumulation.md").read_text()
     values = dict(line.split(": ", 1) for line in printed.strip().splitlines())
+    # Section 10's table: for each A, the one-sign then the mixed-sign errors of a bf16 and an fp32 buffer.
+    table_cells = [
+        f"float.{buffer}_{signs}accumulation_error_A{a}"
+        for a in (8, 32, 512)
+        for signs in ("", "mixed_")
+        for buffer in ("bf16", "fp32")
+    ]
+    for a in (8, 32, 512):
+        row = " | ".join(values[name] for name in table_cells if name.endswith(f"_A{a}"))
+        assert f"| {a} | {row} |" in guide, f"section 10's row for A = {a} is not | {a} | {row} |"
+    values = {name: value for name, value in values.items() if name not in table_cells or name in SENTENCES}
     assert values.keys() == SENTENCES.keys()
     for name, value in values.items():
         assert SENTENCES[name].format(value) in guide, f"{name} = {value}: not in its sentence of the guide"

@@ -182,3 +182,38 @@ def test_the_guide_quotes_the_gallery_as_measured(gallery):
             pitfalls.optional_number(row["norm_ratio"]),
         ]
         assert cells[-4:] == printed, (row["pitfall"], cells, printed)
+
+
+def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(gallery, tmp_path):
+    from matplotlib.colors import to_rgb
+    from matplotlib.text import Text
+
+    measurements = [
+        pitfall_setup.Measurement(
+            row["pitfall"],
+            row["metric"],
+            row["buggy"],
+            row["correct"],
+            True,
+            True,
+            row["reference"],
+            row["cosine"],
+            row["norm_ratio"],
+        )
+        for row in rows_of(gallery)
+    ]
+    figure = pitfalls.draw(measurements, str(tmp_path / "pitfalls.png"))
+    texts = [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert all(t.get_fontsize() >= pitfalls.FONT_PT for t in texts), "a text below the projector's size"
+    error_axes, cosine_axes, scale_axes = figure.axes[:3]
+    row_labels = [label.get_text() for label in error_axes.get_yticklabels()]
+    vector_rows = [m for m in measurements if m.metric in pitfalls.RELATIVE_ERRORS]
+    assert row_labels == [f"{m.pitfall}\n({m.metric})" for m in vector_rows]  # every row names its metric
+    for axes, field in ((cosine_axes, "cosine"), (scale_axes, "norm_ratio")):
+        values = [getattr(m, field) for m in vector_rows if getattr(m, field) is not None]
+        bars = axes.patches
+        assert len(bars) == len(values)
+        for bar, value in zip(bars, values, strict=True):
+            assert bar.get_x() == 1.0 and bar.get_x() + bar.get_width() == pytest.approx(value)  # from 1 to the value
+            # Red only where the buggy twin deviates from the ideal 1.
+            assert (to_rgb(bar.get_facecolor()) == to_rgb("tab:red")) == (abs(value - 1) >= 5e-4), (field, value)

@@ -47,3 +47,69 @@ def test_the_amp_figure_follows_the_scale_through_the_calls():
     assert right["step (norm used)"] == pytest.approx(amp["max_norm"], rel=1e-5)
     assert wrong["step (norm used)"] == pytest.approx(amp["max_norm"] / amp["scale"], rel=1e-5)
     assert math.isclose(amp["scale"], 1024.0)
+
+
+def readable_texts(figure) -> list:
+    """Every visible, non-empty text of a drawn figure: titles, labels, tick labels, annotations, legends."""
+    from matplotlib.text import Text
+
+    return [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
+
+
+def assert_readable(figure, minimum_pt: float) -> None:
+    """Text on a projector: each at least `minimum_pt` points at the figure's saved size (sizes are in points
+    of the figure's inches, so they hold at any dpi)."""
+    small = [(t.get_text(), t.get_fontsize()) for t in readable_texts(figure) if t.get_fontsize() < minimum_pt]
+    assert not small, f"texts below {minimum_pt} pt: {small[:5]}"
+
+
+def is_red(colour) -> bool:
+    from matplotlib.colors import to_rgb
+
+    return to_rgb(colour) == to_rgb("tab:red")
+
+
+def test_the_diagrams_are_readable_and_red_marks_only_what_is_wrong(tmp_path):
+    gradient_bytes = 1000
+    sent = {
+        "no_sync around forward and backward": [0, 0, 0, gradient_bytes],
+        "forward outside no_sync": [gradient_bytes] * 4,
+        "sync flag set after forward": [gradient_bytes, 0, 0, 0],
+    }
+    timeline = figures.draw_timeline(sent, gradient_bytes, tmp_path / "timeline.png")
+    normalization = figures.draw_normalization(figures.normalization_example(), tmp_path / "normalization.png")
+    amp = figures.draw_amp_order(figures.amp_call_order(), tmp_path / "amp.png")
+    for figure in (timeline, normalization, amp):
+        assert_readable(figure, figures.FONT_PT)
+        for axes in figure.axes:
+            assert axes.get_ylabel() or axes.get_yticklabels(), "an axis without a label"
+    # The timeline: one box per backward; red exactly where a loop differs from the correct first row.
+    [axes] = timeline.axes
+    boxes = [p for p in axes.patches if p.get_width() > 0.5]
+    red_rows = {round(p.get_y() + p.get_height() / 2) for p in boxes if is_red(p.get_facecolor())}
+    assert red_rows == {1, 2}  # never the correct loop
+    red_in_row = {
+        row: sum(1 for p in boxes if is_red(p.get_facecolor()) and round(p.get_y() + 0.4) == row) for row in (1, 2)
+    }
+    assert red_in_row == {1: 3, 2: 2}  # three extra all-reduces; one extra and one missing
+    # amp_order: the right order's line is drawn wider and underneath, so the dashed wrong line on top
+    # leaves it visible where the two coincide; every legend entry names a line with points.
+    [axes] = amp.axes
+    right, wrong = axes.get_lines()[:2]
+    assert right.get_linewidth() > 2 * wrong.get_linewidth() and right.get_zorder() < wrong.get_zorder()
+    lines = {line.get_label(): line for line in axes.get_lines()}
+    for text in axes.get_legend().get_texts():
+        assert len(lines[text.get_text()].get_xdata()) > 0
+
+
+def test_the_cadence_figure_is_readable_with_units_on_its_axes(tmp_path):
+    from scripts.teaching import cadence
+
+    curves = {(32, 4): [3.0, 2.5, 2.2], (32, 16): [3.0, 2.5, 2.2], (8, 4): [3.0, 2.8, 2.7], (64, 16): [3.0, 2.4, 2.0]}
+    figure = cadence.draw(curves, str(tmp_path / "cadence.png"))
+    assert_readable(figure, cadence.FONT_PT)
+    by_updates, by_examples = figure.axes
+    assert "nats per token" in by_updates.get_ylabel()
+    assert by_updates.get_xlabel() == "optimizer updates" and by_examples.get_xlabel() == "examples seen"
+    labels = {line.get_label() for line in by_updates.get_lines()}
+    assert {text.get_text() for text in by_updates.get_legend().get_texts()} <= labels

@@ -40,6 +40,18 @@ TOKENS = [[30, 10], [5, 15]]  # N_rk; N = 60
 MEAN_LOSS = [[2.0, 3.0], [4.0, 2.5]]  # nats per token
 
 
+# Figures are read on a projector: every text at least FONT_PT points at the saved size (the figure's inches
+# at its dpi), titles TITLE_PT. tests/test_teaching_figures.py checks every text of the drawn figures.
+FONT_PT, TITLE_PT = 11, 12
+
+
+def matplotlib_defaults() -> None:
+    """Axis labels and tick labels without an explicit size take matplotlib's default: make it FONT_PT."""
+    import matplotlib
+
+    matplotlib.rcParams.update({"font.size": FONT_PT, "axes.titlesize": TITLE_PT, "legend.fontsize": FONT_PT})
+
+
 def normalization_example() -> dict:
     """What each rank's .grad holds is the gradient of what it backpropagated; follow the loss values (in the
     same units) through the sum over micro-batches and DDP's mean over ranks."""
@@ -62,18 +74,21 @@ def normalization_example() -> dict:
     }
 
 
-def draw_normalization(example: dict, png_path: Path) -> None:
+def draw_normalization(example: dict, png_path: Path):
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(12, 3.8), layout="constrained")
+    matplotlib_defaults()
+
+    figure = Figure(figsize=(15, 5), layout="constrained")
     sums_axes, ranks_axes, mean_axes = figure.subplots(1, 3, width_ratios=[1.4, 1, 1])
     labels = [f"rank {r}\nmicro-batch {k}\n{TOKENS[r][k]} tokens" for r in range(2) for k in range(2)]
     values = [s for row in example["loss_sums"] for s in row]
-    bars = sums_axes.bar(labels, values, color=["tab:blue", "tab:blue", "tab:green", "tab:green"])
-    sums_axes.bar_label(bars, fmt="%.1f", fontsize=8)
+    colours = ["tab:blue", "tab:blue", "tab:purple", "tab:purple"]  # one per rank; green and red mean right, wrong
+    bars = sums_axes.bar(labels, values, color=colours)
+    sums_axes.bar_label(bars, fmt="%.1f", fontsize=FONT_PT)
     sums_axes.set_ylabel("loss sum S_rk (nats)")
-    sums_axes.set_title("1. each backward: S_rk, then × D / N", fontsize=9)
-    sums_axes.tick_params(labelsize=7)
+    sums_axes.set_title("1. each backward: S_rk, then × D / N", fontsize=TITLE_PT)
+    sums_axes.tick_params(labelsize=FONT_PT)
 
     positions = [0, 1]
     width = 0.38
@@ -82,28 +97,29 @@ def draw_normalization(example: dict, png_path: Path) -> None:
         (width / 2, "rank_without_d", "tab:red", "Σ_k S_rk / N (× D forgotten)"),
     ):
         bars = ranks_axes.bar([p + offset for p in positions], example[key], width, color=colour, label=label)
-        ranks_axes.bar_label(bars, fmt="%.3f", fontsize=8)
+        ranks_axes.bar_label(bars, fmt="%.3f", fontsize=FONT_PT)
     ranks_axes.set_xticks(positions, ["rank 0", "rank 1"])
     ranks_axes.set_ylabel("accumulated on the rank (nats per token)")
-    ranks_axes.set_title("2. backward adds: sum over micro-batches", fontsize=9)
-    ranks_axes.legend(fontsize=7)
+    ranks_axes.set_title("2. backward adds: sum over micro-batches", fontsize=TITLE_PT)
+    ranks_axes.legend(fontsize=FONT_PT)
 
     bars = mean_axes.bar(
         ["× D / N", "/ N only"],
         [example["ddp_mean_with_d"], example["ddp_mean_without_d"]],
         color=["tab:green", "tab:red"],
     )
-    mean_axes.bar_label(bars, fmt="%.3f", fontsize=8)
+    mean_axes.bar_label(bars, fmt="%.3f", fontsize=FONT_PT)
     mean_axes.axhline(example["true_mean"], color="black", linestyle="--", linewidth=1)
-    mean_axes.text(1.45, example["true_mean"], " L = Σ S / N", va="bottom", ha="right", fontsize=8)
+    mean_axes.text(1.45, example["true_mean"], " L = Σ S / N", va="bottom", ha="right", fontsize=FONT_PT)
     mean_axes.set_ylabel("after DDP's all-reduce (nats per token)")
-    mean_axes.set_title("3. DDP averages over the D = 2 ranks", fontsize=9)
+    mean_axes.set_title("3. DDP averages over the D = 2 ranks", fontsize=TITLE_PT)
     figure.suptitle(
         f"Where × D enters: N = {example['tokens']} tokens over all micro-batches and ranks; D = data-parallel "
         "ranks (not the world size)",
-        fontsize=10,
+        fontsize=TITLE_PT,
     )
     figure.savefig(png_path, dpi=90)
+    return figure
 
 
 def micro_batches(seed: int) -> list[MicroBatch]:
@@ -156,33 +172,45 @@ def per_backward_bytes(rank: int, world_size: int) -> dict:
     return sent
 
 
-def draw_timeline(sent: dict, gradient_bytes: int, png_path: Path) -> None:
+def draw_timeline(sent: dict, gradient_bytes: int, png_path: Path):
+    """One row per loop, one box per backward. Blue: an all-reduce where the correct loop (the first row) has
+    one; grey: local, where it is local too; red, only for what is wrong: an all-reduce the correct loop does
+    not send, or a missing one."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 3.2), layout="constrained")
+    matplotlib_defaults()
+
+    figure = Figure(figsize=(15, 4.6), layout="constrained")
     axes = figure.subplots()
+    expected = next(iter(sent.values()))  # the correct loop: no_sync around forward and backward
     for row, per_backward in enumerate(sent.values()):
         for k, num_bytes in enumerate(per_backward):
-            colour = "tab:green" if num_bytes == 0 else "tab:red"
+            right = (num_bytes > 0) == (expected[k] > 0)
+            colour = ("tab:blue" if num_bytes > 0 else "lightgrey") if right else "tab:red"
             axes.barh(row, 0.9, left=k + 0.05, color=colour, alpha=0.85)
-            label = "local only" if num_bytes == 0 else f"all-reduce\n{num_bytes / 1000:,.0f} kB"
-            axes.text(k + 0.5, row, label, ha="center", va="center", fontsize=8)
+            if num_bytes > 0:
+                label = f"all-reduce\n{num_bytes / 1000:,.0f} kB" + ("" if right else "\n(extra)")
+            else:
+                label = "local only" + ("" if right else "\n(sync missing)")
+            axes.text(k + 0.5, row, label, ha="center", va="center", fontsize=FONT_PT)
         total = sum(per_backward) / 1000
-        axes.text(len(per_backward) + 0.1, row, f"{total:,.0f} kB per update", va="center", fontsize=8)
+        axes.text(len(per_backward) + 0.1, row, f"{total:,.0f} kB per update", va="center", fontsize=FONT_PT)
     accumulation_steps = len(next(iter(sent.values())))
-    axes.set_yticks(range(len(sent)), list(sent), fontsize=8)
+    axes.set_yticks(range(len(sent)), list(sent), fontsize=FONT_PT)
     axes.set_xticks(
         [k + 0.5 for k in range(accumulation_steps)],
         [f"backward {k + 1}" for k in range(accumulation_steps)],
-        fontsize=8,
+        fontsize=FONT_PT,
     )
-    axes.set_xlim(0, accumulation_steps + 1.6)
+    axes.set_xlim(0, accumulation_steps + 1.9)
     axes.invert_yaxis()
     axes.set_xlabel(f"micro-batches of one update (A = {accumulation_steps}); one gradient = {gradient_bytes:,} bytes")
     axes.set_title(
-        "Which backward all-reduces (bytes measured with a DDP communication hook, 2 gloo ranks)", fontsize=9
+        "Which backward all-reduces (bytes measured with a DDP communication hook, 2 gloo ranks; red: wrong)",
+        fontsize=TITLE_PT,
     )
     figure.savefig(png_path, dpi=90)
+    return figure
 
 
 def gradient_norm(model: torch.nn.Module) -> float:
@@ -224,26 +252,40 @@ def amp_call_order() -> dict:
     return {"true_norm": true_norm, "max_norm": max_norm, "scale": LOSS_SCALE, "orders": orders}
 
 
-def draw_amp_order(amp: dict, png_path: Path) -> None:
+def draw_amp_order(amp: dict, png_path: Path):
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 3.8), layout="constrained")
+    matplotlib_defaults()
+
+    figure = Figure(figsize=(14, 6), layout="constrained")
     axes = figure.subplots()
-    for (order, calls), colour, marker in zip(amp["orders"].items(), ("tab:green", "tab:red"), ("o", "s"), strict=True):
-        axes.plot(range(len(calls)), [norm for _, norm in calls], color=colour, marker=marker, label=order)
+    # The two orders share their first calls, so the right one is drawn wide underneath and the wrong one
+    # thin and dashed on top: both stay visible where they coincide.
+    for (order, calls), style in zip(
+        amp["orders"].items(),
+        (
+            {"color": "tab:green", "marker": "o", "linewidth": 5, "markersize": 11, "zorder": 2},
+            {"color": "tab:red", "marker": "s", "linewidth": 1.8, "linestyle": "--", "markersize": 6, "zorder": 3},
+        ),
+        strict=True,
+    ):
+        axes.plot(range(len(calls)), [norm for _, norm in calls], label=order, **style)
     right, wrong = ([name for name, _ in calls] for calls in amp["orders"].values())
     names = [a if a == b else f"{a} (right)\n{b} (wrong)" for a, b in zip(right, wrong, strict=True)]
-    axes.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=7)
+    axes.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=FONT_PT)
     axes.set_xlabel("the calls of one update, in order")
     axes.set_yscale("log")
     axes.axhline(amp["max_norm"], color="grey", linestyle="--", linewidth=0.8)
-    axes.text(0, amp["max_norm"], " max_norm", va="bottom", fontsize=8)
+    axes.text(0, amp["max_norm"], " max_norm", va="bottom", fontsize=FONT_PT)
     axes.axhline(amp["true_norm"], color="black", linestyle=":", linewidth=0.8)
-    axes.text(0, amp["true_norm"], " true gradient norm", va="bottom", fontsize=8)
+    axes.text(0, amp["true_norm"], " true gradient norm", va="bottom", fontsize=FONT_PT)
     axes.set_ylabel("norm of .grad (log; gradient of nats per token)")
-    axes.set_title(f"GradScaler call order, one update of A = 4 micro-batches, s = {amp['scale']:.0f}", fontsize=9)
-    axes.legend(fontsize=8)
+    axes.set_title(
+        f"GradScaler call order, one update of A = 4 micro-batches, s = {amp['scale']:.0f}", fontsize=TITLE_PT
+    )
+    axes.legend(fontsize=FONT_PT)
     figure.savefig(png_path, dpi=90)
+    return figure
 
 
 def main(argv: list[str]) -> int:

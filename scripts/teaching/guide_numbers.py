@@ -79,19 +79,27 @@ def accumulated_in(accumulator_dtype: torch.dtype, terms: torch.Tensor) -> torch
 
 def bf16_accumulation() -> dict:
     """Accumulation adds A terms per gradient entry, one per micro-batch. Here each of 4096 entries receives A
-    bf16 micro-batch gradients of one sign (|N(0, 1)| · 1e-3: estimates of one gradient mostly agree in sign,
-    the case where a running sum keeps growing), added into a bf16 running sum, and into an fp32 running sum
-    of the same bf16 terms. Error: |sum - exact float64 sum| over all entries, relative to |exact|."""
+    bf16 micro-batch gradients, added into a bf16 running sum, and into an fp32 running sum of the same bf16
+    terms. Two kinds of terms: of one sign (|N(0, 1)| · 1e-3: estimates of one gradient that agree in sign, so
+    the running sum keeps growing) and of mixed signs (N(0, 1) · 1e-3: the sum partly cancels, so each term's
+    own bf16 rounding is large against it). Error: ‖sum − exact float64 sum‖ over all entries, relative to
+    ‖exact‖."""
     errors = {}
     for accumulation in (8, 32, 512):
         generator = numpy.random.default_rng(accumulation)
-        terms = torch.from_numpy(numpy.abs(generator.standard_normal((accumulation, 4096))) * 1e-3)
-        exact = terms.sum(dim=0)
-        bf16_terms = terms.to(torch.bfloat16)  # what a bf16 backward hands over: already rounded to 2^-9
-        for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-            error = (accumulated_in(dtype, bf16_terms).double() - exact).norm() / exact.norm()
-            errors[f"float.{name}_accumulation_error_A{accumulation}"] = f"{float(error):.1e}"
-    return errors
+        normal = generator.standard_normal((accumulation, 4096)) * 1e-3
+        for signs, values in (("", numpy.abs(normal)), ("mixed_", normal)):
+            terms = torch.from_numpy(values)
+            exact = terms.sum(dim=0)
+            bf16_terms = terms.to(torch.bfloat16)  # what a bf16 backward hands over: each within 2^-8 relative
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                error = (accumulated_in(dtype, bf16_terms).double() - exact).norm() / exact.norm()
+                errors[f"float.{name}_{signs}accumulation_error_A{accumulation}"] = float(error)
+            # How much worse the bf16 buffer is than the fp32 one, on the same bf16 terms.
+            ratio = errors[f"float.bf16_{signs}accumulation_error_A{accumulation}"]
+            ratio /= errors[f"float.fp32_{signs}accumulation_error_A{accumulation}"]
+            errors[f"float.bf16_over_fp32_{signs}A{accumulation}"] = f"{ratio:.2g}" if ratio < 100 else f"{ratio:.0f}"
+    return {name: value if isinstance(value, str) else f"{value:.1e}" for name, value in errors.items()}
 
 
 def clipping_before_unscale() -> dict:

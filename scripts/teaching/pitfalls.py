@@ -11,12 +11,14 @@ The table on stdout (or, with --json, a list of {"pitfall", "metric", "buggy", "
 "norm_ratio", "reference"}) shows one number per twin. Where the twins are gradients or updates, two more
 numbers split the error into its direction and its scale: the cosine between the buggy and the correct
 vector (1 = same direction) and the ratio of their norms (1 = same length). A bug with cosine 1 is "only a
-scale", which Adam largely absorbs and SGD does not; a cosine below 1 changes where the model goes.
+scale", which SGD feels as another learning rate and Adam absorbs only while it stays constant and the gradient stays
+well above its eps; a cosine below 1 changes where the model goes.
 `reference` says what the correct column is compared with. The figure (--png, default pitfalls.png) draws
 the rows in panels by kind of metric: relative errors, cosines, norm ratios, bytes and counts each on an
 axis of their own. The exit status is 1 when a correct twin disagrees with its reference or a buggy twin
-fails to show its bug, so the gallery doubles as a test. It takes about ten seconds on 2 CPU cores; five
-pitfalls need 2 gloo ranks, which it spawns itself.
+fails to show its bug, so the gallery doubles as a test. It took 47 s wall on this project's 2-core CPU
+shared with other jobs (load average 0.5 to 3.9; measured once, 2026-12-01); five pitfalls need 2 gloo
+ranks, which it spawns itself.
 """
 
 import argparse
@@ -121,17 +123,33 @@ BYTES = (ALLREDUCE_BYTES, SAVED_BYTES)
 COUNTS = (ROWS_NOT_ONCE,)
 
 
-def draw(measurements: list[Measurement], png_path: str) -> None:
-    """Five panels. Top row, one line per pitfall measured as a relative error: the error of each twin (log
-    scale; exactly 0 drawn at the floor and marked "0"), then for the rows with vectors the buggy twin's
-    direction (cosine with the correct vector) and scale (norm ratio, log scale). Bottom row: the rows
-    measured in bytes, and in rows of data."""
+# Figures are read on a projector: every text at least FONT_PT points at the saved size (the figure's inches
+# at its dpi), titles TITLE_PT. tests/test_teaching_figures.py checks every text of the drawn figures.
+FONT_PT, TITLE_PT = 11, 12
+
+
+def matplotlib_defaults() -> None:
+    """Axis labels and tick labels without an explicit size take matplotlib's default: make it FONT_PT."""
+    import matplotlib
+
+    matplotlib.rcParams.update({"font.size": FONT_PT, "axes.titlesize": TITLE_PT, "legend.fontsize": FONT_PT})
+
+
+def draw(measurements: list[Measurement], png_path: str):
+    """Five panels. Top row, one line per pitfall measured as a relative error, named with its metric: the
+    error of each twin (log scale; exactly 0 drawn at the floor and marked "0"), then for the rows with
+    vectors the buggy twin's direction (cosine with the correct vector) and scale (norm ratio, log scale),
+    each drawn as a bar from the ideal 1 to the value, so that 0.000977 and 5.94 read as deviations to
+    opposite sides. Red only where the buggy twin deviates; grey where it equals the ideal. Bottom row: the
+    rows measured in bytes, and in rows of data. Returns the figure."""
     from matplotlib.figure import Figure  # imported here: only drawing needs matplotlib
+
+    matplotlib_defaults()
 
     errors = [m for m in measurements if m.metric in RELATIVE_ERRORS]
     byte_rows = [m for m in measurements if m.metric in BYTES]
     count_rows = [m for m in measurements if m.metric in COUNTS]
-    figure = Figure(figsize=(13, 0.32 * len(errors) + 3.2), layout="constrained")
+    figure = Figure(figsize=(18, 0.58 * len(errors) + 4.2), layout="constrained")
     panels = figure.subplot_mosaic(
         [["error", "cosine", "scale"], ["bytes", "bytes", "counts"]],
         height_ratios=[len(errors), 2.2],
@@ -139,7 +157,7 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
     )
     floor = 1e-18
     positions = list(range(len(errors)))
-    labels = [m.pitfall for m in errors]
+    labels = [f"{m.pitfall}\n({m.metric})" for m in errors]
 
     def twin_bars(axes, rows, scale_floor=None):
         for offset, twin, colour in ((-0.2, "buggy", "tab:red"), (0.2, "correct", "tab:green")):
@@ -147,16 +165,16 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
             drawn = [max(v, scale_floor) for v in values] if scale_floor else values
             bars = axes.barh([p + offset for p in range(len(rows))], drawn, height=0.4, color=colour, label=twin)
             printed = [number(m.buggy) if twin == "buggy" else correct_cell(m.metric, m.correct) for m in rows]
-            axes.bar_label(bars, labels=printed, padding=3, fontsize=7)
+            axes.bar_label(bars, labels=printed, padding=3, fontsize=FONT_PT)
 
     axes = panels["error"]
     twin_bars(axes, errors, floor)
     axes.set_xscale("log")
-    axes.set_xlim(floor, 1e6)  # room on the right for the legend
-    axes.set_yticks(positions, labels, fontsize=7)
+    axes.set_xlim(floor, 1e8)  # room on the right for the legend
+    axes.set_yticks(positions, labels, fontsize=FONT_PT)
     axes.set_ylim(len(errors) - 0.5, -0.5)  # the first pitfall on top, in every panel of this row
-    axes.set_title("relative error against the reference (log)", fontsize=9)
-    axes.legend(fontsize=7, loc="upper right")
+    axes.set_title("relative error against the reference (log)", fontsize=TITLE_PT)
+    axes.legend(fontsize=FONT_PT, loc="upper right")
 
     for key, field, title in (
         ("cosine", "cosine", "direction: cos(buggy, correct)"),
@@ -165,31 +183,35 @@ def draw(measurements: list[Measurement], png_path: str) -> None:
         axes = panels[key]
         values = [getattr(m, field) for m in errors]
         shown = [p for p, v in zip(positions, values, strict=True) if v is not None]
-        bars = axes.barh(shown, [v for v in values if v is not None], height=0.5, color="tab:red")
-        axes.bar_label(bars, labels=[f"{v:.3g}" for v in values if v is not None], padding=3, fontsize=7)
+        drawn = [v for v in values if v is not None]
+        # A bar from the ideal 1 to the value (left of 1 below it, right above it); "1" where it is 1.
+        colours = ["lightgrey" if abs(v - 1) < 5e-4 else "tab:red" for v in drawn]
+        bars = axes.barh(shown, [v - 1 for v in drawn], left=1, height=0.5, color=colours)
+        axes.bar_label(bars, labels=[f"{v:.3g}" for v in drawn], padding=3, fontsize=FONT_PT)
         axes.set_yticks(positions, [""] * len(positions))
-        axes.set_title(title, fontsize=9)
-    panels["cosine"].set_xlim(-0.2, 1.25)
+        axes.set_title(title, fontsize=TITLE_PT)
+    panels["cosine"].set_xlim(0.2, 1.15)
     panels["cosine"].axvline(1.0, color="grey", linewidth=0.8)
     panels["scale"].set_xscale("log")
-    panels["scale"].set_xlim(1e-6, 1e3)
+    panels["scale"].set_xlim(1e-5, 1e3)
     panels["scale"].axvline(1.0, color="grey", linewidth=0.8)
 
     for key, rows, unit in (("bytes", byte_rows, "bytes"), ("counts", count_rows, "rows")):
         axes = panels[key]
         twin_bars(axes, rows)
         axes.set_xlim(0, 1.3 * max(max(m.buggy, m.correct) for m in rows))
-        axes.set_xlabel(unit, fontsize=8)
+        axes.set_xlabel(unit, fontsize=FONT_PT)
         axes.invert_yaxis()
-    panels["bytes"].set_yticks(range(len(byte_rows)), [f"{m.pitfall}\n{m.metric}" for m in byte_rows], fontsize=7)
+    panels["bytes"].set_yticks(range(len(byte_rows)), [f"{m.pitfall}\n{m.metric}" for m in byte_rows], fontsize=FONT_PT)
     panels["counts"].set_yticks([])  # one row: named in the title, so the column keeps the width of the others
-    panels["counts"].set_title("\n".join(f"{m.pitfall}\n{m.metric}" for m in count_rows), fontsize=7)
+    panels["counts"].set_title("\n".join(f"{m.pitfall}\n{m.metric}" for m in count_rows), fontsize=FONT_PT)
     for key in ("cosine", "scale"):
         panels[key].set_ylim(panels["error"].get_ylim())
     for axes in panels.values():
-        axes.tick_params(labelsize=7)
-    figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=10)
-    figure.savefig(png_path, dpi=90)
+        axes.tick_params(labelsize=FONT_PT)
+    figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=TITLE_PT)
+    figure.savefig(png_path, dpi=72)  # 72 dots per inch: a point is a pixel, and the file stays small
+    return figure
 
 
 def main(argv: list[str]) -> int:

@@ -8,9 +8,17 @@ one batch. Float64 makes the tolerance small: the same terms summed in another o
 (1e-16 relative) each, far below the 1e-10 the checks allow and the 1e-2 every bug in the exercises costs.
 """
 
+import os
+import tempfile
+import traceback
+
 import torch
+from torch import distributed as dist
+from torch import multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 IGNORE_INDEX = -100
 VOCAB_SIZE, SEQ_LEN, WIDTH = 16, 8, 8
@@ -62,22 +70,65 @@ def check_token_mean(accumulate) -> None:
     assert error <= RTOL, f"gradient off by {error:.3g} of its largest entry (allowed {RTOL:g})"
 
 
+def inject_inf_once(model: nn.Module):
+    """A hook that turns one entry of the last layer's weight gradient into inf in the next backward, as an
+    fp16 overflow does; removed after that backward. Returns the hook's handle."""
+    weight = model[-1].weight
+    handle = None
+
+    def overflow(grad: torch.Tensor) -> torch.Tensor:
+        handle.remove()
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    handle = weight.register_hook(overflow)
+    return handle
+
+
 def check_scaler_order(update) -> None:
-    """Exercise 12: update(model, micro_batches, optimizer, scaler, max_norm) applies one SGD update with the
-    true gradient clipped once to max_norm, whatever the loss scale."""
-    lr, scale = 0.1, 2.0**10
+    """Exercise 12: update(model, micro_batches, optimizer, scaler, scheduler, max_norm) applies one SGD update
+    with the true gradient clipped once to max_norm, whatever the loss scale, and steps the scheduler only
+    when the update was applied. Two updates: in the first an inf appears in one micro-batch's gradient (an
+    fp16 overflow), so the update must be skipped, the scale halved once and the schedule left where it is;
+    the second is clean and must be the clipped true gradient at the warm-up's first learning rate."""
+    lr, scale, warmup_updates = 0.1, 2.0**10, 4
     model = make_model()
     micro_batches = make_step(seed=2)
     reference = reference_gradient(model, micro_batches)
     true_norm = float(torch.cat([g.flatten() for g in reference]).norm())
     max_norm = true_norm / 2  # clipping bites: the update must have half the true gradient's length
-    expected = [-lr * g * max_norm / (true_norm + 1e-6) for g in reference]  # clip_grad_norm_'s own formula
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    update(model, micro_batches, optimizer, torch.amp.GradScaler("cpu", init_scale=scale), max_norm)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (warmup_updates + 1)))
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+
+    inject_inf_once(model)
+    try:
+        update(model, micro_batches, optimizer, scaler, scheduler, max_norm)
+    except Exception as error:  # an exception is a failed check too, with what raised it
+        raise AssertionError(f"update 1 (with an inf in the gradient) raised {error!r}") from error
+    changed = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before, strict=True))
+    assert not changed, "update 1 had an inf in its gradient and must be skipped, but the weights changed"
+    assert scaler.get_scale() == scale / 2, (
+        f"after the skipped update the scale is {scaler.get_scale():g}, expected {scale / 2:g} "
+        "(scaler.update() once per update halves it after an inf)"
+    )
+    assert scheduler.last_epoch == 0, (
+        f"the scheduler advanced {scheduler.last_epoch} times over a skipped update; it counts applied updates"
+    )
+
+    try:
+        update(model, micro_batches, optimizer, scaler, scheduler, max_norm)
+    except Exception as error:
+        raise AssertionError(f"update 2 (clean) raised {error!r}") from error
+    first_lr = lr * 1 / (warmup_updates + 1)  # the warm-up's factor after 0 applied updates
+    expected = [-first_lr * g * max_norm / (true_norm + 1e-6) for g in reference]  # clip_grad_norm_'s formula
     applied = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
     error = relative_error(applied, expected)
-    assert error <= RTOL, f"update off by {error:.3g} of its largest entry (allowed {RTOL:g})"
+    assert error <= RTOL, f"update 2 off by {error:.3g} of its largest entry (allowed {RTOL:g})"
+    assert scaler.get_scale() == scale / 2, f"after a clean update the scale is {scaler.get_scale():g}"
+    assert scheduler.last_epoch == 1, f"the scheduler advanced {scheduler.last_epoch} times over one applied update"
 
 
 def check_schedule_clock(train) -> None:
@@ -96,3 +147,96 @@ def check_schedule_clock(train) -> None:
     for step, (got, want) in enumerate(zip(used, expected, strict=True)):
         assert abs(got - want) <= RTOL * want, f"step {step} used lr {got:.6g}, expected {want:.6g}"
     assert all(torch.isfinite(p).all() for p in model.parameters()), "a weight is inf or NaN"
+
+
+RANKS = 2  # D for exercise 14
+
+
+def two_rank_worker(rank: int, scratch: str, accumulate, micro_batches_per_rank: list, tokens: int) -> None:
+    """One of exercise 14's ranks: a DDP model, a communication hook that counts the gradient entries each
+    all-reduce sends, the student's accumulate(); saves (.grad, entries sent, or the error) for the parent."""
+    torch.set_num_threads(1)  # the ranks share the machine's cores
+    result = {}
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=rank, world_size=RANKS
+        )
+        model = DistributedDataParallel(make_model())
+        entries_sent = []
+
+        def counting_allreduce(process_group, bucket):
+            entries_sent.append(bucket.buffer().numel())
+            return default_hooks.allreduce_hook(process_group, bucket)  # DDP's own: the mean over ranks
+
+        model.register_comm_hook(None, counting_allreduce)
+        accumulate(model, micro_batches_per_rank[rank], tokens, RANKS)
+        result = {"grads": [p.grad.clone() for p in model.parameters()], "entries_sent": sum(entries_sent)}
+        dist.destroy_process_group()
+    except Exception:
+        result = {"error": traceback.format_exc(limit=3)}
+    torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
+    os._exit(0)  # skips the interpreter's exit, which can abort a finished gloo rank
+
+
+def check_two_ranks(accumulate) -> None:
+    """Exercise 14: on D = 2 DDP ranks, accumulate(model, micro_batches, tokens, ranks) leaves in .grad, on
+    both ranks, the gradient of the token mean over all N supervised tokens of both ranks' micro-batches,
+    and all-reduces one gradient's worth of entries per step (only the last micro-batch synchronises)."""
+    micro_batches_per_rank = [make_step(seed=7), make_step(seed=8)]
+    tokens = sum(int((labels != IGNORE_INDEX).sum()) for step in micro_batches_per_rank for _, labels in step)
+    model = make_model()
+    reference = reference_gradient(model, micro_batches_per_rank[0] + micro_batches_per_rank[1])
+    gradient_entries = sum(p.numel() for p in model.parameters())
+    with tempfile.TemporaryDirectory(prefix="exercise-two-ranks-") as scratch:
+        # fork: the student's function reaches the ranks as it is, without pickling (it may come from exec).
+        context = mp.get_context("fork")
+        ranks = [
+            context.Process(target=two_rank_worker, args=(r, scratch, accumulate, micro_batches_per_rank, tokens))
+            for r in range(RANKS)
+        ]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        hung = [r for r, process in enumerate(ranks) if process.is_alive()]
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        assert not hung, f"ranks {hung} did not finish in 120 s: does every rank run the same collectives?"
+        results = [torch.load(os.path.join(scratch, f"rank{r}.pt"), weights_only=False) for r in range(RANKS)]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
+    for rank, result in enumerate(results):
+        error = relative_error(result["grads"], reference)
+        assert error <= RTOL, f"rank {rank}: gradient off by {error:.3g} of its largest entry (allowed {RTOL:g})"
+    for rank, result in enumerate(results):
+        sent = result["entries_sent"]
+        assert sent == gradient_entries, (
+            f"rank {rank} all-reduced {sent} gradient entries in the step, {sent / gradient_entries:g} times the "
+            f"gradient's {gradient_entries}: only the last micro-batch's backward should synchronise"
+        )
+
+
+def check_adam_eps(update) -> None:
+    """Exercise 15: update(model, micro_batches, optimizer, loss_scale) backpropagates the token-mean loss
+    times loss_scale, and applies one Adam update from the true gradient. Adam divides by the gradient's own
+    size, so a forgotten division by the scale would cancel, but for eps: here eps is the gradient's median
+    entry, as a large model's per-entry gradients are against the default eps (accumulation.md, section 13)."""
+    lr, loss_scale = 1e-2, 2.0**16
+    model = make_model()
+    micro_batches = make_step(seed=9)
+    reference = reference_gradient(model, micro_batches)
+    eps = float(torch.cat([g.flatten() for g in reference]).abs().median())
+    expected_model = make_model()  # the same weights: one Adam update from the float64 reference gradient
+    for parameter, gradient in zip(expected_model.parameters(), reference, strict=True):
+        parameter.grad = gradient.clone()
+    torch.optim.Adam(expected_model.parameters(), lr=lr, eps=eps).step()
+    before = [p.detach().clone() for p in model.parameters()]
+    expected = [e.detach() - b for e, b in zip(expected_model.parameters(), before, strict=True)]
+    update(model, micro_batches, torch.optim.Adam(model.parameters(), lr=lr, eps=eps), loss_scale)
+    applied = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
+    error = relative_error(applied, expected)
+    assert error <= RTOL, (
+        f"Adam update off by {error:.3g} of its largest entry (allowed {RTOL:g}; eps = {eps:.2g}, the median "
+        f"gradient entry, and loss_scale = {loss_scale:g})"
+    )
