@@ -1,5 +1,6 @@
-"""scripts/checks/check_equivalence.py: PASS on the loop (one process, and two gloo ranks under torchrun) on a corpus
-whose rows hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
+"""scripts/checks/check_equivalence.py (its logic: accumulation/checker/): PASS on the loop (one process, and
+two gloo ranks under torchrun) on a corpus whose rows hold very different token counts; FAIL on a wrong
+normalization; exit status 2 on a bad config."""
 
 import os
 import re
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.checks import check_equivalence
+from accumulation import checker
+from accumulation.checker import run as checker_run
 from tests.conformance.tokens import write_token_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +45,7 @@ def run_checker(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tup
     corpus = short_documents_corpus(tmp_path / "corpus")
     arguments = [*TINY_CONFIG, f"data.source={corpus}", *arguments]
     if ranks == 1:
-        status = check_equivalence.main(arguments)
+        status = checker.main(arguments)
         return status, capsys.readouterr().out
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -64,7 +66,7 @@ def test_the_loop_passes(tmp_path, capsys, ranks):
     assert status == 0, stdout
     assert f"x ranks {ranks};" in stdout
     assert stdout.splitlines()[-1] == "PASS"
-    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -73,7 +75,7 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
     assert status == 1, stdout
     assert stdout.splitlines()[-1] == "FAIL"
     # It fails on the gradient itself (this bug leaves the counts alone), and by far.
-    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
 
 
 def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, capsys):
@@ -81,9 +83,9 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
     (tmp_path / "pass").mkdir()
     (tmp_path / "fail").mkdir()
     status, stdout = run_checker(tmp_path / "pass", ["model.loss=chunked"], 1, capsys)
-    assert status == 0 and reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"], stdout
+    assert status == 0 and reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"], stdout
     status, stdout = run_checker(tmp_path / "fail", ["model.loss=chunked", "--inject-bug", "mean-of-means"], 1, capsys)
-    assert status == 1 and reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert status == 1 and reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +98,7 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
     ],
 )
 def test_a_bad_config_exits_2_with_one_line(capsys, arguments, named):
-    assert check_equivalence.main(arguments) == 2
+    assert checker.main(arguments) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.splitlines()) == 1 and named in captured.err
@@ -109,7 +111,7 @@ SMALL_SFT = ["--config", SFT_CONFIG, "model.n_layer=1", "model.d_model=32", "mod
 def run_on_sft(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
     """The checker on the prompt/response data of configs/sft.toml (prompt never supervised)."""
     if ranks == 1:
-        status = check_equivalence.main([*SMALL_SFT, *arguments])
+        status = checker.main([*SMALL_SFT, *arguments])
         return status, capsys.readouterr().out
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -138,7 +140,7 @@ def test_prompt_masked_data_passes_and_an_injected_mask_bug_fails(tmp_path, caps
 
 def test_the_mask_self_test_needs_prompts(tmp_path, capsys):
     corpus = short_documents_corpus(tmp_path / "corpus")
-    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "mask"]) == 2
+    assert checker.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "mask"]) == 2
     assert "needs rows with prompt positions" in capsys.readouterr().err
 
 
@@ -151,7 +153,7 @@ def test_the_second_model_passes_and_is_named(tmp_path, capsys):
 def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys, monkeypatch):
     """A fork's model that draws its initial weights from the global generator starts differently on each
     rank (dropout seeds it per rank) and in each build: the checker refuses it."""
-    real_build_model = check_equivalence.build_model
+    real_build_model = checker_run.build_model
 
     def unseeded_build_model(model_config, vocab_size, *, seq_len, seed):
         model = real_build_model(model_config, vocab_size, seq_len=seq_len, seed=seed)
@@ -160,7 +162,7 @@ def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys,
                 parameter.normal_(0, 0.02)  # the global generator, which moves on between builds
         return model
 
-    monkeypatch.setattr(check_equivalence, "build_model", unseeded_build_model)
+    monkeypatch.setattr(checker_run, "build_model", unseeded_build_model)
     status, stdout = run_checker(tmp_path, [], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert "initial weights" in stdout
@@ -178,7 +180,7 @@ def run_on_mlm(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tupl
     tokens = write_token_folder(tmp_path)
     small = ["--config", MLM_CONFIG, "model.n_layer=1", "model.d_model=32", "model.n_head=2", f"data.source={tokens}"]
     if ranks == 1:
-        status = check_equivalence.main([*small, *arguments])
+        status = checker.main([*small, *arguments])
         return status, capsys.readouterr().out
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -200,7 +202,7 @@ def test_a_mean_loss_fails_even_with_one_micro_batch_on_one_rank(tmp_path, capsy
     status, stdout = run_checker(tmp_path, ["batch.micro_batch_size=8", "--inject-bug", "mean-loss"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert "x accum 1 x ranks 1" in stdout
-    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]  # hidden from the gradient
+    assert reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]  # hidden from the gradient
     assert failed_promise(stdout, "loss_sum_fn is a sum").startswith("FAIL: ")
 
 
@@ -210,7 +212,7 @@ def test_supervised_counts_that_disagree_with_the_labels_fail(tmp_path, capsys):
     assert failed_promise(stdout, "supervised_counts vs the raw examples' targets").startswith("FAIL: row ")
     assert failed_promise(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: rank 0, step 0")
     # The loop used N from supervised_counts, as train.py does: every gradient is scaled wrong.
-    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
 
 
 def test_labels_supervised_everywhere_fail(tmp_path, capsys):
@@ -228,5 +230,5 @@ def test_a_mask_that_differs_between_ranks_fails_on_2_ranks(tmp_path, capsys):
 
 def test_the_rank_mask_self_test_needs_rows_that_change_with_the_step(tmp_path, capsys):
     corpus = short_documents_corpus(tmp_path / "corpus")
-    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "rank-mask"]) == 2
+    assert checker.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "rank-mask"]) == 2
     assert "needs rows that change with the step" in capsys.readouterr().err

@@ -1,0 +1,74 @@
+"""The checker's independent reference and its instruments: the step's rows rebuilt from the raw examples,
+one float64 forward and backward over all of them, the optimizer that records the gradient it is handed, and
+the error measure between two gradients.
+
+Nothing here uses the loop's batching, masking or weighting: the reference is the definition of the step's
+objective (the mean loss over every supervised target of the global batch), computed the simplest way.
+"""
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config import Config
+from accumulation.data import Rows
+from accumulation.step import count_supervised_tokens
+
+
+def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's inputs and labels rebuilt from the raw examples, one row per example, position by position:
+    input j is the example's j-th input token (0 past its end), label j its target at j (-100 where none), or
+    one label per row when the examples carry one. Nothing of the loop's batching or masking code is used."""
+    examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
+    inputs = torch.zeros(len(examples), seq_len, dtype=torch.long)
+    if all(example.label is not None for example in examples):
+        labels = torch.tensor([example.label for example in examples], dtype=torch.long)
+    else:
+        labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        for position, token in enumerate(example.inputs):
+            inputs[row, position] = token
+        for position, target in example.targets.items():
+            labels[row, position] = target
+    return inputs, labels
+
+
+def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
+    """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
+    mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
+    mean_loss.backward()
+    return [p.grad for p in model.parameters()], mean_loss.item()
+
+
+def max_relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """max |gradient - reference| over all entries, relative to the largest entry of the reference."""
+    largest = max(r.abs().max().item() for r in reference)
+    pairs = zip(gradient, reference, strict=True)
+    return max((g.double().cpu() - r.double().cpu()).abs().max().item() for g, r in pairs) / largest
+
+
+def without_dropout(config: Config) -> Config:
+    """The config with dropout off: its masks are random, and no reference (or second run) draws the same."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+
+
+def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+    """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
+    holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
+    apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
+    nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
+    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+
+    def whole(grad: torch.Tensor) -> torch.Tensor:
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
+
+    def record_first_gradient(opt, args, kwargs):
+        if not handed:
+            handed.append([whole(p.grad) for p in model.parameters()])
+
+    optimizer.register_step_pre_hook(record_first_gradient)
+    return optimizer, handed
