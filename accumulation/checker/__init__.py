@@ -22,13 +22,27 @@ all of the step's rows at once, of the configured loss's SUM divided by the numb
 the mean loss of the whole global batch, which is what every update must follow. No micro-batches, no ranks,
 no weighting of ours.
 
-The fork's promises, checked one by one and named when they fail (each independent of m, A and D):
+The checks, one line each, each named when it fails and each independent of m, A and D where it can be:
     rows            every rank builds the step's rows twice: the same in both calls and on every rank (rows
                     are a pure function of (seed, step, row id))
+    examples() vs the raw examples
+                    inputs and labels position by position; names the first differing row and position, and a
+                    shift: labels shifted twice (label j holds token j + 2) or not at all (label j = input j)
     supervised_counts vs the raw examples' targets, and vs the labels of examples() on every rank (the check
-                    train.py makes every step)
-    loss_sum_fn     is a sum: its value over the step's rows equals the sum of its values over two halves (a
-                    mean is not, and hides behind A·D = 1)
+                    train.py makes every step), row by row
+    rows independent
+                    in train mode, the step's rows at once and in two halves give the same outputs (float64);
+                    names the BatchNorm-like modules when they do not
+    loss_sum_fn is a sum
+                    on fixed outputs (the model's, computed once): its value over the step's rows equals the sum of
+                    its values over two halves; when it does not, says whether it is a mean (return the SUM) or
+                    couples examples (in-batch negatives: no accumulation can reproduce it); a loss that computes
+                    in float32 whatever its inputs gets a precision note, not a failure
+    examples, supervised targets, loss, gradient
+                    the loop's step against the float64 reference, each beside the same step without accumulation
+                    (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
+                    floor is the model's rounding, one above it the accumulation's
+The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
 
 What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and
 logged loss equal the full-batch ones within the precision's tolerance, every rank starts from the same
@@ -37,8 +51,13 @@ hold for step 0. What it does not: anything about clipping, dropout, later steps
 rule, or the correctness of the loss function itself (the reference uses the same loss; it checks how the
 loop weights and masks it).
 
---inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data or
-loss (count, supervise-all, rank-mask on 2 ranks, mean-loss); see INJECTABLE_BUGS.
+--inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
+(count, count-rows, supervise-all, rank-mask on 2 ranks, double-shift), loss (mean-loss, in-batch-negatives) or
+model (batch-norm); see INJECTABLE_BUGS. Each one's FAIL line names it.
+
+Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
+torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable
+tracebacks (torchrun prints that summary after any non-zero exit; no worker can stop it).
 
 Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 
@@ -47,8 +66,15 @@ From Python (a fork's own test, one process; under torchrun every rank calls it)
     from accumulation.checker import main
     assert main(["--config", "configs/mine.toml", "model.n_layer=1"]) == 0
 
-The pieces: run.py (the command, the verdict and the loop's step), reference.py (the float64 reference and the
-gradient probe), promises.py (the fork's promises, one function each), self_test.py (the injectable bugs).
+main(argv) returns the exit status and prints the lines above on rank 0. The single checks are functions of
+plain tensors, for a test that wants one alone: accumulation.checker.promises (row_independence_message(model,
+inputs), additivity_message(loss_sum_fn, outputs, labels), labels_message(...), counts_message(...)) and
+accumulation.checker.reference (reference_rows(rows, row_ids, step, seq_len), max_relative_error).
+
+The pieces: run.py (the command, the verdict and the loop's step: loop_step_gradients is where a layout whose
+step is not optimizer_step over one wrapped model, such as pipeline stages, plugs in), reference.py (the float64
+reference, the A = 1, D = 1 baseline and the gradient probe), promises.py (the fork's promises, one function
+each), self_test.py (the injectable bugs).
 """
 
 from accumulation.checker.reference import max_relative_error, reference_rows

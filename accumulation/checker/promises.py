@@ -8,13 +8,9 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from accumulation.batching import IGNORE_INDEX
 from accumulation.data import DataError, Rows, StepBatch, check_supervised_counts
 from accumulation.distributed import DistributedContext
-
-# loss_sum_fn's additivity: the float64 sums over two halves of the step's rows and over all of them agree to
-# rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
-# factor of about 2 a mean gives.
-ADDITIVITY_TOLERANCE = 1e-9
 
 
 def rows_agree_across_calls_and_ranks(
@@ -65,25 +61,135 @@ def counts_message(batch: StepBatch, reference_counts: torch.Tensor) -> str | No
     )
 
 
-def additivity_message(model, loss_sum_fn, inputs: torch.Tensor, labels: torch.Tensor) -> str | None:
-    """Whether loss_sum_fn is a SUM over targets: over the step's rows it must equal its value over the first
-    half plus its value over the second (float64, no gradient). A mean is not additive; the step divides by the
-    global N itself, so a mean would make each micro-batch weigh the same (the mean-of-means bug), which no
-    gradient comparison sees when A·D = 1."""
+def labels_message(
+    inputs: torch.Tensor, labels: torch.Tensor, reference_inputs: torch.Tensor, reference_labels: torch.Tensor, row_ids
+) -> str | None:
+    """Whether examples() gives, position by position, the inputs and the targets its raw examples state; None
+    when it does. Names the first differing row and position and, for token rows, the usual cause: labels
+    shifted once more than the raw targets (label j holds token j + 2: shifted twice, as when a loss shifts
+    labels that arrive shifted), or not shifted at all (label j is input token j: HF's labels = input_ids)."""
+    if inputs.shape != reference_inputs.shape or not torch.equal(inputs, reference_inputs.to(inputs.dtype)):
+        return (
+            f"examples() gives other inputs than the raw examples state (shape {tuple(inputs.shape)} against "
+            f"{tuple(reference_inputs.shape)}): raw_example must state the row the model reads"
+        )
+    if labels.shape != reference_labels.shape:
+        return (
+            f"examples() gives labels of shape {tuple(labels.shape)}, the raw examples {tuple(reference_labels.shape)}"
+        )
+    if torch.equal(labels, reference_labels):
+        return None
+    position = (labels != reference_labels).nonzero()[0].tolist()
+    where = f"row {int(row_ids[position[0]])}, " + ("label" if len(position) == 1 else f"position {position[1]}")
+    said, stated = int(labels[tuple(position)]), int(reference_labels[tuple(position)])
+    found = f"{where}: examples() says {said}, the raw example {stated}"
+    if labels.dim() != 2 or inputs.shape != labels.shape:
+        return found
+    supervised = labels != IGNORE_INDEX
+    # Shifted twice: label j = the raw target of position j + 1. Unshifted: label j = input token j.
+    if torch.equal(labels[:, :-1][supervised[:, :-1]], reference_labels[:, 1:][supervised[:, :-1]]):
+        return f"{found}; label j holds the target of position j + 1: label j should be token j + 1: shifted twice?"
+    if torch.equal(labels[supervised], inputs[supervised]):
+        return (
+            f"{found}; label j is input token j: labels arrive shifted, label j = token j + 1 (HF-style "
+            "labels = input_ids are not)"
+        )
+    return found
+
+
+# Row independence: float64 outputs of a row computed with and without the rows beside it differ by rounding
+# only, about 1e-15 relative (another batch size may pick other kernels); 1e-9 is far above that and far below
+# what batch statistics do to a row (BatchNorm over 4 rows instead of 8 moves each output by about 1e-2).
+ROW_INDEPENDENCE_TOLERANCE = 1e-9
+
+
+def rows_coupling_modules(model: torch.nn.Module) -> list[str]:
+    """The modules that compute statistics over the rows of a batch in train mode: BatchNorm and its kin."""
+    modules = model.named_modules()
+    return [f"{type(m).__name__} at '{name}'" for name, m in modules if name and "BatchNorm" in type(m).__name__]
+
+
+def row_independence_message(model: torch.nn.Module, inputs: torch.Tensor) -> str | None:
+    """Whether a row's outputs depend on the other rows of its batch, in train mode (as the loop runs the
+    model): the outputs of the whole step's rows against those of each half on its own (float64, no
+    gradient). Micro-batches of m rows cannot reproduce a model whose rows see one another (BatchNorm
+    normalises each micro-batch by its own statistics), whatever the weighting."""
     if len(inputs) < 2:
         return None
     half = len(inputs) // 2
+    model.train()
     with torch.no_grad():
-        whole = float(loss_sum_fn(model(inputs), labels))
-        halves = float(loss_sum_fn(model(inputs[:half]), labels[:half])) + float(
-            loss_sum_fn(model(inputs[half:]), labels[half:])
-        )
-    difference = abs(whole - halves) / max(abs(whole), 1e-300)
-    if difference <= ADDITIVITY_TOLERANCE:
+        whole = model(inputs)
+        halves = torch.cat([model(inputs[:half]), model(inputs[half:])])
+    difference = float((whole - halves).abs().max() / whole.abs().max().clamp(min=1e-300))
+    if difference <= ROW_INDEPENDENCE_TOLERANCE:
         return None
+    found = rows_coupling_modules(model)
+    named = (
+        f"modules that mix rows: {', '.join(found)}"
+        if found
+        else "no BatchNorm-like module found; look for an operation across rows"
+    )
     return (
-        f"over the step's rows it gives {whole:.6g}, over its two halves {halves:.6g} in total (relative difference "
-        f"{difference:.2e}): return the SUM of the supervised targets' losses, never a mean"
+        f"a row's outputs change with the rows around it in train mode (relative {difference:.2e} between the "
+        f"step's rows at once and in two halves): {named}. No accumulation reproduces batch statistics: use "
+        "GroupNorm or LayerNorm, or A·D = 1"
+    )
+
+
+# loss_sum_fn's additivity: the float64 sums over two halves of the step's rows and over all of them agree to
+# rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
+# factor of about 2 a mean gives. A loss that computes in float32 whatever its inputs (HF's losses do) rounds
+# each of those additions to 2^-24 ≈ 6e-8: over a few thousand targets the sums then agree to about 1e-6, so
+# 1e-5, still far below what a mean or a coupling between examples does.
+ADDITIVITY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
+
+
+def additivity_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> tuple[str | None, str | None]:
+    """(why loss_sum_fn is not a SUM over targets, or None; a note on its precision, or None).
+
+    On fixed outputs (the model's float64 outputs for the step's rows, computed once, so that only the loss is
+    tested): its value over the step's rows must equal its value over the first half plus its value over the
+    second. A mean is not additive, but it is once each value is multiplied by its count of targets (or of rows);
+    a loss that couples examples (in-batch negatives: each row's loss reads the other rows' outputs) is neither.
+    The step divides by the global N itself, so a mean would make each micro-batch weigh the same (the
+    mean-of-means bug), which no gradient comparison sees when A·D = 1."""
+    if len(outputs) < 2:
+        return None, None
+    half = len(outputs) // 2
+    parts = [(outputs, labels), (outputs[:half], labels[:half]), (outputs[half:], labels[half:])]
+    with torch.no_grad():
+        values = [loss_sum_fn(o, y) for o, y in parts]
+    dtype = values[0].dtype
+    note = None
+    if dtype != outputs.dtype:
+        note = (
+            f"loss_sum_fn returns {dtype} for {outputs.dtype} outputs: the reference is only as precise as "
+            f"{dtype} inside the loss (a precision note, not a failure)"
+        )
+    tolerance = ADDITIVITY_TOLERANCE.get(dtype, 1e-2)
+    whole, first, second = (float(v) for v in values)
+
+    def mismatch(weights: list[float]) -> float:
+        combined = weights[1] * first + weights[2] * second
+        return abs(weights[0] * whole - combined) / max(abs(weights[0] * whole), 1e-300)
+
+    difference = mismatch([1, 1, 1])
+    if difference <= tolerance:
+        return None, note
+    targets = [float((y != IGNORE_INDEX).sum()) for _, y in parts]
+    rows = [float(len(o)) for o, _ in parts]
+    said = (
+        f"over the step's rows it gives {whole:.6g}, over its two halves {first + second:.6g} in total "
+        f"(relative difference {difference:.2e})"
+    )
+    if mismatch(targets) <= tolerance or mismatch(rows) <= tolerance:
+        unit = "targets" if mismatch(targets) <= tolerance else "rows"
+        return f"{said}: a mean over {unit}; return the SUM of the supervised targets' losses, never a mean", note
+    return (
+        f"{said}, and it is no mean either: the loss couples examples, e.g. in-batch negatives; no accumulation "
+        "can reproduce it: A·D = 1 or a technique such as GradCache",
+        note,
     )
 
 

@@ -19,25 +19,54 @@ from accumulation.step import count_supervised_tokens
 
 def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's inputs and labels rebuilt from the raw examples, one row per example, position by position:
-    input j is the example's j-th input token (0 past its end), label j its target at j (-100 where none), or
-    one label per row when the examples carry one. Nothing of the loop's batching or masking code is used."""
+    the example's inputs as a tensor (token ids, shorter than seq_len, are padded with 0 to seq_len; inputs of
+    any other dtype or shape, an image, a feature vector, are taken as they are), label j its target at j (-100
+    where none), or one label per row when the examples carry one. Nothing of the loop's batching or masking
+    code is used."""
     examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
-    inputs = torch.zeros(len(examples), seq_len, dtype=torch.long)
+    inputs = torch.stack([padded_inputs(example.inputs, seq_len) for example in examples])
     if all(example.label is not None for example in examples):
         labels = torch.tensor([example.label for example in examples], dtype=torch.long)
     else:
         labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
     for row, example in enumerate(examples):
-        for position, token in enumerate(example.inputs):
-            inputs[row, position] = token
         for position, target in example.targets.items():
             labels[row, position] = target
     return inputs, labels
 
 
+def padded_inputs(inputs, seq_len: int) -> torch.Tensor:
+    """One example's inputs as a tensor: a sequence of token ids is padded with 0 to seq_len positions."""
+    tensor = torch.as_tensor(inputs)
+    if tensor.dim() == 1 and not tensor.is_floating_point() and len(tensor) < seq_len:
+        tensor = torch.cat([tensor, tensor.new_zeros(seq_len - len(tensor))])
+    return tensor
+
+
+def as_float64(inputs: torch.Tensor) -> torch.Tensor:
+    """The inputs of the float64 reference: floating inputs (images, features) in float64, token ids unchanged."""
+    return inputs.double() if inputs.is_floating_point() else inputs
+
+
 def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
     """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
-    mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
+    model.train()
+    mean_loss = loss_sum_fn(model(as_float64(inputs)), labels) / count_supervised_tokens(labels)
+    mean_loss.backward()
+    return [p.grad for p in model.parameters()], mean_loss.item()
+
+
+def one_batch_baseline(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn, autocast_dtype, device
+):
+    """The same step without accumulation or ranks (A = 1, D = 1): one forward and backward of the whole step's
+    rows in the loop's precision (fp32 parameters, autocast as configured), and its mean loss. Its distance
+    from the float64 reference is what rounding alone costs this model: the floor beside every figure, so that
+    an error at that floor is told apart from an error of the accumulation."""
+    model.train()
+    inputs, labels = inputs.to(device), labels.to(device)
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
     mean_loss.backward()
     return [p.grad for p in model.parameters()], mean_loss.item()
 

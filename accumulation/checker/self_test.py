@@ -21,10 +21,18 @@ LOOP_BUGS = {
 # fork's promises must catch them.
 FORK_BUGS = {
     "count": "the data's supervised_counts promises one target more per row than its labels hold",
+    "count-rows": "the data's supervised_counts moves a target from every second row to the row before (N is right)",
     "supervise-all": "the data's labels give every position a target (its own input token), not only the masked",
     "rank-mask": "the data's mask depends on the rank (each rank draws it as if at step + rank)",
     "mean-loss": "loss_sum_fn returns the mean over the micro-batch's targets, not their sum",
+    "double-shift": "the data's labels are shifted once more than the raw targets (label j holds token j + 2)",
+    "batch-norm": "the model normalises its outputs with a BatchNorm over the rows of each batch (train mode)",
+    "in-batch-negatives": "loss_sum_fn adds a contrastive term whose negatives are the other rows of the batch",
 }
+# Of FORK_BUGS, those in the data's rows (BuggyRows), in the loss, and in the model.
+DATA_BUGS = ("count", "count-rows", "supervise-all", "rank-mask", "double-shift")
+LOSS_BUGS = ("mean-loss", "in-batch-negatives")
+MODEL_BUGS = ("batch-norm",)
 INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS}
 
 
@@ -38,6 +46,10 @@ def refuse_a_bug_this_data_cannot_show(bug: str | None, rows: Rows, row_ids: tor
                 "--inject-bug mask needs rows with prompt positions, and step 0 of this data has none; "
                 "run it on prompt/response data, e.g. --config configs/sft.toml"
             )
+    if bug == "count-rows" and len(row_ids) % 2:
+        raise DataError("--inject-bug count-rows keeps N right only for an even number of rows per step")
+    if bug == "double-shift" and rows.examples(row_ids[:1], step)[1].dim() != 2:
+        raise DataError("--inject-bug double-shift shifts labels along the positions; this data has one label per row")
     if bug == "rank-mask":
         at_first, at_second = rows.examples(row_ids, step), rows.examples(row_ids, step + 1)
         if all(torch.equal(a, b) for a, b in zip(at_first, at_second, strict=True)):
@@ -76,6 +88,38 @@ def mean_loss(loss_sum_fn):
     return mean
 
 
+def in_batch_negatives_loss(loss_sum_fn):
+    """SELF-TEST ONLY: a fork's loss with an InfoNCE term: each row's mean output is scored against every row's of
+    the same batch, its own the positive, the others its negatives, as contrastive losses do. Each row's term
+    reads the other rows, so the loss of a batch is not the sum of the losses of its parts."""
+
+    def with_negatives(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        pooled = outputs.reshape(len(outputs), -1, outputs.shape[-1]).mean(dim=1)  # [rows, classes]
+        similarity = pooled @ pooled.T  # [rows, rows]: row i against every row of the batch
+        own = torch.arange(len(outputs), device=outputs.device)
+        contrastive = torch.nn.functional.cross_entropy(similarity, own, reduction="sum")
+        targets_per_row = (labels != IGNORE_INDEX).sum() / len(outputs)  # on the scale of the token losses
+        return loss_sum_fn(outputs, labels) + targets_per_row * contrastive
+
+    return with_negatives
+
+
+class RowsNormalisedTogether(torch.nn.Module):
+    """SELF-TEST ONLY: a fork's model whose outputs pass through a BatchNorm (no parameters of its own): in train
+    mode each output feature is normalised by its mean and variance over the batch's rows and positions, so a
+    row's outputs depend on the rows beside it."""
+
+    def __init__(self, model: torch.nn.Module, features: int):
+        super().__init__()
+        self.model = model
+        self.batch_norm = torch.nn.BatchNorm1d(features, affine=False)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        outputs = self.model(inputs)
+        normalised = self.batch_norm(outputs.reshape(-1, outputs.shape[-1]).to(self.batch_norm.running_mean.dtype))
+        return normalised.reshape(outputs.shape).to(outputs.dtype)
+
+
 class BuggyRows:
     """SELF-TEST ONLY: a fork's data with one of FORK_BUGS, around the configured rows. Its raw examples are
     the data's own (what each row was meant to be); examples() and supervised_counts() carry the bug."""
@@ -90,11 +134,20 @@ class BuggyRows:
         inputs, labels = self.rows.examples(row_ids, step)
         if self.bug == "supervise-all":
             labels = torch.where(labels == IGNORE_INDEX, inputs, labels)
+        if self.bug == "double-shift":  # label j takes position j + 1's target: the labels shifted once more
+            labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
         return inputs, labels
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
         if self.bug == "rank-mask":
             return self.rows.supervised_counts(row_ids, step + self.rank)
+        if self.bug == "count-rows":  # +1, -1, +1, -1, ...: every row's count wrong, their sum right for an even count
+            counts = self.rows.supervised_counts(row_ids, step).clone()
+            counts[0::2] += 1
+            counts[1::2] -= 1
+            return counts
+        if self.bug == "double-shift":  # counted from its own labels, as such a fork would
+            return (self.examples(row_ids, step)[1] != IGNORE_INDEX).sum(dim=1)
         return self.rows.supervised_counts(row_ids, step) + (1 if self.bug == "count" else 0)
 
     def raw_example(self, row_id: int, step: int) -> RawExample:
