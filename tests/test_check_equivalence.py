@@ -90,6 +90,7 @@ CHECK_LINES = [
     "supervised_counts vs the labels of examples()",
     "rows independent",
     "loss_sum_fn is a sum",
+    "loss pairs label j with output j",
     "examples",
     "supervised targets",
     "loss",
@@ -337,12 +338,15 @@ def test_a_loss_with_in_batch_negatives_fails_as_a_coupling_not_a_mean(tmp_path,
     assert "never a mean" not in line
 
 
-def test_labels_shifted_twice_fail_naming_the_shift(tmp_path, capsys):
+def test_a_loss_that_shifts_the_labels_again_fails_on_its_own(tmp_path, capsys):
+    """HF's loss_function on labels that arrive shifted: loop and reference score the same wrong targets, so the
+    gradient agrees (as it did, unseen, before this check); only the probe of which output a label reads sees it."""
     status, stdout = run_checker(tmp_path, ["--inject-bug", "double-shift"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
-    line = checker_line(stdout, "examples() vs the raw examples")
-    assert re.match(r"FAIL: row \d+, position 0: examples\(\) says \d+, the raw example \d+; ", line), line
-    assert line.endswith("label j should be token j + 1: shifted twice?")
+    assert failing_lines(stdout) == ["loss pairs label j with output j"]
+    line = checker_line(stdout, "loss pairs label j with output j")
+    assert re.match(r"FAIL: the loss of label (\d+) \(row \d+ of the step\) reads output \d+, not \1", line), line
+    assert "shifted twice?" in line
 
 
 def test_a_float32_loss_on_float64_outputs_is_a_precision_note(tmp_path, capsys, monkeypatch):
@@ -402,10 +406,15 @@ def test_counts_are_compared_row_by_row():
     assert counts_message(a_step_of(rows, [0, 1], [3, 3]), torch.tensor([3, 3])) is None
 
 
-def test_unshifted_labels_are_named():
-    """HF-style labels = input_ids: label j is input token j instead of token j + 1."""
+def test_labels_shifted_twice_or_not_at_all_are_named():
+    """Labels shifted once more than the raw targets (label j = token j + 2), and HF-style labels = input_ids
+    (label j = input token j instead of token j + 1)."""
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     inputs, reference_labels = tokens[:, :4], tokens[:, 1:]
+    twice = torch.tensor([[7, 8, 9, IGNORE_INDEX]])
+    line = labels_message(inputs, twice, inputs, reference_labels, torch.tensor([17]))
+    assert line.startswith("row 17, position 0: examples() says 7, the raw example 6; label j holds the target")
+    assert line.endswith("label j should be token j + 1: shifted twice?")
     line = labels_message(inputs, inputs.clone(), inputs, reference_labels, torch.tensor([17]))
     assert line.startswith("row 17, position 0: examples() says 5, the raw example 6; label j is input token j")
     assert labels_message(inputs, reference_labels.clone(), inputs, reference_labels, torch.tensor([17])) is None

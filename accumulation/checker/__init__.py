@@ -38,6 +38,9 @@ The checks, one line each, each named when it fails and each independent of m, A
                     its values over two halves; when it does not, says whether it is a mean (return the SUM) or
                     couples examples (in-batch negatives: no accumulation can reproduce it); a loss that computes
                     in float32 whatever its inputs gets a precision note, not a failure
+    loss pairs label j with output j
+                    one label kept, the gradient of the loss must land on output j: a loss that shifts labels
+                    that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees
     examples, supervised targets, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
@@ -52,7 +55,7 @@ rule, or the correctness of the loss function itself (the reference uses the sam
 loop weights and masks it).
 
 --inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
-(count, count-rows, supervise-all, rank-mask on 2 ranks, double-shift), loss (mean-loss, in-batch-negatives) or
+(count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
 model (batch-norm); see INJECTABLE_BUGS. Each one's FAIL line names it.
 
 Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in

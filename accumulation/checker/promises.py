@@ -97,6 +97,36 @@ def labels_message(
     return found
 
 
+def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> str | None:
+    """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
+    when it does. On fixed outputs, one supervised label is kept (the others -100) and the gradient of the loss
+    says which output positions it reads. A loss that shifts the labels itself (HF's loss_function does) pairs
+    label j with output j - 1: together with labels that arrive shifted, every target is two tokens ahead, and
+    loop and reference agree on it, so no comparison of gradients can see it."""
+    if labels.dim() != 2 or outputs.dim() < 3 or outputs.shape[:2] != labels.shape or labels.shape[1] < 3:
+        return None
+    supervised = (labels != IGNORE_INDEX).nonzero()
+    inner = supervised[(supervised[:, 1] > 0) & (supervised[:, 1] < labels.shape[1] - 1)]
+    if len(inner) == 0:
+        return None
+    row, position = inner[len(inner) // 2].tolist()
+    one_label = torch.full_like(labels, IGNORE_INDEX)
+    one_label[row, position] = labels[row, position]
+    probe = outputs.detach().clone().requires_grad_(True)
+    loss_sum_fn(probe, one_label).backward()
+    read_per_position = probe.grad[row].abs().reshape(labels.shape[1], -1).sum(dim=1)
+    if read_per_position[position] > 0:
+        return None
+    read = read_per_position.nonzero().flatten().tolist()
+    if position - 1 in read:
+        return (
+            f"the loss of label {position} (row {row} of the step) reads output {position - 1}, not {position}: "
+            "the loss shifts the labels again (as HF's loss_function does), but labels arrive shifted "
+            "(label j = token j + 1): shifted twice? Use a loss that pairs label j with output j"
+        )
+    return f"the loss of label {position} (row {row} of the step) reads outputs {read[:4]}, not output {position}"
+
+
 # Row independence: float64 outputs of a row computed with and without the rows beside it differ by rounding
 # only, about 1e-15 relative (another batch size may pick other kernels); 1e-9 is far above that and far below
 # what batch statistics do to a row (BatchNorm over 4 rows instead of 8 moves each output by about 1e-2).

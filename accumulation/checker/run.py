@@ -23,6 +23,7 @@ from accumulation.checker.promises import (
     additivity_message,
     counts_message,
     labels_message,
+    loss_alignment_message,
     row_independence_message,
     rows_agree_across_calls_and_ranks,
     weights_agree_across_builds_and_ranks,
@@ -47,6 +48,7 @@ from accumulation.checker.self_test import (
     mean_loss,
     mean_of_means_loss,
     refuse_a_bug_this_data_cannot_show,
+    shifted_again_loss,
 )
 from accumulation.chunked_loss import FinalHiddenStates
 from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
@@ -151,14 +153,14 @@ def check(
     if context.is_main:
         promises = {"rows": same_rows, "supervised_counts vs the labels of examples()": labels_as_promised}
         failure = compare_on_main(
-            config, rows, vocab_size, batch, context, bug, reference_model, loss_sum_fn, promises, loss_path,
-            same_initial_weights, loop_gradients, result,
+            config, rows, vocab_size, batch, context, bug, type(model).__name__, reference_model, loss_sum_fn,
+            promises, loss_path, same_initial_weights, loop_gradients, result,
         )  # fmt: skip
     return agree_on_the_verdict(failure, context)
 
 
 def compare_on_main(
-    config, rows, vocab_size, batch, context, bug, reference_model, loss_sum_fn, promises, loss_path,
+    config, rows, vocab_size, batch, context, bug, model_class, reference_model, loss_sum_fn, promises, loss_path,
     same_initial_weights, loop_gradients, result,
 ) -> str | None:  # fmt: skip
     """Rank 0's part: print one line per check, then PASS or FAIL; returns the first failing line, or None."""
@@ -170,7 +172,7 @@ def compare_on_main(
     )
     parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
     print(
-        f"model: {type(reference_model).__name__} ({config.model.name}), {parameters:,} parameters "
+        f"model: {model_class} ({config.model.name}), {parameters:,} parameters "
         f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
     )
     print(f"loss path: {loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64")
@@ -196,6 +198,7 @@ def compare_on_main(
         "supervised_counts vs the labels of examples()": promises["supervised_counts vs the labels of examples()"],
         "rows independent": row_independence_message(reference_model, float_inputs),
         "loss_sum_fn is a sum": additivity,
+        "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels),
     }
     notes = {"loss_sum_fn is a sum": precision_note}
     if loop_gradients is None:
@@ -317,6 +320,8 @@ def checked_loss_sum_fn(config: Config, bug: str | None):
         return mean_loss(loss_sum_fn)
     if bug == "in-batch-negatives":
         return in_batch_negatives_loss(loss_sum_fn)
+    if bug == "double-shift":
+        return shifted_again_loss(loss_sum_fn)
     return loss_sum_fn
 
 

@@ -25,13 +25,13 @@ FORK_BUGS = {
     "supervise-all": "the data's labels give every position a target (its own input token), not only the masked",
     "rank-mask": "the data's mask depends on the rank (each rank draws it as if at step + rank)",
     "mean-loss": "loss_sum_fn returns the mean over the micro-batch's targets, not their sum",
-    "double-shift": "the data's labels are shifted once more than the raw targets (label j holds token j + 2)",
+    "double-shift": "loss_sum_fn shifts the labels again (as HF's loss_function does), though they arrive shifted",
     "batch-norm": "the model normalises its outputs with a BatchNorm over the rows of each batch (train mode)",
     "in-batch-negatives": "loss_sum_fn adds a contrastive term whose negatives are the other rows of the batch",
 }
 # Of FORK_BUGS, those in the data's rows (BuggyRows), in the loss, and in the model.
-DATA_BUGS = ("count", "count-rows", "supervise-all", "rank-mask", "double-shift")
-LOSS_BUGS = ("mean-loss", "in-batch-negatives")
+DATA_BUGS = ("count", "count-rows", "supervise-all", "rank-mask")
+LOSS_BUGS = ("mean-loss", "in-batch-negatives", "double-shift")
 MODEL_BUGS = ("batch-norm",)
 INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS}
 
@@ -104,6 +104,16 @@ def in_batch_negatives_loss(loss_sum_fn):
     return with_negatives
 
 
+def shifted_again_loss(loss_sum_fn):
+    """SELF-TEST ONLY: a fork's loss that shifts labels which arrive shifted already: output j is scored against
+    label j + 1, i.e. token j + 2 (HF's loss_function with labels from our data)."""
+
+    def shifted_again(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return loss_sum_fn(outputs[:, :-1], labels[:, 1:])
+
+    return shifted_again
+
+
 class RowsNormalisedTogether(torch.nn.Module):
     """SELF-TEST ONLY: a fork's model whose outputs pass through a BatchNorm (no parameters of its own): in train
     mode each output feature is normalised by its mean and variance over the batch's rows and positions, so a
@@ -134,8 +144,6 @@ class BuggyRows:
         inputs, labels = self.rows.examples(row_ids, step)
         if self.bug == "supervise-all":
             labels = torch.where(labels == IGNORE_INDEX, inputs, labels)
-        if self.bug == "double-shift":  # label j takes position j + 1's target: the labels shifted once more
-            labels = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
         return inputs, labels
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -146,8 +154,6 @@ class BuggyRows:
             counts[0::2] += 1
             counts[1::2] -= 1
             return counts
-        if self.bug == "double-shift":  # counted from its own labels, as such a fork would
-            return (self.examples(row_ids, step)[1] != IGNORE_INDEX).sum(dim=1)
         return self.rows.supervised_counts(row_ids, step) + (1 if self.bug == "count" else 0)
 
     def raw_example(self, row_id: int, step: int) -> RawExample:
