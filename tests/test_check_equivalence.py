@@ -463,3 +463,32 @@ def test_the_rounding_floor_raises_the_allowed_error_only_above_the_tolerance():
     assert checker_run.allowed_error(3e-5, 1e-7) == (3e-5, None)
     allowed, note = checker_run.allowed_error(3e-5, 2.1e-3)
     assert allowed == pytest.approx(checker_run.ROUNDING_FLOOR_FACTOR * 2.1e-3) and "not accumulation" in note
+
+
+def test_several_input_tensors_per_example_are_rebuilt_and_checked_field_by_field():
+    """Inputs of two tensors per example (an image and a feature vector, in a dict): stacked field by field,
+    compared field by field, and the row check runs the model on each half's fields."""
+
+    class TwoTensorRows:
+        def raw_example(self, row_id, step):
+            return RawExample(inputs={"image": torch.full((2, 3, 3), float(row_id)), "extra": torch.ones(4)}, label=0)
+
+    class TwoTensorModel(torch.nn.Module):
+        def __init__(self, norm: torch.nn.Module):
+            super().__init__()
+            self.norm, self.head = norm, torch.nn.Linear(2 * 9 + 4, 3)
+
+        def forward(self, inputs):
+            image = self.norm(inputs["image"]).flatten(1)
+            return self.head(torch.cat([image, inputs["extra"]], dim=1))
+
+    inputs, labels = checker.reference_rows(TwoTensorRows(), torch.tensor([0, 1, 2, 3]), 0, seq_len=1)
+    assert inputs["image"].shape == (4, 2, 3, 3) and inputs["extra"].shape == (4, 4)
+    same = {"image": inputs["image"].clone(), "extra": inputs["extra"].clone()}
+    assert labels_message(same, labels.clone(), inputs, labels, torch.arange(4)) is None
+    other = {"image": inputs["image"] + 1, "extra": inputs["extra"]}
+    assert labels_message(other, labels, inputs, labels, torch.arange(4)).startswith("examples() gives other inputs")
+    float_inputs = checker_run.as_float64(inputs)
+    assert row_independence_message(TwoTensorModel(torch.nn.GroupNorm(1, 2)).double(), float_inputs) is None
+    line = row_independence_message(TwoTensorModel(torch.nn.BatchNorm2d(2)).double(), float_inputs)
+    assert "modules that mix rows: BatchNorm2d at 'norm'" in line

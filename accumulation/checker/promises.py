@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.checker.reference import map_tensors
 from accumulation.data import DataError, Rows, StepBatch, check_supervised_counts
 from accumulation.distributed import DistributedContext
 
@@ -68,10 +69,9 @@ def labels_message(
     when it does. Names the first differing row and position and, for token rows, the usual cause: labels
     shifted once more than the raw targets (label j holds token j + 2: shifted twice, as when a loss shifts
     labels that arrive shifted), or not shifted at all (label j is input token j: HF's labels = input_ids)."""
-    if inputs.shape != reference_inputs.shape or not torch.equal(inputs, reference_inputs.to(inputs.dtype)):
+    if not same_tensors(inputs, reference_inputs):
         return (
-            f"examples() gives other inputs than the raw examples state (shape {tuple(inputs.shape)} against "
-            f"{tuple(reference_inputs.shape)}): raw_example must state the row the model reads"
+            "examples() gives other inputs than the raw examples state: raw_example must state the row the model reads"
         )
     if labels.shape != reference_labels.shape:
         return (
@@ -83,7 +83,7 @@ def labels_message(
     where = f"row {int(row_ids[position[0]])}, " + ("label" if len(position) == 1 else f"position {position[1]}")
     said, stated = int(labels[tuple(position)]), int(reference_labels[tuple(position)])
     found = f"{where}: examples() says {said}, the raw example {stated}"
-    if labels.dim() != 2 or inputs.shape != labels.shape:
+    if labels.dim() != 2 or not isinstance(inputs, torch.Tensor) or inputs.shape != labels.shape:
         return found
     supervised = labels != IGNORE_INDEX
     # Shifted twice: label j = the raw target of position j + 1. Unshifted: label j = input token j.
@@ -127,6 +127,27 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
     return f"the loss of label {position} (row {row} of the step) reads outputs {read[:4]}, not output {position}"
 
 
+def same_tensors(a, b) -> bool:
+    """Whether two inputs (a tensor, or several in a tuple, list or dict) hold the same values in the same shapes."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_tensors(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b, strict=True))
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
+
+
+def first_tensor(inputs):
+    """The first tensor of the inputs (one tensor, or several): its first dimension counts the rows."""
+    if isinstance(inputs, dict):
+        return next(iter(inputs.values()))
+    return inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+
+
 # Row independence: float64 outputs of a row computed with and without the rows beside it differ by rounding
 # only, about 1e-15 relative (another batch size may pick other kernels); 1e-9 is far above that and far below
 # what batch statistics do to a row (BatchNorm over 4 rows instead of 8 moves each output by about 1e-2).
@@ -139,18 +160,21 @@ def rows_coupling_modules(model: torch.nn.Module) -> list[str]:
     return [f"{type(m).__name__} at '{name}'" for name, m in modules if name and "BatchNorm" in type(m).__name__]
 
 
-def row_independence_message(model: torch.nn.Module, inputs: torch.Tensor) -> str | None:
+def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
     """Whether a row's outputs depend on the other rows of its batch, in train mode (as the loop runs the
     model): the outputs of the whole step's rows against those of each half on its own (float64, no
     gradient). Micro-batches of m rows cannot reproduce a model whose rows see one another (BatchNorm
     normalises each micro-batch by its own statistics), whatever the weighting."""
-    if len(inputs) < 2:
+    rows = len(first_tensor(inputs))
+    if rows < 2:
         return None
-    half = len(inputs) // 2
+    half = rows // 2
     model.train()
     with torch.no_grad():
         whole = model(inputs)
-        halves = torch.cat([model(inputs[:half]), model(inputs[half:])])
+        halves = torch.cat(
+            [model(map_tensors(lambda t: t[:half], inputs)), model(map_tensors(lambda t: t[half:], inputs))]
+        )
     difference = float((whole - halves).abs().max() / whole.abs().max().clamp(min=1e-300))
     if difference <= ROW_INDEPENDENCE_TOLERANCE:
         return None

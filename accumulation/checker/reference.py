@@ -17,14 +17,14 @@ from accumulation.data import Rows
 from accumulation.step import count_supervised_tokens
 
 
-def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple:
     """The step's inputs and labels rebuilt from the raw examples, one row per example, position by position:
     the example's inputs as a tensor (token ids, shorter than seq_len, are padded with 0 to seq_len; inputs of
     any other dtype or shape, an image, a feature vector, are taken as they are), label j its target at j (-100
     where none), or one label per row when the examples carry one. Nothing of the loop's batching or masking
     code is used."""
     examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
-    inputs = torch.stack([padded_inputs(example.inputs, seq_len) for example in examples])
+    inputs = stacked([padded_inputs(example.inputs, seq_len) for example in examples])
     if all(example.label is not None for example in examples):
         labels = torch.tensor([example.label for example in examples], dtype=torch.long)
     else:
@@ -35,17 +35,42 @@ def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -
     return inputs, labels
 
 
-def padded_inputs(inputs, seq_len: int) -> torch.Tensor:
-    """One example's inputs as a tensor: a sequence of token ids is padded with 0 to seq_len positions."""
+def padded_inputs(inputs, seq_len: int):
+    """One example's inputs as tensors: a sequence of token ids is padded with 0 to seq_len positions; several
+    tensors (a tuple, list or dict of them) stay several, each taken as it is."""
+    if isinstance(inputs, dict):
+        return {name: padded_inputs(value, seq_len) for name, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(part, torch.Tensor) for part in inputs):
+        return type(inputs)(torch.as_tensor(part) for part in inputs)
     tensor = torch.as_tensor(inputs)
     if tensor.dim() == 1 and not tensor.is_floating_point() and len(tensor) < seq_len:
         tensor = torch.cat([tensor, tensor.new_zeros(seq_len - len(tensor))])
     return tensor
 
 
-def as_float64(inputs: torch.Tensor) -> torch.Tensor:
+def stacked(examples: list):
+    """The rows' inputs as one batch: the examples' tensors stacked along a new first dimension (field by field
+    when each example holds several)."""
+    first = examples[0]
+    if isinstance(first, dict):
+        return {name: torch.stack([example[name] for example in examples]) for name in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(torch.stack(parts) for parts in zip(*examples, strict=True))
+    return torch.stack(examples)
+
+
+def map_tensors(function, inputs):
+    """function applied to the inputs' tensor, or to each of its tensors when the inputs are several."""
+    if isinstance(inputs, dict):
+        return {name: function(value) for name, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(function(value) for value in inputs)
+    return function(inputs)
+
+
+def as_float64(inputs):
     """The inputs of the float64 reference: floating inputs (images, features) in float64, token ids unchanged."""
-    return inputs.double() if inputs.is_floating_point() else inputs
+    return map_tensors(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor, inputs)
 
 
 def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
@@ -64,7 +89,7 @@ def one_batch_baseline(
     from the float64 reference is what rounding alone costs this model: the floor beside every figure, so that
     an error at that floor is told apart from an error of the accumulation."""
     model.train()
-    inputs, labels = inputs.to(device), labels.to(device)
+    inputs, labels = map_tensors(lambda tensor: tensor.to(device), inputs), labels.to(device)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
     mean_loss.backward()

@@ -61,7 +61,7 @@ from accumulation.models import (
     resolved_vocab_size,
     training_forward_and_loss,
 )
-from accumulation.step import count_supervised_tokens, optimizer_step
+from accumulation.step import StepResult, count_supervised_tokens, optimizer_step
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -149,21 +149,41 @@ def check(
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
     loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
+    found = FoundOnEveryRank(
+        same_initial_weights, same_rows, labels_as_promised, type(model).__name__, loss_path, loop_gradients, result
+    )
     failure = None
     if context.is_main:
-        promises = {"rows": same_rows, "supervised_counts vs the labels of examples()": labels_as_promised}
-        failure = compare_on_main(
-            config, rows, vocab_size, batch, context, bug, type(model).__name__, reference_model, loss_sum_fn,
-            promises, loss_path, same_initial_weights, loop_gradients, result,
-        )  # fmt: skip
+        failure = compare_on_main(config, rows, vocab_size, batch, context, bug, reference_model, loss_sum_fn, found)
     return agree_on_the_verdict(failure, context)
 
 
+@dataclasses.dataclass
+class FoundOnEveryRank:
+    """What the collective part of the check found, for rank 0's comparison."""
+
+    same_initial_weights: bool  # two builds and every rank start from the same weights
+    same_rows: str | None  # why the rows differ between calls or ranks, or None
+    labels_as_promised: str | None  # why some rank's labels hold other targets than supervised_counts, or None
+    model_class: str  # the loop's model as it ran (FSDP2 changes its class)
+    loss_path: str  # which loss path the loop ran, in words
+    loop_gradients: list | None  # the gradient the optimizer was handed; None when the update was skipped
+    result: StepResult
+
+
 def compare_on_main(
-    config, rows, vocab_size, batch, context, bug, model_class, reference_model, loss_sum_fn, promises, loss_path,
-    same_initial_weights, loop_gradients, result,
-) -> str | None:  # fmt: skip
+    config: Config,
+    rows: Rows,
+    vocab_size: int,
+    batch: StepBatch,
+    context: DistributedContext,
+    bug: str | None,
+    reference_model: torch.nn.Module,
+    loss_sum_fn,
+    found: FoundOnEveryRank,
+) -> str | None:
     """Rank 0's part: print one line per check, then PASS or FAIL; returns the first failing line, or None."""
+    loop_gradients, result = found.loop_gradients, found.result
     row_ids = batch.row_ids
     described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
     print(
@@ -172,13 +192,15 @@ def compare_on_main(
     )
     parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
     print(
-        f"model: {model_class} ({config.model.name}), {parameters:,} parameters "
+        f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
         f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
     )
-    print(f"loss path: {loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64")
+    print(
+        f"loss path: {found.loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64"
+    )
     if bug:
         print(f"SELF-TEST: --inject-bug {bug}: {INJECTABLE_BUGS[bug]}; this must FAIL")
-    if not same_initial_weights:
+    if not found.same_initial_weights:
         return report(
             {"initial weights": "two builds from the same seed, or two ranks, differ: initialise from config.run.seed"}
         )
@@ -192,10 +214,10 @@ def compare_on_main(
         fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
     additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels)
     checks = {
-        "rows": promises["rows"],
+        "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
         "supervised_counts vs the raw examples' targets": counts_message(batch, reference_counts),
-        "supervised_counts vs the labels of examples()": promises["supervised_counts vs the labels of examples()"],
+        "supervised_counts vs the labels of examples()": found.labels_as_promised,
         "rows independent": row_independence_message(reference_model, float_inputs),
         "loss_sum_fn is a sum": additivity,
         "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels),
@@ -340,13 +362,11 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         loss_sum_fn = train_loss_sum_fn
     else:
         forward_module = model
-    chunked = isinstance(forward_module, FinalHiddenStates)
-    loss_path = (
-        f"the loop ran model.loss = {config.model.loss} as "
-        + ("chunked: the final hidden states into ChunkedCrossEntropySum over the output head" if chunked else
-           f"plain: the model's outputs into {function_name(loss_sum_fn)}")
-        + (", compiled" if compiled else ", eager")
-    )  # fmt: skip
+    if isinstance(forward_module, FinalHiddenStates):
+        path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
+    else:
+        path = f"plain: the model's outputs into {function_name(loss_sum_fn)}"
+    loss_path = f"the loop ran model.loss = {config.model.loss} as {path}, {'compiled' if compiled else 'eager'}"
     param_dtype = autocast_dtype_for(config.precision)
     wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
     optimizer, handed = first_update_probe(model)
