@@ -285,6 +285,9 @@ def test_supervised_counts_that_disagree_with_the_labels_fail(tmp_path, capsys):
 def test_labels_supervised_everywhere_fail(tmp_path, capsys):
     status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "supervise-all"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert checker_line(stdout, "examples() vs the raw examples").endswith(
+        "the raw example has no target there: padding or a prompt left supervised? Give it -100"
+    )
     assert checker_line(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: ")
     assert checker_line(stdout, "supervised_counts vs the raw examples' targets") == "ok"
 

@@ -83,6 +83,8 @@ def labels_message(
     where = f"row {int(row_ids[position[0]])}, " + ("label" if len(position) == 1 else f"position {position[1]}")
     said, stated = int(labels[tuple(position)]), int(reference_labels[tuple(position)])
     found = f"{where}: examples() says {said}, the raw example {stated}"
+    if stated == IGNORE_INDEX:
+        found += "; the raw example has no target there: padding or a prompt left supervised? Give it -100"
     if labels.dim() != 2 or not isinstance(inputs, torch.Tensor) or inputs.shape != labels.shape:
         return found
     supervised = labels != IGNORE_INDEX
