@@ -1,5 +1,6 @@
-"""scripts/checks/check_equivalence.py: PASS on the loop (one process, and two gloo ranks under torchrun) on a corpus
-whose rows hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
+"""scripts/checks/check_equivalence.py (its logic: accumulation/checker/): PASS on the loop (one process, and
+two gloo ranks under torchrun) on a corpus whose rows hold very different token counts; FAIL on a wrong
+normalization; exit status 2 on a bad config."""
 
 import os
 import re
@@ -10,7 +11,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from scripts.checks import check_equivalence
+from accumulation import checker
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.checker import run as checker_run
+from accumulation.checker.promises import (
+    additivity_message,
+    counts_message,
+    labels_message,
+    row_independence_message,
+    rows_agree_across_calls_and_ranks,
+)
+from accumulation.data import RawExample, StepBatch
+from accumulation.distributed import DistributedContext
+from accumulation.step import token_cross_entropy_sum
 from tests.conformance.tokens import write_token_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -40,22 +53,56 @@ def short_documents_corpus(folder: Path) -> Path:
 
 def run_checker(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
     """(exit status, stdout). One rank runs in this process; more run under torchrun, as a user would."""
+    status, stdout, _ = run_checker_with_stderr(tmp_path, arguments, ranks, capsys)
+    return status, stdout
+
+
+def run_checker_with_stderr(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str, str]:
     corpus = short_documents_corpus(tmp_path / "corpus")
     arguments = [*TINY_CONFIG, f"data.source={corpus}", *arguments]
     if ranks == 1:
-        status = check_equivalence.main(arguments)
-        return status, capsys.readouterr().out
+        status = checker.main(arguments)
+        captured = capsys.readouterr()
+        return status, captured.out, captured.err
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     completed = subprocess.run(
         launcher + [str(SCRIPT), *arguments], capture_output=True, text=True, timeout=120, env=environment, cwd=tmp_path
     )
     assert completed.returncode in (0, 1), completed.stdout + completed.stderr  # anything else is a crash
-    return completed.returncode, completed.stdout
+    return completed.returncode, completed.stdout, completed.stderr
 
 
 def reported_relative_error(stdout: str) -> float:
     return float(re.search(r"max relative error ([0-9.e+-]+)", stdout).group(1))
+
+
+def checker_line(stdout: str, name: str) -> str:
+    """What follows '<name>: ' on the checker's line for one check: its figures, then 'ok' or 'FAIL: why'."""
+    return re.search(rf"^{re.escape(name)}: (.*)$", stdout, re.MULTILINE).group(1)
+
+
+# Every line the checker prints for one check, in order; a check that fails alone leaves every other one "ok".
+CHECK_LINES = [
+    "rows",
+    "examples() vs the raw examples",
+    "supervised_counts vs the raw examples' targets",
+    "supervised_counts vs the labels of examples()",
+    "rows independent",
+    "loss_sum_fn is a sum",
+    "loss pairs label j with output j",
+    "examples",
+    "supervised targets",
+    "loss",
+    "gradient",
+]
+
+
+def failing_lines(stdout: str) -> list[str]:
+    """The checks whose line says FAIL (each must say ok or FAIL)."""
+    verdicts = {name: checker_line(stdout, name) for name in CHECK_LINES}
+    assert all(v.endswith(": ok") or v == "ok" or "FAIL: " in v for v in verdicts.values()), stdout
+    return [name for name, verdict in verdicts.items() if "FAIL: " in verdict]
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -64,16 +111,27 @@ def test_the_loop_passes(tmp_path, capsys, ranks):
     assert status == 0, stdout
     assert f"x ranks {ranks};" in stdout
     assert stdout.splitlines()[-1] == "PASS"
-    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
+    assert failing_lines(stdout) == []
+    assert "loss path: the loop ran model.loss = auto as plain: the model's outputs into" in stdout
+    assert re.search(r"gradient: max relative error \S+ \(A = 1, D = 1 in fp32: [0-9.e+-]+;", stdout), stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
-    status, stdout = run_checker(tmp_path, ["--inject-bug", "mean-of-means"], ranks, capsys)
+    status, stdout, stderr = run_checker_with_stderr(tmp_path, ["--inject-bug", "mean-of-means"], ranks, capsys)
     assert status == 1, stdout
     assert stdout.splitlines()[-1] == "FAIL"
-    # It fails on the gradient itself (this bug leaves the counts alone), and by far.
-    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    # It fails on the gradient itself (this bug leaves the counts and the fork's promises alone), and by far;
+    # the A = 1, D = 1 step beside it is within the tolerance, so the line blames the accumulation.
+    assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
+    assert failing_lines(stdout) == ["loss", "gradient"]
+    assert checker_line(stdout, "gradient").endswith("accumulation, not rounding")
+    if ranks == 2:
+        # Every rank ends with status 1 at once (none stopped by torchrun with SIGTERM), and torchrun's failure
+        # summary shows each rank's first failing check instead of advice on enabling tracebacks.
+        assert stderr.count("exitcode  : 1 ") == 2 and "SIGTERM" not in stderr, stderr
+        assert stderr.count("traceback : check_equivalence FAIL: loss: the logged loss is off") == 2, stderr
 
 
 def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, capsys):
@@ -81,9 +139,11 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
     (tmp_path / "pass").mkdir()
     (tmp_path / "fail").mkdir()
     status, stdout = run_checker(tmp_path / "pass", ["model.loss=chunked"], 1, capsys)
-    assert status == 0 and reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"], stdout
+    assert status == 0 and reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"], stdout
+    assert "loss path: the loop ran model.loss = chunked as chunked: the final hidden states" in stdout
     status, stdout = run_checker(tmp_path / "fail", ["model.loss=chunked", "--inject-bug", "mean-of-means"], 1, capsys)
-    assert status == 1 and reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert status == 1 and reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
+    assert failing_lines(stdout) == ["loss", "gradient"]
 
 
 @pytest.mark.parametrize(
@@ -96,7 +156,7 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
     ],
 )
 def test_a_bad_config_exits_2_with_one_line(capsys, arguments, named):
-    assert check_equivalence.main(arguments) == 2
+    assert checker.main(arguments) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     assert len(captured.err.splitlines()) == 1 and named in captured.err
@@ -109,7 +169,7 @@ SMALL_SFT = ["--config", SFT_CONFIG, "model.n_layer=1", "model.d_model=32", "mod
 def run_on_sft(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
     """The checker on the prompt/response data of configs/sft.toml (prompt never supervised)."""
     if ranks == 1:
-        status = check_equivalence.main([*SMALL_SFT, *arguments])
+        status = checker.main([*SMALL_SFT, *arguments])
         return status, capsys.readouterr().out
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -138,7 +198,7 @@ def test_prompt_masked_data_passes_and_an_injected_mask_bug_fails(tmp_path, caps
 
 def test_the_mask_self_test_needs_prompts(tmp_path, capsys):
     corpus = short_documents_corpus(tmp_path / "corpus")
-    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "mask"]) == 2
+    assert checker.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "mask"]) == 2
     assert "needs rows with prompt positions" in capsys.readouterr().err
 
 
@@ -151,7 +211,7 @@ def test_the_second_model_passes_and_is_named(tmp_path, capsys):
 def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys, monkeypatch):
     """A fork's model that draws its initial weights from the global generator starts differently on each
     rank (dropout seeds it per rank) and in each build: the checker refuses it."""
-    real_build_model = check_equivalence.build_model
+    real_build_model = checker_run.build_model
 
     def unseeded_build_model(model_config, vocab_size, *, seq_len, seed):
         model = real_build_model(model_config, vocab_size, seq_len=seq_len, seed=seed)
@@ -160,7 +220,7 @@ def test_a_model_whose_weights_do_not_come_from_the_seed_fails(tmp_path, capsys,
                 parameter.normal_(0, 0.02)  # the global generator, which moves on between builds
         return model
 
-    monkeypatch.setattr(check_equivalence, "build_model", unseeded_build_model)
+    monkeypatch.setattr(checker_run, "build_model", unseeded_build_model)
     status, stdout = run_checker(tmp_path, [], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert "initial weights" in stdout
@@ -178,7 +238,7 @@ def run_on_mlm(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tupl
     tokens = write_token_folder(tmp_path)
     small = ["--config", MLM_CONFIG, "model.n_layer=1", "model.d_model=32", "model.n_head=2", f"data.source={tokens}"]
     if ranks == 1:
-        status = check_equivalence.main([*small, *arguments])
+        status = checker.main([*small, *arguments])
         return status, capsys.readouterr().out
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
@@ -189,44 +249,249 @@ def run_on_mlm(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tupl
     return completed.returncode, completed.stdout
 
 
-def failed_promise(stdout: str, name: str) -> str:
-    """The checker's line for one of the fork's promises: 'ok' or 'FAIL: ...'."""
-    return re.search(rf"^{re.escape(name)}: (.*)$", stdout, re.MULTILINE).group(1)
-
-
 def test_a_mean_loss_fails_even_with_one_micro_batch_on_one_rank(tmp_path, capsys):
     """A·D = 1: the loop and the reference divide the same mean by the same N, so the gradients agree; only
     the additivity test of loss_sum_fn sees that a mean is not a sum."""
     status, stdout = run_checker(tmp_path, ["batch.micro_batch_size=8", "--inject-bug", "mean-loss"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert "x accum 1 x ranks 1" in stdout
-    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]  # hidden from the gradient
-    assert failed_promise(stdout, "loss_sum_fn is a sum").startswith("FAIL: ")
+    assert reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]  # hidden from the gradient
+    assert failing_lines(stdout) == ["loss_sum_fn is a sum"]
+    assert checker_line(stdout, "loss_sum_fn is a sum").endswith(
+        "a mean over targets; return the SUM of the supervised targets' losses, never a mean"
+    )
 
 
 def test_supervised_counts_that_disagree_with_the_labels_fail(tmp_path, capsys):
-    status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "count"], 1, capsys)
+    (tmp_path / "one_more").mkdir()
+    (tmp_path / "right_total").mkdir()
+    status, stdout = run_on_mlm(tmp_path / "one_more", ["--inject-bug", "count"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
-    assert failed_promise(stdout, "supervised_counts vs the raw examples' targets").startswith("FAIL: row ")
-    assert failed_promise(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: rank 0, step 0")
+    assert checker_line(stdout, "supervised_counts vs the raw examples' targets").startswith("FAIL: row ")
+    assert checker_line(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: rank 0, step 0")
     # The loop used N from supervised_counts, as train.py does: every gradient is scaled wrong.
-    assert reported_relative_error(stdout) > 100 * check_equivalence.RELATIVE_TOLERANCE["fp32"]
+    assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
+    # Every row's count off by one, up and down in turn: the step's N is right, so the gradient is, and only
+    # the two checks that compare the counts row by row see it (a comparison of the step's totals passes it).
+    status, stdout = run_on_mlm(tmp_path / "right_total", ["--inject-bug", "count-rows"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failing_lines(stdout) == [
+        "supervised_counts vs the raw examples' targets",
+        "supervised_counts vs the labels of examples()",
+    ]
+    assert reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
 
 
 def test_labels_supervised_everywhere_fail(tmp_path, capsys):
     status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "supervise-all"], 1, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
-    assert failed_promise(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: ")
-    assert failed_promise(stdout, "supervised_counts vs the raw examples' targets") == "ok"
+    assert checker_line(stdout, "examples() vs the raw examples").endswith(
+        "the raw example has no target there: padding or a prompt left supervised? Give it -100"
+    )
+    assert checker_line(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: ")
+    assert checker_line(stdout, "supervised_counts vs the raw examples' targets") == "ok"
 
 
 def test_a_mask_that_differs_between_ranks_fails_on_2_ranks(tmp_path, capsys):
     status, stdout = run_on_mlm(tmp_path, ["--inject-bug", "rank-mask"], 2, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
-    assert "other rows on another rank" in failed_promise(stdout, "rows")
+    assert "other rows on another rank" in checker_line(stdout, "rows")
 
 
 def test_the_rank_mask_self_test_needs_rows_that_change_with_the_step(tmp_path, capsys):
     corpus = short_documents_corpus(tmp_path / "corpus")
-    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "rank-mask"]) == 2
+    assert checker.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "rank-mask"]) == 2
     assert "needs rows that change with the step" in capsys.readouterr().err
+
+
+def test_a_gradient_wrong_by_a_little_fails_on_its_own(tmp_path, capsys, monkeypatch):
+    """The gradient handed to the optimizer scaled by 1 + 1e-3 after the step, everything else right: the
+    gradient line alone fails, and with it the verdict (33 times the fp32 tolerance of 3e-5)."""
+    real_probe = checker_run.first_update_probe
+
+    def scaling_probe(model):
+        optimizer, handed = real_probe(model)
+
+        def scale(opt, args, kwargs):
+            for gradient in handed[0]:
+                gradient.mul_(1 + 1e-3)
+
+        optimizer.register_step_post_hook(scale)
+        return optimizer, handed
+
+    monkeypatch.setattr(checker_run, "first_update_probe", scaling_probe)
+    status, stdout = run_checker(tmp_path, [], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failing_lines(stdout) == ["gradient"]
+
+
+def test_a_model_whose_rows_see_each_other_fails_naming_its_batch_norm(tmp_path, capsys):
+    status, stdout = run_checker(tmp_path, ["--inject-bug", "batch-norm"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert "rows independent" in failing_lines(stdout) and "loss_sum_fn is a sum" not in failing_lines(stdout)
+    assert "modules that mix rows: BatchNorm1d at 'batch_norm'" in checker_line(stdout, "rows independent")
+
+
+def test_a_loss_with_in_batch_negatives_fails_as_a_coupling_not_a_mean(tmp_path, capsys):
+    status, stdout = run_checker(tmp_path, ["--inject-bug", "in-batch-negatives"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert "loss_sum_fn is a sum" in failing_lines(stdout) and "rows independent" not in failing_lines(stdout)
+    line = checker_line(stdout, "loss_sum_fn is a sum")
+    assert "the loss couples examples, e.g. in-batch negatives" in line and "GradCache" in line
+    assert "never a mean" not in line
+
+
+def test_a_loss_that_shifts_the_labels_again_fails_on_its_own(tmp_path, capsys):
+    """HF's loss_function on labels that arrive shifted: loop and reference score the same wrong targets, so the
+    gradient agrees (as it did, unseen, before this check); only the probe of which output a label reads sees it."""
+    status, stdout = run_checker(tmp_path, ["--inject-bug", "double-shift"], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failing_lines(stdout) == ["loss pairs label j with output j"]
+    line = checker_line(stdout, "loss pairs label j with output j")
+    assert re.match(r"FAIL: the loss of label (\d+) \(row \d+ of the step\) reads output \d+, not \1", line), line
+    assert "shifted twice?" in line
+
+
+def test_a_float32_loss_on_float64_outputs_is_a_precision_note(tmp_path, capsys, monkeypatch):
+    """A loss that computes in float32 whatever it is given (HF's do): its sums over the halves agree to float32
+    rounding only (about 6e-8 here), which is no mean; the checker PASSes it and says so in a note."""
+
+    def float32_loss_sum_fn_for(model_config):
+        return lambda outputs, labels: token_cross_entropy_sum(outputs.float(), labels)
+
+    monkeypatch.setattr(checker_run, "loss_sum_fn_for", float32_loss_sum_fn_for)
+    status, stdout = run_checker(tmp_path, [], 1, capsys)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    assert "note: loss_sum_fn returns torch.float32 for torch.float64 outputs" in stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Each check on its own, in this process, on inputs made for it
+# ---------------------------------------------------------------------------------------------------
+
+ONE_PROCESS = DistributedContext(0, 0, 1, torch.device("cpu"), None)
+
+
+class RowsThatChangeOnEveryCall:
+    """Rows drawn afresh on every call, as a mask from torch's global generator is."""
+
+    num_rows, seq_len = 4, 3
+
+    def __init__(self):
+        self.calls = 0
+
+    def examples(self, row_ids, step):
+        self.calls += 1
+        labels = torch.full((len(row_ids), self.seq_len), self.calls)
+        return torch.zeros(len(row_ids), self.seq_len, dtype=torch.long), labels
+
+    def supervised_counts(self, row_ids, step):
+        return torch.full((len(row_ids),), self.seq_len)
+
+
+def a_step_of(rows, row_ids: list[int], counts: list[int]) -> StepBatch:
+    inputs, labels = rows.examples(torch.tensor(row_ids), 0)
+    micro_batch = MicroBatch(inputs, labels, len(row_ids))
+    return StepBatch(0, torch.tensor(row_ids), torch.tensor(counts), [micro_batch], [slice(0, len(row_ids))])
+
+
+def test_rows_that_differ_between_two_calls_in_one_process_fail():
+    rows = RowsThatChangeOnEveryCall()
+    batch = a_step_of(rows, [0, 1], [3, 3])
+    same_rows, _ = rows_agree_across_calls_and_ranks(rows, batch, ONE_PROCESS)
+    assert same_rows.startswith("the same row ids at the same step gave other rows in a second call")
+
+
+def test_counts_are_compared_row_by_row():
+    rows = RowsThatChangeOnEveryCall()
+    batch = a_step_of(rows, [0, 1], [4, 2])  # the total, 6, is right; each row's is not
+    assert counts_message(batch, torch.tensor([3, 3])).startswith("row 0 has 3 targets in its raw example, but")
+    assert counts_message(a_step_of(rows, [0, 1], [3, 3]), torch.tensor([3, 3])) is None
+
+
+def test_labels_shifted_twice_or_not_at_all_are_named():
+    """Labels shifted once more than the raw targets (label j = token j + 2), and HF-style labels = input_ids
+    (label j = input token j instead of token j + 1)."""
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    inputs, reference_labels = tokens[:, :4], tokens[:, 1:]
+    twice = torch.tensor([[7, 8, 9, IGNORE_INDEX]])
+    line = labels_message(inputs, twice, inputs, reference_labels, torch.tensor([17]))
+    assert line.startswith("row 17, position 0: examples() says 7, the raw example 6; label j holds the target")
+    assert line.endswith("label j should be token j + 1: shifted twice?")
+    line = labels_message(inputs, inputs.clone(), inputs, reference_labels, torch.tensor([17]))
+    assert line.startswith("row 17, position 0: examples() says 5, the raw example 6; label j is input token j")
+    assert labels_message(inputs, reference_labels.clone(), inputs, reference_labels, torch.tensor([17])) is None
+
+
+def test_a_batch_norm_over_float_images_is_named_and_a_group_norm_passes():
+    """Float inputs [rows, C, H, W]: the row check takes any input a model takes."""
+    torch.manual_seed(0)
+    images = torch.randn(6, 3, 8, 8, dtype=torch.float64)
+
+    def classifier(norm: torch.nn.Module) -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), norm, torch.nn.Flatten(), torch.nn.LazyLinear(5)).double()
+
+    line = row_independence_message(classifier(torch.nn.BatchNorm2d(4)), images)
+    assert "modules that mix rows: BatchNorm2d at '1'" in line
+    assert row_independence_message(classifier(torch.nn.GroupNorm(2, 4)), images) is None
+
+
+def test_float_inputs_are_rebuilt_as_they_are_and_token_ids_padded():
+    class ImageRows:
+        def raw_example(self, row_id, step):
+            if row_id < 2:
+                return RawExample(inputs=torch.full((3, 2, 2), float(row_id)), label=row_id)
+            return RawExample(inputs=[row_id, row_id], targets={0: row_id})
+
+    inputs, labels = checker.reference_rows(ImageRows(), torch.tensor([0, 1]), 0, seq_len=4)
+    assert inputs.shape == (2, 3, 2, 2) and inputs.dtype == torch.float32 and torch.equal(labels, torch.tensor([0, 1]))
+    inputs, labels = checker.reference_rows(ImageRows(), torch.tensor([2, 3]), 0, seq_len=4)
+    assert torch.equal(inputs, torch.tensor([[2, 2, 0, 0], [3, 3, 0, 0]]))
+    assert torch.equal(labels, torch.tensor([[2, -100, -100, -100], [3, -100, -100, -100]]))
+
+
+def test_additivity_tells_a_sum_a_mean_and_a_coupling_apart():
+    torch.manual_seed(0)
+    outputs = torch.randn(4, 3, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (4, 3))
+    labels[0, 1:] = IGNORE_INDEX  # rows of different target counts, so a mean over targets is not a sum
+    assert additivity_message(token_cross_entropy_sum, outputs, labels) == (None, None)
+    mean = additivity_message(lambda o, y: token_cross_entropy_sum(o, y) / (y != IGNORE_INDEX).sum(), outputs, labels)
+    assert mean[0].endswith("a mean over targets; return the SUM of the supervised targets' losses, never a mean")
+    coupled = additivity_message(lambda o, y: token_cross_entropy_sum(o - o.mean(dim=0), y), outputs, labels)
+    assert "the loss couples examples" in coupled[0]
+
+
+def test_the_rounding_floor_raises_the_allowed_error_only_above_the_tolerance():
+    assert checker_run.allowed_error(3e-5, 1e-7) == (3e-5, None)
+    allowed, note = checker_run.allowed_error(3e-5, 2.1e-3)
+    assert allowed == pytest.approx(checker_run.ROUNDING_FLOOR_FACTOR * 2.1e-3) and "not accumulation" in note
+
+
+def test_several_input_tensors_per_example_are_rebuilt_and_checked_field_by_field():
+    """Inputs of two tensors per example (an image and a feature vector, in a dict): stacked field by field,
+    compared field by field, and the row check runs the model on each half's fields."""
+
+    class TwoTensorRows:
+        def raw_example(self, row_id, step):
+            return RawExample(inputs={"image": torch.full((2, 3, 3), float(row_id)), "extra": torch.ones(4)}, label=0)
+
+    class TwoTensorModel(torch.nn.Module):
+        def __init__(self, norm: torch.nn.Module):
+            super().__init__()
+            self.norm, self.head = norm, torch.nn.Linear(2 * 9 + 4, 3)
+
+        def forward(self, inputs):
+            image = self.norm(inputs["image"]).flatten(1)
+            return self.head(torch.cat([image, inputs["extra"]], dim=1))
+
+    inputs, labels = checker.reference_rows(TwoTensorRows(), torch.tensor([0, 1, 2, 3]), 0, seq_len=1)
+    assert inputs["image"].shape == (4, 2, 3, 3) and inputs["extra"].shape == (4, 4)
+    same = {"image": inputs["image"].clone(), "extra": inputs["extra"].clone()}
+    assert labels_message(same, labels.clone(), inputs, labels, torch.arange(4)) is None
+    other = {"image": inputs["image"] + 1, "extra": inputs["extra"]}
+    assert labels_message(other, labels, inputs, labels, torch.arange(4)).startswith("examples() gives other inputs")
+    float_inputs = checker_run.as_float64(inputs)
+    assert row_independence_message(TwoTensorModel(torch.nn.GroupNorm(1, 2)).double(), float_inputs) is None
+    line = row_independence_message(TwoTensorModel(torch.nn.BatchNorm2d(2)).double(), float_inputs)
+    assert "modules that mix rows: BatchNorm2d at 'norm'" in line

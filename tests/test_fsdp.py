@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import train
+from accumulation import checker as check_equivalence
 from accumulation.build import autocast_dtype_for, build_optimizer, load_optimizer_state, wrap_for_training
 from accumulation.config import load_config, resolved_compile
 from accumulation.data import build_data, build_micro_batches, step_row_ids
@@ -17,7 +18,6 @@ from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 from accumulation.models import build_model, resolved_vocab_size
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
-from scripts.checks import check_equivalence
 from testkit.ranks import run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_check_equivalence import reported_relative_error, run_checker

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 import train
+from accumulation import checker as check_equivalence
 from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import DataError, build_data, build_micro_batches, step_row_ids
 from accumulation.models import build_model
-from scripts.checks import check_equivalence
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_jsonl import jsonl

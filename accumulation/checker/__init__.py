@@ -1,0 +1,87 @@
+"""The equivalence checker: that one optimizer step of the loop follows the gradient of the full-batch mean
+loss, and that the fork keeps the promises the step relies on.
+
+For anyone who changed the model, the loss, the data or the step: run it with the config you train with,
+from the command line or from a fork's own tests:
+
+    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG]
+    torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
+
+The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
+train.py uses), the rows of step 0 as `step_batch` builds them for train.py (the step's row ids, the rows as
+step 0 sees them, this rank's A micro-batches of m rows), and `optimizer_step` with the configured loss and
+precision and with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it.
+The gradient is read when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce and
+unscaling. Two settings are switched off, because no reference could reproduce them: gradient clipping
+(it rescales the gradient by the step's own norm) and dropout (its random masks).
+
+The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (each
+row's input tokens and its targets, position by position: accumulation/rows.py, RawExample) with the
+simplest possible code, not with the loop's batching or masking. Then one float64 forward and backward over
+all of the step's rows at once, of the configured loss's SUM divided by the number of supervised targets N:
+the mean loss of the whole global batch, which is what every update must follow. No micro-batches, no ranks,
+no weighting of ours.
+
+The checks, one line each, each named when it fails and each independent of m, A and D where it can be:
+    rows            every rank builds the step's rows twice: the same in both calls and on every rank (rows
+                    are a pure function of (seed, step, row id))
+    examples() vs the raw examples
+                    inputs and labels position by position; names the first differing row and position, and a
+                    shift: labels shifted twice (label j holds token j + 2) or not at all (label j = input j)
+    supervised_counts vs the raw examples' targets, and vs the labels of examples() on every rank (the check
+                    train.py makes every step), row by row
+    rows independent
+                    in train mode, the step's rows at once and in two halves give the same outputs (float64);
+                    names the BatchNorm-like modules when they do not
+    loss_sum_fn is a sum
+                    on fixed outputs (the model's, computed once): its value over the step's rows equals the sum of
+                    its values over two halves; when it does not, says whether it is a mean (return the SUM) or
+                    couples examples (in-batch negatives: no accumulation can reproduce it); a loss that computes
+                    in float32 whatever its inputs gets a precision note, not a failure
+    loss pairs label j with output j
+                    one label kept, the gradient of the loss must land on output j: a loss that shifts labels
+                    that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees
+    examples, supervised targets, loss, gradient
+                    the loop's step against the float64 reference, each beside the same step without accumulation
+                    (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
+                    floor is the model's rounding, one above it the accumulation's
+The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
+
+What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and
+logged loss equal the full-batch ones within the precision's tolerance, every rank starts from the same
+weights, the step saw the same examples and supervised tokens as the reference, and the promises above
+hold for step 0. What it does not: anything about clipping, dropout, later steps, the optimizer's update
+rule, or the correctness of the loss function itself (the reference uses the same loss; it checks how the
+loop weights and masks it).
+
+--inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
+(count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
+model (batch-norm); see INJECTABLE_BUGS. Each one's FAIL line names it.
+
+Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
+torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable
+tracebacks (torchrun prints that summary after any non-zero exit; no worker can stop it).
+
+Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
+
+From Python (a fork's own test, one process; under torchrun every rank calls it):
+
+    from accumulation.checker import main
+    assert main(["--config", "configs/mine.toml", "model.n_layer=1"]) == 0
+
+main(argv) returns the exit status and prints the lines above on rank 0. The single checks are functions of
+plain tensors, for a test that wants one alone: accumulation.checker.promises (row_independence_message(model,
+inputs), additivity_message(loss_sum_fn, outputs, labels), labels_message(...), counts_message(...)) and
+accumulation.checker.reference (reference_rows(rows, row_ids, step, seq_len), max_relative_error).
+
+The pieces: run.py (the command, the verdict and the loop's step: loop_step_gradients is where a layout whose
+step is not optimizer_step over one wrapped model, such as pipeline stages, plugs in), reference.py (the float64
+reference, the A = 1, D = 1 baseline and the gradient probe), promises.py (the fork's promises, one function
+each), self_test.py (the injectable bugs).
+"""
+
+from accumulation.checker.reference import max_relative_error, reference_rows
+from accumulation.checker.run import RELATIVE_TOLERANCE, check, main
+from accumulation.checker.self_test import INJECTABLE_BUGS
+
+__all__ = ["INJECTABLE_BUGS", "RELATIVE_TOLERANCE", "check", "main", "max_relative_error", "reference_rows"]

@@ -1,0 +1,266 @@
+"""The fork's promises the step relies on, each checked on its own and named when it fails; each is
+independent of m, A and D (a bug in them can hide behind a particular split: a mean returned as a "sum" is
+exact when A·D = 1). Every function returns None when the promise holds, else the line that says why not.
+"""
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from accumulation.batching import IGNORE_INDEX
+from accumulation.checker.reference import map_tensors
+from accumulation.data import DataError, Rows, StepBatch, check_supervised_counts
+from accumulation.distributed import DistributedContext
+
+
+def rows_agree_across_calls_and_ranks(
+    rows: Rows, batch: StepBatch, context: DistributedContext
+) -> tuple[str | None, str | None]:
+    """(why the rows are not a pure function of (seed, step, row id), or None; why this step's labels hold
+    other targets than supervised_counts promised on some rank (train.py's own check), or None).
+
+    Every rank builds the whole step's rows twice and hashes them: the two calls, and all ranks, must agree.
+    A mask drawn from torch's global generator differs between the calls and between ranks (dropout seeds
+    that generator per rank); a mask seeded with the rank differs between ranks."""
+
+    def digest() -> str:
+        inputs, labels = rows.examples(batch.row_ids, batch.step)
+        counts = rows.supervised_counts(batch.row_ids, batch.step)
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in (inputs, labels, counts))).hexdigest()
+
+    first, second = digest(), digest()
+    try:
+        check_supervised_counts(batch)
+        mismatch = None
+    except DataError as error:
+        mismatch = f"rank {context.rank}, {error}"
+    everyone = [(first, second, mismatch)]
+    if context.world_size > 1:
+        everyone = [None] * context.world_size
+        dist.all_gather_object(everyone, (first, second, mismatch))
+    if any(a != b for a, b, _ in everyone):
+        same = "the same row ids at the same step gave other rows in a second call"
+    elif len({a for a, _, _ in everyone}) > 1:
+        same = "the same row ids at the same step gave other rows on another rank"
+    else:
+        same = None
+    if same is not None:
+        same += "; the data's randomness must be a pure function of (seed, step, row id) (docs/forking.md)"
+    return same, next((m for _, _, m in everyone if m is not None), None)
+
+
+def counts_message(batch: StepBatch, reference_counts: torch.Tensor) -> str | None:
+    """Where supervised_counts disagrees with the targets of the raw examples, in words; None when it agrees."""
+    if torch.equal(batch.supervised_counts, reference_counts):
+        return None
+    row = int((batch.supervised_counts != reference_counts).nonzero()[0])
+    return (
+        f"row {int(batch.row_ids[row])} has {int(reference_counts[row])} targets in its raw example, but "
+        f"supervised_counts says {int(batch.supervised_counts[row])} (step N {int(batch.supervised_counts.sum()):,} "
+        f"instead of {int(reference_counts.sum()):,}): every update would be divided by a wrong N"
+    )
+
+
+def labels_message(
+    inputs: torch.Tensor, labels: torch.Tensor, reference_inputs: torch.Tensor, reference_labels: torch.Tensor, row_ids
+) -> str | None:
+    """Whether examples() gives, position by position, the inputs and the targets its raw examples state; None
+    when it does. Names the first differing row and position and, for token rows, the usual cause: labels
+    shifted once more than the raw targets (label j holds token j + 2: shifted twice, as when a loss shifts
+    labels that arrive shifted), or not shifted at all (label j is input token j: HF's labels = input_ids)."""
+    if not same_tensors(inputs, reference_inputs):
+        return (
+            "examples() gives other inputs than the raw examples state: raw_example must state the row the model reads"
+        )
+    if labels.shape != reference_labels.shape:
+        return (
+            f"examples() gives labels of shape {tuple(labels.shape)}, the raw examples {tuple(reference_labels.shape)}"
+        )
+    if torch.equal(labels, reference_labels):
+        return None
+    position = (labels != reference_labels).nonzero()[0].tolist()
+    where = f"row {int(row_ids[position[0]])}, " + ("label" if len(position) == 1 else f"position {position[1]}")
+    said, stated = int(labels[tuple(position)]), int(reference_labels[tuple(position)])
+    found = f"{where}: examples() says {said}, the raw example {stated}"
+    if stated == IGNORE_INDEX:
+        found += "; the raw example has no target there: padding or a prompt left supervised? Give it -100"
+    if labels.dim() != 2 or not isinstance(inputs, torch.Tensor) or inputs.shape != labels.shape:
+        return found
+    supervised = labels != IGNORE_INDEX
+    # Shifted twice: label j = the raw target of position j + 1. Unshifted: label j = input token j.
+    if torch.equal(labels[:, :-1][supervised[:, :-1]], reference_labels[:, 1:][supervised[:, :-1]]):
+        return f"{found}; label j holds the target of position j + 1: label j should be token j + 1: shifted twice?"
+    if torch.equal(labels[supervised], inputs[supervised]):
+        return (
+            f"{found}; label j is input token j: labels arrive shifted, label j = token j + 1 (HF-style "
+            "labels = input_ids are not)"
+        )
+    return found
+
+
+def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> str | None:
+    """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
+    when it does. On fixed outputs, one supervised label is kept (the others -100) and the gradient of the loss
+    says which output positions it reads. A loss that shifts the labels itself (HF's loss_function does) pairs
+    label j with output j - 1: together with labels that arrive shifted, every target is two tokens ahead, and
+    loop and reference agree on it, so no comparison of gradients can see it."""
+    if labels.dim() != 2 or outputs.dim() < 3 or outputs.shape[:2] != labels.shape or labels.shape[1] < 3:
+        return None
+    supervised = (labels != IGNORE_INDEX).nonzero()
+    inner = supervised[(supervised[:, 1] > 0) & (supervised[:, 1] < labels.shape[1] - 1)]
+    if len(inner) == 0:
+        return None
+    row, position = inner[len(inner) // 2].tolist()
+    one_label = torch.full_like(labels, IGNORE_INDEX)
+    one_label[row, position] = labels[row, position]
+    probe = outputs.detach().clone().requires_grad_(True)
+    loss_sum_fn(probe, one_label).backward()
+    read_per_position = probe.grad[row].abs().reshape(labels.shape[1], -1).sum(dim=1)
+    if read_per_position[position] > 0:
+        return None
+    read = read_per_position.nonzero().flatten().tolist()
+    if position - 1 in read:
+        return (
+            f"the loss of label {position} (row {row} of the step) reads output {position - 1}, not {position}: "
+            "the loss shifts the labels again (as HF's loss_function does), but labels arrive shifted "
+            "(label j = token j + 1): shifted twice? Use a loss that pairs label j with output j"
+        )
+    return f"the loss of label {position} (row {row} of the step) reads outputs {read[:4]}, not output {position}"
+
+
+def same_tensors(a, b) -> bool:
+    """Whether two inputs (a tensor, or several in a tuple, list or dict) hold the same values in the same shapes."""
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (
+            isinstance(a, dict)
+            and isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(same_tensors(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_tensors(x, y) for x, y in zip(a, b, strict=True))
+    return a.shape == b.shape and torch.equal(a, b.to(a.dtype))
+
+
+def first_tensor(inputs):
+    """The first tensor of the inputs (one tensor, or several): its first dimension counts the rows."""
+    if isinstance(inputs, dict):
+        return next(iter(inputs.values()))
+    return inputs[0] if isinstance(inputs, (tuple, list)) else inputs
+
+
+# Row independence: float64 outputs of a row computed with and without the rows beside it differ by rounding
+# only, about 1e-15 relative (another batch size may pick other kernels); 1e-9 is far above that and far below
+# what batch statistics do to a row (BatchNorm over 4 rows instead of 8 moves each output by about 1e-2).
+ROW_INDEPENDENCE_TOLERANCE = 1e-9
+
+
+def rows_coupling_modules(model: torch.nn.Module) -> list[str]:
+    """The modules that compute statistics over the rows of a batch in train mode: BatchNorm and its kin."""
+    modules = model.named_modules()
+    return [f"{type(m).__name__} at '{name}'" for name, m in modules if name and "BatchNorm" in type(m).__name__]
+
+
+def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
+    """Whether a row's outputs depend on the other rows of its batch, in train mode (as the loop runs the
+    model): the outputs of the whole step's rows against those of each half on its own (float64, no
+    gradient). Micro-batches of m rows cannot reproduce a model whose rows see one another (BatchNorm
+    normalises each micro-batch by its own statistics), whatever the weighting."""
+    rows = len(first_tensor(inputs))
+    if rows < 2:
+        return None
+    half = rows // 2
+    model.train()
+    with torch.no_grad():
+        whole = model(inputs)
+        halves = torch.cat(
+            [model(map_tensors(lambda t: t[:half], inputs)), model(map_tensors(lambda t: t[half:], inputs))]
+        )
+    difference = float((whole - halves).abs().max() / whole.abs().max().clamp(min=1e-300))
+    if difference <= ROW_INDEPENDENCE_TOLERANCE:
+        return None
+    found = rows_coupling_modules(model)
+    named = (
+        f"modules that mix rows: {', '.join(found)}"
+        if found
+        else "no BatchNorm-like module found; look for an operation across rows"
+    )
+    return (
+        f"a row's outputs change with the rows around it in train mode (relative {difference:.2e} between the "
+        f"step's rows at once and in two halves): {named}. No accumulation reproduces batch statistics: use "
+        "GroupNorm or LayerNorm, or A·D = 1"
+    )
+
+
+# loss_sum_fn's additivity: the float64 sums over two halves of the step's rows and over all of them agree to
+# rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
+# factor of about 2 a mean gives. A loss that computes in float32 whatever its inputs (HF's losses do) rounds
+# each of those additions to 2^-24 ≈ 6e-8: over a few thousand targets the sums then agree to about 1e-6, so
+# 1e-5, still far below what a mean or a coupling between examples does.
+ADDITIVITY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
+
+
+def additivity_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> tuple[str | None, str | None]:
+    """(why loss_sum_fn is not a SUM over targets, or None; a note on its precision, or None).
+
+    On fixed outputs (the model's float64 outputs for the step's rows, computed once, so that only the loss is
+    tested): its value over the step's rows must equal its value over the first half plus its value over the
+    second. A mean is not additive, but it is once each value is multiplied by its count of targets (or of rows);
+    a loss that couples examples (in-batch negatives: each row's loss reads the other rows' outputs) is neither.
+    The step divides by the global N itself, so a mean would make each micro-batch weigh the same (the
+    mean-of-means bug), which no gradient comparison sees when A·D = 1."""
+    if len(outputs) < 2:
+        return None, None
+    half = len(outputs) // 2
+    parts = [(outputs, labels), (outputs[:half], labels[:half]), (outputs[half:], labels[half:])]
+    with torch.no_grad():
+        values = [loss_sum_fn(o, y) for o, y in parts]
+    dtype = values[0].dtype
+    note = None
+    if dtype != outputs.dtype:
+        note = (
+            f"loss_sum_fn returns {dtype} for {outputs.dtype} outputs: the reference is only as precise as "
+            f"{dtype} inside the loss (a precision note, not a failure)"
+        )
+    tolerance = ADDITIVITY_TOLERANCE.get(dtype, 1e-2)
+    whole, first, second = (float(v) for v in values)
+
+    def mismatch(weights: list[float]) -> float:
+        combined = weights[1] * first + weights[2] * second
+        return abs(weights[0] * whole - combined) / max(abs(weights[0] * whole), 1e-300)
+
+    difference = mismatch([1, 1, 1])
+    if difference <= tolerance:
+        return None, note
+    targets = [float((y != IGNORE_INDEX).sum()) for _, y in parts]
+    rows = [float(len(o)) for o, _ in parts]
+    said = (
+        f"over the step's rows it gives {whole:.6g}, over its two halves {first + second:.6g} in total "
+        f"(relative difference {difference:.2e})"
+    )
+    if mismatch(targets) <= tolerance or mismatch(rows) <= tolerance:
+        unit = "targets" if mismatch(targets) <= tolerance else "rows"
+        return f"{said}: a mean over {unit}; return the SUM of the supervised targets' losses, never a mean", note
+    return (
+        f"{said}, and it is no mean either: the loss couples examples, e.g. in-batch negatives; no accumulation "
+        "can reproduce it: A·D = 1 or a technique such as GradCache",
+        note,
+    )
+
+
+def weights_agree_across_builds_and_ranks(
+    model: torch.nn.Module, second_build: torch.nn.Module, context: DistributedContext
+) -> bool:
+    """A model must start from the same weights on every rank (DDP broadcasts rank 0's, but a resume or a
+    checkpoint taken on another rank would not), which holds when it initialises from config.run.seed only.
+    Two builds in this process must be bit-identical, and every rank's weights must hash the same."""
+    first = [p.detach().cpu() for p in model.parameters()]
+    second = [p.detach().float().cpu() for p in second_build.parameters()]  # built float32, then .double()
+    same_here = all(torch.equal(a, b.to(a.dtype)) for a, b in zip(first, second, strict=True))
+    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in first)).hexdigest()
+    if context.world_size == 1:
+        return same_here
+    everyone = [None] * context.world_size
+    dist.all_gather_object(everyone, (same_here, digest))
+    return all(agree for agree, _ in everyone) and len({digest for _, digest in everyone}) == 1

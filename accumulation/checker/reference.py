@@ -1,0 +1,128 @@
+"""The checker's independent reference and its instruments: the step's rows rebuilt from the raw examples,
+one float64 forward and backward over all of them, the optimizer that records the gradient it is handed, and
+the error measure between two gradients.
+
+Nothing here uses the loop's batching, masking or weighting: the reference is the definition of the step's
+objective (the mean loss over every supervised target of the global batch), computed the simplest way.
+"""
+
+import dataclasses
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config import Config
+from accumulation.data import Rows
+from accumulation.step import count_supervised_tokens
+
+
+def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple:
+    """The step's inputs and labels rebuilt from the raw examples, one row per example, position by position:
+    the example's inputs as a tensor (token ids, shorter than seq_len, are padded with 0 to seq_len; inputs of
+    any other dtype or shape, an image, a feature vector, are taken as they are), label j its target at j (-100
+    where none), or one label per row when the examples carry one. Nothing of the loop's batching or masking
+    code is used."""
+    examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
+    inputs = stacked([padded_inputs(example.inputs, seq_len) for example in examples])
+    if all(example.label is not None for example in examples):
+        labels = torch.tensor([example.label for example in examples], dtype=torch.long)
+    else:
+        labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        for position, target in example.targets.items():
+            labels[row, position] = target
+    return inputs, labels
+
+
+def padded_inputs(inputs, seq_len: int):
+    """One example's inputs as tensors: a sequence of token ids is padded with 0 to seq_len positions; several
+    tensors (a tuple, list or dict of them) stay several, each taken as it is."""
+    if isinstance(inputs, dict):
+        return {name: padded_inputs(value, seq_len) for name, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)) and inputs and all(isinstance(part, torch.Tensor) for part in inputs):
+        return type(inputs)(torch.as_tensor(part) for part in inputs)
+    tensor = torch.as_tensor(inputs)
+    if tensor.dim() == 1 and not tensor.is_floating_point() and len(tensor) < seq_len:
+        tensor = torch.cat([tensor, tensor.new_zeros(seq_len - len(tensor))])
+    return tensor
+
+
+def stacked(examples: list):
+    """The rows' inputs as one batch: the examples' tensors stacked along a new first dimension (field by field
+    when each example holds several)."""
+    first = examples[0]
+    if isinstance(first, dict):
+        return {name: torch.stack([example[name] for example in examples]) for name in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(torch.stack(parts) for parts in zip(*examples, strict=True))
+    return torch.stack(examples)
+
+
+def map_tensors(function, inputs):
+    """function applied to the inputs' tensor, or to each of its tensors when the inputs are several."""
+    if isinstance(inputs, dict):
+        return {name: function(value) for name, value in inputs.items()}
+    if isinstance(inputs, (tuple, list)):
+        return type(inputs)(function(value) for value in inputs)
+    return function(inputs)
+
+
+def as_float64(inputs):
+    """The inputs of the float64 reference: floating inputs (images, features) in float64, token ids unchanged."""
+    return map_tensors(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor, inputs)
+
+
+def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
+    """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
+    model.train()
+    mean_loss = loss_sum_fn(model(as_float64(inputs)), labels) / count_supervised_tokens(labels)
+    mean_loss.backward()
+    return [p.grad for p in model.parameters()], mean_loss.item()
+
+
+def one_batch_baseline(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn, autocast_dtype, device
+):
+    """The same step without accumulation or ranks (A = 1, D = 1): one forward and backward of the whole step's
+    rows in the loop's precision (fp32 parameters, autocast as configured), and its mean loss. Its distance
+    from the float64 reference is what rounding alone costs this model: the floor beside every figure, so that
+    an error at that floor is told apart from an error of the accumulation."""
+    model.train()
+    inputs, labels = map_tensors(lambda tensor: tensor.to(device), inputs), labels.to(device)
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
+    mean_loss.backward()
+    return [p.grad for p in model.parameters()], mean_loss.item()
+
+
+def max_relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """max |gradient - reference| over all entries, relative to the largest entry of the reference."""
+    largest = max(r.abs().max().item() for r in reference)
+    pairs = zip(gradient, reference, strict=True)
+    return max((g.double().cpu() - r.double().cpu()).abs().max().item() for g, r in pairs) / largest
+
+
+def without_dropout(config: Config) -> Config:
+    """The config with dropout off: its masks are random, and no reference (or second run) draws the same."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+
+
+def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+    """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
+    holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
+    apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
+    nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
+    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handed = []
+
+    def whole(grad: torch.Tensor) -> torch.Tensor:
+        return grad.full_tensor() if isinstance(grad, DTensor) else grad.detach().clone()
+
+    def record_first_gradient(opt, args, kwargs):
+        if not handed:
+            handed.append([whole(p.grad) for p in model.parameters()])
+
+    optimizer.register_step_pre_hook(record_first_gradient)
+    return optimizer, handed

@@ -1,0 +1,400 @@
+"""The checker's command and its verdict: main(argv) parses the arguments as the script takes them, builds
+the config's data and step-0 rows, and check() runs the loop's step, the reference and the fork's promises and
+prints one line each, then PASS or FAIL (accumulation/checker/__init__.py says what a PASS proves).
+
+The loop's side is loop_step_gradients: one optimizer step as train.py runs it for the configured layout. A
+layout whose step is not optimizer_step over a DDP/FSDP2-wrapped model (pipeline stages) plugs in there, and
+only there: everything else compares the gradient it returns with the reference.
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from accumulation.batching import IGNORE_INDEX, describe_batch
+from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
+from accumulation.checker.promises import (
+    additivity_message,
+    counts_message,
+    labels_message,
+    loss_alignment_message,
+    row_independence_message,
+    rows_agree_across_calls_and_ranks,
+    weights_agree_across_builds_and_ranks,
+)
+from accumulation.checker.reference import (
+    as_float64,
+    first_update_probe,
+    float64_full_batch,
+    max_relative_error,
+    one_batch_baseline,
+    reference_rows,
+    without_dropout,
+)
+from accumulation.checker.self_test import (
+    DATA_BUGS,
+    INJECTABLE_BUGS,
+    LOSS_BUGS,
+    BuggyRows,
+    RowsNormalisedTogether,
+    every_real_target,
+    in_batch_negatives_loss,
+    mean_loss,
+    mean_of_means_loss,
+    refuse_a_bug_this_data_cannot_show,
+    shifted_again_loss,
+)
+from accumulation.chunked_loss import FinalHiddenStates
+from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
+from accumulation.data import DataError, Rows, StepBatch, build_data, step_batch
+from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed
+from accumulation.models import (
+    build_model,
+    count_parameters,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+    training_forward_and_loss,
+)
+from accumulation.step import StepResult, count_supervised_tokens, optimizer_step
+
+# Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
+# fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
+# thousand terms and the softmax, the loop's gradient lands about 1e-7..1e-6 of the largest entry away
+# from the float64 one on the small models this is meant for; 3e-5 leaves a wide margin while a wrong
+# weighting of micro-batches or ranks (mean of means, a forgotten factor D) is off by 1e-2 or more.
+# bf16 keeps 8 significant bits (2^-9 ≈ 2e-3 per rounding); a few dozen roundings add up to about 1e-2
+# of the largest entry, so 5e-2 (the bound tests/test_step.py uses for bf16 against fp32).
+# fp16 keeps 11 bits (2^-12 ≈ 2.4e-4 per rounding), eight times finer than bf16: 1e-2.
+# A wrong normalization is wrong in every precision, and may be as small as a few 1e-2: check changes to
+# the loss or the step in fp32, where the margin is a factor of 1000; bf16 and fp16 runs show that
+# autocast did not break the model.
+RELATIVE_TOLERANCE = {"fp32": 3e-5, "bf16": 5e-2, "fp16": 1e-2}
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """This script's own flags, and the rest: `--config FILE` and `section.key=value`, as train.py takes them."""
+    parser = argparse.ArgumentParser(
+        description="Compare one optimizer step of the loop with a float64 full-batch reference.",
+        epilog="Config keys and their defaults: python train.py --help",
+    )
+    parser.add_argument("--config", help="TOML config file, as for train.py")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides, as for train.py")
+    parser.add_argument(
+        "--inject-bug",
+        choices=list(INJECTABLE_BUGS),
+        help="self-test of this checker: put a known bug into the loop or the fork; the check must then FAIL. "
+        + "; ".join(f"{name}: {effect}" for name, effect in INJECTABLE_BUGS.items()),
+    )
+    arguments = parser.parse_intermixed_args(argv)
+    config_argv = (["--config", arguments.config] if arguments.config else []) + arguments.overrides
+    return arguments, config_argv
+
+
+def main(argv: list[str]) -> int:
+    arguments, config_argv = parse_arguments(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    bug = arguments.inject_bug
+    try:
+        config = load_config(config_argv)
+        check_config_for_world(config, world_size)
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+        rows = BuggyRows(data.train, bug, rank) if bug in DATA_BUGS else data.train
+        batch = step_batch(
+            rows,
+            CHECKED_STEP,
+            seed=config.run.seed,
+            global_batch_size=config.batch.global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=config.batch.micro_batch_size,
+            world_size=world_size,
+            rank=rank,
+        )
+        refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, CHECKED_STEP)
+    except (ConfigError, DataError) as error:
+        if rank == 0:
+            print(f"error: {error}", file=sys.stderr)
+        return 2
+
+    context = setup_distributed(config.device, config.dist.timeout_s)
+    try:
+        return check(config, rows, vocab_size, batch, context, bug)
+    finally:
+        teardown_distributed()
+
+
+# The step checked: step 0 of the data order, its rows as step 0 sees them.
+CHECKED_STEP = 0
+
+
+def check(
+    config: Config, rows: Rows, vocab_size: int, batch: StepBatch, context: DistributedContext, bug: str | None
+) -> int:
+    """The whole check on every rank: the loop's step everywhere, the comparison on rank 0, which prints one line
+    per check and the verdict. Every rank returns the verdict's exit status (0 PASS, 1 FAIL), so that under
+    torchrun a FAIL ends all ranks alike, none killed by the launcher while it still prints."""
+    config = without_dropout(config)
+    set_tf32(False)  # whatever precision.tf32 says: TF32 rounds fp32 products to ~1e-3, above the fp32 tolerance
+    model = build_checked_model(config, vocab_size, bug).to(context.device)
+    reference_model = build_checked_model(config, vocab_size, bug).double()  # a second build: it must equal the first
+    same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
+    loss_sum_fn = checked_loss_sum_fn(config, bug)
+    same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
+
+    loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
+    found = FoundOnEveryRank(
+        same_initial_weights, same_rows, labels_as_promised, type(model).__name__, loss_path, loop_gradients, result
+    )
+    failure = None
+    if context.is_main:
+        failure = compare_on_main(config, rows, vocab_size, batch, context, bug, reference_model, loss_sum_fn, found)
+    return agree_on_the_verdict(failure, context)
+
+
+@dataclasses.dataclass
+class FoundOnEveryRank:
+    """What the collective part of the check found, for rank 0's comparison."""
+
+    same_initial_weights: bool  # two builds and every rank start from the same weights
+    same_rows: str | None  # why the rows differ between calls or ranks, or None
+    labels_as_promised: str | None  # why some rank's labels hold other targets than supervised_counts, or None
+    model_class: str  # the loop's model as it ran (FSDP2 changes its class)
+    loss_path: str  # which loss path the loop ran, in words
+    loop_gradients: list | None  # the gradient the optimizer was handed; None when the update was skipped
+    result: StepResult
+
+
+def compare_on_main(
+    config: Config,
+    rows: Rows,
+    vocab_size: int,
+    batch: StepBatch,
+    context: DistributedContext,
+    bug: str | None,
+    reference_model: torch.nn.Module,
+    loss_sum_fn,
+    found: FoundOnEveryRank,
+) -> str | None:
+    """Rank 0's part: print one line per check, then PASS or FAIL; returns the first failing line, or None."""
+    loop_gradients, result = found.loop_gradients, found.result
+    row_ids = batch.row_ids
+    described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    print(
+        f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
+        f"precision {config.precision.dtype}"
+    )
+    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
+    print(
+        f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
+        f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
+    )
+    print(
+        f"loss path: {found.loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64"
+    )
+    if bug:
+        print(f"SELF-TEST: --inject-bug {bug}: {INJECTABLE_BUGS[bug]}; this must FAIL")
+    if not found.same_initial_weights:
+        return report(
+            {"initial weights": "two builds from the same seed, or two ranks, differ: initialise from config.run.seed"}
+        )
+
+    # The fork's promises, one line each (docs/forking.md, "The promises each guarantee depends on").
+    inputs, labels = reference_rows(rows, row_ids, batch.step, config.data.seq_len)
+    float_inputs = as_float64(inputs)
+    example_inputs, example_labels = rows.examples(row_ids, batch.step)
+    reference_counts = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
+    with torch.no_grad():
+        fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
+    additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels)
+    checks = {
+        "rows": found.same_rows,
+        "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
+        "supervised_counts vs the raw examples' targets": counts_message(batch, reference_counts),
+        "supervised_counts vs the labels of examples()": found.labels_as_promised,
+        "rows independent": row_independence_message(reference_model, float_inputs),
+        "loss_sum_fn is a sum": additivity,
+        "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels),
+    }
+    notes = {"loss_sum_fn is a sum": precision_note}
+    if loop_gradients is None:
+        checks["update"] = (
+            f"the loop did not apply its update ({result.skip_reason}), so there is no gradient to compare"
+        )
+        return report(checks, notes)
+
+    # The figures, each beside the same step without accumulation (A = 1, D = 1) in the loop's precision.
+    reference_gradients, reference_loss = float64_full_batch(reference_model, inputs, labels, loss_sum_fn)
+    baseline_model = build_checked_model(config, vocab_size, bug).to(context.device)
+    baseline_gradients, baseline_loss = one_batch_baseline(
+        baseline_model, inputs, labels, loss_sum_fn, autocast_dtype_for(config.precision), context.device
+    )
+    reference_tokens = count_supervised_tokens(labels)
+    tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
+    gradient_error = max_relative_error(loop_gradients, reference_gradients)
+    baseline_error = max_relative_error(baseline_gradients, reference_gradients)
+    loss_error = abs(result.loss - reference_loss) / abs(reference_loss)
+    baseline_loss_error = abs(baseline_loss - reference_loss) / abs(reference_loss)
+    allowed, floor_note = allowed_error(tolerance, baseline_error)
+    allowed_loss, _ = allowed_error(tolerance, baseline_loss_error)
+    at_once = f"A = 1, D = 1 in {config.precision.dtype}"
+    checks["examples"] = None if result.examples == len(row_ids) else "the loop counted other examples than the step's"
+    checks["supervised targets"] = (
+        None if result.tokens == reference_tokens else "the loop's N is not the raw examples' count of targets"
+    )
+    checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
+    checks["gradient"] = (
+        None
+        if gradient_error <= allowed
+        else f"the accumulated gradient is off by more than {allowed:.1e}, the same step at {at_once} is within "
+        "it: accumulation, not rounding"
+    )
+    notes["gradient"] = floor_note
+    figures = {
+        "examples": f"loop {result.examples}, reference {len(row_ids)}",
+        "supervised targets": f"loop {result.tokens:,}, reference {reference_tokens:,}",
+        "loss": f"loop {result.loss:.8f}, reference {reference_loss:.8f}, relative error {loss_error:.2e} "
+        f"({at_once}: {baseline_loss_error:.2e})",
+        "gradient": f"max relative error {gradient_error:.3e} ({at_once}: {baseline_error:.3e}; allowed {allowed:.1e}, "
+        f"the {config.precision.dtype} tolerance against float64 being {tolerance:g}; "
+        "largest |loop - reference| / largest |reference|)",
+    }
+    return report(checks, notes, figures)
+
+
+# When the same step without accumulation (A = 1, D = 1) is itself further from the float64 reference than the
+# tolerance, the model's own rounding is above it (a ReLU or max-pool whose ties break differently in fp32 and
+# float64; eval-mode BatchNorm over fp32 statistics): the loop's error is then judged against that floor. Two
+# fp32 runs that each land at the floor's distance differ by up to about twice it; 4 leaves a margin of 2, and
+# a wrong weighting moves the gradient by a few 1e-2 or more.
+ROUNDING_FLOOR_FACTOR = 4
+
+
+def allowed_error(tolerance: float, baseline_error: float) -> tuple[float, str | None]:
+    """(the largest relative error that passes, a note when the rounding floor raised it above the tolerance)."""
+    if baseline_error <= tolerance:
+        return tolerance, None
+    allowed = ROUNDING_FLOOR_FACTOR * baseline_error
+    return allowed, (
+        f"the step without accumulation is itself {baseline_error:.1e} off the float64 reference, above the tolerance "
+        f"{tolerance:g}: rounding in this model, not accumulation; allowed {ROUNDING_FLOOR_FACTOR} x that"
+    )
+
+
+def report(checks: dict, notes: dict | None = None, figures: dict | None = None) -> str | None:
+    """Print one line per check (its figure, then ok or FAIL and why), then PASS or FAIL; returns the first
+    failing check as '<name>: <why>', or None. The verdict is the conjunction of every check printed."""
+    notes, figures = notes or {}, figures or {}
+    for name, failure in checks.items():
+        figure = f"{figures[name]}: " if name in figures else ""
+        print(f"{name}: {figure}{'ok' if failure is None else 'FAIL: ' + failure}")
+        if notes.get(name):
+            print(f"  note: {notes[name]}")
+    failures = [f"{name}: {failure}" for name, failure in checks.items() if failure is not None]
+    print("FAIL" if failures else "PASS")
+    return failures[0] if failures else None
+
+
+def agree_on_the_verdict(failure: str | None, context: DistributedContext) -> int:
+    """Every rank's exit status: rank 0's verdict, broadcast. Under torchrun a FAIL then ends every rank with
+    status 1 at the same moment (none is stopped by the launcher with SIGTERM), and each rank leaves the line of
+    the first failing check in torchrun's error file, which torchrun's failure summary shows as the rank's
+    "traceback" instead of advice on how to enable tracebacks."""
+    if context.world_size > 1:
+        verdict = [failure]
+        dist.broadcast_object_list(verdict, src=0)
+        failure = verdict[0]
+    if failure is None:
+        return 0
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        message = f"check_equivalence FAIL: {failure} (the checker's lines are above)"
+        record = {
+            "message": {"message": message, "extraInfo": {"py_callstack": message, "timestamp": str(int(time.time()))}}
+        }
+        with open(error_file, "w") as file:
+            json.dump(record, file)
+    return 1
+
+
+def function_name(function) -> str:
+    """module.name of a loss function (or of its class, for a callable object)."""
+    named = function if hasattr(function, "__qualname__") else type(function)
+    return f"{named.__module__}.{named.__qualname__}"
+
+
+def build_checked_model(config: Config, vocab_size: int, bug: str | None) -> torch.nn.Module:
+    """The model as train.py builds it (build_model), with the self-test's model bug around it if one is asked."""
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    return RowsNormalisedTogether(model, features=vocab_size) if bug == "batch-norm" else model
+
+
+def checked_loss_sum_fn(config: Config, bug: str | None):
+    """The configured loss (loss_sum_fn_for), or the self-test's buggy version of it."""
+    loss_sum_fn = loss_sum_fn_for(config.model)
+    if bug == "mean-loss":
+        return mean_loss(loss_sum_fn)
+    if bug == "in-batch-negatives":
+        return in_batch_negatives_loss(loss_sum_fn)
+    if bug == "double-shift":
+        return shifted_again_loss(loss_sum_fn)
+    return loss_sum_fn
+
+
+def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn, context, bug: str | None):
+    """One optimizer step the loop's way, exactly as train.py calls it (global_counts from supervised_counts),
+    without clipping; returns (the gradients the optimizer was handed, or None when the update was skipped;
+    the StepResult; which loss path ran, in words).
+
+    The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
+    # model.loss and model.compile as train.py resolves them: the plain or the chunked loss, compiled or not.
+    compiled = resolved_compile(config, context.device.type)
+    forward_module, train_loss_sum_fn = training_forward_and_loss(
+        config.model, config.dist, model, context.device.type, compile=compiled
+    )
+    if bug not in LOSS_BUGS:  # SELF-TEST ONLY otherwise: the loop keeps the fork's buggy loss on the plain path
+        loss_sum_fn = train_loss_sum_fn
+    else:
+        forward_module = model
+    if isinstance(forward_module, FinalHiddenStates):
+        path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
+    else:
+        path = f"plain: the model's outputs into {function_name(loss_sum_fn)}"
+    loss_path = f"the loop ran model.loss = {config.model.loss} as {path}, {'compiled' if compiled else 'eager'}"
+    param_dtype = autocast_dtype_for(config.precision)
+    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
+    optimizer, handed = first_update_probe(model)
+    micro_batches = batch.micro_batches
+    if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
+        buggy_rows = dataclasses.replace(rows, supervised=every_real_target(rows))
+        micro_batches = step_batch(
+            buggy_rows,
+            batch.step,
+            seed=config.run.seed,
+            global_batch_size=config.batch.global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=config.batch.micro_batch_size,
+            world_size=context.world_size,
+            rank=context.rank,
+        ).micro_batches
+    if bug == "mean-of-means":
+        loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
+    # The mask bug is the loop's: its N counts the labels it supervises, as a loop that ignores the mask would.
+    global_counts = None if bug == "mask" else batch.global_counts
+    result = optimizer_step(
+        wrapped,
+        micro_batches,
+        optimizer,
+        device=context.device,
+        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
+        loss_sum_fn=loss_sum_fn,
+        autocast_dtype=autocast_dtype_for(config.precision),
+        global_counts=global_counts,
+    )
+    return (handed[0] if result.applied else None), result, loss_path
