@@ -39,6 +39,11 @@ loop weights and masks it).
 --inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data or
 loss (count, supervise-all, rank-mask on 2 ranks, mean-loss); see INJECTABLE_BUGS.
 
+With dist.pipeline_stages = P > 1 (under torchrun, world size D × P) the loop side is train.py's pipelined
+step (accumulation/pipeline.py: the replica's micro-batches through the stages in one schedule step), and
+the gradient handed to each stage's optimizer is gathered into the whole model's on rank 0; --inject-bug
+scale-grads leaves the schedule's scale_grads at PyTorch's default (True), which divides by A once more.
+
 Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 """
 
@@ -65,6 +70,7 @@ from accumulation.data import (
     step_batch,
 )
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.mesh import layout_of
 from accumulation.models import (
     build_model,
     count_parameters,
@@ -72,6 +78,7 @@ from accumulation.models import (
     resolved_vocab_size,
     training_forward_and_loss,
 )
+from accumulation.pipeline import build_pipeline, pipelined_step
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
@@ -108,7 +115,11 @@ FORK_BUGS = {
     "rank-mask": "the data's mask depends on the rank (each rank draws it as if at step + rank)",
     "mean-loss": "loss_sum_fn returns the mean over the micro-batch's targets, not their sum",
 }
-INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS}
+# A bug of the pipelined loop only (dist.pipeline_stages > 1).
+PIPELINE_BUGS = {
+    "scale-grads": "the pipeline schedule keeps PyTorch's default scale_grads=True, dividing the gradient by A again",
+}
+INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS, **PIPELINE_BUGS}
 
 
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -138,6 +149,8 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(config_argv)
         check_config_for_world(config, world_size)
+        check_bug_fits_the_layout(bug, config)
+        layout = layout_of(world_size, rank, config.dist.pipeline_stages)  # the stages of a replica: the same rows
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         rows = BuggyRows(data.train, bug, rank) if bug in FORK_BUGS and bug != "mean-loss" else data.train
@@ -148,8 +161,8 @@ def main(argv: list[str]) -> int:
             global_batch_size=config.batch.global_batch_size,
             tail=config.batch.tail,
             micro_batch_size=config.batch.micro_batch_size,
-            world_size=world_size,
-            rank=rank,
+            world_size=layout.replicas,
+            rank=layout.replica,
         )
         refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids)
     except (ConfigError, DataError) as error:
@@ -157,7 +170,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
-    context = setup_distributed(config.device, config.dist.timeout_s)
+    context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
     try:
         return check(config, rows, vocab_size, batch, context, bug)
     finally:
@@ -200,11 +213,17 @@ def check(
     loss_sum_fn = mean_loss(loss_sum_fn_for(config.model)) if bug == "mean-loss" else loss_sum_fn_for(config.model)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
-    loop_gradients, result = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
+    if context.layout.pipelined:
+        loop_gradients, result = pipelined_step_gradients(batch, model, loss_sum_fn, context, config, bug)
+    else:
+        loop_gradients, result = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
     if not context.is_main:
         return 0
     row_ids = batch.row_ids
-    described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    stages = config.dist.pipeline_stages
+    described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
+    if stages > 1:
+        described += f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
     print(
         f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
@@ -394,6 +413,47 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         global_counts=global_counts,
     )
     return (handed[0] if result.applied else None), result
+
+
+def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
+    """A ConfigError for a self-test bug the layout cannot show: scale-grads needs pipeline stages, and the loop
+    bugs rewrite optimizer_step's inputs, which the pipelined step does not run."""
+    pipelined = config.dist.pipeline_stages > 1
+    if bug in PIPELINE_BUGS and not pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of the pipeline schedule: set dist.pipeline_stages > 1")
+    if bug in LOOP_BUGS and pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of optimizer_step: use dist.pipeline_stages = 1")
+
+
+def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: DistributedContext, config, bug):
+    """The pipelined step as train.py runs it (accumulation/pipeline.py), without clipping; returns (the whole
+    model's gradient as the stages' optimizers were handed it, gathered on rank 0 in the model's parameter
+    order, or None when the update was skipped; the StepResult). The optimizers never move the weights."""
+    pipeline = build_pipeline(
+        model, context.layout, context.device, loss_sum_fn, len(batch.micro_batches), config.dist.pipeline_schedule
+    )
+    if bug == "scale-grads":  # SELF-TEST ONLY: PyTorch's default, the gradient divided by A once more
+        pipeline.schedule.scale_grads = True
+    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.0)
+    handed = {}
+
+    def record(opt, args, kwargs):
+        handed.update({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
+
+    optimizer.register_step_pre_hook(record)
+    result = pipelined_step(
+        pipeline,
+        batch.micro_batches,
+        optimizer,
+        global_counts=batch.global_counts,
+        autocast_dtype=autocast_dtype_for(config.precision),
+    )
+    everyone = [None] * context.world_size if context.is_main else None
+    dist.gather_object(handed if context.layout.replica == 0 else {}, everyone, dst=0)
+    if not context.is_main or not result.applied:
+        return None, result
+    whole = {name: grad for part in everyone for name, grad in part.items()}
+    return [whole[name] for name, _ in model.named_parameters()], result
 
 
 def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
