@@ -258,6 +258,7 @@ def train(
                     global_counts=batch.global_counts,
                     grad_clip=config.optim.grad_clip,
                     autocast_dtype=autocast_dtype,
+                    scaler=training.scaler,
                     stop_requested=lambda: stop.requested,
                 )
             else:
@@ -363,10 +364,7 @@ def resume_training(
         # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
         saved_optimizer = resume["optimizer"]
         if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
-            pipeline = training.pipeline
-            saved_optimizer = stage_optimizer_state(
-                saved_optimizer, training.optimizer, pipeline.names, pipeline.whole_order
-            )
+            saved_optimizer = stage_optimizer_state(training.pipeline, training.optimizer, saved_optimizer)
         load_optimizer_state(training.optimizer, saved_optimizer)
         training.scheduler.load_state_dict(resume["scheduler"])
         if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh

@@ -238,7 +238,7 @@ class DistConfig:
         1,
         "P: pipeline stages the model is cut into, one per rank; world size = D x P and D = world size / P are the "
         "data-parallel replicas; with P > 1 the schedule's micro-batches are the accumulation group "
-        "(accumulation/pipeline.py; dist.strategy=ddp, fp32 or bf16, model.loss plain)",
+        "(accumulation/pipeline.py; dist.strategy=ddp, model.loss plain, model.compile off, batch.on_oom=fail)",
         "stages",
         at_least=1,
     )

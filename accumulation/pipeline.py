@@ -26,6 +26,7 @@ N is counted on the host from the step's row ids (train.py's global_counts), no 
 """
 
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config import Config, ConfigError, resolved_grad_scaler
+from accumulation.config import Config, ConfigError
 from accumulation.mesh import Layout
 from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, update_or_skip
 
@@ -64,10 +65,6 @@ def check_pipeline_settings(config: Config, accumulation_steps: int) -> None:
         "batch.on_oom": (config.batch.on_oom == "shrink", '"fail" (no rank can redo half a pipeline schedule)'),
         "model.loss": (config.model.loss == "chunked", '"plain" or "auto" (the chunked loss is not built for stages)'),
         "model.compile": (config.model.compile is True, 'false or "auto" (stages run eagerly)'),
-        "precision.grad_scaler": (
-            resolved_grad_scaler(config),
-            "false, with precision.dtype fp32 or bf16 (no GradScaler across stages yet)",
-        ),
     }
     for key, (is_set, allowed) in refused.items():
         if is_set:
@@ -91,18 +88,21 @@ def check_model_splits(model: torch.nn.Module, config: Config) -> None:
 
 class LastStageLoss:
     """The loss the schedule calls on the last stage for each micro-batch: S_mb · D / N, where S_mb is the sum
-    of the token losses (`loss_sum_fn`), D the replicas and N the step's supervised targets over all of them.
-    The sums S_mb are kept, detached, for the log; `multiplier` (D / N) is set before each step."""
+    of the token losses (`loss_sum_fn`), D the replicas and N the step's supervised targets over all of them,
+    times the GradScaler's scale when one is on. The sums S_mb are kept, detached, for the log; `multiplier`
+    (D / N) and `scaler` are set before each step."""
 
     def __init__(self, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
         self.loss_sum_fn = loss_sum_fn
         self.multiplier = 1.0
+        self.scaler: torch.amp.GradScaler | None = None
         self.sums: list[torch.Tensor] = []
 
     def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         loss_sum = self.loss_sum_fn(outputs, labels)  # S_mb
         self.sums.append(loss_sum.detach())
-        return loss_sum * self.multiplier  # what the schedule backpropagates: ∇(S_mb · D / N)
+        loss = loss_sum * self.multiplier  # what the schedule backpropagates: ∇(S_mb · D / N)
+        return self.scaler.scale(loss) if self.scaler is not None else loss
 
 
 @dataclass
@@ -174,35 +174,47 @@ def pipelined_step(
     global_counts: GlobalCounts,
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
     stop_requested: Callable[[], bool] | None = None,
 ) -> StepResult:
     """One optimizer step of this rank's stage over its replica's A micro-batches: optimizer_step's contract
     (the same StepResult, the same token-weighted objective), the micro-batches run by one schedule step.
-    Every rank of the world must call it at the same step; `optimizer` holds this stage's parameters."""
+    Every rank of the world must call it at the same step; `optimizer` holds this stage's parameters.
+    `scaler`: fp16's GradScaler, or None; every rank makes the same decision to skip and lowers its scale alike."""
     layout, device = pipeline.layout, pipeline.device
     tokens_global = global_counts.tokens
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
     # A step (or a replica) without a supervised token still runs every micro-batch through every stage, so
     # that each send meets its receive and DDP's all-reduce happens on every replica; its sums are zero.
     pipeline.loss.multiplier = layout.replicas / max(tokens_global, 1)  # D / N
+    pipeline.loss.scaler = scaler
     with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
         loss_sum_local = run_schedule(pipeline, micro_batches, train=True)
 
     # The boundary: ONE float64 all-reduce over every rank carries the loss sum (nonzero on last stages only:
-    # their sum over the replicas is Σ S), the stop flag, and this stage's squared gradient norm. Every rank of
-    # a stage holds the same averaged gradients, so the sum over all ranks counts each stage's D times.
+    # their sum over the replicas is Σ S), the stop flag, and this stage's squared gradient norm (of the
+    # gradient times the scale, still). Every rank of a stage holds the same averaged gradients, so the sum
+    # over all ranks counts each stage's D times.
     parameters = [p for p in pipeline.stage_module.parameters() if p.grad is not None]
     stage_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters]).double()
     stop_here = stop_requested is not None and stop_requested()
     summed = torch.stack([loss_sum_local, loss_sum_local.new_full((), float(stop_here)), stage_norm.square()])
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    # The whole model's norm: sqrt(Σ_stages ‖g_stage‖²), each stage counted once (hence / D).
-    grad_norm_tensor = (summed[2] / layout.replicas).sqrt()
+    scale = scaler.scale(loss_sum_local.new_ones(()))  # 1 without a scaler (public API; get_scale() would sync)
+    # The whole model's norm: sqrt(Σ_stages ‖g_stage‖²), each stage counted once (hence / D), unscaled.
+    grad_norm_tensor = (summed[2] / layout.replicas).sqrt() / scale
+    loss_sum_value, stops, grad_norm, loss_scale = torch.stack([summed[0], summed[1], grad_norm_tensor, scale]).tolist()
+    if scaler.is_enabled():
+        # Each rank's GradScaler sees only its stage's gradients. A non-finite whole-model norm means some stage
+        # overflowed: every other rank marks its own gradient so, and then unscale_ finds it on every rank,
+        # every rank skips the update, and every scaler lowers its scale alike (one decision for all ranks).
+        if not math.isfinite(grad_norm) and parameters:
+            parameters[0].grad.view(-1)[0] = math.inf
+        scaler.unscale_(optimizer)
     if grad_clip > 0:  # the clip of one process: scale every stage by grad_clip / (norm + 1e-6) when below 1
         torch.nn.utils.clip_grads_with_norm_(parameters, grad_clip, grad_norm_tensor)
     lr = optimizer.param_groups[0]["lr"]
-    loss_sum_value, stops, grad_norm = summed[0].item(), summed[1].item(), grad_norm_tensor.item()
     # Every rank has the same norm, so every rank makes the same decision to update or skip.
-    scaler = torch.amp.GradScaler(device.type, enabled=False)
     loss, applied, skip_reason = update_or_skip(optimizer, scaler, loss_sum_value, tokens_global, grad_norm)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
@@ -216,6 +228,7 @@ def pipelined_step(
         micro_batches=len(micro_batches),
         micro_batch_size=micro_batches[0].labels.shape[0],
         stop_requested=stops > 0,
+        loss_scale=loss_scale,
     )
 
 

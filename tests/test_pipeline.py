@@ -3,6 +3,8 @@ the float64 full batch, on 2 gloo ranks (P = 2, D = 1) and on 4 (P = 2, D = 2, a
 very uneven documents, a replica without a target, a partial last group; the clip of the whole model's norm;
 one gradient all-reduce of each stage per update; checkpoints in the one-process format."""
 
+import math
+
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -59,14 +61,14 @@ def counting_dp_allreduce_hook(state: dict, bucket):
     return default_hooks.allreduce_hook(state["group"], bucket)
 
 
-def pipelined_gradient(layout, model, replica_batches, all_batches, schedule, grad_clip=0.0):
+def pipelined_gradient(layout, model, replica_batches, all_batches, schedule, grad_clip=0.0, **options):
     """One pipelined SGD step of this rank's stage: (the gradient handed to SGD by parameter name, the
     StepResult)."""
     pipeline = build_pipeline(model, layout, CPU, token_cross_entropy_sum, len(replica_batches), schedule)
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     result = pipelined_step(
-        pipeline, replica_batches, optimizer, global_counts=counts_of(all_batches), grad_clip=grad_clip
+        pipeline, replica_batches, optimizer, global_counts=counts_of(all_batches), grad_clip=grad_clip, **options
     )
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
     handed = dict(zip(names, captured[0], strict=True)) if captured else {}
@@ -92,6 +94,21 @@ def pipeline_worker(rank, world_size):
     results["clipped"] = pipelined_gradient(
         layout, new_model(torch.float64), batches[layout.replica], everything, "1f1b", grad_clip=0.05
     )
+    # fp16 with a GradScaler: the step of one process; and an overflow on the last stage only (a gradient hook
+    # makes one of its gradients inf): every rank skips the update and lowers its scale alike.
+    fp16 = {"autocast_dtype": torch.float16}
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    results["fp16"] = pipelined_gradient(
+        layout, new_model(torch.float32), batches[layout.replica], everything, "1f1b", scaler=scaler, **fp16
+    )
+    model = new_model(torch.float32)
+    model.lm_head.weight.register_hook(lambda grad: torch.full_like(grad, math.inf))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    (
+        _,
+        overflow,
+    ) = pipelined_gradient(layout, model, batches[layout.replica], everything, "1f1b", scaler=scaler, **fp16)
+    results["overflow"] = (overflow.applied, overflow.skip_reason, scaler.get_scale(), overflow.loss_scale)
     # Gradient bytes all-reduced per step by one pipeline over three steps (one replica holds no target).
     if layout.replicas > 1:
         empty_replica = {r: case_batches("a replica without targets", r) for r in replicas}
@@ -177,6 +194,22 @@ def check_pipelined_steps(per_rank: list, replicas: int) -> None:
             assert results[0].tokens == tokens and results[0].applied and results[0].micro_batches == 3
 
 
+def check_grad_scaler(per_rank: list, replicas: int) -> None:
+    everything = [mb for r in range(replicas) for mb in case_batches("very uneven", r)]
+    optimizer = torch.optim.SGD((model := new_model(torch.float32)).parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    optimizer_step(model, everything, optimizer, device=CPU, scaler=scaler, autocast_dtype=torch.float16)
+    one_process = dict(zip((name for name, _ in model.named_parameters()), captured[0], strict=True))
+    # fp16 keeps 11 bits (2.4e-4 per rounding); the two runs round in other places: the checker's fp16 bound.
+    assert relative_error(whole_gradient(per_rank, "fp16"), one_process) < 1e-2
+    assert {per_rank[rank]["fp16"][1].loss_scale for rank in range(len(per_rank))} == {2.0**10}
+    # The overflow: no rank applied, every scaler halved (backoff 0.5) from the same scale.
+    assert {per_rank[rank]["overflow"] for rank in range(len(per_rank))} == {
+        (False, "non-finite gradient (GradScaler lowered its scale)", 2.0**9, 2.0**10)
+    }
+
+
 def check_clip_and_validation(per_rank: list, replicas: int) -> None:
     everything = [mb for r in range(replicas) for mb in case_batches("very uneven", r)]
     clipped_reference = one_process_gradient(new_model(torch.float64), everything, grad_clip=0.05)
@@ -203,6 +236,7 @@ def check_checkpoint_state(per_rank: list) -> None:
 def test_two_stages_on_two_ranks_equal_one_process_and_the_float64_full_batch():
     per_rank = run_on_ranks(pipeline_worker, world_size=2, timeout_s=300)
     check_pipelined_steps(per_rank, replicas=1)
+    check_grad_scaler(per_rank, replicas=1)
     check_clip_and_validation(per_rank, replicas=1)
     check_checkpoint_state(per_rank)
 
@@ -210,6 +244,7 @@ def test_two_stages_on_two_ranks_equal_one_process_and_the_float64_full_batch():
 def test_two_by_two_mesh_on_four_ranks_equals_the_full_batch_with_one_gradient_all_reduce_per_stage():
     per_rank = run_on_ranks(pipeline_worker, world_size=4, timeout_s=600)
     check_pipelined_steps(per_rank, replicas=2)
+    check_grad_scaler(per_rank, replicas=2)
     check_clip_and_validation(per_rank, replicas=2)
     check_checkpoint_state(per_rank)
     # One all-reduce of each stage's gradient per update, on a replica without targets too. The schedule's first

@@ -132,7 +132,6 @@ REFUSED = [
     (2, {"dist.pipeline_stages": 2, "dist.strategy": "fsdp2"}, "dist.strategy"),
     (2, {"dist.pipeline_stages": 2, "model.loss": "chunked"}, "model.loss"),
     (2, {"dist.pipeline_stages": 2, "model.compile": "true"}, "model.compile"),
-    (2, {"dist.pipeline_stages": 2, "precision.dtype": "fp16"}, "precision.grad_scaler"),
 ]
 
 

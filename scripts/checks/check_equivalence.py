@@ -447,6 +447,7 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
         optimizer,
         global_counts=batch.global_counts,
         autocast_dtype=autocast_dtype_for(config.precision),
+        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
     )
     everyone = [None] * context.world_size if context.is_main else None
     dist.gather_object(handed if context.layout.replica == 0 else {}, everyone, dst=0)
