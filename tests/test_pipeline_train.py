@@ -4,12 +4,16 @@ resumed bit-identically; and every setting pipeline stages refuse is one line, e
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 
 import train
-from tests.test_train import PLAIN_SGD, read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
 
 # Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
 PIPELINE_RUN = {
@@ -40,6 +44,11 @@ def runs(tmp_path_factory):
     assert piped.returncode == 0, piped.stderr
     assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in piped.stdout
     return tmp_path, corpus, piped.stdout
+
+
+def comparable_metrics(run_dir) -> list[dict]:
+    """metrics.jsonl without the measured timings, which no two runs share."""
+    return [{key: value for key, value in line.items() if key not in TIMING_KEYS} for line in read_metrics(run_dir)]
 
 
 def checkpoint(run_dir, step: int) -> dict:
@@ -95,12 +104,52 @@ def test_a_stopped_pipelined_run_resumes_bit_identically(runs):
     straight, again = checkpoint(tmp_path / "runs" / "piped", 3), checkpoint(tmp_path / "runs" / "piped_again", 3)
     for key, value in straight["model"].items():
         assert torch.equal(value, again["model"][key]), key
-    timing = {"tokens_per_s", "peak_mem_bytes", "time_s"}
+    assert comparable_metrics(tmp_path / "runs" / "piped") == comparable_metrics(tmp_path / "runs" / "piped_again")
 
-    def comparable(run):
-        return [{k: v for k, v in line.items() if k not in timing} for line in read_metrics(tmp_path / "runs" / run)]
 
-    assert comparable("piped") == comparable("piped_again")
+@pytest.mark.slow
+def test_a_pipelined_run_killed_by_sigterm_resumes_bit_identically(tmp_path):
+    """SIGTERM to torchrun's agent as soon as the first step is logged: both stages learn of it in the same
+    step's all-reduce, checkpoint there and exit; started again, the run ends with the bits of a run that was
+    never stopped (with dropout on: every rank's random stream is restored too)."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {
+        **PIPELINE_RUN,
+        **STAGES,
+        "model.dropout": 0.2,
+        "run.max_steps": 20,
+        "run.checkpoint_every": 100,
+        "run.eval_every": 0,
+    }
+    straight = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "straight"}), ranks=2)
+    assert straight.returncode == 0, straight.stderr
+    arguments = tiny_settings(tmp_path, corpus, **settings, **{"run.name": "killed"})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        cwd=REPO,
+    )
+    metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and metrics.read_text()) and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    agent.send_signal(signal.SIGTERM)
+    _stdout, stderr = agent.communicate(timeout=150)
+    stopped_at = torch.load(tmp_path / "runs" / "killed" / "checkpoints" / "latest.pt", weights_only=True)
+    assert 1 <= stopped_at["counters"]["steps"] < 20, stderr[-2000:]  # stopped mid-run, at a step's end
+    assert "stopped at step" in stderr
+    resumed = run_train(arguments, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = (checkpoint(tmp_path / "runs" / run, 20) for run in ("straight", "killed"))
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    assert comparable_metrics(tmp_path / "runs" / "straight") == comparable_metrics(tmp_path / "runs" / "killed")
 
 
 @pytest.mark.parametrize(
