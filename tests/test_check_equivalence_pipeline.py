@@ -31,3 +31,13 @@ def test_the_pipeline_bug_needs_pipeline_stages(tmp_path, capsys):
     assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "scale-grads"]) == 2
     line = capsys.readouterr().err.strip()
     assert line.startswith("error: --inject-bug scale-grads") and "\n" not in line
+
+
+@pytest.mark.parametrize("model", [["model.n_layer=1"], ["model.name=gru"]], ids=["one-block", "no-seam"])
+def test_a_model_that_does_not_split_is_one_line_exit_2(tmp_path, capsys, monkeypatch, model):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # read before any process group: nothing is launched
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    arguments = [*TINY_CONFIG, f"data.source={corpus}", *model, "dist.pipeline_stages=2"]
+    assert check_equivalence.main(arguments) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: dist.pipeline_stages") and "\n" not in line

@@ -78,7 +78,7 @@ from accumulation.models import (
     resolved_vocab_size,
     training_forward_and_loss,
 )
-from accumulation.pipeline import build_pipeline, pipelined_step
+from accumulation.pipeline import build_pipeline, check_model_splits, pipelined_step
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
@@ -153,6 +153,8 @@ def main(argv: list[str]) -> int:
         layout = layout_of(world_size, rank, config.dist.pipeline_stages)  # the stages of a replica: the same rows
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+        with torch.device("meta"):  # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
+            check_model_splits(build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=0), config)
         rows = BuggyRows(data.train, bug, rank) if bug in FORK_BUGS and bug != "mean-loss" else data.train
         batch = step_batch(
             rows,
