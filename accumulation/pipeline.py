@@ -116,6 +116,7 @@ class Pipeline:
     loss: LastStageLoss
     names: dict[int, str]  # id of each of the whole model's tensors -> its name in the model's state dict
     device: torch.device
+    accumulation_steps: int  # A: the micro-batches of every schedule step
     # The parameter names of each group of an optimizer over the whole model (optimizer_order), in its state
     # dict's numbering: what checkpoints use, so that they load on any layout. Set by whoever builds the optimizer.
     whole_order: list[list[str]] = field(default_factory=list)
@@ -141,7 +142,7 @@ def build_pipeline(
     # scale_grads=False: the 1/N of the token mean is in the loss; the default would divide by A once more.
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=accumulation_steps, loss_fn=loss, scale_grads=False)
     names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
-    return Pipeline(layout, stage_module, wrapped, schedule, loss, names, device)
+    return Pipeline(layout, stage_module, wrapped, schedule, loss, names, device, accumulation_steps)
 
 
 def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: bool) -> torch.Tensor:
@@ -239,8 +240,7 @@ def pipelined_loss_sum(
     """Forward only, for validation: this replica's micro-batches through the stages, A at a time (the last
     group filled up with micro-batches without targets); returns the last stage's sum of token losses (zero
     elsewhere) and the replica's supervised targets. The caller sums both over the ranks."""
-    accumulation_steps = pipeline.schedule._n_microbatches
-    device = pipeline.device
+    accumulation_steps, device = pipeline.accumulation_steps, pipeline.device
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     pipeline.stage_module.eval()
