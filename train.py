@@ -84,9 +84,21 @@ from accumulation.logs import (
 )
 from accumulation.models import (
     build_model,
+    loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
     uses_chunked_loss,
+)
+from accumulation.pipeline import (
+    Pipeline,
+    build_pipeline,
+    check_model_splits,
+    gathered_model_state,
+    gathered_optimizer_state,
+    optimizer_order,
+    pipelined_loss_sum,
+    pipelined_step,
+    stage_optimizer_state,
 )
 from accumulation.resume import (
     STOPPED_FILE,
@@ -139,6 +151,7 @@ def main(argv: list[str]) -> int:
             shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
         uses_chunked_loss(config.model, config.dist, model_on_meta, "cpu")
+        check_model_splits(model_on_meta, config)  # dist.pipeline_stages > 1: the model's pipeline_split, P <= layers
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -176,7 +189,7 @@ def train_in_run_directory(
     stop = StopRequest()  # SIGTERM, SIGUSR1, Ctrl-C: finish the step, checkpoint, exit (accumulation/signals.py)
     try:
         with stop.installed():
-            context = setup_distributed(config.device, config.dist.timeout_s)
+            context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
             check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
@@ -235,8 +248,8 @@ def train(
                 global_batch_size=config.batch.global_batch_size,
                 tail=config.batch.tail,
                 micro_batch_size=micro_batch_size,
-                world_size=context.world_size,
-                rank=context.rank,
+                world_size=context.replicas,  # D: the stages of one replica run the same rows
+                rank=context.replica,
             )
             # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
             # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
@@ -244,19 +257,31 @@ def train(
             micro_batches = batch.micro_batches
             if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
                 micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
-            result = optimizer_step(
-                training.wrapped,
-                micro_batches,
-                training.optimizer,
-                device=device,
-                scaler=training.scaler,
-                loss_sum_fn=training.loss_sum_fn,
-                grad_clip=config.optim.grad_clip,
-                autocast_dtype=autocast_dtype,
-                global_counts=batch.global_counts,
-                shrink_on_oom=config.batch.on_oom == "shrink",
-                stop_requested=lambda: stop.requested,  # read at the step's boundary
-            )
+            if training.pipeline is not None:  # dist.pipeline_stages > 1: the schedule runs the micro-batches
+                result = pipelined_step(
+                    training.pipeline,
+                    micro_batches,
+                    training.optimizer,
+                    global_counts=batch.global_counts,
+                    grad_clip=config.optim.grad_clip,
+                    autocast_dtype=autocast_dtype,
+                    scaler=training.scaler,
+                    stop_requested=lambda: stop.requested,
+                )
+            else:
+                result = optimizer_step(
+                    training.wrapped,
+                    micro_batches,
+                    training.optimizer,
+                    device=device,
+                    scaler=training.scaler,
+                    loss_sum_fn=training.loss_sum_fn,
+                    grad_clip=config.optim.grad_clip,
+                    autocast_dtype=autocast_dtype,
+                    global_counts=batch.global_counts,
+                    shrink_on_oom=config.batch.on_oom == "shrink",
+                    stop_requested=lambda: stop.requested,  # read at the step's boundary
+                )
             if result.applied:
                 training.scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance
             counters.add(result)
@@ -264,7 +289,7 @@ def train(
                 micro_batch_size = result.micro_batch_size
                 say(
                     f"step {counters.steps}: out of memory; redone and continuing with "
-                    f"{describe_batch(config.batch.global_batch_size, micro_batch_size, context.world_size)}"
+                    f"{describe_batch(config.batch.global_batch_size, micro_batch_size, context.replicas)}"
                 )
             step_seconds = time.perf_counter() - step_start
             # ------------------------------------------------------------ TRAINING SECTION END
@@ -293,6 +318,7 @@ class Training(NamedTuple):
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     compiled: bool
+    pipeline: Pipeline | None = None  # dist.pipeline_stages > 1: this rank's stage and the schedule; else None
 
 
 def build_training(config: Config, vocab_size: int, resume: dict | None, context: DistributedContext) -> Training:
@@ -307,19 +333,29 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
     # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
     compiled = resolved_compile(config, device.type)
-    forward_module, loss_sum_fn = training_forward_and_loss(
-        config.model, config.dist, model, device.type, compile=compiled
-    )
-    param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
-    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    optimizer = build_optimizer(config.optim, model, device)
+    pipeline = None
+    if context.layout.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
+        forward_module, loss_sum_fn = model, loss_sum_fn_for(config.model)
+        accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
+        pipeline = build_pipeline(model, context.layout, device, loss_sum_fn, accum, config.dist.pipeline_schedule)
+        # The optimizer over the stage's parameters alone; checkpoints number them as one over the whole model.
+        optimizer = build_optimizer(config.optim, pipeline.stage_module, device)
+        pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
+        wrapped = pipeline.wrapped
+    else:
+        forward_module, loss_sum_fn = training_forward_and_loss(
+            config.model, config.dist, model, device.type, compile=compiled
+        )
+        param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
+        wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
+        optimizer = build_optimizer(config.optim, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(
         optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
-    return Training(model, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled)
+    return Training(model, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled, pipeline)
 
 
 def resume_training(
@@ -333,7 +369,10 @@ def resume_training(
     # state dicts are checked by their loaders, still before anything is written.
     try:
         # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
-        load_optimizer_state(training.optimizer, resume["optimizer"])
+        saved_optimizer = resume["optimizer"]
+        if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
+            saved_optimizer = stage_optimizer_state(training.pipeline, training.optimizer, saved_optimizer)
+        load_optimizer_state(training.optimizer, saved_optimizer)
         training.scheduler.load_state_dict(resume["scheduler"])
         if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
             training.scaler.load_state_dict(resume["scaler"])
@@ -386,6 +425,9 @@ class Session:
             self.consecutive_skips,
             context,
         )
+        if training.pipeline is not None:  # the same whole-model file: the stages' parts gathered to rank 0
+            payload["model"] = gathered_model_state(training.pipeline)
+            payload["optimizer"] = gathered_optimizer_state(training.pipeline, training.optimizer)
         if context.is_main:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again (TensorBoard buffers for up to 2 minutes).
@@ -436,7 +478,7 @@ class Session:
         # Validation on its own cadence of steps, never depending on where a session happens to end,
         # so an interrupted and resumed run writes the same lines as an uninterrupted one.
         if self.data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-            val_loss = validation_loss(self.training.model, self.data, config, context, micro_batch_size)
+            val_loss = validation_loss(self.training, self.data, config, context, micro_batch_size)
             record["val_loss"] = finite_or_none(val_loss)
         write_metrics(context, self.metrics_file, self.writers, record)
         if counters.steps % config.run.log_every == 0 or finished:
@@ -479,7 +521,7 @@ class Session:
                 self.record["val_loss"]
                 if "val_loss" in self.record
                 else finite_or_none(
-                    validation_loss(self.training.model, self.data, self.config, self.context, micro_batch_size)
+                    validation_loss(self.training, self.data, self.config, self.context, micro_batch_size)
                 )
             )
         if self.context.is_main:
@@ -502,18 +544,28 @@ class Session:
 
 @torch.no_grad()
 def validation_loss(
-    model: torch.nn.Module, data: Data, config: Config, context: DistributedContext, micro_batch_size: int
+    training: Training, data: Data, config: Config, context: DistributedContext, micro_batch_size: int
 ) -> float:
     """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
-    every micro-batch and rank, then divided once (the same weighting as training). `micro_batch_size` is the
-    training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it."""
+    every micro-batch and replica, then divided once (the same weighting as training). `micro_batch_size` is
+    the training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it.
+    With pipeline stages the rows go forward through the stages; only last stages add loss sums, and the
+    first stage of each replica counts its targets (so each replica's count is added once)."""
+    autocast_dtype = autocast_dtype_for(config.precision)
+    own_rows = eval_micro_batches(data.val, micro_batch_size, context.replicas, context.replica)
+    if training.pipeline is not None:
+        loss_sum, tokens = pipelined_loss_sum(training.pipeline, own_rows, autocast_dtype)
+        tokens = tokens if context.layout.is_first_stage else 0
+        dist.all_reduce(loss_sum)
+        [tokens_global] = all_reduce_ints([tokens], context.device)
+        return loss_sum.item() / max(tokens_global, 1)
+    model = training.model
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
-    autocast_dtype = autocast_dtype_for(config.precision)
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
     forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
-    for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
+    for micro_batch in own_rows:
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = forward_module(micro_batch.inputs.to(context.device))
             loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))

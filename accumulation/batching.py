@@ -60,10 +60,15 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, world_size
     return per_rank // (micro_batch_size)
 
 
-def describe_batch(global_batch_size: int, micro_batch_size: int, world_size: int) -> str:
-    """The derivation as printed at start-up, e.g. 'global 32 = micro 4 x accum 4 x ranks 2'."""
+def describe_batch(global_batch_size: int, micro_batch_size: int, world_size: int, pipeline_stages: int = 1) -> str:
+    """The derivation as printed at start-up, e.g. 'global 32 = micro 4 x accum 4 x ranks 2'; with pipeline
+    stages `world_size` is still the data-parallel size D, and the stages and ranks follow:
+    'global 8 = micro 2 x accum 2 x replicas 2 examples per update; 2 pipeline stages, 4 ranks' (the words
+    "examples per update" are the caller's)."""
     accum = accumulation_steps(global_batch_size, micro_batch_size, world_size)
-    return f"global {global_batch_size} = micro {micro_batch_size} x accum {accum} x ranks {world_size}"
+    if pipeline_stages == 1:
+        return f"global {global_batch_size} = micro {micro_batch_size} x accum {accum} x ranks {world_size}"
+    return f"global {global_batch_size} = micro {micro_batch_size} x accum {accum} x replicas {world_size}"
 
 
 def micro_batch_slices(global_batch_size: int, micro_batch_size: int, world_size: int, rank: int) -> list[slice]:

@@ -23,7 +23,9 @@ from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
+from accumulation.mesh import check_layout
 from accumulation.models import count_parameters
+from accumulation.pipeline import check_pipeline_settings
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -32,11 +34,17 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def check_config_for_world(config: Config, world_size: int) -> None:
-    """The config checks that depend on the launch: A = G / (m·D) must be whole, and cuda must exist if asked for."""
+    """The config checks that depend on the launch: world size = D × P, A = G / (m·D) must be whole, and cuda must
+    exist if asked for."""
+    why_not = check_layout(world_size, config.dist.pipeline_stages)
+    if why_not is not None:
+        raise ConfigError(why_not)
+    replicas = world_size // config.dist.pipeline_stages  # D
     try:
-        accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, world_size)
+        accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, replicas)
     except ValueError as error:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
+    check_pipeline_settings(config, accum)
     check_device_available(config)
     check_strategy_for_world(config, world_size)
 

@@ -234,3 +234,17 @@ class DistConfig:
         "without model.compile or batch.on_oom=shrink; the same exact step and the same checkpoint files either way",
         choices=("ddp", "fsdp2"),
     )
+    pipeline_stages: int = setting(
+        1,
+        "P: pipeline stages the model is cut into, one per rank; world size = D x P and D = world size / P are the "
+        "data-parallel replicas; with P > 1 the schedule's micro-batches are the accumulation group "
+        "(accumulation/pipeline.py; dist.strategy=ddp, model.loss plain, model.compile off, batch.on_oom=fail)",
+        "stages",
+        at_least=1,
+    )
+    pipeline_schedule: str = setting(
+        "1f1b",
+        "with dist.pipeline_stages > 1: 1f1b (one forward one backward: at most P micro-batches' activations held, "
+        "needs accumulation steps >= P) or gpipe (all forwards, then all backwards)",
+        choices=("1f1b", "gpipe"),
+    )

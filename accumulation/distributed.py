@@ -15,18 +15,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from accumulation.mesh import Layout, build_layout, layout_of
+
 
 @dataclass
 class DistributedContext:
     rank: int
     local_rank: int  # rank within this node: picks the GPU
-    world_size: int  # D, the number of data-parallel ranks
+    world_size: int  # ranks, D × P (the same as D without pipeline stages)
     device: torch.device
     backend: str | None  # "nccl", "gloo", or None for a single process
+    layout: Layout | None = None  # replicas and pipeline stages (accumulation/mesh.py); None: every rank a replica
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def replicas(self) -> int:
+        """D: the data-parallel replicas, what the batch arithmetic, the data split and validation count."""
+        return self.layout.replicas if self.layout is not None else self.world_size
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica, 0..D-1: which of the step's rows it runs."""
+        return self.layout.replica if self.layout is not None else self.rank
 
 
 def choose_device(preference: str, local_rank: int) -> torch.device:
@@ -37,9 +50,10 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def setup_distributed(device_preference: str, timeout_s: float) -> DistributedContext:
+def setup_distributed(device_preference: str, timeout_s: float, pipeline_stages: int = 1) -> DistributedContext:
+    """The process group, this rank's device, and its layout as D replicas × P pipeline stages."""
     if "RANK" not in os.environ:
-        return DistributedContext(0, 0, 1, choose_device(device_preference, 0), None)
+        return DistributedContext(0, 0, 1, choose_device(device_preference, 0), None, layout_of(1, 0, 1))
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ["WORLD_SIZE"])
@@ -68,7 +82,7 @@ def setup_distributed(device_preference: str, timeout_s: float) -> DistributedCo
         world_size=world_size,
         timeout=timeout,  # a collective waiting longer than this fails instead of hanging forever
     )
-    return DistributedContext(rank, local_rank, world_size, device, backend)
+    return DistributedContext(rank, local_rank, world_size, device, backend, build_layout(device, pipeline_stages))
 
 
 def teardown_distributed() -> None:

@@ -207,6 +207,9 @@ def print_sample(config, model, prompt_source) -> None:
     if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
         print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
         return
+    if config.dist.pipeline_stages > 1:  # rank 0 holds only the first stage's trained weights
+        print("sample: skipped with pipeline stages; sample from the checkpoint (whole weights) on one process")
+        return
     if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")
         return
@@ -231,10 +234,16 @@ def print_run_header(
 ) -> None:
     """The session's first lines: the batch, the model and its precision, the data, the run directory.
     `training` is train.py's Training (the model, its forward module, the scaler, whether compiled)."""
-    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    stages = config.dist.pipeline_stages
+    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
+    pipeline = (
+        f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
+        if stages > 1
+        else ""
+    )
     say(
         f"accumulation: {batch}"
-        f" examples per update; {config.data.seq_len} tokens per row; "
+        f" examples per update{pipeline}; {config.data.seq_len} tokens per row; "
         f"device {context.device} ({context.backend or 'single process'})"
     )
     loss = "chunked" if training.forward_module is not training.model else "plain"

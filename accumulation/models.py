@@ -132,7 +132,14 @@ def uses_chunked_loss(
                 f'{model_config.name} model does not have them; use "plain" or "auto"'
             )
         return True
-    return device_type == "cuda" and dist_config.strategy == "ddp" and token_cross_entropy and has_output_head(model)
+    single_stage = dist_config.pipeline_stages == 1  # with stages the loss runs on the last one, plain
+    return (
+        device_type == "cuda"
+        and dist_config.strategy == "ddp"
+        and single_stage
+        and token_cross_entropy
+        and has_output_head(model)
+    )
 
 
 def training_forward_and_loss(

@@ -88,6 +88,8 @@ def count_supervised_tokens(labels: torch.Tensor) -> int:
 
 
 def data_parallel_size() -> int:
+    """D for this step: here every rank is a data-parallel replica (dist.pipeline_stages = 1). With pipeline
+    stages D is world size / P (accumulation/mesh.py), and train.py runs accumulation/pipeline.py's step instead."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

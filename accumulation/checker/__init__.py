@@ -56,7 +56,8 @@ loop weights and masks it).
 
 --inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
 (count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
-model (batch-norm); see INJECTABLE_BUGS. Each one's FAIL line names it.
+model (batch-norm), or with dist.pipeline_stages > 1 in the schedule (scale-grads: PyTorch's default
+scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it.
 
 Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
 torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable

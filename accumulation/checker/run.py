@@ -2,9 +2,11 @@
 the config's data and step-0 rows, and check() runs the loop's step, the reference and the fork's promises and
 prints one line each, then PASS or FAIL (accumulation/checker/__init__.py says what a PASS proves).
 
-The loop's side is loop_step_gradients: one optimizer step as train.py runs it for the configured layout. A
-layout whose step is not optimizer_step over a DDP/FSDP2-wrapped model (pipeline stages) plugs in there, and
-only there: everything else compares the gradient it returns with the reference.
+The loop's side is loop_step_gradients: one optimizer step as train.py runs it for the configured layout. With
+dist.pipeline_stages = P > 1 (under torchrun, world size D × P) it is train.py's pipelined step instead
+(pipelined_step_gradients: the replica's micro-batches through the stages in one schedule step, the stages'
+gradients gathered into the whole model's on rank 0): everything else compares the gradient it returns with
+the reference.
 """
 
 import argparse
@@ -40,7 +42,9 @@ from accumulation.checker.reference import (
 from accumulation.checker.self_test import (
     DATA_BUGS,
     INJECTABLE_BUGS,
+    LOOP_BUGS,
     LOSS_BUGS,
+    PIPELINE_BUGS,
     BuggyRows,
     RowsNormalisedTogether,
     every_real_target,
@@ -54,6 +58,7 @@ from accumulation.chunked_loss import FinalHiddenStates
 from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data import DataError, Rows, StepBatch, build_data, step_batch
 from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed
+from accumulation.mesh import layout_of
 from accumulation.models import (
     build_model,
     count_parameters,
@@ -61,6 +66,7 @@ from accumulation.models import (
     resolved_vocab_size,
     training_forward_and_loss,
 )
+from accumulation.pipeline import build_pipeline, check_model_splits, pipelined_step
 from accumulation.step import StepResult, count_supervised_tokens, optimizer_step
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
@@ -104,9 +110,13 @@ def main(argv: list[str]) -> int:
     try:
         config = load_config(config_argv)
         check_config_for_world(config, world_size)
+        check_bug_fits_the_layout(bug, config)
+        layout = layout_of(world_size, rank, config.dist.pipeline_stages)  # the stages of a replica: the same rows
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
-        rows = BuggyRows(data.train, bug, rank) if bug in DATA_BUGS else data.train
+        with torch.device("meta"):  # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
+            check_model_splits(build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=0), config)
+        rows = BuggyRows(data.train, bug, layout.replica) if bug in DATA_BUGS else data.train
         batch = step_batch(
             rows,
             CHECKED_STEP,
@@ -114,8 +124,8 @@ def main(argv: list[str]) -> int:
             global_batch_size=config.batch.global_batch_size,
             tail=config.batch.tail,
             micro_batch_size=config.batch.micro_batch_size,
-            world_size=world_size,
-            rank=rank,
+            world_size=layout.replicas,
+            rank=layout.replica,
         )
         refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, CHECKED_STEP)
     except (ConfigError, DataError) as error:
@@ -123,7 +133,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {error}", file=sys.stderr)
         return 2
 
-    context = setup_distributed(config.device, config.dist.timeout_s)
+    context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
     try:
         return check(config, rows, vocab_size, batch, context, bug)
     finally:
@@ -148,7 +158,10 @@ def check(
     loss_sum_fn = checked_loss_sum_fn(config, bug)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
-    loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
+    if context.layout.pipelined:
+        loop_gradients, result, loss_path = pipelined_step_gradients(batch, model, loss_sum_fn, context, config, bug)
+    else:
+        loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
     found = FoundOnEveryRank(
         same_initial_weights, same_rows, labels_as_promised, type(model).__name__, loss_path, loop_gradients, result
     )
@@ -185,7 +198,10 @@ def compare_on_main(
     """Rank 0's part: print one line per check, then PASS or FAIL; returns the first failing line, or None."""
     loop_gradients, result = found.loop_gradients, found.result
     row_ids = batch.row_ids
-    described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.world_size)
+    stages = config.dist.pipeline_stages
+    described = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
+    if stages > 1:
+        described += f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
     print(
         f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
@@ -398,3 +414,50 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         global_counts=global_counts,
     )
     return (handed[0] if result.applied else None), result, loss_path
+
+
+def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
+    """A ConfigError for a self-test bug the layout cannot show: scale-grads needs pipeline stages, and the loop
+    bugs rewrite optimizer_step's inputs, which the pipelined step does not run."""
+    pipelined = config.dist.pipeline_stages > 1
+    if bug in PIPELINE_BUGS and not pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of the pipeline schedule: set dist.pipeline_stages > 1")
+    if bug in LOOP_BUGS and pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of optimizer_step: use dist.pipeline_stages = 1")
+
+
+def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: DistributedContext, config, bug):
+    """The pipelined step as train.py runs it (accumulation/pipeline.py), without clipping; returns (the whole
+    model's gradient as the stages' optimizers were handed it, gathered on rank 0 in the model's parameter
+    order, or None when the update was skipped; the StepResult; which loss path ran, in words). The
+    optimizers never move the weights."""
+    pipeline = build_pipeline(
+        model, context.layout, context.device, loss_sum_fn, len(batch.micro_batches), config.dist.pipeline_schedule
+    )
+    if bug == "scale-grads":  # SELF-TEST ONLY: PyTorch's default, the gradient divided by A once more
+        pipeline.schedule.scale_grads = True
+    loss_path = (
+        f"the loop ran {config.dist.pipeline_stages} pipeline stages ({config.dist.pipeline_schedule}), the last "
+        f"stage's outputs into {function_name(loss_sum_fn)}, eager"
+    )
+    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.0)
+    handed = {}
+
+    def record(opt, args, kwargs):
+        handed.update({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
+
+    optimizer.register_step_pre_hook(record)
+    result = pipelined_step(
+        pipeline,
+        batch.micro_batches,
+        optimizer,
+        global_counts=batch.global_counts,
+        autocast_dtype=autocast_dtype_for(config.precision),
+        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
+    )
+    everyone = [None] * context.world_size if context.is_main else None
+    dist.gather_object(handed if context.layout.replica == 0 else {}, everyone, dst=0)
+    if not context.is_main or not result.applied:
+        return None, result, loss_path
+    whole = {name: grad for part in everyone for name, grad in part.items()}
+    return [whole[name] for name, _ in model.named_parameters()], result, loss_path

@@ -33,7 +33,11 @@ FORK_BUGS = {
 DATA_BUGS = ("count", "count-rows", "supervise-all", "rank-mask")
 LOSS_BUGS = ("mean-loss", "in-batch-negatives", "double-shift")
 MODEL_BUGS = ("batch-norm",)
-INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS}
+# A bug of the pipelined loop only (dist.pipeline_stages > 1).
+PIPELINE_BUGS = {
+    "scale-grads": "the pipeline schedule keeps PyTorch's default scale_grads=True, dividing the gradient by A again",
+}
+INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS, **PIPELINE_BUGS}
 
 
 def refuse_a_bug_this_data_cannot_show(bug: str | None, rows: Rows, row_ids: torch.Tensor, step: int) -> None:

@@ -1,0 +1,330 @@
+"""Pipeline parallelism (dist.pipeline_stages = P > 1): the schedule's micro-batches ARE the accumulation group.
+
+The model is cut into P stages (the model's pipeline_split, e.g. GPT.pipeline_split), one per rank of a
+replica; D = world size / P replicas each run the whole pipeline on their own rows (accumulation/mesh.py). A
+replica's A = G / (m·D) micro-batches go through one `schedule.step` of PyTorch's pipeline schedules
+(torch.distributed.pipelining: 1F1B or GPipe), which runs every micro-batch's forward and backward through
+the stages and accumulates each stage's gradients. So the step is the same sum as accumulation/step.py's:
+
+    L = (1 / N) · Σ_replicas Σ_k S_rk,   and the last stage backpropagates   S_rk · D / N
+
+for each micro-batch k of replica r. Each stage's gradients are then Σ_k ∇(S_rk · D / N) for its own
+parameters, and DDP over the dp group (the D ranks holding the same stage) averages them once, in the
+last micro-batch's backward: (1 / D) · Σ_r Σ_k ∇(S_rk · D / N) = ∇L. PipelineStage puts DDP's no_sync around
+every backward but the last itself.
+
+Where the schedules' defaults go wrong for this sum:
+- `scale_grads=True` (their default) divides the accumulated gradients by the number of micro-batches: right
+  for a loss that is a mean over equal micro-batches, wrong for a token-weighted sum, where it makes the
+  gradient A times too small (and a step's micro-batches with few tokens weigh as much as full ones). Here
+  scale_grads=False: the 1 / N is in the loss already.
+- The loss sum lives on the last stage only: for the log, the boundary's one all-reduce carries it (with
+  the stop flag and the squared gradient norm), so every rank logs the same loss.
+- Clipping needs the norm of the whole model: each stage knows only its own gradients, so the squared norms
+  of the stages are summed over the ranks before the clip (the norm of one stage clips too little).
+N is counted on the host from the step's row ids (train.py's global_counts), no collective, as in step.py.
+"""
+
+import itertools
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.config import Config, ConfigError
+from accumulation.mesh import Layout
+from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, update_or_skip
+
+SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+
+
+def split_into_stages(model: torch.nn.Module, num_stages: int) -> list[torch.nn.Module]:
+    """The model's own pipeline_split(num_stages); a ValueError (with its reason) when it cannot be split so,
+    or when the model has no pipeline_split (docs/forking.md says how a fork's model provides one)."""
+    if not callable(getattr(model, "pipeline_split", None)):
+        raise ValueError(
+            f"dist.pipeline_stages: the {type(model).__name__} model has no pipeline_split(num_stages) method "
+            "returning its stages (docs/forking.md); use dist.pipeline_stages=1"
+        )
+    return model.pipeline_split(num_stages)
+
+
+def check_pipeline_settings(config: Config, accumulation_steps: int) -> None:
+    """The settings dist.pipeline_stages > 1 refuses, each with one line naming the key (world size and the
+    batch arithmetic are checked by build.check_config_for_world, the model's seam by check_model_splits)."""
+    stages = config.dist.pipeline_stages
+    if stages == 1:
+        return
+    refused = {
+        "dist.strategy": (config.dist.strategy == "fsdp2", '"ddp" (each stage\'s replicas average with DDP)'),
+        "batch.on_oom": (config.batch.on_oom == "shrink", '"fail" (no rank can redo half a pipeline schedule)'),
+        "model.loss": (config.model.loss == "chunked", '"plain" or "auto" (the chunked loss is not built for stages)'),
+        "model.compile": (config.model.compile is True, 'false or "auto" (stages run eagerly)'),
+    }
+    for key, (is_set, allowed) in refused.items():
+        if is_set:
+            raise ConfigError(f"{key}: expected {allowed} with dist.pipeline_stages = {stages}")
+    if config.dist.pipeline_schedule == "1f1b" and accumulation_steps < stages:
+        raise ConfigError(
+            f"dist.pipeline_schedule: 1f1b needs at least as many micro-batches per replica as stages, and "
+            f"accumulation steps are {accumulation_steps} < {stages} stages; lower batch.micro_batch_size, raise "
+            'batch.global_batch_size, or use dist.pipeline_schedule="gpipe"'
+        )
+
+
+def check_model_splits(model: torch.nn.Module, config: Config) -> None:
+    """A ConfigError unless the model (built on the meta device: shapes only) splits into the stages asked for."""
+    if config.dist.pipeline_stages > 1:
+        try:
+            split_into_stages(model, config.dist.pipeline_stages)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+class LastStageLoss:
+    """The loss the schedule calls on the last stage for each micro-batch: S_mb · D / N, where S_mb is the sum
+    of the token losses (`loss_sum_fn`), D the replicas and N the step's supervised targets over all of them,
+    times the GradScaler's scale when one is on. The sums S_mb are kept, detached, for the log; `multiplier`
+    (D / N) and `scaler` are set before each step."""
+
+    def __init__(self, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        self.loss_sum_fn = loss_sum_fn
+        self.multiplier = 1.0
+        self.scaler: torch.amp.GradScaler | None = None
+        self.sums: list[torch.Tensor] = []
+
+    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        loss_sum = self.loss_sum_fn(outputs, labels)  # S_mb
+        self.sums.append(loss_sum.detach())
+        loss = loss_sum * self.multiplier  # what the schedule backpropagates: ∇(S_mb · D / N)
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of a pipelined model, and the schedule that runs one step of it."""
+
+    layout: Layout
+    stage_module: torch.nn.Module  # this rank's stage, unwrapped: the optimizer's parameters
+    wrapped: torch.nn.Module  # the stage in DDP over the dp group when D > 1
+    schedule: Schedule1F1B | ScheduleGPipe
+    loss: LastStageLoss
+    names: dict[int, str]  # id of each of the whole model's tensors -> its name in the model's state dict
+    device: torch.device
+    accumulation_steps: int  # A: the micro-batches of every schedule step
+    # The parameter names of each group of an optimizer over the whole model (optimizer_order), in its state
+    # dict's numbering: what checkpoints use, so that they load on any layout. Set by whoever builds the optimizer.
+    whole_order: list[list[str]] = field(default_factory=list)
+
+
+def build_pipeline(
+    model: torch.nn.Module,
+    layout: Layout,
+    device: torch.device,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    accumulation_steps: int,
+    schedule_name: str,
+) -> Pipeline:
+    """This rank's stage of `model` (its weights already the same on every rank), wrapped in DDP over the dp
+    group when there are several replicas, and the schedule over the pp group, with A micro-batches per step."""
+    stage_module = split_into_stages(model, layout.pipeline_stages)[layout.stage]
+    wrapped = stage_module
+    if layout.replicas > 1:
+        device_ids = [device.index] if device.type == "cuda" else None
+        wrapped = DistributedDataParallel(stage_module, device_ids=device_ids, process_group=layout.dp_group)
+    stage = PipelineStage(wrapped, layout.stage, layout.pipeline_stages, device, group=layout.pp_group)
+    loss = LastStageLoss(loss_sum_fn)
+    # scale_grads=False: the 1/N of the token mean is in the loss; the default would divide by A once more.
+    schedule = SCHEDULES[schedule_name](stage, n_microbatches=accumulation_steps, loss_fn=loss, scale_grads=False)
+    names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
+    return Pipeline(layout, stage_module, wrapped, schedule, loss, names, device, accumulation_steps)
+
+
+def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: bool) -> torch.Tensor:
+    """The replica's micro-batches through the stages in one schedule step (forward and backward, or forward
+    only); returns the sum of the last stage's S_mb (float64; zero on the other stages). The schedule cuts the
+    concatenated rows back into the same micro-batches of m rows each."""
+    layout, device = pipeline.layout, pipeline.device
+    pipeline.loss.sums.clear()
+    inputs = torch.cat([mb.inputs for mb in micro_batches]).to(device) if layout.is_first_stage else None
+    labels = torch.cat([mb.labels for mb in micro_batches]).to(device) if layout.is_last_stage else None
+    args = (inputs,) if layout.is_first_stage else ()
+    if train:
+        pipeline.schedule.step(*args, target=labels, return_outputs=False)
+    else:
+        pipeline.schedule.eval(*args, target=labels)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    # A schedule's first step infers the shapes the stages exchange by running the loss once more, before the
+    # micro-batches (on placeholder tensors, outside the gradients): the last A sums are the micro-batches'.
+    for partial_sum in pipeline.loss.sums[len(pipeline.loss.sums) - len(micro_batches) :]:
+        loss_sum += partial_sum.double()
+    pipeline.loss.sums.clear()
+    return loss_sum
+
+
+def pipelined_step(
+    pipeline: Pipeline,
+    micro_batches: list[MicroBatch],
+    optimizer: torch.optim.Optimizer,
+    *,
+    global_counts: GlobalCounts,
+    grad_clip: float = 0.0,
+    autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    stop_requested: Callable[[], bool] | None = None,
+) -> StepResult:
+    """One optimizer step of this rank's stage over its replica's A micro-batches: optimizer_step's contract
+    (the same StepResult, the same token-weighted objective), the micro-batches run by one schedule step.
+    Every rank of the world must call it at the same step; `optimizer` holds this stage's parameters.
+    `scaler`: fp16's GradScaler, or None; every rank makes the same decision to skip and lowers its scale alike."""
+    layout, device = pipeline.layout, pipeline.device
+    tokens_global = global_counts.tokens
+    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    # A step (or a replica) without a supervised token still runs every micro-batch through every stage, so
+    # that each send meets its receive and DDP's all-reduce happens on every replica; its sums are zero.
+    pipeline.loss.multiplier = layout.replicas / max(tokens_global, 1)  # D / N
+    pipeline.loss.scaler = scaler
+    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        loss_sum_local = run_schedule(pipeline, micro_batches, train=True)
+
+    # The boundary: ONE float64 all-reduce over every rank carries the loss sum (nonzero on last stages only:
+    # their sum over the replicas is Σ S), the stop flag, and this stage's squared gradient norm (of the
+    # gradient times the scale, still). Every rank of a stage holds the same averaged gradients, so the sum
+    # over all ranks counts each stage's D times.
+    parameters = [p for p in pipeline.stage_module.parameters() if p.grad is not None]
+    stage_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters]).double()
+    stop_here = stop_requested is not None and stop_requested()
+    summed = torch.stack([loss_sum_local, loss_sum_local.new_full((), float(stop_here)), stage_norm.square()])
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    scale = scaler.scale(loss_sum_local.new_ones(()))  # 1 without a scaler (public API; get_scale() would sync)
+    # The whole model's norm: sqrt(Σ_stages ‖g_stage‖²), each stage counted once (hence / D), unscaled.
+    grad_norm_tensor = (summed[2] / layout.replicas).sqrt() / scale
+    loss_sum_value, stops, grad_norm, loss_scale = torch.stack([summed[0], summed[1], grad_norm_tensor, scale]).tolist()
+    if scaler.is_enabled():
+        # Each rank's GradScaler sees only its stage's gradients. A non-finite whole-model norm means some stage
+        # overflowed: every other rank marks its own gradient so, and then unscale_ finds it on every rank,
+        # every rank skips the update, and every scaler lowers its scale alike (one decision for all ranks).
+        if not math.isfinite(grad_norm) and parameters:
+            parameters[0].grad.view(-1)[0] = math.inf
+        scaler.unscale_(optimizer)
+    if grad_clip > 0:  # the clip of one process: scale every stage by grad_clip / (norm + 1e-6) when below 1
+        torch.nn.utils.clip_grads_with_norm_(parameters, grad_clip, grad_norm_tensor)
+    lr = optimizer.param_groups[0]["lr"]
+    # Every rank has the same norm, so every rank makes the same decision to update or skip.
+    loss, applied, skip_reason = update_or_skip(optimizer, scaler, loss_sum_value, tokens_global, grad_norm)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss,
+        tokens_global,
+        global_counts.examples,
+        applied,
+        grad_norm,
+        skip_reason,
+        lr,
+        micro_batches=len(micro_batches),
+        micro_batch_size=micro_batches[0].labels.shape[0],
+        stop_requested=stops > 0,
+        loss_scale=loss_scale,
+    )
+
+
+@torch.no_grad()
+def pipelined_loss_sum(
+    pipeline: Pipeline, micro_batches: Iterable[MicroBatch], autocast_dtype: torch.dtype | None
+) -> tuple[torch.Tensor, int]:
+    """Forward only, for validation: this replica's micro-batches through the stages, A at a time (the last
+    group filled up with micro-batches without targets); returns the last stage's sum of token losses (zero
+    elsewhere) and the replica's supervised targets. The caller sums both over the ranks."""
+    accumulation_steps, device = pipeline.accumulation_steps, pipeline.device
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    pipeline.stage_module.eval()
+    iterator = iter(micro_batches)  # built one micro-batch at a time, A of them held at once
+    while group := list(itertools.islice(iterator, accumulation_steps)):
+        tokens += sum(count_supervised_tokens(mb.labels) for mb in group)
+        empty = MicroBatch(group[-1].inputs, torch.full_like(group[-1].labels, IGNORE_INDEX), 0)
+        group = group + [empty] * (accumulation_steps - len(group))
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            loss_sum += run_schedule(pipeline, group, train=False)
+    pipeline.stage_module.train()
+    return loss_sum, tokens
+
+
+def gathered_model_state(pipeline: Pipeline) -> dict:
+    """The whole model's state dict on rank 0's host, under the model's own names (what one process saves):
+    the stages of replica 0 send theirs to rank 0; the other ranks get {}. Every rank must call it."""
+    mine = {}
+    if pipeline.layout.replica == 0:
+        state = pipeline.stage_module.state_dict(keep_vars=True)
+        mine = {pipeline.names[id(tensor)]: tensor.detach().cpu() for tensor in state.values()}
+    merged = _merged_on_rank_0(mine)
+    return {name: merged[name] for name in pipeline.names.values() if name in merged}  # the model's own order
+
+
+def optimizer_order(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
+    """The parameter names of each of the optimizer's groups, in the order its state dict numbers them."""
+    return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
+
+
+def gathered_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> dict:
+    """The stages' optimizer states merged into the state dict of one optimizer over the whole model (on
+    rank 0; {} elsewhere), numbered as pipeline.whole_order says (build_optimizer over the whole model: its
+    groups hold the same kinds of parameters as each stage's, in the model's order)."""
+    whole_order = pipeline.whole_order
+    mine = {}
+    if pipeline.layout.replica == 0:
+        state_dict = optimizer.state_dict()
+        stage_names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
+        mine = {
+            "state": {stage_names[i]: _to_host(state) for i, state in state_dict["state"].items()},
+            "groups": [{k: v for k, v in group.items() if k != "params"} for group in state_dict["param_groups"]],
+        }
+    everyone = _gathered_on_rank_0(mine)
+    if everyone is None:
+        return {}
+    index = {name: i for i, name in enumerate(name for group in whole_order for name in group)}
+    state = {}
+    for part in everyone:
+        state.update({index[name]: value for name, value in part.get("state", {}).items()})
+    groups, first = [], 0
+    for group_names, settings in zip(whole_order, everyone[0]["groups"], strict=True):
+        groups.append({**settings, "params": list(range(first, first + len(group_names)))})
+        first += len(group_names)
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+
+def stage_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A whole-model optimizer state dict (a checkpoint's, from any layout) cut to this stage's parameters, in
+    the numbering of this stage's optimizer."""
+    index = {name: i for i, name in enumerate(name for group in pipeline.whole_order for name in group)}
+    state, groups, first = {}, [], 0
+    for group, saved_group in zip(optimizer_order(optimizer, pipeline.names), state_dict["param_groups"], strict=True):
+        for offset, name in enumerate(group):
+            if index[name] in state_dict["state"]:
+                state[first + offset] = state_dict["state"][index[name]]
+        groups.append({**saved_group, "params": list(range(first, first + len(group)))})
+        first += len(group)
+    return {"state": state, "param_groups": groups}
+
+
+def _to_host(state: dict) -> dict:
+    return {key: value.detach().cpu() if torch.is_tensor(value) else value for key, value in state.items()}
+
+
+def _gathered_on_rank_0(mine) -> list | None:
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(mine, everyone, dst=0)
+    return everyone
+
+
+def _merged_on_rank_0(mine: dict) -> dict:
+    everyone = _gathered_on_rank_0(mine)
+    merged = {}
+    for part in everyone or []:
+        merged.update(part)
+    return merged

@@ -1,0 +1,43 @@
+"""scripts/checks/check_equivalence.py with pipeline stages under torchrun: PASS on 2 ranks (P = 2) and on 4
+(a 2 × 2 mesh) against the float64 full batch; FAIL with the schedule's scale_grads default injected."""
+
+import pytest
+
+from accumulation import checker as check_equivalence
+from tests.test_check_equivalence import TINY_CONFIG, reported_relative_error, run_checker, short_documents_corpus
+
+STAGES = ["model.n_layer=2", "dist.pipeline_stages=2"]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_the_pipelined_loop_passes(tmp_path, capsys, ranks):
+    status, stdout = run_checker(tmp_path, STAGES, ranks, capsys)
+    assert status == 0, stdout
+    assert f"x replicas {ranks // 2}; 2 pipeline stages (1f1b), {ranks} ranks;" in stdout
+    assert stdout.splitlines()[-1] == "PASS"
+    assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
+
+
+def test_the_schedules_scale_grads_default_fails(tmp_path, capsys):
+    status, stdout = run_checker(tmp_path, [*STAGES, "--inject-bug", "scale-grads"], 2, capsys)
+    assert status == 1, stdout
+    assert stdout.splitlines()[-1] == "FAIL"
+    # scale_grads divides the accumulated gradient by A = 4 once more: the error is 1 - 1/4 of the largest entry.
+    assert abs(reported_relative_error(stdout) - 0.75) < 0.01
+
+
+def test_the_pipeline_bug_needs_pipeline_stages(tmp_path, capsys):
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    assert check_equivalence.main([*TINY_CONFIG, f"data.source={corpus}", "--inject-bug", "scale-grads"]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: --inject-bug scale-grads") and "\n" not in line
+
+
+@pytest.mark.parametrize("model", [["model.n_layer=1"], ["model.name=gru"]], ids=["one-block", "no-seam"])
+def test_a_model_that_does_not_split_is_one_line_exit_2(tmp_path, capsys, monkeypatch, model):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # read before any process group: nothing is launched
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    arguments = [*TINY_CONFIG, f"data.source={corpus}", *model, "dist.pipeline_stages=2"]
+    assert check_equivalence.main(arguments) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("error: dist.pipeline_stages") and "\n" not in line

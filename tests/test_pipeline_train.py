@@ -1,0 +1,198 @@
+"""train.py with dist.pipeline_stages = 2 on 2 gloo ranks: the same updates as one process, the same checkpoint
+files (a pipelined run resumes on 1 process and on DDP, and a 1-process run resumes pipelined), a stopped run
+resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
+
+# Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
+PIPELINE_RUN = {
+    **PLAIN_SGD,
+    "model.n_layer": 2,
+    "run.max_steps": 3,
+    "run.checkpoint_every": 1,
+    "run.keep_checkpoints": 5,
+    "run.eval_every": 3,
+    "run.sample_bytes": 0,
+}
+STAGES = {"dist.pipeline_stages": 2}
+
+# fp32: the same sums taken in another order (per micro-batch and stage, versus one process) differ by a few
+# ulps; over 3 updates that stays far below 1e-5 of the largest weight change, while a wrong weighting (the
+# schedule's scale_grads default) changes the update by tens of percent.
+FP32_RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One process (the reference) and 2 ranks with 2 pipeline stages, the same 3 steps: their run folders."""
+    tmp_path = tmp_path_factory.mktemp("pipeline_runs")
+    corpus = uneven_corpus(tmp_path / "corpus")
+    one = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **{"run.name": "one"}))
+    assert one.returncode == 0, one.stderr
+    piped = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped"}), ranks=2)
+    assert piped.returncode == 0, piped.stderr
+    assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in piped.stdout
+    return tmp_path, corpus, piped.stdout
+
+
+def comparable_metrics(run_dir) -> list[dict]:
+    """metrics.jsonl without the measured timings, which no two runs share."""
+    return [{key: value for key, value in line.items() if key not in TIMING_KEYS} for line in read_metrics(run_dir)]
+
+
+def checkpoint(run_dir, step: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}.pt", weights_only=True)
+
+
+def assert_close_updates(got: dict, reference: dict, initial: dict) -> None:
+    assert list(got) == list(reference)
+    for key in reference:
+        update = reference[key] - initial[key]
+        tolerance = FP32_RTOL * update.abs().max().item() + 1e-7
+        assert (got[key] - reference[key]).abs().max().item() <= tolerance, key
+
+
+def resumed_from_step_2(source, destination):
+    """A copy of a run folder as if the run had been killed after its step-2 checkpoint."""
+    shutil.copytree(source, destination)
+    checkpoints = destination / "checkpoints"
+    (checkpoints / "step_000003.pt").unlink()
+    shutil.copy(checkpoints / "step_000002.pt", checkpoints / "latest.pt")
+    (destination / "run.lock").unlink(missing_ok=True)
+
+
+def test_pipelined_run_equals_one_process_with_the_same_files_and_logs(runs):
+    tmp_path, _corpus, _stdout = runs
+    one, piped = tmp_path / "runs" / "one", tmp_path / "runs" / "piped"
+    initial = checkpoint(one, 0)["model"]
+    assert torch.equal(
+        torch.cat([v.flatten() for v in checkpoint(piped, 0)["model"].values()]),
+        torch.cat([v.flatten() for v in initial.values()]),
+    )
+    for step in (1, 3):
+        ours, reference = checkpoint(piped, step), checkpoint(one, step)
+        assert_close_updates(ours["model"], reference["model"], initial)
+        assert ours["counters"] == reference["counters"]
+        assert ours["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
+    # The logged loss, tokens and validation loss of every step: those of one process.
+    for ours, reference in zip(read_metrics(piped), read_metrics(one), strict=True):
+        assert ours["tokens"] == reference["tokens"] and ours["micro_batches"] == reference["micro_batches"]
+        assert abs(ours["loss"] - reference["loss"]) <= 1e-5 * reference["loss"]
+        if "val_loss" in reference:
+            assert abs(ours["val_loss"] - reference["val_loss"]) <= 1e-5 * reference["val_loss"]
+
+
+def test_a_stopped_pipelined_run_resumes_bit_identically(runs):
+    tmp_path, corpus, _stdout = runs
+    resumed_from_step_2(tmp_path / "runs" / "piped", tmp_path / "runs" / "piped_again")
+    completed = run_train(
+        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped_again"}), ranks=2
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "resuming from" in completed.stdout
+    straight, again = checkpoint(tmp_path / "runs" / "piped", 3), checkpoint(tmp_path / "runs" / "piped_again", 3)
+    for key, value in straight["model"].items():
+        assert torch.equal(value, again["model"][key]), key
+    assert comparable_metrics(tmp_path / "runs" / "piped") == comparable_metrics(tmp_path / "runs" / "piped_again")
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_killed_by_sigterm_resumes_bit_identically(tmp_path):
+    """SIGTERM to torchrun's agent as soon as the first step is logged: both stages learn of it in the same
+    step's all-reduce, checkpoint there and exit; started again, the run ends with the bits of a run that was
+    never stopped (with dropout on: every rank's random stream is restored too)."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {
+        **PIPELINE_RUN,
+        **STAGES,
+        "model.dropout": 0.2,
+        "run.max_steps": 20,
+        "run.checkpoint_every": 100,
+        "run.eval_every": 0,
+    }
+    straight = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "straight"}), ranks=2)
+    assert straight.returncode == 0, straight.stderr
+    arguments = tiny_settings(tmp_path, corpus, **settings, **{"run.name": "killed"})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [*launcher, str(REPO / "train.py"), *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        cwd=REPO,
+    )
+    metrics = tmp_path / "runs" / "killed" / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and metrics.read_text()) and agent.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    agent.send_signal(signal.SIGTERM)
+    _stdout, stderr = agent.communicate(timeout=150)
+    stopped_at = torch.load(tmp_path / "runs" / "killed" / "checkpoints" / "latest.pt", weights_only=True)
+    assert 1 <= stopped_at["counters"]["steps"] < 20, stderr[-2000:]  # stopped mid-run, at a step's end
+    assert "stopped at step" in stderr
+    resumed = run_train(arguments, ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = (checkpoint(tmp_path / "runs" / run, 20) for run in ("straight", "killed"))
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    assert comparable_metrics(tmp_path / "runs" / "straight") == comparable_metrics(tmp_path / "runs" / "killed")
+
+
+@pytest.mark.parametrize(
+    "source, ranks, stages",
+    [("piped", 1, 1), pytest.param("piped", 2, 1, marks=pytest.mark.slow), ("one", 2, 2)],
+    ids=["pipelined-to-one-process", "pipelined-to-ddp", "one-process-to-pipelined"],
+)
+def test_checkpoints_resume_across_layouts(runs, source, ranks, stages):
+    tmp_path, corpus, _stdout = runs
+    name = f"{source}_on_{ranks}x{stages}"
+    resumed_from_step_2(tmp_path / "runs" / source, tmp_path / "runs" / name)
+    layout = {"dist.pipeline_stages": stages}
+    completed = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **layout, **{"run.name": name}), ranks=ranks)
+    assert completed.returncode == 0, completed.stderr
+    assert "resuming from" in completed.stdout
+    initial = checkpoint(tmp_path / "runs" / "one", 0)["model"]
+    reference = checkpoint(tmp_path / "runs" / "one", 3)["model"]
+    assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], reference, initial)
+
+
+# (world size, settings, the key the one line names). WORLD_SIZE is only read here: nothing is launched.
+REFUSED = [
+    (1, {"dist.pipeline_stages": 2}, "dist.pipeline_stages"),  # 1 rank is not 2 stages
+    (4, {"dist.pipeline_stages": 3}, "dist.pipeline_stages"),  # 4 ranks are not D x 3
+    (2, {"dist.pipeline_stages": 2, "model.n_layer": 1}, "dist.pipeline_stages"),  # more stages than blocks
+    (2, {"dist.pipeline_stages": 2, "model.name": "gru"}, "dist.pipeline_stages"),  # a model without the seam
+    (2, {"dist.pipeline_stages": 2, "batch.micro_batch_size": 8}, "dist.pipeline_schedule"),  # A = 1 < P for 1f1b
+    (2, {"dist.pipeline_stages": 2, "batch.on_oom": "shrink"}, "batch.on_oom"),
+    (2, {"dist.pipeline_stages": 2, "dist.strategy": "fsdp2"}, "dist.strategy"),
+    (2, {"dist.pipeline_stages": 2, "model.loss": "chunked"}, "model.loss"),
+    (2, {"dist.pipeline_stages": 2, "model.compile": "true"}, "model.compile"),
+]
+
+
+@pytest.mark.parametrize("world_size, settings, named", REFUSED, ids=[str(case[1]) for case in REFUSED])
+def test_settings_pipeline_stages_refuse_are_one_line_exit_2_nothing_written(
+    tmp_path, capsys, monkeypatch, world_size, settings, named
+):
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = tiny_settings(tmp_path, corpus, **{"model.n_layer": 2, **settings})
+    assert train.main(arguments) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), lines
+    assert not (tmp_path / "runs").exists()
+    assert "RANK" not in os.environ  # nothing here started a process group
