@@ -15,8 +15,8 @@ scale", which Adam largely absorbs and SGD does not; a cosine below 1 changes wh
 `reference` says what the correct column is compared with. The figure (--png, default pitfalls.png) draws
 the rows in panels by kind of metric: relative errors, cosines, norm ratios, bytes and counts each on an
 axis of their own. The exit status is 1 when a correct twin disagrees with its reference or a buggy twin
-fails to show its bug, so the gallery doubles as a test. It takes about ten seconds on 2 CPU cores; five
-pitfalls need 2 gloo ranks, which it spawns itself.
+fails to show its bug, so the gallery doubles as a test. It takes about ten seconds on 2 CPU cores; nine
+pitfalls need 2 gloo ranks (three of them as 2 pipeline stages), which it spawns once.
 """
 
 import argparse
