@@ -317,7 +317,8 @@ def measure(sizes: Sizes, timeout_s: float = 600) -> dict:
         run: statistics.median(statistics.mean(rank[run][k] for rank in bubble_per_rank) for k in range(sizes.repeats))
         for run in bubble_per_rank[0]
     }
-    return {"sizes": dataclasses.asdict(sizes), "bubble": bubble, **mesh_summary(mesh_per_rank, sizes)}
+    summary = mesh_summary(mesh_per_rank, sizes)
+    return {"sizes": dataclasses.asdict(sizes), "bubble": bubble, **summary, "mesh_per_rank": mesh_per_rank}
 
 
 def theoretical_bubble(accumulation_steps: int) -> float:
