@@ -94,6 +94,9 @@ def test_the_issue_pitfalls_are_all_there(gallery):
         "scaler.update per micro-batch",
         "logged loss of the last micro-batch",
         "sync flag set after the forward",
+        "pipeline scale_grads left at its default",
+        "pipeline loss normalised after the schedule",
+        "pipeline clip norm of one stage",
     ):
         row_named(rows, start)
 
@@ -114,6 +117,27 @@ def test_scale_only_bugs_keep_the_direction_and_have_the_predicted_length(galler
         row = row_named(rows, start)
         assert row["cosine"] == pytest.approx(1.0, abs=1e-12), row
         assert row["norm_ratio"] == pytest.approx(ratio, rel=1e-5), row
+
+
+def test_pipeline_bugs_have_the_predicted_size(gallery):
+    """The pipeline rows (2 ranks as P = 2 stages, one replica, the gallery's A = 4 micro-batches holding N
+    supervised tokens), predicted from the set-up: the schedule's default scale_grads divides the right
+    gradient by A (1/A); backpropagating the raw sum and dividing after the schedule leaves it N · D / D = N
+    times too large; each stage clipped to max_norm alone makes the whole gradient √P · max_norm long instead
+    of max_norm (every stage's own norm is above the threshold, a tenth of the whole norm), and turns it.
+    PyTorch's 1e-6 guard in each clip factor moves that ratio by about 1e-5 relative here."""
+    rows = rows_of(gallery)
+    tokens_global = pitfall_setup.tokens_in(pitfall_setup.step_batches(pitfall_setup.STEP_IDS))
+    for start, ratio in (
+        ("pipeline scale_grads left at its default", 1 / ACCUMULATION_STEPS),
+        ("pipeline loss normalised after the schedule", tokens_global),
+    ):
+        row = row_named(rows, start)
+        assert row["cosine"] == pytest.approx(1.0, abs=1e-12), row
+        assert row["norm_ratio"] == pytest.approx(ratio, rel=1e-9), row
+    row = row_named(rows, "pipeline clip norm of one stage")
+    assert row["norm_ratio"] == pytest.approx(2**0.5, rel=1e-4), row
+    assert row["cosine"] < 0.99, row
 
 
 def test_direction_bugs_turn_the_gradient(gallery):

@@ -1,11 +1,13 @@
-"""The pitfalls that need 2 gloo ranks (DDP's gradient sync, the token count across ranks), each a pair of
-twins: one run of 2 gloo ranks computes every twin, the parent measures. scripts/teaching/pitfalls.py runs them."""
+"""The pitfalls that need 2 gloo ranks (DDP's gradient sync, the token count across ranks, and the pipeline's
+in pitfall_cases_pipeline.py), each a pair of twins: one run of 2 gloo ranks computes every twin, the parent
+measures. scripts/teaching/pitfalls.py runs them."""
 
 import contextlib
 
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.step import all_reduce_ints
+from scripts.teaching.pitfall_cases_pipeline import pipeline_pitfalls, pipeline_twins
 from scripts.teaching.pitfall_setup import (
     ACCUMULATION_STEPS,
     ALLREDUCE_BYTES,
@@ -104,6 +106,9 @@ def two_rank_twins(rank: int, world_size: int) -> dict:
     # counted twice: the other half of the global batch is never seen.
     model = DistributedDataParallel(gpt())
     results["same data on every rank"] = correct_step(model, step_batches(TWO_RANK_STEP_IDS, world_size, 0))
+
+    # 23-25. The same two ranks as two pipeline stages (P = 2, D = 1).
+    results["pipeline"] = pipeline_twins(rank, world_size)
     return results
 
 
@@ -157,4 +162,5 @@ def two_rank_pitfalls() -> list[Measurement]:
             flag_divergence >= BUG_MIN,
             "0: ranks bit-identical",
         ),
+        *pipeline_pitfalls([r["pipeline"] for r in per_rank]),
     ]

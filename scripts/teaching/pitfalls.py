@@ -17,8 +17,8 @@ well above its eps; a cosine below 1 changes where the model goes.
 the rows in panels by kind of metric: relative errors, cosines, norm ratios, bytes and counts each on an
 axis of their own. The exit status is 1 when a correct twin disagrees with its reference or a buggy twin
 fails to show its bug, so the gallery doubles as a test. It took 47 s wall on this project's 2-core CPU
-shared with other jobs (load average 0.5 to 3.9; measured once, 2026-12-01); five pitfalls need 2 gloo
-ranks, which it spawns itself.
+shared with other jobs (load average 0.5 to 3.9; measured once, 2026-12-01, before rows 23 to 25 joined);
+nine pitfalls need 2 gloo ranks (three of them as 2 pipeline stages), which it spawns once.
 """
 
 import argparse
@@ -210,7 +210,11 @@ def draw(measurements: list[Measurement], png_path: str):
     for axes in panels.values():
         axes.tick_params(labelsize=FONT_PT)
     figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=TITLE_PT)
-    figure.savefig(png_path, dpi=72)  # 72 dots per inch: a point is a pixel, and the file stays small
+    figure.savefig(png_path, dpi=72)  # 72 dots per inch: a point is a pixel
+    # The figure has a handful of flat colours: a 64-colour palette keeps them all and the file small.
+    from PIL import Image  # matplotlib's own dependency
+
+    Image.open(png_path).convert("RGB").quantize(colors=64).save(png_path, optimize=True)
     return figure
 
 
