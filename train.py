@@ -166,9 +166,8 @@ def train_in_run_directory(
     # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
-    stop = (
-        StopRequest()
-    )  # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/signals.py)
+    # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/signals.py)
+    stop = StopRequest()
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s)
