@@ -129,7 +129,7 @@ def test_the_newest_k_checkpoints_are_kept_and_damaged_ones_are_passed_over(tmp_
         ({"data.seq_len": 8}, "data.seq_len 16 -> 8"),
         ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
         ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
-        ("edited data", "training data fingerprint"),
+        ("edited data", "training data (fingerprint "),
         ("another data order", "data order feistel-4 -> feistel-8-blake2b"),
     ],
 )
