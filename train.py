@@ -15,14 +15,28 @@ A fork changes three things, each in one place: the model and the loss (accumula
 (accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
+# ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
+
 import math
 import os
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
+
+
+def interrupted_while_starting(signum: int, frame) -> None:
+    """Ctrl-C while torch is imported (seconds, the first thing the program does): one line and exit 130,
+    instead of a KeyboardInterrupt traceback from deep inside torch. Nothing has been read or written yet."""
+    os.write(2, b"interrupted (Ctrl-C) while starting, before anything was written\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import torch
 import torch.distributed as dist
@@ -65,6 +79,8 @@ from accumulation.data import (
 )
 from accumulation.distributed import (
     DistributedContext,
+    LaunchError,
+    launch_environment,
     lost_rank_message,
     run_and_exit,
     setup_distributed,
@@ -107,16 +123,14 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
-
-    # Everything a user can get wrong is checked before anything is written: a bad config, data or
-    # checkpoint ends here with one line on stderr and exit status 2. Every rank finds the same error and
-    # every rank prints it: under torchrun the first rank to exit gets the others stopped, and a line left
-    # to rank 0 alone could die with it.
+    # Everything a user can get wrong is checked before anything is written: a bad launch environment,
+    # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the
+    # same error and every rank prints it: under torchrun the first rank to exit gets the others stopped,
+    # and a line left to rank 0 alone could die with it.
     lock = None  # rank 0's hold on the run directory (accumulation/run_dir.py), for this job's whole life
     try:
+        rank, world_size = launch_environment()
+        say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
         config = load_config(argv)
         check_config_for_world(config, world_size)
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
@@ -139,7 +153,7 @@ def main(argv: list[str]) -> int:
         resume = find_resume_point(config, data.summary, shapes, run_dir, warn, say)
         if resume is not None:
             metrics_lines(run_dir / "metrics.jsonl")  # a damaged line is refused now, before anything is written
-    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
+    except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         if lock is not None:
             lock.release(undo=True)  # a refused run leaves no folder or lock file it created
@@ -537,4 +551,5 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutiv
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C raises KeyboardInterrupt
     run_and_exit(main, sys.argv[1:])
