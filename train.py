@@ -46,6 +46,7 @@ from accumulation.build import (
     autocast_dtype_for,
     build_optimizer,
     check_config_for_world,
+    check_micro_batch_fits_in_memory,
     check_model_fits_in_memory,
     load_optimizer_state,
     set_tf32,
@@ -145,7 +146,8 @@ def main(argv: list[str]) -> int:
             model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
             shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
-        uses_chunked_loss(config.model, config.dist, model_on_meta, "cpu")
+        chunked_loss = uses_chunked_loss(config.model, config.dist, model_on_meta, training_device_type(config))
+        check_micro_batch_fits_in_memory(config, vocab_size, chunked_loss)
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -163,6 +165,12 @@ def main(argv: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def training_device_type(config: Config) -> str:
+    """The kind of device the ranks will choose (accumulation/distributed.py's choose_device), known before
+    they are set up."""
+    return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def print_to_stderr(*args, **kwargs) -> None:

@@ -332,3 +332,21 @@ def test_ctrl_c_while_torch_is_imported_is_one_line_and_exit_130():
     _, error = process.communicate(timeout=60)
     assert process.returncode == 130
     assert error == "interrupted (Ctrl-C) while starting, before anything was written\n", error
+
+
+def test_a_micro_batch_too_large_for_memory_is_refused_before_anything_is_written(tmp_path, capsys):
+    """2,048 rows of 1,024 tokens in one micro-batch with a 50,304-token output: the logits alone are 422 GB.
+    The first forward ended in the allocator's traceback after the step-0 checkpoint was written (without a
+    ulimit the kernel's OOM killer ends such a run silently). Refused at start-up now, from a lower bound
+    of the activations, the way the model's own size is."""
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    (folder / "train.bin").write_bytes((np.arange(2048 * 1024 + 1) % 64).astype("<u2").tobytes())
+    (folder / "meta.json").write_text('{"vocab_size": 64}')
+    huge = {"data.seq_len": 1024, "batch.global_batch_size": 2048, "batch.micro_batch_size": 2048}
+    settings = tiny_settings(tmp_path, folder, **{**huge, "model.vocab_size": 50304, "data.val_fraction": 0.0})
+    status, _, error = run_in_process(settings, capsys)
+    assert status == 2
+    assert error.startswith("error: batch.micro_batch_size: a micro-batch of 2048 rows of 1024 tokens keeps at least")
+    assert error.count("\n") == 1 and "choose a smaller batch.micro_batch_size" in error, error
+    assert not (tmp_path / "runs").exists()
