@@ -15,14 +15,28 @@ A fork changes three things, each in one place: the model and the loss (accumula
 (accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
+# ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
+
 import math
 import os
+import signal
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
+
+
+def interrupted_while_starting(signum: int, frame) -> None:
+    """Ctrl-C while torch is imported (seconds, the first thing the program does): one line and exit 130,
+    instead of a KeyboardInterrupt traceback from deep inside torch. Nothing has been read or written yet."""
+    os.write(2, b"interrupted (Ctrl-C) while starting, before anything was written\n")
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, interrupted_while_starting)
 
 import torch
 import torch.distributed as dist
@@ -32,6 +46,7 @@ from accumulation.build import (
     autocast_dtype_for,
     build_optimizer,
     check_config_for_world,
+    check_micro_batch_fits_in_memory,
     check_model_fits_in_memory,
     load_optimizer_state,
     set_tf32,
@@ -65,6 +80,8 @@ from accumulation.data import (
 )
 from accumulation.distributed import (
     DistributedContext,
+    LaunchError,
+    launch_environment,
     lost_rank_message,
     run_and_exit,
     setup_distributed,
@@ -125,16 +142,14 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(help_text())
         return 0
-    rank = int(os.environ.get("RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
-
-    # Everything a user can get wrong is checked before anything is written: a bad config, data or
-    # checkpoint ends here with one line on stderr and exit status 2. Every rank finds the same error and
-    # every rank prints it: under torchrun the first rank to exit gets the others stopped, and a line left
-    # to rank 0 alone could die with it.
+    # Everything a user can get wrong is checked before anything is written: a bad launch environment,
+    # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the
+    # same error and every rank prints it: under torchrun the first rank to exit gets the others stopped,
+    # and a line left to rank 0 alone could die with it.
     lock = None  # rank 0's hold on the run directory (accumulation/run_dir.py), for this job's whole life
     try:
+        rank, world_size = launch_environment()
+        say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
         config = load_config(argv)
         check_config_for_world(config, world_size)
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
@@ -150,14 +165,15 @@ def main(argv: list[str]) -> int:
             model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
             shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
-        uses_chunked_loss(config.model, config.dist, model_on_meta, "cpu")
+        chunked_loss = uses_chunked_loss(config.model, config.dist, model_on_meta, training_device_type(config))
         check_model_splits(model_on_meta, config)  # dist.pipeline_stages > 1: the model's pipeline_split, P <= layers
+        check_micro_batch_fits_in_memory(config, vocab_size, chunked_loss)
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
         warn = print_to_stderr if rank == 0 else say
         resume = find_resume_point(config, data.summary, shapes, run_dir, warn, say)
-    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
+    except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         if lock is not None:
             lock.release(undo=True)  # a refused run leaves no folder or lock file it created
@@ -169,6 +185,12 @@ def main(argv: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
+
+
+def training_device_type(config: Config) -> str:
+    """The kind of device the ranks will choose (accumulation/distributed.py's choose_device), known before
+    they are set up."""
+    return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
 
 def print_to_stderr(*args, **kwargs) -> None:
@@ -186,7 +208,8 @@ def train_in_run_directory(
     # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
-    stop = StopRequest()  # SIGTERM, SIGUSR1, Ctrl-C: finish the step, checkpoint, exit (accumulation/signals.py)
+    # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/signals.py)
+    stop = StopRequest()
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
@@ -596,4 +619,5 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, consecutiv
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C raises KeyboardInterrupt
     run_and_exit(main, sys.argv[1:])

@@ -23,6 +23,7 @@ from accumulation.batching import accumulation_steps
 from accumulation.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
+from accumulation.memory import memory_limit_bytes
 from accumulation.mesh import check_layout
 from accumulation.models import count_parameters
 from accumulation.pipeline import check_pipeline_settings
@@ -141,19 +142,28 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = precision
 
 
+def training_memory(device_preference: str) -> tuple[str, int]:
+    """(where the run trains, the most memory it can have there): this rank's GPU, or what the process can get
+    on this machine (accumulation/memory.py: physical memory, cgroup, ulimit -v)."""
+    if device_preference != "cpu" and torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return "the GPU", torch.cuda.get_device_properties(local_rank).total_memory
+    limit_bytes, limit = memory_limit_bytes()
+    return limit, limit_bytes
+
+
+def training_state_shards(config: Config, where: str) -> int:
+    """Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+
+
 def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
     """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
-    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top."""
+    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top
+    (check_micro_batch_fits_in_memory, once the vocabulary is known)."""
     parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
-    if config.device != "cpu" and torch.cuda.is_available():
-        where, memory_bytes = (
-            "the GPU",
-            torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory,
-        )
-    else:
-        where, memory_bytes = "this machine", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    # Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py).
-    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
+    where, memory_bytes = training_memory(config.device)
+    shards = training_state_shards(config, where)
     needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     if needed_bytes > memory_bytes:
         raise ConfigError(
@@ -161,4 +171,37 @@ def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
             f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
             f"{f' over {shards} shards' if shards > 1 else ''}), "
             f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )
+
+
+def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: bool) -> int:
+    """A lower bound on the activations one micro-batch keeps for its backward: per token, each layer's
+    output (d_model values) and, without the chunked loss, the logits and the cross-entropy's log-softmax
+    (vocab_size values each). The true figure is several times larger (attention scores, the MLP's hidden
+    layer, norms); a bound that low refuses only what cannot fit, never a run that could. 4 bytes a value
+    in fp32, 2 under bf16/fp16 autocast (the logits stay 4: the loss is computed in fp32)."""
+    tokens = config.batch.micro_batch_size * config.data.seq_len
+    value_bytes = 4 if config.precision.dtype == "fp32" else 2
+    per_token = config.model.n_layer * config.model.d_model * value_bytes
+    if not chunked_loss:
+        per_token += 2 * vocab_size * 4
+    return tokens * per_token
+
+
+def check_micro_batch_fits_in_memory(config: Config, vocab_size: int, chunked_loss: bool) -> None:
+    """Refuse a micro-batch whose activations, with the model's weights, gradients and optimizer state, cannot
+    fit: the first forward would end in an allocator's traceback (or the kernel's OOM killer, silently)
+    after the step-0 checkpoint was written. Under shrink-on-OOM (GPU only) the step would only fail later."""
+    where, memory_bytes = training_memory(config.device)
+    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
+    weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // training_state_shards(config, where)
+    activations = activation_bytes_at_least(config, vocab_size, chunked_loss)
+    if weights_bytes + activations > memory_bytes:
+        raise ConfigError(
+            f"batch.micro_batch_size: a micro-batch of {config.batch.micro_batch_size} rows of "
+            f"{config.data.seq_len} tokens keeps at least {activations / 2**30:,.1f} GiB of activations for its "
+            f"backward (each layer's output{'' if chunked_loss else ' and the logits'}; more in truth), and the "
+            f"model {weights_bytes / 2**30:,.1f} GiB, more than the {memory_bytes / 2**30:,.1f} GiB of {where}; "
+            f"choose a smaller batch.micro_batch_size (the global batch stays the same, with more accumulation "
+            f"steps)"
         )

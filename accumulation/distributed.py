@@ -2,7 +2,8 @@
 in a line that another rank was lost, and one to end a program's process cleanly.
 
 Without `RANK` in the environment the program is a single process (D = 1) and no process group exists.
-Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.
+Under torchrun every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, checked first by
+launch_environment.
 """
 
 import os
@@ -48,6 +49,41 @@ def choose_device(preference: str, local_rank: int) -> torch.device:
     if preference in ("cuda", "auto") and torch.cuda.is_available():
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+class LaunchError(ValueError):
+    """The launcher's environment is incomplete or malformed: a WORLD_SIZE set by hand, RANK=abc, no MASTER_ADDR."""
+
+
+# What torchrun sets for every rank; a launcher of its own must set them all (LOCAL_RANK defaults to 0).
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_environment() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment, checked before anything reads it: (0, 1) for a single
+    process, which has neither RANK nor WORLD_SIZE. Half a launch environment is refused rather than guessed
+    at: WORLD_SIZE=2 without RANK would check the batch for 2 ranks and then train on 1."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    how = (
+        "torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launch with torchrun --standalone "
+        "--nproc_per_node=N train.py, or unset RANK and WORLD_SIZE for one process"
+    )
+    missing = [name for name in LAUNCH_VARIABLES if not os.environ.get(name)]
+    if missing:
+        given = ", ".join(f"{name}={os.environ[name]!r}" for name in LAUNCH_VARIABLES if os.environ.get(name))
+        raise LaunchError(f"{', '.join(missing)} not set, though {given} is; {how}")
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        value = os.environ.get(name, "0")
+        if not value.isdigit():
+            raise LaunchError(f"{name}={value!r} is not a non-negative integer; {how}")
+        numbers[name] = int(value)
+    if not numbers["RANK"] < numbers["WORLD_SIZE"]:
+        raise LaunchError(f"RANK={numbers['RANK']} is not below WORLD_SIZE={numbers['WORLD_SIZE']}; {how}")
+    if not 0 < numbers["MASTER_PORT"] < 65536:
+        raise LaunchError(f"MASTER_PORT={numbers['MASTER_PORT']} is not a port (1 to 65535); {how}")
+    return numbers["RANK"], numbers["WORLD_SIZE"]
 
 
 def setup_distributed(device_preference: str, timeout_s: float, pipeline_stages: int = 1) -> DistributedContext:

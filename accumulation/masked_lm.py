@@ -27,12 +27,19 @@ MASK_FRACTION = 0.15  # of the positions of each row, on average: masked and sup
 MASK_TOKEN_SHARE = 0.8  # of the masked positions: the input reads [MASK]
 RANDOM_TOKEN_SHARE = 0.1  # of the masked positions: the input reads a uniformly random token; the rest keep theirs
 
-# The name of this masking, hashed into the data's fingerprint: a checkpoint of a program that masked
-# otherwise is refused rather than resumed onto other targets.
+# The name of this masking (its way of drawing, which the parameters below do not say), hashed into the
+# data's fingerprint with the parameters: a checkpoint of a program that masked otherwise is refused rather
+# than resumed onto other targets.
 MASKING = "bert-15-80-10-10-mix64"
 
 # step_uniforms streams: independent draws for the same row and step.
 WHETHER_MASKED, HOW_REPLACED, RANDOM_TOKEN = 0, 1, 2
+
+
+def masking_scheme() -> str:
+    """The masking as the fingerprint hashes it: its name and every parameter, so that changing a fraction
+    without renaming the scheme still changes the fingerprint."""
+    return f"{MASKING} mask {MASK_FRACTION!r} [MASK] {MASK_TOKEN_SHARE!r} random {RANDOM_TOKEN_SHARE!r}"
 
 
 class MaskedTokenRows:
@@ -112,7 +119,7 @@ def load_masked_token_files(
     train = MaskedTokenRows(packed.train, seed)
     val = MaskedTokenRows(packed.val, seed) if packed.val is not None else None
     counts = train.supervised_counts(torch.arange(min(train.num_rows, 4096)), 0).numpy()
-    fingerprint = hashlib.sha256(f"{packed.summary.fingerprint} {MASKING}".encode()).hexdigest()[:16]
+    fingerprint = hashlib.sha256(f"{packed.summary.fingerprint} {masking_scheme()}".encode()).hexdigest()[:16]
     summary = dataclasses.replace(
         packed.summary,
         vocab_size=train.vocab_size,

@@ -6,7 +6,6 @@ step count says which examples come next. What else must be restored is the mode
 scheduler, the GradScaler and every rank's random-number generator (dropout draws from it).
 """
 
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,12 +35,13 @@ from accumulation.schedule import build_scheduler
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
 # value would be silently replaced by the stored one. Everything else (max_steps, logging cadence,
 # micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
+# data.source is not among them: the data's fingerprint (and the token files' stamps) say whether the data is
+# the same, so the same files reached by another spelling of the path, or moved, resume.
 MUST_MATCH_ON_RESUME = [
     ("model", "name"),
     ("model", "n_layer"),
     ("model", "n_head"),
     ("model", "d_model"),
-    ("data", "source"),
     ("data", "seq_len"),
     ("data", "task"),
     ("data", "val_fraction"),
@@ -163,9 +163,15 @@ def find_resume_point(
         for section, key in MUST_MATCH_ON_RESUME
         if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
     ]
-    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)
     if payload["data"].get("fingerprint") != data.fingerprint:
-        differences.append(f"training data fingerprint {payload['data'].get('fingerprint')} -> {data.fingerprint}")
+        sources = (
+            f"data.source {stored.data.source!r} -> {config.data.source!r}, "
+            if stored.data.source != config.data.source
+            else ""
+        )
+        differences.append(
+            f"training data ({sources}fingerprint {payload['data'].get('fingerprint')} -> {data.fingerprint})"
+        )
     if payload["data"].get("order") != DATA_ORDER:  # written by a program version that ordered the rows otherwise
         differences.append(f"data order {payload['data'].get('order')} -> {DATA_ORDER}")
     if differences:
@@ -173,6 +179,8 @@ def find_resume_point(
             f"checkpoint {path} belongs to a different run: {'; '.join(differences)}; "
             f"use the original settings, another run.name, or run.resume=never in a new directory"
         )
+    # The same fingerprint: what it samples is unchanged; the stamps see the edits between its samples.
+    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)
     if payload["counters"]["steps"] > config.run.max_steps:
         raise ConfigError(
             f"run.max_steps: the checkpoint {path} is at step {payload['counters']['steps']}, "
@@ -190,29 +198,52 @@ def find_resume_point(
 
 def check_token_files_unchanged(path: Path, stored: list | tuple, current: tuple) -> None:
     """Refuse a resume over token files changed since the checkpoint (accumulation/token_files.py's
-    file_stamps: size, modification time, sampled blocks), naming the first changed file. The resumed steps
-    would read other tokens than the interrupted run would have, and nothing would say so. A checkpoint of an
-    older version, without stamps, is left to the fingerprint."""
+    file_stamps), naming the first changed file and what shows the change. The resumed steps would read
+    other tokens than the interrupted run would have, and nothing would say so. Files are paired by their
+    position among the training files, not by their path: the same files under another spelling of
+    data.source, or moved, resume. A checkpoint of an older version, without stamps, is left to the
+    fingerprint.
+
+    Where both stamps hold the whole file's hash, it decides: equal bytes resume whatever the modification
+    time says (a copy without -p), other bytes are refused. Without it (data larger than
+    WHOLE_FILE_HASH_MAX_BYTES, or a checkpoint written before it was stored) a changed modification time is
+    all there is, and it cannot tell an edit between the sampled blocks from a copy: refused too, since
+    resuming would put the run's exactness in the user's word."""
+    new_run = "to train on the files as they are now, start a new run (another run.name, or run.resume=never in a "
+    new_run += "new directory)"
     for before, now in zip(stored, current, strict=False):
-        if before.get("path") != now["path"]:
-            continue  # other files: data.source differs, which the settings' comparison reports
-        compared = {"bytes": "size (bytes)", "mtime_ns": "modified (ns)", "sampled_sha256": "sampled blocks"}
-        changed = [key for key in compared if before.get(key) != now[key]]
-        if not changed:
-            continue
-        changes = [f"{compared[key]} {before.get(key)} -> {now[key]}" for key in changed]
-        on_purpose = "to train on the changed file on purpose, start a new run (another run.name, or run.resume=never"
-        on_purpose += " in a new directory)"
-        if changed == ["mtime_ns"]:  # the same size and sampled blocks: perhaps only copied; the command ends the line
-            seconds, nanoseconds = divmod(before["mtime_ns"], 10**9)
-            on_purpose += (
-                f"; if the file was only copied (cp without -p, rsync without -t), give it back its modification "
-                f"time: touch -d @{seconds}.{nanoseconds:09d} {shlex.quote(now['path'])}"
+        sizes_or_samples = [
+            f"{what} {before.get(key)} -> {now[key]}"
+            for key, what in (("bytes", "size (bytes)"), ("sampled_sha256", "sampled blocks' hash"))
+            if before.get(key) != now[key]
+        ]
+        if sizes_or_samples:
+            raise CheckpointError(
+                f"{now['path']} holds other tokens than when checkpoint {path} was written "
+                f"({'; '.join(sizes_or_samples)}), so the resumed steps would read other data than the steps "
+                f"before; {new_run}"
             )
-        raise CheckpointError(
-            f"{now['path']} has changed since checkpoint {path} was written ({'; '.join(changes)}), so the "
-            f"resumed steps would read other tokens than the steps before; {on_purpose}"
-        )
+        if before.get("sha256") is not None and now.get("sha256") is not None:
+            if before["sha256"] != now["sha256"]:
+                raise CheckpointError(
+                    f"{now['path']} was edited since checkpoint {path} was written (the whole file's hash "
+                    f"{before['sha256']} -> {now['sha256']}, the same size), so the resumed steps would read other "
+                    f"tokens than the steps before; {new_run}"
+                )
+            continue  # every byte is the same: the modification time does not matter
+        if before.get("mtime_ns") != now["mtime_ns"]:
+            unhashed = (
+                "data this large is not hashed whole at each start"
+                if now.get("sha256") is None
+                else "the checkpoint, written by an older version, holds no hash of the whole file"
+            )
+            raise CheckpointError(
+                f"{now['path']} was written since checkpoint {path} was (modified (ns) {before.get('mtime_ns')} -> "
+                f"{now['mtime_ns']}), and {unhashed}, so whether its tokens between the sampled blocks are the ones "
+                f"the run trained on cannot be checked; {new_run}; to "
+                f"resume this one, put back the files the run started with, copied with their modification times "
+                f"(cp -p, rsync -a)"
+            )
 
 
 def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:

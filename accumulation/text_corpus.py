@@ -18,7 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from accumulation.memory import memory_limit_bytes
 from accumulation.rows import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_rows, validation_keys
+from accumulation.token_files import find_token_files
+
+# Memory the text path takes per byte of text, its peak while the rows are built (the bytes, their copies
+# as documents and packed, and the row tables): 13.5 measured (peak RSS over the one before, a 24.5 MB
+# text file, both layouts, bytes as tokens, 2026-12-01), rounded up. Text is read whole; token files are not.
+TEXT_MEMORY_BYTES_PER_BYTE = 16
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).
@@ -49,6 +56,33 @@ def read_bytes(path: Path, source: str) -> bytes:
         raise DataError(
             f"cannot read {path} ({error.strerror or error}); make it readable or remove it from data.source {source!r}"
         ) from None
+
+
+def not_text_advice(path: Path) -> str:
+    """Why a single file is no text, and where to point data.source instead: its folder when the file is one
+    of the token files a folder of them is read as (train.bin, an llm.c shard)."""
+    if find_token_files(str(path.parent)) is not None:
+        return (
+            f" but a token file (it holds binary token ids); token files are read as their folder: "
+            f"set data.source={str(path.parent)!r}"
+        )
+    return " (it contains a NUL byte or is not valid UTF-8); point data.source at a UTF-8 text file or a folder of them"
+
+
+def check_text_fits_in_memory(source: str, paths: list[Path]) -> None:
+    """Refuse text that cannot fit: it is read whole, and reading it would end in a MemoryError traceback or
+    the kernel's OOM killer. Token files are memory-mapped and never read whole."""
+    text_bytes = sum(path.stat().st_size for path in paths)
+    limit_bytes, limit = memory_limit_bytes()
+    needed_bytes = TEXT_MEMORY_BYTES_PER_BYTE * text_bytes
+    if needed_bytes > limit_bytes:
+        raise DataError(
+            f"data.source {source!r}: {text_bytes / 2**30:,.2f} GiB of text, read whole, needs about "
+            f"{needed_bytes / 2**30:,.1f} GiB ({TEXT_MEMORY_BYTES_PER_BYTE} bytes per byte), more than the "
+            f"{limit_bytes / 2**30:,.1f} GiB of {limit}; write it as token files once, which are memory-mapped "
+            f"and never read whole: python scripts/operations/prepare_data.py INPUT OUT_DIR (it reads a folder or "
+            f"a .jsonl file one document at a time; split one large file into several), then data.source=OUT_DIR"
+        )
 
 
 def stdlib_root() -> Path:
@@ -93,16 +127,15 @@ def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
                 f'token files (scripts/operations/prepare_data.py writes them), or "stdlib"'
             )
         if root.is_file():
+            check_text_fits_in_memory(source, [root])
             data = read_bytes(root, source)
             if not is_text(data):
-                raise DataError(
-                    f"data.source {source!r} is not a text file (it contains a NUL byte or is not valid UTF-8); "
-                    f"point data.source at a UTF-8 text file or a folder of them"
-                )
+                raise DataError(f"data.source {source!r} is not a text file{not_text_advice(root)}")
             return root, [TextFile(root.name, data)], 0
         if not root.is_dir():
             raise DataError(f"data.source {source!r} is neither a file nor a folder; point it at a text file or folder")
         paths = folder_file_paths(root)
+        check_text_fits_in_memory(source, paths)
 
     files = []
     skipped_files = 0

@@ -4,11 +4,13 @@ this process (fast); a few go through the real entry point."""
 
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,6 +101,13 @@ def bad_data(folder: Path, kind: str) -> Path:
     if kind == "one byte":
         (folder / "tiny.txt").write_text("x")
         return folder
+    if kind == "nanoGPT's train.bin itself":  # the folder is the data.source, not the file
+        (folder / "train.bin").write_bytes(np.arange(3000, dtype="<u2").tobytes())
+        return folder / "train.bin"
+    if kind == "more text than memory":  # a sparse file: 2^40 bytes (1 TiB) announced, none written
+        with open(folder / "huge.txt", "wb") as file:
+            file.truncate(2**40)
+        return folder / "huge.txt"
     assert kind == "less than one global batch"  # 3 rows of seq_len 16, global batch 8
     (folder / "short.txt").write_text("a" * 40)
     return folder
@@ -111,6 +120,11 @@ def bad_data(folder: Path, kind: str) -> Path:
         ("binary files only", "has no usable text"),
         ("invalid UTF-8 file", "is not a text file"),
         ("one byte", "has no usable text"),
+        (
+            "nanoGPT's train.bin itself",
+            "but a token file (it holds binary token ids); token files are read as their folder: set data.source=",
+        ),
+        ("more text than memory", "1,024.00 GiB of text, read whole, needs about 16,384.0 GiB"),
         ("less than one global batch", "the training data has 3 rows, fewer than one global batch of 8"),
     ],
 )
@@ -119,6 +133,10 @@ def test_bad_data_is_one_line_and_nothing_written(tmp_path, capsys, kind, named)
     status, _, error = run_in_process(tiny_settings(tmp_path, source, **{"data.val_fraction": 0.0}), capsys)
     assert status == 2
     assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    if kind == "nanoGPT's train.bin itself":
+        assert error.endswith(f"set data.source={str(tmp_path / 'data')!r}\n"), error
+    if kind == "more text than memory":
+        assert "python scripts/operations/prepare_data.py INPUT OUT_DIR" in error
     assert not (tmp_path / "runs").exists()
 
 
@@ -349,3 +367,66 @@ def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, corpus, caps
     error = results[0][1]
     assert error.count("\n") == 1 and "rank 0 step 0, rank 1 none" in error and "every node shares" in error, error
     assert not (tmp_path / "other_node_runs").exists()
+
+
+LAUNCH = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize(
+    "environment, named",
+    [
+        # set by hand without torchrun: the batch was checked for 2 ranks, then 1 trained
+        ({"WORLD_SIZE": "2"}, "RANK, MASTER_ADDR, MASTER_PORT not set, though WORLD_SIZE='2' is; torchrun sets"),
+        ({**LAUNCH, "RANK": "abc"}, "RANK='abc' is not a non-negative integer"),  # was a ValueError traceback
+        ({**LAUNCH, "MASTER_ADDR": ""}, "MASTER_ADDR not set, though RANK='0', WORLD_SIZE='2', MASTER_PORT"),
+        ({**LAUNCH, "RANK": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+        ({**LAUNCH, "LOCAL_RANK": "-1"}, "LOCAL_RANK='-1' is not a non-negative integer"),
+    ],
+    ids=["world-size-alone", "rank-abc", "no-master-addr", "rank-too-large", "negative-local-rank"],
+)
+def test_half_a_launch_environment_is_one_line_and_nothing_written(
+    tmp_path, corpus, capsys, monkeypatch, environment, named
+):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"run.max_steps": 1}), capsys)
+    assert status == 2
+    assert error.startswith("error: ") and error.count("\n") == 1 and named in error, error
+    assert "torchrun --standalone --nproc_per_node=N train.py" in error
+    assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_while_torch_is_imported_is_one_line_and_exit_130():
+    """The first seconds of every start are `import torch`; a Ctrl-C there printed a KeyboardInterrupt traceback
+    from inside torch. The signal is sent once torch's library is mapped, so it lands inside the import."""
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "train.py"), "--help"], stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    maps = Path(f"/proc/{process.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "libtorch" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    process.send_signal(signal.SIGINT)
+    _, error = process.communicate(timeout=60)
+    assert process.returncode == 130
+    assert error == "interrupted (Ctrl-C) while starting, before anything was written\n", error
+
+
+def test_a_micro_batch_too_large_for_memory_is_refused_before_anything_is_written(tmp_path, capsys):
+    """2,048 rows of 1,024 tokens in one micro-batch with a 50,304-token output: the logits alone are 422 GB.
+    The first forward ended in the allocator's traceback after the step-0 checkpoint was written (without a
+    ulimit the kernel's OOM killer ends such a run silently). Refused at start-up now, from a lower bound
+    of the activations, the way the model's own size is."""
+    folder = tmp_path / "tokens"
+    folder.mkdir()
+    (folder / "train.bin").write_bytes((np.arange(2048 * 1024 + 1) % 64).astype("<u2").tobytes())
+    (folder / "meta.json").write_text('{"vocab_size": 64}')
+    huge = {"data.seq_len": 1024, "batch.global_batch_size": 2048, "batch.micro_batch_size": 2048}
+    settings = tiny_settings(tmp_path, folder, **{**huge, "model.vocab_size": 50304, "data.val_fraction": 0.0})
+    status, _, error = run_in_process(settings, capsys)
+    assert status == 2
+    assert error.startswith("error: batch.micro_batch_size: a micro-batch of 2048 rows of 1024 tokens keeps at least")
+    assert error.count("\n") == 1 and "choose a smaller batch.micro_batch_size" in error, error
+    assert not (tmp_path / "runs").exists()

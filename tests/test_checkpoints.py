@@ -224,7 +224,7 @@ def same_payload(one, other) -> bool:
         ({"data.seq_len": 8}, "data.seq_len 16 -> 8"),
         ({"optim.lr": 0.1}, "optim.lr 0.003 -> 0.1"),
         ({"optim.name": "sgd"}, "optim.name 'adamw' -> 'sgd'"),
-        ("edited data", "training data fingerprint"),
+        ("edited data", "training data (fingerprint "),
         ("another data order", "data order feistel-4 -> feistel-8-blake2b"),
     ],
 )

@@ -1,5 +1,7 @@
 """The CUDA paths. Tests marked `cuda` run the quick checks of scripts/checks/gpu_check.py where a GPU is and are
-reported as skipped elsewhere (tests/conftest.py); the whole check is `python scripts/checks/gpu_check.py`."""
+reported as skipped elsewhere (tests/conftest.py): on every documented install (the CPU machines this
+project runs on) all 6 are skipped, so the checks whose property is not CUDA's own have CPU twins below. The
+whole check is `python scripts/checks/gpu_check.py`."""
 
 import pytest
 import torch
@@ -50,6 +52,23 @@ def test_the_equivalence_checks_logic_passes_on_the_cpu_in_fp32(monkeypatch, chu
     left out here. On a GPU the same function runs bf16, fp16 and the chunked loss in bf16."""
     monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
     passed, figures = gpu_check.equivalence("fp32", torch.device("cpu"), chunked=chunked)
+    assert passed, figures
+
+
+# CPU twins of the cuda-marked cases whose property is not CUDA's own: the same check functions on the CPU,
+# which autocasts bf16 and fp16 and runs a GradScaler and fused AdamW there too. Not twinned: the sync audit
+# (host-device synchronisation exists on a GPU only) and the real out-of-memory recovery (the CPU has no
+# allocator that fails that way; step.py's shrink path is tested with an injected error in tests/test_oom.py).
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_cpu_twin_one_autocast_step_equals_the_float64_reference(monkeypatch, dtype):
+    monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
+    passed, figures = gpu_check.equivalence(dtype, torch.device("cpu"))
+    assert passed, figures
+
+
+def test_cpu_twin_an_fp16_overflow_with_fused_adamw_is_skipped_by_the_scaler(monkeypatch):
+    monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
+    passed, figures = gpu_check.check_fp16_overflow(torch.device("cpu"))
     assert passed, figures
 
 

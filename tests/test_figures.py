@@ -40,7 +40,13 @@ def test_loss_curves_on_two_ranks_write_the_figure_and_a_row_per_run(tmp_path):
     rows = json.loads(completed.stdout)
     assert [row["variant"] for row in rows] == ["correct", "mean of micro-batch means", "per-rank N", "×D forgotten"]
     assert all(len(row["val_loss"]) == 2 for row in rows)  # one value per seed
-    assert rows[0]["val_minus_correct"] == [0.0, 0.0]  # paired with itself
+    # Every variant is paired with the correct run of the same seed, value by value (the same float subtraction,
+    # so equal exactly); the correct run's own row is its pairing with itself, zeros.
+    correct = rows[0]
+    for row in rows:
+        for key, difference in (("final_train_loss", "train_minus_correct"), ("val_loss", "val_minus_correct")):
+            assert row[difference] == [value - base for value, base in zip(row[key], correct[key], strict=True)]
+    assert correct["val_minus_correct"] == [0.0, 0.0]
     # Two seeds are two different runs (weights and data order): their validation losses differ.
     assert rows[0]["val_loss"][0] != rows[0]["val_loss"][1]
     # Three steps from the same weights: the mean of means already moves the weights elsewhere, on each seed.

@@ -36,6 +36,32 @@ def test_fifteen_percent_masked_80_10_10_and_only_the_masked_supervised(tmp_path
     assert int((inputs == mask_token).sum()) == int((inputs[masked] == mask_token).sum())
 
 
+def correlation(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double().flatten(), y.double().flatten()
+    return float(((x - x.mean()) * (y - y.mean())).mean() / (x.std() * y.std()))
+
+
+def test_every_position_is_masked_independently_of_its_neighbours_its_column_and_the_last_step(tmp_path):
+    """The fraction alone passes a correlated mask by luck (one such bug missed 0.006 by 0.0004): a mask whose
+    positions are drawn together has the right mean and the wrong spread. Independent Bernoulli(p) positions
+    give each row's count the binomial variance 64·p·(1-p) = 8.16, each position's mean over R rows the variance
+    p(1-p)/R, and zero correlation between neighbours and between two steps' masks; the bounds are 7 standard
+    deviations of those statistics, and a correlation of 0.01 between a row's positions moves the first by 5."""
+    rows = masked_rows(tmp_path)
+    row_ids = torch.arange(rows.num_rows)
+    masked = torch.from_numpy(rows.masked(row_ids, 3)).double()  # [2,637 rows, 64 positions]
+    count_rows, positions = masked.shape
+    p = MASK_FRACTION
+    # The sample variance of R binomial counts has a standard deviation of about var·sqrt(2/R) = 0.22.
+    assert abs(float(masked.sum(dim=1).var()) - positions * p * (1 - p)) < 1.6
+    # 64 column means, each of variance p(1-p)/R = 4.8e-5: their sample variance deviates by about 4.8e-5·sqrt(2/63).
+    column_variance = p * (1 - p) / count_rows
+    assert float(masked.mean(dim=0).var()) < column_variance * (1 + 7 * (2 / (positions - 1)) ** 0.5)
+    # A correlation over n independent pairs has standard deviation 1/sqrt(n): 0.0024 here.
+    assert abs(correlation(masked[:, :-1], masked[:, 1:])) < 0.017
+    assert abs(correlation(masked, torch.from_numpy(rows.masked(row_ids, 4)))) < 0.017
+
+
 def test_the_mask_is_fresh_every_step_and_the_same_for_the_same_seed_step_and_row(tmp_path):
     rows = masked_rows(tmp_path)
     row_ids = torch.tensor([5, 900, 17])

@@ -2,6 +2,8 @@
 locally trained byte-level BPE (the optional `tokenizers` package); bad input leaves nothing behind."""
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +14,7 @@ from accumulation import data, token_files
 from accumulation.config import load_config
 from accumulation.data import build_data
 from scripts.operations import prepare_data
+from testkit.disk import read_only_view, small_disk
 from tests.test_jsonl import jsonl
 from tests.test_rows import window_of
 
@@ -92,7 +95,14 @@ BAD_RUNS = [
     (lambda tmp: [str(jsonl(tmp / "x.jsonl", {"question": "?"}))], "x.jsonl', line 1: has the keys"),
     (lambda tmp: [str(tmp / "missing.txt")], "missing.txt does not exist"),
     (lambda tmp: [str(jsonl(tmp / "one.jsonl", {"text": "a"})), "--val-fraction", "0.0001"], "no document fell into"),
+    # a raw UnicodeDecodeError without file or line before; after line 1's progress line, on a line of its own
+    (lambda tmp: [str(latin1_jsonl(tmp / "latin1.jsonl"))], "latin1.jsonl, line 2: not valid UTF-8 (byte 12 of"),
 ]
+
+
+def latin1_jsonl(path: Path) -> Path:
+    path.write_bytes(b'{"text": "fine"}\n' + '{"text": "déjà"}\n'.encode("latin-1"))
+    return path
 
 
 @pytest.mark.parametrize("make_arguments, message", BAD_RUNS)
@@ -104,6 +114,50 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, make
     assert lines[-1].startswith("error: ") and message in lines[-1], lines
     assert not out_dir.exists()
     assert not list(tmp_path.glob(".out.partial-*"))  # the staging folder is gone too
+
+
+def test_an_out_dir_that_cannot_be_written_is_one_line_exit_2(tmp_path, capsys):
+    """A read-only mount (root passes permission bits, so a real one): one line naming the folder, no errno."""
+    (tmp_path / "writable").mkdir()
+    with read_only_view(tmp_path / "writable", tmp_path / "read-only") as read_only:
+        assert prepare_data.main([str(corpus(tmp_path / "c")), str(read_only / "out")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"error: cannot write {read_only}/.out.partial-"), error
+    assert "(Read-only file system); choose an OUT_DIR in a folder you can write to" in error
+    assert list((tmp_path / "writable").iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_exit_1_not_bad_input_and_nothing_kept(tmp_path, capsys):
+    """A real 64 KiB tmpfs and 200 KB of text: the disk, not the input, is at fault, so exit 1 (2 means bad
+    input), and the partial output is removed."""
+    source = tmp_path / "big"
+    source.mkdir()
+    for index in range(20):
+        (source / f"part{index:02d}.txt").write_text(f"document {index} " * 1_000)
+    with small_disk(tmp_path / "disk", 64 * 1024) as disk:
+        assert prepare_data.main([str(source), str(disk / "out")]) == 1
+        assert list(disk.iterdir()) == []
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-1].startswith("error: ") and "the disk is full (No space left on device)" in lines[-1], lines
+    assert "nothing was kept" in lines[-1]
+
+
+def test_the_staging_folders_of_killed_runs_are_removed_and_a_live_one_is_kept(tmp_path, capsys):
+    """A run killed by SIGKILL leaves .<out>.partial-<pid>/; the next run for the same OUT_DIR removes it once
+    its process is gone, and leaves alone one whose process still runs (another run at work)."""
+    dead = tmp_path / f".out.partial-{dead_pid()}"
+    live = tmp_path / f".out.partial-{os.getppid()}"
+    for staging in (dead, live):
+        (staging / "half").mkdir(parents=True)
+    assert prepare_data.main([str(corpus(tmp_path / "c")), str(tmp_path / "out")]) == 0
+    assert not dead.exists() and (live / "half").is_dir() and (tmp_path / "out" / "meta.json").is_file()
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited and been reaped."""
+    process = subprocess.Popen(["true"])
+    process.wait()
+    return process.pid
 
 
 def test_an_out_dir_that_holds_files_is_refused(tmp_path, capsys):

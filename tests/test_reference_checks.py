@@ -11,6 +11,7 @@ import copy
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -19,7 +20,7 @@ import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config import load_config
 from accumulation.counters import Counters
-from accumulation.data import build_data
+from accumulation.data import VALIDATION_STEP, build_data
 from accumulation.distributed import DistributedContext
 from accumulation.model import GPT, GPTConfig
 from accumulation.models import build_model
@@ -61,10 +62,12 @@ def validation_settings(corpus: Path, micro_batch_size: int) -> list[str]:
     ]
 
 
-def validation_worker(rank: int, world_size: int, corpus: Path, micro_batch_sizes: list[int]) -> list[float]:
+def validation_worker(
+    rank: int, world_size: int, corpus: Path, micro_batch_sizes: list[int], settings=validation_settings
+) -> list[float]:
     losses = []
     for micro_batch_size in micro_batch_sizes:
-        config = load_config(validation_settings(corpus, micro_batch_size))
+        config = load_config(settings(corpus, micro_batch_size))
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         torch.manual_seed(0)
         model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
@@ -96,6 +99,53 @@ def test_validation_loss_on_1_and_2_ranks_and_any_micro_batch_size(tmp_path):
     two_ranks = run_on_ranks(validation_worker, 2, (corpus, micro_batch_sizes), timeout_s=120)
     # fp32 forward against float64: each logit carries a relative rounding of about 1e-7, and the mean over
     # hundreds of tokens averages it further; a lost row or rank moves the loss by 1e-2 or more.
+    for losses in (one_rank, *two_ranks):
+        assert losses == pytest.approx([reference] * len(micro_batch_sizes), rel=1e-6)
+
+
+def masked_validation_settings(tokens: Path, micro_batch_size: int) -> list[str]:
+    """The masked LM (fresh masks at every step) on a nanoGPT folder; 64 validation rows of 16 tokens."""
+    return [
+        f"data.source={tokens}",
+        "data.task=masked",
+        "data.seq_len=16",
+        "data.val_fraction=0.1",
+        "model.name=encoder",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.d_model=16",
+        "model.dropout=0.0",
+        "batch.global_batch_size=64",
+        f"batch.micro_batch_size={micro_batch_size}",
+    ]
+
+
+def test_masked_validation_loss_is_the_same_for_any_micro_batch_size_and_rank_count(tmp_path):
+    """Rows that change with the step (the masked LM's masks) are validated as one fixed step sees them
+    (data.VALIDATION_STEP), whichever micro-batch and rank holds them: the loss equals one float64 batch of
+    every validation row at that step. Reading micro-batch k at step k (a bug that passed the suite, whose
+    only validation test used text rows, which never change) makes the loss depend on m and D."""
+    tokens = tmp_path / "tokens"
+    tokens.mkdir()
+    (tokens / "train.bin").write_bytes((np.arange(4_000) * 7 % 64).astype("<u2").tobytes())
+    (tokens / "val.bin").write_bytes((np.arange(64 * 16 + 1) * 5 % 64).astype("<u2").tobytes())
+    (tokens / "meta.json").write_text('{"vocab_size": 64}')
+    config = load_config(masked_validation_settings(tokens, 1))
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    rows = data.val.num_rows
+    micro_batch_sizes = [5, 64]  # 13 micro-batches, the last short; and one
+    assert rows == 64
+    torch.manual_seed(0)
+    model = (
+        build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).double().eval()
+    )
+    inputs, labels = data.val.examples(torch.arange(rows), VALIDATION_STEP)
+    with torch.no_grad():
+        reference = full_batch_mean_loss(model(inputs), labels).item()
+    arguments = (tokens, micro_batch_sizes, masked_validation_settings)
+    [one_rank] = run_on_ranks(validation_worker, 1, arguments, timeout_s=120)
+    two_ranks = run_on_ranks(validation_worker, 2, arguments, timeout_s=120)
+    # fp32 against float64, as above: rounding moves the mean by about 1e-7; other masks move it by 1e-2.
     for losses in (one_rank, *two_ranks):
         assert losses == pytest.approx([reference] * len(micro_batch_sizes), rel=1e-6)
 

@@ -1,6 +1,7 @@
-"""Preemption and Ctrl-C: SIGTERM and SIGUSR1 (exit status 143) and SIGINT (130) end a run at a step boundary
-that every rank agrees on, with a checkpoint, and a restart continues bit-identically. A second Ctrl-C ends
-the process at once. Exit statuses are the literal numbers a shell shows, never the program's own constants.
+"""Preemption, Ctrl-C and a closed terminal: SIGTERM and SIGUSR1 (exit status 143), SIGINT (130) and SIGHUP
+(129) end a run at a step boundary that every rank agrees on, with a checkpoint, and a restart continues
+bit-identically. A second Ctrl-C ends the process at once. Exit statuses are the literal numbers a shell
+shows, never the program's own constants.
 
 The torchrun cases (a signal to one of two ranks, SIGTERM to the agent) are in tests/test_disrupted_runs.py,
 next to the 2-rank reference run they are compared with.
@@ -102,6 +103,8 @@ def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -
         ([{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGTERM", "self"]}], 143),
         # Ctrl-C in a terminal: the same stop, exit 130 (it lost 20 steps without a word before)
         ([{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGINT", "self"]}], 130),
+        # an ssh session closing: the same stop, exit 129 (it died of SIGHUP with only the step-0 checkpoint)
+        ([{"attempt": 0, "rank": 0, "signal_before_micro_batch": [3, 1, "SIGHUP", "self"]}], 129),
         # SIGUSR1 (SLURM's --signal), then SIGTERM in the middle of the checkpoint it causes
         (
             [
@@ -111,7 +114,7 @@ def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -
             143,
         ),
     ],
-    ids=["sigterm-mid-step", "sigint-mid-step", "sigusr1-then-sigterm-while-saving"],
+    ids=["sigterm-mid-step", "sigint-mid-step", "sighup-mid-step", "sigusr1-then-sigterm-while-saving"],
 )
 def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(
     tmp_path, corpus, reference, faults, status

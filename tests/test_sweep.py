@@ -122,3 +122,20 @@ def test_a_micro_batch_size_that_does_not_fit_is_marked_and_the_sweep_goes_on(tm
     assert sweep_microbatch.gradients_agree(rows, sweep_microbatch.RELATIVE_TOLERANCE["fp32"])
     table = sweep_microbatch.format_table(rows)
     assert table.count("does not fit: out of memory") == 2
+
+
+def test_a_png_into_a_missing_or_read_only_folder_is_refused_before_the_sweep(tmp_path, capsys):
+    """The sweep used to run in full and then die in savefig with a traceback, its table never printed. The
+    folder is checked first; a figure that still cannot be written (here: its path is a folder) costs only
+    the figure, after the table."""
+    corpus_folder = short_documents_corpus(tmp_path / "corpus")
+    common = [*TINY_CONFIG, f"data.source={corpus_folder}", "--micro", "1,2"]
+    assert sweep_microbatch.main([*common, "--png", str(tmp_path / "missing" / "sweep.png")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "does not exist; create it" in captured.err
+
+    (tmp_path / "a-folder.png").mkdir()
+    assert sweep_microbatch.main([*common, "--png", str(tmp_path / "a-folder.png")]) == 1
+    captured = capsys.readouterr()
+    assert "gradients across m: agree" in captured.out and "figure:" not in captured.out
+    assert captured.err.count("\n") == 1 and "the figure could not be written" in captured.err, captured.err

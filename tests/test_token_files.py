@@ -3,8 +3,6 @@ point on 1 and 2 ranks, with split equivalence against the float64 reference and
 
 import json
 import pickle
-import re
-import subprocess
 from collections import OrderedDict
 from pathlib import Path
 
@@ -218,34 +216,89 @@ def test_token_files_on_a_read_only_mount_are_read(tmp_path):
         assert inputs[0].tolist() == tokens_of(3000, 1)[48:64].tolist()
 
 
-def test_a_resume_over_a_token_file_changed_in_place_is_refused_naming_it(tmp_path, capsys):
+def edit_between_the_sampled_blocks(train_bin: Path) -> None:
     """Tokens 10,000-29,999 of a 100,000-token train.bin rewritten in place, the length unchanged: between the
-    fingerprint's sampled blocks, so only the file's modification time tells, and the resume is refused naming
-    the file. A file that only lost its modification time (the old tokens written back, as a copy without -p
-    leaves it) is refused the same way; the message's touch command gives the time back and the run resumes."""
+    fingerprint's sampled blocks (at 0, 31,968, 63,936 and 95,904, 4,096 tokens each)."""
+    with open(train_bin, "r+b") as file:
+        file.seek(2 * 10_000)
+        file.write(tokens_of(20_000, 99).astype("<u2").tobytes())
+
+
+def test_a_resume_over_a_token_file_edited_in_place_is_refused_and_a_plain_copy_resumes(tmp_path, capsys):
+    """Data small enough to hash whole (the default up to 1 GiB): the whole file's hash decides. An edit the
+    sampled blocks miss is refused naming the file and the hash; the old tokens written back (what a copy
+    without -p leaves: other modification time, same bytes) resume, with no command to run. The refusal never
+    suggests touching the file's time: that advice once let a run resume over edited data."""
     folder = nanogpt_folder(tmp_path / "n", train_tokens=100_000)
     train_bin = folder / "train.bin"
     original = train_bin.read_bytes()
     arguments = tiny_token_run(tmp_path, folder, **{"run.max_steps": 2, "run.sample_bytes": 0})
     assert train.main(arguments) == 0
     fingerprint = build(folder).summary.fingerprint
-    with open(train_bin, "r+b") as file:
-        file.seek(2 * 10_000)
-        file.write(tokens_of(20_000, 99).astype("<u2").tobytes())
+    edit_between_the_sampled_blocks(train_bin)
     assert build(folder).summary.fingerprint == fingerprint  # the sampled blocks alone miss this edit
     capsys.readouterr()
     assert train.main(arguments + ["run.max_steps=3"]) == 2
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and f"error: {train_bin} has changed since checkpoint" in error, error
-    assert "modified (ns)" in error and "size" not in error and "another run.name" in error
+    assert error.count("\n") == 1 and f"error: {train_bin} was edited since checkpoint" in error, error
+    assert "the whole file's hash" in error and "another run.name" in error and "touch" not in error
 
     train_bin.write_bytes(original)  # the same tokens again; a new modification time, as after a plain cp
-    assert train.main(arguments + ["run.max_steps=3"]) == 2
-    error = capsys.readouterr().err
-    [(stamp, path)] = re.findall(r"touch -d (@[0-9]+\.[0-9]{9}) (\S+)\n", error)  # the line's end
-    subprocess.run(["touch", "-d", stamp, path], check=True)
     assert train.main(arguments + ["run.max_steps=3"]) == 0
     assert "resuming from" in capsys.readouterr().out
+
+
+def test_a_resume_over_large_token_data_with_a_new_modification_time_is_refused(tmp_path, capsys, monkeypatch):
+    """Data too large to hash whole at every start (here: the limit lowered to 0 bytes) has only its size,
+    sampled blocks and modification time. An edit between the sampled blocks changes the time alone; it is
+    refused with what is known (the time changed, the tokens between the blocks cannot be checked), and so is
+    the same file with its old bytes written back: the program cannot tell the two apart, so it never resumes
+    on the user's word, and never suggests setting the time back (touch), which would resume over the edit."""
+    monkeypatch.setattr(token_files, "WHOLE_FILE_HASH_MAX_BYTES", 0)
+    folder = nanogpt_folder(tmp_path / "n", train_tokens=100_000)
+    train_bin = folder / "train.bin"
+    original = train_bin.read_bytes()
+    arguments = tiny_token_run(tmp_path, folder, **{"run.max_steps": 2, "run.sample_bytes": 0})
+    assert train.main(arguments) == 0
+    edit_between_the_sampled_blocks(train_bin)
+    capsys.readouterr()
+    for _ in ("edited", "written back"):
+        assert train.main(arguments + ["run.max_steps=3"]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"error: {train_bin} was written since checkpoint" in error, error
+        assert "modified (ns)" in error and "cannot be checked" in error and "another run.name" in error
+        assert "touch" not in error and "cp -p" in error
+        train_bin.write_bytes(original)
+
+
+def test_the_same_token_files_by_another_path_spelling_or_moved_resume(tmp_path, capsys):
+    """data.source is compared by what it holds (fingerprint and file stamps), not by how it is spelled: the
+    folder given as dir/./n, then moved (mv keeps modification times) and given by its new path, resumes
+    with the bits of the uninterrupted run. Other data under the old name is still refused."""
+    folder = nanogpt_folder(tmp_path / "n")
+    settings = {"run.max_steps": 2, "run.sample_bytes": 0, "schedule.decay_updates": 4}
+    arguments = tiny_token_run(tmp_path, folder, **settings)
+    assert train.main(arguments) == 0
+    capsys.readouterr()
+    respelled = f"{tmp_path}/./n"
+    assert train.main(arguments + [f"data.source={respelled}", "run.max_steps=3"]) == 0, capsys.readouterr().err
+    moved = tmp_path / "moved"
+    folder.rename(moved)
+    assert train.main(arguments + [f"data.source={moved}", "run.max_steps=4"]) == 0, capsys.readouterr().err
+    assert "resuming from" in capsys.readouterr().out
+
+    reference = tmp_path / "reference"
+    assert train.main(tiny_token_run(reference, moved, **{**settings, "run.max_steps": 4})) == 0
+    run_dir, reference_dir = tmp_path / "runs" / "default", reference / "runs" / "default"
+    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(reference_dir))
+    weights, reference_weights = final_weights(run_dir), final_weights(reference_dir)
+    assert all(torch.equal(weights[name], reference_weights[name]) for name in reference_weights)
+
+    other = nanogpt_folder(tmp_path / "other", train_tokens=3002)
+    capsys.readouterr()
+    assert train.main(arguments + [f"data.source={other}", "run.max_steps=5"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and f"training data (data.source '{moved}' -> '{other}', fingerprint" in error
 
 
 def test_a_bad_token_id_found_mid_run_is_one_line_and_exit_2(tmp_path, capsys):

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,15 @@ def positive_integers(text: str) -> list[int]:
     return sizes
 
 
+def check_figure_folder(png: str) -> None:
+    """A ConfigError unless the figure's folder exists and can be written to."""
+    folder = Path(png).absolute().parent
+    if not folder.is_dir():
+        raise ConfigError(f"--png {png}: the folder {folder} does not exist; create it or give another --png")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--png {png}: the folder {folder} is not writable; give another --png")
+
+
 def main(argv: list[str]) -> int:
     arguments, config_argv = parse_arguments(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -108,6 +118,7 @@ def main(argv: list[str]) -> int:
                 f"--micro: none of {arguments.micro} gives a whole number of accumulation steps ({rows[0]['skipped']})"
             )
         check_device_available(config)
+        check_figure_folder(arguments.png)  # before the sweep, which can take minutes
         corpus = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         vocab_size = resolved_vocab_size(config.model, corpus.vocab_size)
         row_ids = step_row_ids(
@@ -129,16 +140,26 @@ def main(argv: list[str]) -> int:
             f"global batch {config.batch.global_batch_size}, {context.world_size} rank(s), "
             f"{context.device}, {config.precision.dtype}"
         )
-        draw_figure(rows, arguments.png, setting)
+        # The measurements first: a figure that cannot be written must not cost the table.
         if arguments.json:
-            print(json.dumps(rows))
+            print(json.dumps(rows), flush=True)
         else:
             print(f"sweep: {setting}; the examples of step 0; SGD with lr 0 (no optimizer state); dropout off")
             print(format_table(rows))
             print(
                 f"gradients across m: {'agree' if agree else 'DIFFER'} (tolerance {tolerance:g} relative to the "
-                f"largest entry, for {config.precision.dtype}; see RELATIVE_TOLERANCE)"
+                f"largest entry, for {config.precision.dtype}; see RELATIVE_TOLERANCE)",
+                flush=True,
             )
+        try:
+            draw_figure(rows, arguments.png, setting)
+        except OSError as error:
+            print(
+                f"error: --png {arguments.png}: the figure could not be written ({error.strerror or error})",
+                file=sys.stderr,
+            )
+            return 1
+        if not arguments.json:
             print(f"figure: {arguments.png}")
         return 0 if agree else 1
     finally:

@@ -130,7 +130,7 @@ def equivalence(dtype_name: str, device: torch.device, chunked: bool = False) ->
     model = GPT(SMALL, seed=1)
     reference = float64_reference_gradient(model, micro_batches)
     autocast_dtype = AUTOCAST_DTYPES[dtype_name]
-    scaler = torch.amp.GradScaler("cuda") if dtype_name == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if dtype_name == "fp16" else None
     model = model.to(device)
     forward_module, loss_sum_fn = (
         (FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)) if chunked else (model, None)
@@ -201,7 +201,7 @@ def check_sync_audit(device: torch.device) -> tuple[bool, str]:
 def check_fp16_overflow(device: torch.device) -> tuple[bool, str]:
     model = GPT(SMALL, seed=1).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     rows = corpus_rows()
     micro_batches, counts = step_batches(rows, 16, 4)
     options = {"device": device, "scaler": scaler, "autocast_dtype": torch.float16, "global_counts": counts}

@@ -213,8 +213,9 @@ BUGS = [
         "error-line-rank-0-only",
         "only rank 0 prints a start-up error: under torchrun the agent can stop it before it prints",
         "train.py",
-        "    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n        print(",
-        "    except (ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n"
+        "    except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n"
+        "        print(",
+        "    except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:\n"
         "        if rank == 0:\n            print(",
         [f"{RUN_DIR_TEST}::test_the_error_line_survives_torchrun_when_rank_0_starts_last"],
     ),
@@ -222,8 +223,8 @@ BUGS = [
         "ctrl-c-not-caught",
         "Ctrl-C ends the run without a checkpoint (SIGINT not among the stop signals)",
         "accumulation/signals.py",
-        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)",
-        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)",
+        "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)",
         [
             "tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical[sigint-mid-step]"
         ],

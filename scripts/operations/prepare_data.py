@@ -25,10 +25,14 @@ A single text file is split at the newline nearest the cut (text_corpus.split_at
 it whole; a folder or a JSONL file is read one document at a time, so give one of those for a corpus
 larger than memory.
 Everything is written under a temporary folder and moved into place at the end: a failed run leaves
-nothing. Bad input is one line on stderr and exit status 2.
+nothing, and the staging folders of killed runs (.<OUT_DIR>.partial-<pid>, their process gone) are removed
+by the next run. Bad input (or an OUT_DIR that cannot be written) is one line on stderr and exit status 2;
+a full disk is one line and exit status 1.
 """
 
 import argparse
+import errno
+import glob
 import json
 import os
 import shutil
@@ -50,7 +54,45 @@ UINT16_VOCAB_LIMIT = 2**16  # nanoGPT files and llm.c version 1 hold ids 0..6553
 
 
 class PrepareError(Exception):
-    """Bad input or arguments, worded as one line."""
+    """Bad input or arguments, worded as one line (exit status 2)."""
+
+
+class WriteError(Exception):
+    """The output could not be written for want of space (exit status 1: the input is fine, the machine is not)."""
+
+
+# A full disk or quota: not the input's fault, so not exit status 2.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+WRITE_ERROR_STATUS = 1
+
+
+def write_error(error: OSError, out_dir: Path) -> Exception:
+    """The one line for an OSError while the output was written: no space (WriteError), or a folder this
+    user cannot write (PrepareError: OUT_DIR is the argument to change). Nothing of the output is kept."""
+    where = error.filename or out_dir
+    if error.errno in NO_SPACE_ERRNOS:
+        return WriteError(
+            f"{where}: the disk is full ({error.strerror}); nothing was kept (the partial output was removed); "
+            f"free space or choose an OUT_DIR on another disk, and run the command again"
+        )
+    return PrepareError(
+        f"cannot write {where} ({error.strerror or error}); choose an OUT_DIR in a folder you can write to"
+    )
+
+
+def remove_stale_partials(out_dir: Path) -> None:
+    """Remove the staging folders (.<out>.partial-<pid>) that earlier runs for this OUT_DIR left when they were
+    killed: those whose process no longer exists. A live one is another run's, and is left alone."""
+    for staging in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.partial-*"):
+        pid = staging.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:
+            pass  # it exists, under another user
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -70,9 +112,15 @@ def documents(input_path: Path, val_fraction: float, skipped: list) -> Iterator[
                 continue
             yield ("val" if path.relative_to(input_path).as_posix() in chosen else "train"), data.decode("utf-8")
     elif input_path.suffix == ".jsonl":
-        with open(input_path, encoding="utf-8") as file:
-            for line_number, line in enumerate(file, start=1):
-                line = line.strip()
+        with open(input_path, "rb") as file:
+            for line_number, raw_line in enumerate(file, start=1):
+                try:
+                    line = raw_line.decode("utf-8").strip()
+                except UnicodeDecodeError as error:
+                    raise PrepareError(
+                        f"{input_path}, line {line_number}: not valid UTF-8 (byte {error.start + 1} of the line); "
+                        f"fix or remove the line"
+                    ) from None
                 if not line:
                     continue
                 try:
@@ -215,13 +263,15 @@ def prepare(arguments: argparse.Namespace) -> dict:
     vocab_size = BYTE_VOCAB_SIZE if tokenizer is None else tokenizer.get_vocab_size()
     encode = encoder_for(tokenizer)
 
+    remove_stale_partials(out_dir)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     formats = ["nanogpt", "llmc"] if arguments.format == "both" else [arguments.format]
     folders = {name: (staging / name if arguments.format == "both" else staging) for name in formats}
-    for folder in folders.values():
-        folder.mkdir(parents=True)
+    progress_line_open = False  # the progress line has no newline yet: an error must not be glued onto it
     try:
+        for folder in folders.values():
+            folder.mkdir(parents=True)
         writers = []
         if "nanogpt" in folders:
             writers.append(NanoGPTWriter(folders["nanogpt"], vocab_size))
@@ -239,10 +289,12 @@ def prepare(arguments: argparse.Namespace) -> dict:
             if time.monotonic() - last_report > 1:
                 last_report = time.monotonic()
                 print(f"\r{document_count:,} documents, {sum(counts.values()):,} tokens", end="", file=sys.stderr)
+                progress_line_open = True
         for writer in writers:
             writer.close()
-        if last_report:
+        if progress_line_open:
             print(file=sys.stderr)  # end the progress line
+            progress_line_open = False
         if counts["train"] == 0:
             raise PrepareError(f"{input_path}: no text for the training split; add text or lower --val-fraction")
         if arguments.val_fraction > 0 and counts["val"] == 0:
@@ -267,7 +319,11 @@ def prepare(arguments: argparse.Namespace) -> dict:
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.replace(staging, out_dir)
+    except OSError as error:
+        raise write_error(error, out_dir) from None
     finally:
+        if progress_line_open:
+            print(file=sys.stderr)  # end the progress line before the error that follows
         shutil.rmtree(staging, ignore_errors=True)
     return meta
 
@@ -288,9 +344,15 @@ def main(argv: list[str]) -> int:
     arguments = parse_arguments(argv)
     try:
         meta = prepare(arguments)
-    except (PrepareError, OSError, UnicodeDecodeError) as error:
+    except (PrepareError, UnicodeDecodeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except OSError as error:  # before the output is staged: the input cannot be read
+        print(f"error: {error.filename or arguments.input}: {error.strerror or error}", file=sys.stderr)
+        return 2
+    except WriteError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return WRITE_ERROR_STATUS
     print(
         f"wrote {arguments.out_dir} ({arguments.format}): {meta['train_tokens']:,} training and "
         f"{meta['val_tokens']:,} validation tokens from {meta['documents']:,} documents, vocabulary "

@@ -1,0 +1,55 @@
+"""How much memory this process can have at most: the start-up checks compare their estimates against it.
+
+The smallest of three limits: the machine's physical memory, the cgroup's (a container or a SLURM job's
+--mem, memory.max or memory.limit_in_bytes), and the address space a `ulimit -v` (RLIMIT_AS) leaves beyond what the
+process already maps. An upper bound on purpose: memory other processes use comes and goes, so a check
+against it would refuse runs that fit; a check against this refuses only what cannot fit at all.
+"""
+
+import os
+import resource
+from pathlib import Path
+
+
+def cgroup_memory_limit_bytes() -> int | None:
+    """The memory limit of this process's cgroup (v2: memory.max; v1: memory.limit_in_bytes), or None."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, group = line.split(":", 2)
+        if controllers == "":  # cgroup v2, one hierarchy
+            limit_file = Path("/sys/fs/cgroup", group.lstrip("/"), "memory.max")
+        elif "memory" in controllers.split(","):  # cgroup v1, the memory hierarchy
+            limit_file = Path("/sys/fs/cgroup/memory", group.lstrip("/"), "memory.limit_in_bytes")
+        else:
+            continue
+        try:
+            limit = limit_file.read_text().strip()
+        except OSError:
+            continue
+        # "max" (v2) or a huge number (v1, 2^63 rounded to a page) both mean no limit
+        if limit.isdigit() and int(limit) < 2**60:
+            return int(limit)
+    return None
+
+
+def mapped_bytes() -> int:
+    """The address space this process maps already (VmSize), which counts against RLIMIT_AS."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024  # kB
+    return 0
+
+
+def memory_limit_bytes() -> tuple[int, str]:
+    """(bytes, what sets the limit) for the memory this process can get at most."""
+    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory")]
+    cgroup = cgroup_memory_limit_bytes()
+    if cgroup is not None:
+        limits.append((cgroup, "the cgroup's memory.max"))
+    address_space, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if address_space != resource.RLIM_INFINITY:
+        limits.append((max(0, address_space - mapped_bytes()), "the address space ulimit -v leaves"))
+    return min(limits)
