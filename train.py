@@ -15,6 +15,7 @@ A fork changes three things, each in one place: the model and the loss (accumula
 (accumulation/data.py: `build_data`). docs/forking.md walks through it.
 """
 
+import dataclasses
 import math
 import os
 import sys
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import describe_batch
+from accumulation.batching import MicroBatch, describe_batch
 from accumulation.build import (
     autocast_dtype_for,
     build_optimizer,
@@ -47,6 +48,7 @@ from accumulation.checkpoint import (
 from accumulation.config import (
     Config,
     ConfigError,
+    ModelConfig,
     config_to_toml,
     help_text,
     load_config,
@@ -84,6 +86,7 @@ from accumulation.logs import (
 )
 from accumulation.models import (
     build_model,
+    free_memory_bytes,
     resolved_vocab_size,
     training_forward_and_loss,
     uses_chunked_loss,
@@ -100,7 +103,7 @@ from accumulation.resume import (
 from accumulation.run_dir import RunDirectoryError, RunLock, metrics_lines, run_directory
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
-from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import GlobalCounts, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 
 def main(argv: list[str]) -> int:
@@ -214,29 +217,14 @@ def train(
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
+        step_batches = StepBatches(config, data, context)
         while counters.steps < config.run.max_steps:
             step_start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            # The step's rows are a pure function of (seed, step, row ids): which rows, from (seed, step, G);
-            # what each holds at this step (a fresh mask), from the data. Every rank holds the whole step's
-            # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
-            batch = step_batch(
-                data.train,
-                counters.steps,
-                seed=config.run.seed,
-                global_batch_size=config.batch.global_batch_size,
-                tail=config.batch.tail,
-                micro_batch_size=micro_batch_size,
-                world_size=context.world_size,
-                rank=context.rank,
-            )
-            # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
-            # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
-            check_supervised_counts(batch)
-            micro_batches = batch.micro_batches
-            if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
-                micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
+            # The step's rows are a pure function of (seed, step, row ids); the step's micro-batches were built,
+            # checked and pinned while the device ran the step before (see StepBatches).
+            micro_batches, global_counts = step_batches.take(counters.steps, micro_batch_size)
             result = optimizer_step(
                 training.wrapped,
                 micro_batches,
@@ -246,9 +234,11 @@ def train(
                 loss_sum_fn=training.loss_sum_fn,
                 grad_clip=config.optim.grad_clip,
                 autocast_dtype=autocast_dtype,
-                global_counts=batch.global_counts,
+                global_counts=global_counts,
                 shrink_on_oom=config.batch.on_oom == "shrink",
                 stop_requested=lambda: stop.requested,  # read at the step's boundary
+                # while the device runs this step, the host builds the next one's micro-batches
+                before_read_back=lambda step=counters.steps + 1, m=micro_batch_size: step_batches.build(step, m),
             )
             if result.applied:
                 training.scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance
@@ -274,11 +264,59 @@ def train(
     return 0
 
 
+class StepBatches:
+    """Each step's micro-batches, built one step ahead: optimizer_step calls build(next step) after it has queued
+    the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
+    them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
+    early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
+    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
+
+    def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
+        self.config, self.data, self.context = config, data, context
+        self.built = {}  # (step, m) -> (micro-batches, global counts)
+
+    def take(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        ready = self.built.pop((step, micro_batch_size), None)
+        self.built.clear()
+        return ready if ready is not None else self.micro_batches(step, micro_batch_size)
+
+    def build(self, step: int, micro_batch_size: int) -> None:
+        if step >= self.config.run.max_steps:
+            return
+        try:
+            self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
+        except DataError:
+            pass  # raised again when that step takes its batch, after this step is logged and checkpointed
+
+    def micro_batches(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        config, context = self.config, self.context
+        # What each row holds at this step (a fresh mask) comes from the data. Every rank holds the whole step's
+        # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
+        batch = step_batch(
+            self.data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=config.batch.global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=micro_batch_size,
+            world_size=context.world_size,
+            rank=context.rank,
+        )
+        # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
+        # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
+        check_supervised_counts(batch)
+        micro_batches = batch.micro_batches
+        if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
+            micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
+        return micro_batches, batch.global_counts
+
+
 class Training(NamedTuple):
     """What the training section runs: the model (checkpoints hold it), the module the step runs (`wrapped`),
     the loss, and the optimizer with its schedule and GradScaler."""
 
     model: torch.nn.Module
+    model_config: ModelConfig  # config.model with model.loss decided ("plain" or "chunked")
     forward_module: torch.nn.Module  # the model, or with the chunked loss the module returning its hidden states
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     wrapped: torch.nn.Module
@@ -300,8 +338,18 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
     # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
     compiled = resolved_compile(config, device.type)
+    # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
+    # (accumulation/models.py, uses_chunked_loss); validation uses the same loss.
+    # Every rank decides on the least free memory of all ranks, so all run the same loss.
+    positions = config.batch.micro_batch_size * config.data.seq_len
+    free_bytes = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)
+    if dist.is_initialized() and config.model.loss == "auto":
+        free_bytes = free_bytes.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL reduces device tensors
+        dist.all_reduce(free_bytes, op=dist.ReduceOp.MIN)
+    chunked = uses_chunked_loss(config.model, config.dist, model, device.type, positions, int(free_bytes))
+    model_config = dataclasses.replace(config.model, loss="chunked" if chunked else "plain")
     forward_module, loss_sum_fn = training_forward_and_loss(
-        config.model, config.dist, model, device.type, compile=compiled
+        model_config, config.dist, model, device.type, compile=compiled
     )
     param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
     wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
@@ -312,7 +360,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
-    return Training(model, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled)
+    return Training(model, model_config, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled)
 
 
 def resume_training(
@@ -428,7 +476,9 @@ class Session:
         # Validation on its own cadence of steps, never depending on where a session happens to end,
         # so an interrupted and resumed run writes the same lines as an uninterrupted one.
         if self.data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-            val_loss = validation_loss(self.training.model, self.data, config, context, micro_batch_size)
+            val_loss = validation_loss(
+                self.training.model, self.data, config, context, micro_batch_size, self.training.model_config
+            )
             record["val_loss"] = finite_or_none(val_loss)
         write_metrics(context, self.metrics_file, self.writers, record)
         if counters.steps % config.run.log_every == 0 or finished:
@@ -471,7 +521,14 @@ class Session:
                 self.record["val_loss"]
                 if "val_loss" in self.record
                 else finite_or_none(
-                    validation_loss(self.training.model, self.data, self.config, self.context, micro_batch_size)
+                    validation_loss(
+                        self.training.model,
+                        self.data,
+                        self.config,
+                        self.context,
+                        micro_batch_size,
+                        self.training.model_config,
+                    )
                 )
             )
         if self.context.is_main:
@@ -494,17 +551,25 @@ class Session:
 
 @torch.no_grad()
 def validation_loss(
-    model: torch.nn.Module, data: Data, config: Config, context: DistributedContext, micro_batch_size: int
+    model: torch.nn.Module,
+    data: Data,
+    config: Config,
+    context: DistributedContext,
+    micro_batch_size: int,
+    model_config: ModelConfig | None = None,
 ) -> float:
     """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
-    every micro-batch and rank, then divided once (the same weighting as training). `micro_batch_size` is the
-    training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it."""
+    every micro-batch and rank, then divided once (the same weighting as training). `model_config`: config.model
+    with model.loss as training decided it (Training.model_config; default config.model).
+    `micro_batch_size` is the training loop's current m (batch.on_oom = "shrink" may have lowered it); the value
+    does not depend on it."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
     autocast_dtype = autocast_dtype_for(config.precision)
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
+    model_config = config.model if model_config is None else model_config
+    forward_module, loss_sum_fn = training_forward_and_loss(model_config, config.dist, model, context.device.type)
     for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = forward_module(micro_batch.inputs.to(context.device))
