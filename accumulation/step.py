@@ -213,8 +213,11 @@ def optimizer_step(
         # A rank that ran out of memory knows the step is redone: its gradients are not worth a look.
         unscaled = tokens_global > 0 and not out_of_memory
         # The update is queued before the read-back when its skip can be decided on the device: a fused
-        # optimizer, and no out-of-memory retry that the read-back could still call for.
-        update_queued = unscaled and not shrink_on_oom and skips_on_the_device(optimizer)
+        # optimizer, and no out-of-memory retry that the read-back could still call for. (Not under FSDP2: its
+        # parameters are DTensor shards, and the fused kernels' device flag next to them is untested here.)
+        update_queued = (
+            unscaled and not shrink_on_oom and skips_on_the_device(optimizer) and not isinstance(model, FSDPModule)
+        )
         if unscaled:
             scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
             grad_norm_tensor = gradient_norm(model, grad_clip)
