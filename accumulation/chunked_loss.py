@@ -66,15 +66,20 @@ def chunk_loss_and_gradients(
     loss_sum = ((log_normaliser - target_logits) * supervised).sum()
     if not with_gradients:
         return loss_sum, None
-    # ∂S/∂Z = softmax(Z) - onehot(y), rows without a target zeroed: a chain of pointwise operations on Z, its
-    # row's logsumexp and its target (where(j == y_i, p_ij - 1, p_ij) · supervised_i), in place over the logits.
-    # Inductor fuses the chain into one kernel that reads the logits once and writes only the compute-dtype
-    # result; eager reuses the fp32 logits' memory (the comparison j == y_i is a bool [P, V], a quarter of it).
-    # (A scatter of -1 into the probabilities, as before, is not pointwise: Inductor wrote the probabilities
-    # whole in fp32, scattered into them, then cast them, three passes over [P, V].)
-    is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    # ∂S/∂Z = softmax(Z) - onehot(y), rows without a target zeroed, in place over the fp32 logits.
     probabilities = logits.sub_(log_normaliser[:, None]).exp_()
-    grad_logits = probabilities.add_(is_target, alpha=-1).mul_(supervised[:, None]).to(hidden.dtype)
+    if torch.compiler.is_compiling():
+        # Compiled: one pointwise expression of Z, its row's logsumexp and its target, where(j == y_i, p_ij - 1,
+        # p_ij) · supervised_i, which Inductor fuses into one kernel that reads the logits once and writes only the
+        # compute-dtype gradient. (A scatter is not pointwise: Inductor wrote the fp32 probabilities whole, then
+        # scattered into them, then cast them, three passes over [P, V] and an fp32 [P, V] buffer.)
+        is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+        grad_logits = probabilities.add_(is_target, alpha=-1)
+    else:
+        # Eager: each operation is a pass over [P, V], and the scatter of -1 touches the P targets only (the
+        # pointwise expression took twice as long here on a CPU). The values are the same bits either way.
+        grad_logits = probabilities.scatter_add_(1, targets[:, None], -torch.ones_like(log_normaliser[:, None]))
+    grad_logits = grad_logits.mul_(supervised[:, None]).to(hidden.dtype)
     if grad_weight is not None:
         add_product_into(grad_weight, grad_logits.T, hidden)  # ∂S/∂W += (∂S/∂Z)ᵀ H
     return loss_sum, grad_logits @ weight

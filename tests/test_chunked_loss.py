@@ -209,6 +209,27 @@ def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_ex
     assert max_relative_error(captured[0], reference) < FLOAT32_RTOL
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_compiled_and_the_eager_form_of_a_chunks_gradient_give_the_same_bits(monkeypatch, dtype):
+    """Under torch.compile the chunk's ∂S/∂Z is the pointwise where(j == y, p - 1, p) · mask (one fused kernel);
+    eagerly a scatter of -1 at the targets (a pass over P entries, not [P, V]). Both compute p - 1 at the target
+    and p elsewhere, so S, ∂S/∂H and ∂S/∂W agree bit for bit; here the compiled form runs eagerly."""
+    hidden, _ = hidden_and_labels(dtype)
+    hidden = hidden.reshape(-1, 16)
+    weight = torch.nn.Linear(16, MODEL.vocab_size, bias=False).weight.detach().to(dtype)
+    labels = LABELS.reshape(-1)
+
+    def chunk():
+        grad_weight = torch.zeros_like(weight)
+        loss_sum, grad_hidden = chunk_loss_and_gradients(hidden, weight, labels, grad_weight, True)
+        return loss_sum, grad_hidden, grad_weight
+
+    eager = chunk()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    pointwise = chunk()
+    assert all(torch.equal(a, b) for a, b in zip(eager, pointwise, strict=True))
+
+
 @pytest.mark.compile
 def test_inductor_computes_a_chunks_gradient_without_an_fp32_logits_sized_buffer(tmp_path, monkeypatch):
     """One bf16 chunk compiled by Inductor on the CPU: the only [P, V] buffers its generated code allocates are in
