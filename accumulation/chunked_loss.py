@@ -76,8 +76,8 @@ def chunk_loss_and_gradients(
         is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
         grad_logits = probabilities.add_(is_target, alpha=-1)
     else:
-        # Eager: each operation is a pass over [P, V], and the scatter of -1 touches the P targets only (the
-        # pointwise expression took twice as long here on a CPU). The values are the same bits either way.
+        # Eager: each operation is a pass over [P, V]; the scatter of -1 touches the P targets only, where the
+        # pointwise form would add two passes (the comparison, the subtraction). The same bits either way.
         grad_logits = probabilities.scatter_add_(1, targets[:, None], -torch.ones_like(log_normaliser[:, None]))
     grad_logits = grad_logits.mul_(supervised[:, None]).to(hidden.dtype)
     if grad_weight is not None:
