@@ -17,6 +17,7 @@ A fork changes three things, each in one place: the model and the loss (accumula
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
 
+import dataclasses
 import math
 import os
 import signal
@@ -41,7 +42,7 @@ if __name__ == "__main__":
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import describe_batch
+from accumulation.batching import MicroBatch, describe_batch
 from accumulation.build import (
     autocast_dtype_for,
     build_optimizer,
@@ -62,6 +63,7 @@ from accumulation.checkpoint import (
 from accumulation.config import (
     Config,
     ConfigError,
+    ModelConfig,
     config_to_toml,
     help_text,
     load_config,
@@ -101,6 +103,7 @@ from accumulation.logs import (
 )
 from accumulation.models import (
     build_model,
+    free_memory_bytes,
     loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
@@ -135,7 +138,7 @@ from accumulation.run_dir import (
 )
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
-from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import GlobalCounts, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
 
 
 def main(argv: list[str]) -> int:
@@ -257,35 +260,20 @@ def train(
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
+        step_batches = StepBatches(config, data, context)
         while counters.steps < config.run.max_steps:
             step_start = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            # The step's rows are a pure function of (seed, step, row ids): which rows, from (seed, step, G);
-            # what each holds at this step (a fresh mask), from the data. Every rank holds the whole step's
-            # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
-            batch = step_batch(
-                data.train,
-                counters.steps,
-                seed=config.run.seed,
-                global_batch_size=config.batch.global_batch_size,
-                tail=config.batch.tail,
-                micro_batch_size=micro_batch_size,
-                world_size=context.replicas,  # D: the stages of one replica run the same rows
-                rank=context.replica,
-            )
-            # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
-            # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
-            check_supervised_counts(batch)
-            micro_batches = batch.micro_batches
-            if device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
-                micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
+            # The step's rows are a pure function of (seed, step, row ids); the step's micro-batches were built,
+            # checked and pinned while the device ran the step before (see StepBatches).
+            micro_batches, global_counts = step_batches.take(counters.steps, micro_batch_size)
             if training.pipeline is not None:  # dist.pipeline_stages > 1: the schedule runs the micro-batches
                 result = pipelined_step(
                     training.pipeline,
                     micro_batches,
                     training.optimizer,
-                    global_counts=batch.global_counts,
+                    global_counts=global_counts,
                     grad_clip=config.optim.grad_clip,
                     autocast_dtype=autocast_dtype,
                     scaler=training.scaler,
@@ -301,9 +289,11 @@ def train(
                     loss_sum_fn=training.loss_sum_fn,
                     grad_clip=config.optim.grad_clip,
                     autocast_dtype=autocast_dtype,
-                    global_counts=batch.global_counts,
+                    global_counts=global_counts,
                     shrink_on_oom=config.batch.on_oom == "shrink",
                     stop_requested=lambda: stop.requested,  # read at the step's boundary
+                    # while the device runs this step, the host builds the next one's micro-batches
+                    before_read_back=lambda step=counters.steps + 1, m=micro_batch_size: step_batches.build(step, m),
                 )
             if result.applied:
                 training.scheduler.step()  # the schedule's unit is applied updates: a skipped step does not advance
@@ -329,11 +319,59 @@ def train(
     return 0
 
 
+class StepBatches:
+    """Each step's micro-batches, built one step ahead: optimizer_step calls build(next step) after it has queued
+    the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
+    them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
+    early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
+    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
+
+    def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
+        self.config, self.data, self.context = config, data, context
+        self.built = {}  # (step, m) -> (micro-batches, global counts)
+
+    def take(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        ready = self.built.pop((step, micro_batch_size), None)
+        self.built.clear()
+        return ready if ready is not None else self.micro_batches(step, micro_batch_size)
+
+    def build(self, step: int, micro_batch_size: int) -> None:
+        if step >= self.config.run.max_steps:
+            return
+        try:
+            self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
+        except DataError:
+            pass  # raised again when that step takes its batch, after this step is logged and checkpointed
+
+    def micro_batches(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        config, context = self.config, self.context
+        # What each row holds at this step (a fresh mask) comes from the data. Every rank holds the whole step's
+        # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
+        batch = step_batch(
+            self.data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=config.batch.global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=micro_batch_size,
+            world_size=context.replicas,  # D: the stages of one replica run the same rows
+            rank=context.replica,
+        )
+        # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
+        # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
+        check_supervised_counts(batch)
+        micro_batches = batch.micro_batches
+        if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
+            micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
+        return micro_batches, batch.global_counts
+
+
 class Training(NamedTuple):
     """What the training section runs: the model (checkpoints hold it), the module the step runs (`wrapped`),
     the loss, and the optimizer with its schedule and GradScaler."""
 
     model: torch.nn.Module
+    model_config: ModelConfig  # config.model with model.loss decided ("plain" or "chunked")
     forward_module: torch.nn.Module  # the model, or with the chunked loss the module returning its hidden states
     loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     wrapped: torch.nn.Module
@@ -358,6 +396,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     compiled = resolved_compile(config, device.type)
     pipeline = None
     if context.layout.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
+        model_config = dataclasses.replace(config.model, loss="plain")
         forward_module, loss_sum_fn = model, loss_sum_fn_for(config.model)
         accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
         pipeline = build_pipeline(model, context.layout, device, loss_sum_fn, accum, config.dist.pipeline_schedule)
@@ -366,8 +405,18 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
         pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
         wrapped = pipeline.wrapped
     else:
+        # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
+        # (accumulation/models.py, uses_chunked_loss); validation uses the same loss.
+        # Every rank decides on the least free memory of all ranks, so all run the same loss.
+        positions = config.batch.micro_batch_size * config.data.seq_len
+        free_bytes = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)
+        if dist.is_initialized() and config.model.loss == "auto":
+            free_bytes = free_bytes.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL: device tensors
+            dist.all_reduce(free_bytes, op=dist.ReduceOp.MIN)
+        chunked = uses_chunked_loss(config.model, config.dist, model, device.type, positions, int(free_bytes))
+        model_config = dataclasses.replace(config.model, loss="chunked" if chunked else "plain")
         forward_module, loss_sum_fn = training_forward_and_loss(
-            config.model, config.dist, model, device.type, compile=compiled
+            model_config, config.dist, model, device.type, compile=compiled
         )
         param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
         wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
@@ -378,7 +427,9 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     )
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
-    return Training(model, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled, pipeline)
+    return Training(
+        model, model_config, forward_module, loss_sum_fn, wrapped, optimizer, scheduler, scaler, compiled, pipeline
+    )
 
 
 def resume_training(
@@ -501,7 +552,10 @@ class Session:
         # Validation on its own cadence of steps, never depending on where a session happens to end,
         # so an interrupted and resumed run writes the same lines as an uninterrupted one.
         if self.data.val is not None and config.run.eval_every and counters.steps % config.run.eval_every == 0:
-            val_loss = validation_loss(self.training, self.data, config, context, micro_batch_size)
+            training = self.training
+            val_loss = validation_loss(
+                training.model, self.data, config, context, micro_batch_size, training.model_config, training.pipeline
+            )
             record["val_loss"] = finite_or_none(val_loss)
         write_metrics(context, self.metrics_file, self.writers, record)
         if counters.steps % config.run.log_every == 0 or finished:
@@ -544,7 +598,15 @@ class Session:
                 self.record["val_loss"]
                 if "val_loss" in self.record
                 else finite_or_none(
-                    validation_loss(self.training, self.data, self.config, self.context, micro_batch_size)
+                    validation_loss(
+                        self.training.model,
+                        self.data,
+                        self.config,
+                        self.context,
+                        micro_batch_size,
+                        self.training.model_config,
+                        self.training.pipeline,
+                    )
                 )
             )
         if self.context.is_main:
@@ -567,27 +629,35 @@ class Session:
 
 @torch.no_grad()
 def validation_loss(
-    training: Training, data: Data, config: Config, context: DistributedContext, micro_batch_size: int
+    model: torch.nn.Module,
+    data: Data,
+    config: Config,
+    context: DistributedContext,
+    micro_batch_size: int,
+    model_config: ModelConfig | None = None,
+    pipeline: Pipeline | None = None,
 ) -> float:
     """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
-    every micro-batch and replica, then divided once (the same weighting as training). `micro_batch_size` is
-    the training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it.
-    With pipeline stages the rows go forward through the stages; only last stages add loss sums, and the
-    first stage of each replica counts its targets (so each replica's count is added once)."""
+    every micro-batch and replica, then divided once (the same weighting as training). `model_config`:
+    config.model with model.loss as training decided it (Training.model_config; default config.model).
+    `micro_batch_size` is the training loop's current m (batch.on_oom = "shrink" may have lowered it); the value
+    does not depend on it. With pipeline stages (`pipeline`, Training.pipeline) the rows go forward through the
+    stages; only last stages add loss sums, and the first stage of each replica counts its targets (so each
+    replica's count is added once)."""
     autocast_dtype = autocast_dtype_for(config.precision)
     own_rows = eval_micro_batches(data.val, micro_batch_size, context.replicas, context.replica)
-    if training.pipeline is not None:
-        loss_sum, tokens = pipelined_loss_sum(training.pipeline, own_rows, autocast_dtype)
+    if pipeline is not None:
+        loss_sum, tokens = pipelined_loss_sum(pipeline, own_rows, autocast_dtype)
         tokens = tokens if context.layout.is_first_stage else 0
         dist.all_reduce(loss_sum)
         [tokens_global] = all_reduce_ints([tokens], context.device)
         return loss_sum.item() / max(tokens_global, 1)
-    model = training.model
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
+    model_config = config.model if model_config is None else model_config
+    forward_module, loss_sum_fn = training_forward_and_loss(model_config, config.dist, model, context.device.type)
     for micro_batch in own_rows:
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             outputs = forward_module(micro_batch.inputs.to(context.device))

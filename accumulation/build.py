@@ -9,9 +9,10 @@ the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket bounda
 convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
 its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
 other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
-The loss is compiled too (training_forward_and_loss in accumulation/models.py), on its own: it runs outside
-DDP's forward, where DDP cannot see it. Not measured here: the project's machines have no GPU
-(scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
+With model.compile on, the module is ForwardAndLoss (training_forward_and_loss in accumulation/models.py): the
+forward and the loss (plain or chunked) in one module, so they compile as one region inside DDP's forward
+(tests/test_compiled_region.py counts 0 graph breaks and no recompiles). Not measured here: the project's
+machines have no GPU (scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
 """
 
 import os
@@ -87,8 +88,9 @@ def wrap_for_training(
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
     skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
     dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
-    after this call. `model` is the forward module of training_forward_and_loss (accumulation/models.py): the
-    model, or with the chunked loss the module returning its hidden states; the loss is compiled there."""
+    after this call. `model` is the module of training_forward_and_loss (accumulation/models.py): the model, or
+    with the chunked loss the module returning its hidden states; with `compile`, either with its loss in one
+    module (ForwardAndLoss), compiled here as one region."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         return shard_model(model, context, param_dtype=param_dtype)
     wrapped = torch.compile(model) if compile else model

@@ -47,33 +47,64 @@ def compute_dtype_of(hidden: torch.Tensor) -> torch.dtype:
 
 
 def chunk_loss_and_gradients(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, with_gradients: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """S of one chunk and, when asked, ∂S/∂H [P, d] and ∂S/∂W [V, d] in the compute dtype (see the module's maths).
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    grad_weight: torch.Tensor | None,
+    with_gradients: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """S of one chunk and, when asked, ∂S/∂H [P, d] in the compute dtype; ∂S/∂W [V, d] is added into `grad_weight`
+    (the fp32 accumulator over chunks) when one is given (see the module's maths).
 
     `hidden` and `weight` are already in the compute dtype; nothing here depends on autocast."""
     softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)
-    logits = (hidden @ weight.T).to(softmax_dtype)  # Z, one fp32 copy (the compute-dtype product is freed)
+    logits = (hidden @ weight.T).to(softmax_dtype)  # Z; under torch.compile the cast fuses into its readers
     supervised = labels != IGNORE_INDEX
     targets = labels.masked_fill(~supervised, 0)  # any valid index; those rows are masked out below
     log_normaliser = torch.logsumexp(logits, dim=1)  # logsumexp(Z_i)
     target_logits = logits.gather(1, targets[:, None])[:, 0]  # Z_{i, y_i}
     loss_sum = ((log_normaliser - target_logits) * supervised).sum()
     if not with_gradients:
-        return loss_sum, None, None
-    # softmax(Z) - onehot(y), in place over the logits (no second [P, V] fp32 tensor); unsupervised rows zeroed.
-    grad_logits = logits.sub_(log_normaliser[:, None]).exp_()
-    grad_logits.scatter_add_(1, targets[:, None], -torch.ones_like(log_normaliser[:, None]))
-    grad_logits.mul_(supervised[:, None])
-    grad_logits = grad_logits.to(hidden.dtype)
-    return loss_sum, grad_logits @ weight, grad_logits.T @ hidden
+        return loss_sum, None
+    # ∂S/∂Z = softmax(Z) - onehot(y), rows without a target zeroed, in place over the fp32 logits.
+    probabilities = logits.sub_(log_normaliser[:, None]).exp_()
+    if torch.compiler.is_compiling():
+        # Compiled: one pointwise expression of Z, its row's logsumexp and its target, where(j == y_i, p_ij - 1,
+        # p_ij) · supervised_i, which Inductor fuses into one kernel that reads the logits once and writes only the
+        # compute-dtype gradient. (A scatter is not pointwise: Inductor wrote the fp32 probabilities whole, then
+        # scattered into them, then cast them, three passes over [P, V] and an fp32 [P, V] buffer.)
+        is_target = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+        grad_logits = probabilities.add_(is_target, alpha=-1)
+    else:
+        # Eager: each operation is a pass over [P, V]; the scatter of -1 touches the P targets only, where the
+        # pointwise form would add two passes (the comparison, the subtraction). The same bits either way.
+        grad_logits = probabilities.scatter_add_(1, targets[:, None], -torch.ones_like(log_normaliser[:, None]))
+    grad_logits = grad_logits.mul_(supervised[:, None]).to(hidden.dtype)
+    if grad_weight is not None:
+        add_product_into(grad_weight, grad_logits.T, hidden)  # ∂S/∂W += (∂S/∂Z)ᵀ H
+    return loss_sum, grad_logits @ weight
+
+
+def add_product_into(accumulator: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    """accumulator += left @ right, with no product-sized temporary where PyTorch allows it.
+
+    Same dtypes (fp32 or float64 compute): addmm_ adds the product into the accumulator in place. A bf16/fp16
+    product into the fp32 accumulator: on CUDA, addmm's out_dtype variant multiplies in the compute dtype and
+    accumulates straight into fp32 (cuBLAS's beta = 1); elsewhere that variant does not exist (PyTorch 2.13's
+    CPU backend lacks it), so the product is formed in the compute dtype and then added."""
+    if accumulator.dtype == left.dtype:
+        accumulator.addmm_(left, right)
+    elif accumulator.is_cuda:
+        torch.addmm(accumulator, left, right, out_dtype=accumulator.dtype, out=accumulator)
+    else:
+        accumulator += left @ right
 
 
 class LinearCrossEntropySum(torch.autograd.Function):
     """S = Σ cross_entropy(hidden Wᵀ, labels) over supervised positions, its gradients computed in the forward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_positions, chunk_fn, with_gradients):
+    def forward(ctx, hidden, weight, labels, chunk_positions, with_gradients):
         compute_dtype = compute_dtype_of(hidden)
         with torch.autocast(hidden.device.type, enabled=False):  # the dtypes are explicit below
             weight_compute = weight.to(compute_dtype)  # cast once, not once per chunk
@@ -84,14 +115,12 @@ class LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = torch.zeros_like(weight) if with_gradients and ctx.needs_input_grad[1] else None
             for start in range(0, hidden.shape[0], chunk_positions):
                 chunk = slice(start, start + chunk_positions)
-                chunk_sum, chunk_grad_hidden, chunk_grad_weight = chunk_fn(
-                    hidden[chunk].to(compute_dtype), weight_compute, labels[chunk], with_gradients
+                chunk_sum, chunk_grad_hidden = chunk_loss_and_gradients(
+                    hidden[chunk].to(compute_dtype), weight_compute, labels[chunk], grad_weight, with_gradients
                 )
                 loss_sum += chunk_sum
                 if grad_hidden is not None:
                     grad_hidden[chunk] = chunk_grad_hidden
-                if grad_weight is not None:
-                    grad_weight += chunk_grad_weight
         ctx.save_for_backward(grad_hidden, grad_weight)
         return loss_sum
 
@@ -105,7 +134,6 @@ class LinearCrossEntropySum(torch.autograd.Function):
             None,
             None,
             None,
-            None,
         )
 
 
@@ -113,16 +141,14 @@ class ChunkedCrossEntropySum:
     """loss_sum_fn(hidden_states, labels) -> S for a model whose outputs are its final hidden states.
 
     `output_head` is the model's bias-free nn.Linear from hidden states to logits (the GPT's lm_head); its weight
-    gets its gradient from this loss. `chunk_positions` defaults to positions_per_chunk(vocab). `compile`
-    compiles the per-chunk work (model.compile): its softmax, mask and casts fuse into a few kernels."""
+    gets its gradient from this loss. `chunk_positions` defaults to positions_per_chunk(vocab). Under
+    model.compile it is compiled with the model, in one region (accumulation/models.py, ForwardAndLoss)."""
 
-    def __init__(self, output_head: torch.nn.Linear, chunk_positions: int | None = None, compile: bool = False):
+    def __init__(self, output_head: torch.nn.Linear, chunk_positions: int | None = None):
         if output_head.bias is not None:
             raise ValueError("the chunked loss takes an output head without bias")
         self.output_head = output_head
         self.chunk_positions = chunk_positions or positions_per_chunk(output_head.out_features)
-        # dynamic=True: the last chunk of a micro-batch is shorter; one compiled kernel serves every length.
-        self.chunk_fn = torch.compile(chunk_loss_and_gradients, dynamic=True) if compile else chunk_loss_and_gradients
 
     def __call__(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
@@ -130,7 +156,7 @@ class ChunkedCrossEntropySum:
         weight = self.output_head.weight
         # No gradients in validation (torch.no_grad) or for frozen inputs: then the chunks compute S alone.
         with_gradients = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        return LinearCrossEntropySum.apply(hidden, weight, labels, self.chunk_positions, self.chunk_fn, with_gradients)
+        return LinearCrossEntropySum.apply(hidden, weight, labels, self.chunk_positions, with_gradients)
 
 
 class FinalHiddenStates(torch.nn.Module):

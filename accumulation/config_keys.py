@@ -166,8 +166,9 @@ class ModelConfig:
         "how the token cross-entropy SUM is computed, the same value either way: plain = logits of every "
         "position, then cross-entropy; chunked = the output head and the cross-entropy a chunk of positions "
         "at a time, gradients included, never the whole [rows, seq_len, vocab] logits (a model with "
-        "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked on CUDA where the model "
-        "allows, plain otherwise",
+        "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked where the model allows "
+        "it and the plain loss's logits (3 fp32 copies of [m x seq_len, vocab]) would take over a quarter of the "
+        "device's free memory, plain otherwise",
         choices=("auto", "chunked", "plain"),
     )
 

@@ -36,6 +36,7 @@ The vocabulary size comes from the data (256 for bytes) unless model.vocab_size 
 resolved_vocab_size decides, and build_model takes the result.
 """
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -110,12 +111,53 @@ def has_output_head(model: torch.nn.Module) -> bool:
     return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
 
 
+# model.loss = "auto"'s rule. At its peak the plain loss holds about three fp32 copies of the logits [m·T, V]: the
+# fp32 logits cross-entropy reads, the log-softmax it keeps for the backward, and their gradient (plus bf16
+# copies under autocast). The chunked loss holds one chunk's (CHUNK_LOGIT_BYTES in chunked_loss.py).
+PLAIN_LOSS_FP32_LOGIT_COPIES = 3
+# When those copies would take more than this share of the memory free at start-up, auto chooses the chunked loss:
+# the rest is left for the weights' gradients, the optimizer's moments and the activations of m rows. Below it
+# the plain loss is kept (the chunks' smaller products cost time on a CPU, scripts/benchmarks/bench_loss.py,
+# and the plain loss is the one a reader knows).
+PLAIN_LOSS_SHARE_OF_FREE_MEMORY = 0.25
+
+
+def plain_loss_bytes(positions: int, vocab_size: int) -> int:
+    """The plain loss's logit buffers at its peak, in bytes: 3 fp32 copies of [positions, vocab]."""
+    return PLAIN_LOSS_FP32_LOGIT_COPIES * 4 * positions * vocab_size
+
+
+def chunked_loss_pays(positions: int, vocab_size: int, free_bytes: int) -> bool:
+    """model.loss = "auto"'s rule: chunked when the plain loss's logit buffers at m·T = `positions` would take more
+    than a quarter of the `free_bytes` of the device's memory."""
+    return plain_loss_bytes(positions, vocab_size) > PLAIN_LOSS_SHARE_OF_FREE_MEMORY * free_bytes
+
+
+def free_memory_bytes(device_type: str) -> int:
+    """Memory free for this process now: on CUDA the current device's free memory (torch.cuda.mem_get_info), on
+    the CPU the kernel's MemAvailable (free memory plus what page caches would give back), else all of it."""
+    if device_type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    try:
+        for line in open("/proc/meminfo").read().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the file counts kB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def uses_chunked_loss(
-    model_config: ModelConfig, dist_config: DistConfig, model: torch.nn.Module, device_type: str
+    model_config: ModelConfig,
+    dist_config: DistConfig,
+    model: torch.nn.Module,
+    device_type: str,
+    positions: int = 0,
+    free_bytes: int | None = None,
 ) -> bool:
-    """model.loss resolved: "auto" is chunked on CUDA under DDP for a model with an output head and the token
-    cross-entropy as its loss, plain otherwise (on the CPU the logits' memory matters less, the chunks' smaller
-    products cost time (scripts/benchmarks/bench_loss.py), and the plain loss is the one a reader knows)."""
+    """model.loss resolved. "auto" is chunked under DDP for a model with an output head and the token cross-entropy
+    as its loss when chunked_loss_pays: the plain loss's logits at `positions` = m·T positions per micro-batch
+    (0: not known, plain) against `free_bytes` of free memory (default: free_memory_bytes(device_type) now)."""
     if model_config.loss == "plain":
         return False
     # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
@@ -133,13 +175,11 @@ def uses_chunked_loss(
             )
         return True
     single_stage = dist_config.pipeline_stages == 1  # with stages the loss runs on the last one, plain
-    return (
-        device_type == "cuda"
-        and dist_config.strategy == "ddp"
-        and single_stage
-        and token_cross_entropy
-        and has_output_head(model)
-    )
+    eligible = dist_config.strategy == "ddp" and single_stage and token_cross_entropy and has_output_head(model)
+    if positions == 0 or not eligible:
+        return False
+    free_bytes = free_memory_bytes(device_type) if free_bytes is None else free_bytes
+    return chunked_loss_pays(positions, model.output_head.out_features, free_bytes)
 
 
 def training_forward_and_loss(
@@ -148,14 +188,36 @@ def training_forward_and_loss(
     model: torch.nn.Module,
     device_type: str,
     compile: bool = False,
-) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
+    positions: int = 0,
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
     """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels).
 
     Plain: the model itself (logits) and loss_sum_fn_for(model_config). Chunked: FinalHiddenStates(model) (the same
     parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
-    `compile` (model.compile resolved) compiles the loss too, so neither its kernels nor its memory stay
-    outside the compiled region; wrap_for_training compiles the module."""
-    if uses_chunked_loss(model_config, dist_config, model, device_type):
-        return FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head, compile=compile)
-    loss_sum_fn = loss_sum_fn_for(model_config)
-    return model, torch.compile(loss_sum_fn) if compile else loss_sum_fn
+    `compile` (model.compile resolved): both in one module, ForwardAndLoss, and None for the loss (the step then
+    calls module(inputs, labels)), so that wrap_for_training compiles the forward and the loss as one region.
+    `positions` (m·T) feeds model.loss = "auto"'s rule (uses_chunked_loss)."""
+    if uses_chunked_loss(model_config, dist_config, model, device_type, positions):
+        forward_module, loss_sum_fn = FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)
+    else:
+        forward_module, loss_sum_fn = model, loss_sum_fn_for(model_config)
+    if compile:
+        return ForwardAndLoss(forward_module, loss_sum_fn), None
+    return forward_module, loss_sum_fn
+
+
+class ForwardAndLoss(torch.nn.Module):
+    """forward(inputs, labels) -> S = loss_sum_fn(module(inputs), labels): the forward and the loss as one module.
+
+    torch.compile of this module traces both into one graph, so the loss's kernels fuse with the model's and its
+    memory is planned with theirs (the chunked loss's autograd Function and its loop included); DDP wraps it
+    as it wraps the model (its no_sync and its bucketed all-reduce are unchanged). It holds `module` (the same
+    parameters), so checkpoints of the model are unchanged."""
+
+    def __init__(self, module: torch.nn.Module, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+        super().__init__()
+        self.module = module
+        self.loss_sum_fn = loss_sum_fn
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum_fn(self.module(inputs), labels)

@@ -28,7 +28,9 @@ outputs`), the loss (any `loss_sum_fn(outputs, labels)` that returns the SUM of 
 targets; it runs under the forward's autocast) and the data (any labels with -100 where there is no target,
 of any shape); the algebra above holds for all of them, because it only needs per-target sums and the count
 N of supervised targets. (model.loss = "chunked" is one such pair: a module returning hidden states, and a
-loss that applies the output head itself, accumulation/chunked_loss.py.)
+loss that applies the output head itself, accumulation/chunked_loss.py.) `loss_sum_fn=None` says the model
+computes S itself, `model(inputs, labels) -> S`: that is how the forward and the loss compile as one region
+(accumulation/models.py, ForwardAndLoss).
 """
 
 import contextlib
@@ -131,12 +133,13 @@ def optimizer_step(
     *,
     device: torch.device,
     scaler: torch.amp.GradScaler | None = None,
-    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_cross_entropy_sum,
+    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = token_cross_entropy_sum,
     grad_clip: float = 0.0,
     autocast_dtype: torch.dtype | None = None,
     global_counts: GlobalCounts | None = None,
     stop_requested: Callable[[], bool] | None = None,
     shrink_on_oom: bool = False,
+    before_read_back: Callable[[], None] | None = None,
 ) -> StepResult:
     """Run one accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
@@ -159,6 +162,10 @@ def optimizer_step(
     gradients cleared and the RNG restored; `StepResult.micro_batch_size` is the m that succeeded, which the
     caller keeps. Micro-batches must all have m rows with any padding rows last (as build_micro_batches
     makes them). See recover_from_out_of_memory below for how ranks agree.
+
+    `before_read_back`: host work to overlap with the device's (train.py builds and pins the next step's
+    micro-batches there), called once, after the step's work, and with a fused optimizer its update, is queued
+    and before the step's one read-back, where on a GPU the host would otherwise wait.
     """
     if not micro_batches:
         raise ValueError("an optimizer step needs at least one micro-batch")
@@ -207,11 +214,23 @@ def optimizer_step(
         lr = optimizer.param_groups[0]["lr"]
         # A rank that ran out of memory knows the step is redone: its gradients are not worth a look.
         unscaled = tokens_global > 0 and not out_of_memory
+        # The update is queued before the read-back when its skip can be decided on the device: a fused
+        # optimizer, and no out-of-memory retry that the read-back could still call for. (Not under FSDP2: its
+        # parameters are DTensor shards, and the fused kernels' device flag next to them is untested here.)
+        update_queued = (
+            unscaled and not shrink_on_oom and skips_on_the_device(optimizer) and not isinstance(model, FSDPModule)
+        )
         if unscaled:
             scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
             grad_norm_tensor = gradient_norm(model, grad_clip)
             summed = torch.cat([summed, grad_norm_tensor.double().reshape(1)])
-        # The step's one read-back of device values (on CUDA the host waits here for the step's work).
+        if update_queued:
+            queue_update_unless_non_finite(optimizer, scaler, grad_norm_tensor)
+        if before_read_back is not None:
+            before_read_back()
+            before_read_back = None  # once per step, also when an out-of-memory error redoes it
+        # The step's one read-back of device values (on CUDA the host waits here for the step's work, and from
+        # here on the queued update runs while the host does the step's bookkeeping).
         loss_sum_value, stops, out_of_memory_ranks, loss_scale, *grad_norm = summed.tolist()
         if out_of_memory_ranks == 0:
             break
@@ -220,7 +239,9 @@ def optimizer_step(
 
     # 4. At most one update, or the reason for none.
     grad_norm = grad_norm[0] if grad_norm else 0.0
-    loss, applied, skip_reason = update_or_skip(optimizer, scaler, loss_sum_value, tokens_global, grad_norm)
+    loss, applied, skip_reason = update_or_skip(
+        optimizer, scaler, loss_sum_value, tokens_global, grad_norm, update_queued
+    )
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss,
@@ -243,9 +264,12 @@ def update_or_skip(
     loss_sum_value: float,
     tokens_global: int,
     grad_norm: float,
+    update_queued: bool = False,
 ) -> tuple[float, bool, str | None]:
     """The step's mean loss, whether its update was applied, and why not. `loss_sum_value` is the sum of every
-    rank's token losses, `tokens_global` the step's N, `grad_norm` the unscaled gradient's total norm."""
+    rank's token losses, `tokens_global` the step's N, `grad_norm` the unscaled gradient's total norm.
+    `update_queued`: queue_update_unless_non_finite already queued the update (and the scaler's update) on the
+    device, applied exactly when the norm is finite: here only the outcome is told."""
     applied, skip_reason = False, None
     if tokens_global == 0:
         skip_reason = "no supervised tokens in the step"
@@ -257,15 +281,42 @@ def update_or_skip(
         # own inf check (from unscale_) finds nothing and its step() applies the update: `applied` is what
         # happened, with no read of the scale. A non-finite norm: no step; update() still sees the scaler's
         # found-inf and lowers the scale.
-        if math.isfinite(grad_norm):
+        applied = math.isfinite(grad_norm)
+        if applied and not update_queued:
             scaler.step(optimizer)  # optimizer.step() when the scaler is off
-            applied = True
-        elif scaler.is_enabled():
+        elif not applied and scaler.is_enabled():
             skip_reason = "non-finite gradient (GradScaler lowered its scale)"
-        else:
+        elif not applied:
             skip_reason = "non-finite gradient"
-        scaler.update()
+        if not update_queued:
+            scaler.update()
     return loss, applied, skip_reason
+
+
+def skips_on_the_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer can skip its own update on a device flag: PyTorch's fused implementations (fused
+    AdamW, which train.py uses on CUDA; fused SGD) take the flag GradScaler hands them, found_inf."""
+    return all(group.get("fused") for group in optimizer.param_groups)
+
+
+def queue_update_unless_non_finite(
+    optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, grad_norm: torch.Tensor
+) -> None:
+    """The step's update queued with no read of the device: applied exactly when the gradient norm is finite.
+
+    A fused optimizer's step() reads two attributes, the ones GradScaler.step sets for it: `grad_scale` (None:
+    the gradients are already unscaled, as unscale_ left them) and `found_inf`, a device flag; when it is 1 the
+    fused kernels leave the weights, the moments and the step counters as they were. The flag here is "the norm
+    is not finite", which holds whenever the GradScaler's own inf check (from unscale_) found something, and
+    also in the one case it cannot see (finite gradients beyond 1e19 whose squares overflow): the same rule as
+    update_or_skip's. scaler.update() then lowers or grows the scale from its own check, on the device too."""
+    optimizer.grad_scale = None
+    optimizer.found_inf = torch.logical_not(torch.isfinite(grad_norm)).to(torch.float32)
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+    scaler.update()
 
 
 def run_micro_batches(
@@ -355,7 +406,7 @@ def accumulate(
         # The outputs are never bound to a name here: a name would keep the logits [m, seq_len, vocab] alive
         # through the backward, though the loss has what it needs (cross-entropy keeps its log-softmax only).
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            loss_sum = loss_sum_fn(model(inputs), labels)  # S_rk
+            loss_sum = loss_sum_of(model, inputs, labels, loss_sum_fn)  # S_rk
         try:
             scaler.scale(loss_sum * loss_multiplier).backward()  # ∇(S_rk · D / N), times the scale
         except torch.OutOfMemoryError as error:
@@ -390,8 +441,14 @@ def recover_from_out_of_memory(
     if not isinstance(model, DistributedDataParallel):
         return  # one process: nothing to join
     inputs, labels = to_device(MicroBatch(last_micro_batch.inputs[:1], last_micro_batch.labels[:1], 0), device)
-    outputs = model(inputs)  # a syncing forward: the backward below all-reduces like the other ranks' do
-    (loss_sum_fn(outputs, labels) * 0.0).backward()
+    # a syncing forward: the backward below all-reduces like the other ranks' do
+    (loss_sum_of(model, inputs, labels, loss_sum_fn) * 0.0).backward()
+
+
+def loss_sum_of(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn) -> torch.Tensor:
+    """S of one micro-batch: loss_sum_fn(model(inputs), labels), or model(inputs, labels) when the model computes
+    its loss itself (loss_sum_fn is None)."""
+    return model(inputs, labels) if loss_sum_fn is None else loss_sum_fn(model(inputs), labels)
 
 
 def dropout_generator_states(device: torch.device) -> list[torch.Tensor]:

@@ -40,15 +40,19 @@ def pytest_addoption(parser):
 # timeouts as well. SIGALRM interrupts Python code (and sleeps, and waits for a child), not a C call that never
 # returns: such a test needs its own subprocess timeout.
 TEST_TIME_LIMIT_S = 300
+# Tests marked `compile` (out of the default run) compile with Inductor, minutes each on a busy 2-core CPU.
+COMPILE_TEST_TIME_LIMIT_S = 1800
 
 
 @pytest.fixture(autouse=True)
-def time_limit():
+def time_limit(request):
+    limit = COMPILE_TEST_TIME_LIMIT_S if request.node.get_closest_marker("compile") else TEST_TIME_LIMIT_S
+
     def expire(signum, frame):
-        pytest.fail(f"the test ran longer than {TEST_TIME_LIMIT_S} s (tests/conftest.py): it hangs, or is far too slow")
+        pytest.fail(f"the test ran longer than {limit} s (tests/conftest.py): it hangs, or is far too slow")
 
     previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(TEST_TIME_LIMIT_S)
+    signal.alarm(limit)
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)

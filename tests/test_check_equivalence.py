@@ -128,10 +128,12 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
     assert failing_lines(stdout) == ["loss", "gradient"]
     assert checker_line(stdout, "gradient").endswith("accumulation, not rounding")
     if ranks == 2:
-        # Every rank ends with status 1 at once (none stopped by torchrun with SIGTERM), and torchrun's failure
-        # summary shows each rank's first failing check instead of advice on enabling tracebacks.
-        assert stderr.count("exitcode  : 1 ") == 2 and "SIGTERM" not in stderr, stderr
-        assert stderr.count("traceback : check_equivalence FAIL: loss: the logged loss is off") == 2, stderr
+        # torchrun's failure summary shows the first failing check instead of advice on enabling tracebacks.
+        # Every rank returns status 1 at once, but whether torchrun still sees the second rank running (and stops
+        # it with SIGTERM) depends on which of them its monitor polls first: on a loaded machine it sometimes
+        # does, so only rank 0's line is certain.
+        assert "exitcode  : 1 " in stderr, stderr
+        assert "traceback : check_equivalence FAIL: loss: the logged loss is off" in stderr, stderr
 
 
 def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, capsys):

@@ -2,15 +2,23 @@
 computed in the forward. The same SUM and the same gradients as the plain loss, and through optimizer_step the
 same update as the independent float64 reference (testkit/reference.py), on one process and on 2 gloo ranks."""
 
+import re
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
+from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
 from accumulation.config import ConfigError, load_config
 from accumulation.model import GPT, GPTConfig
-from accumulation.models import build_model, training_forward_and_loss
+from accumulation.models import (
+    build_model,
+    chunked_loss_pays,
+    plain_loss_bytes,
+    training_forward_and_loss,
+    uses_chunked_loss,
+)
 from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
@@ -141,9 +149,9 @@ def test_model_loss_chooses_the_pair_the_step_runs():
     gpt = build(["model.loss=chunked"])
     module, loss_sum_fn = pair(["model.loss=chunked"], gpt, "cpu")
     assert isinstance(module, FinalHiddenStates) and isinstance(loss_sum_fn, ChunkedCrossEntropySum)
-    # auto: chunked on CUDA, plain on the CPU; plain is the model and the token cross-entropy
-    assert isinstance(pair([], gpt, "cuda")[0], FinalHiddenStates)
+    # auto without m·T (positions 0): plain, the model and the token cross-entropy, on any device
     assert pair([], gpt, "cpu") == (gpt, token_cross_entropy_sum)
+    assert pair([], gpt, "cuda")[0] is gpt
     assert pair(["model.loss=plain"], gpt, "cuda")[0] is gpt
     # A model without hidden_states() and output_head keeps the plain loss under auto, and is refused for chunked.
     with pytest.raises(ConfigError, match='model.loss: "chunked" needs a model with hidden_states'):
@@ -152,13 +160,43 @@ def test_model_loss_chooses_the_pair_the_step_runs():
     assert pair(["model.name=gru"], gru, "cuda")[0] is gru
 
 
+def test_model_loss_auto_chooses_chunked_when_the_plain_logits_would_take_over_a_quarter_of_free_memory():
+    """The rule docs/performance.md states, with given numbers: 3 fp32 copies of the logits [m·T, V] against a
+    quarter of the free memory; the device type itself does not enter it."""
+    # configs/gpu_8x.toml's shape at m = 16: 16 x 1024 positions, V = 50,304: 9.9 GB of logit buffers.
+    positions, vocab = 16 * 1024, 50_304
+    assert plain_loss_bytes(positions, vocab) == 3 * 4 * positions * vocab == 9_890_168_832
+    assert chunked_loss_pays(positions, vocab, free_bytes=39 * 10**9)  # a 40 GB GPU: over a quarter of it
+    assert not chunked_loss_pays(positions, vocab, free_bytes=79 * 10**9)  # an 80 GB one: under a quarter
+    assert not chunked_loss_pays(positions, vocab, free_bytes=4 * 9_890_168_832)  # exactly a quarter: plain
+    # The default config on a CPU (m = 4, T = 128, bytes): 1.6 MB, plain with any memory a machine has.
+    assert not chunked_loss_pays(4 * 128, 256, free_bytes=2**30)
+
+    def auto(overrides, model, device_type, free_bytes, positions=positions):
+        config = load_config(overrides)
+        return uses_chunked_loss(config.model, config.dist, model, device_type, positions, free_bytes)
+
+    gpt = build_model(load_config([]).model, vocab, seq_len=8, seed=0)
+    for device_type in ("cpu", "cuda"):  # the same numbers give the same choice on either device
+        assert auto([], gpt, device_type, free_bytes=10**9) is True
+        assert auto([], gpt, device_type, free_bytes=10**12) is False
+        assert auto([], gpt, device_type, free_bytes=10**9, positions=0) is False  # m·T unknown: plain
+    # The other conditions stay: FSDP2 and a model without an output head keep the plain loss; an explicit
+    # choice is never overruled by the memory.
+    assert auto(["dist.strategy=fsdp2"], gpt, "cuda", free_bytes=10**9) is False
+    gru = build_model(load_config(["model.name=gru"]).model, vocab, seq_len=8, seed=0)
+    assert auto(["model.name=gru"], gru, "cuda", free_bytes=10**9) is False
+    assert auto(["model.loss=plain"], gpt, "cuda", free_bytes=10**9) is False
+    assert auto(["model.loss=chunked"], gpt, "cuda", free_bytes=10**15) is True
+
+
 @pytest.mark.slow
 @pytest.mark.compile
 @pytest.mark.parametrize("loss", ["plain", "chunked"])
 def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_exact(loss):
-    """What train.py runs with model.compile = true: the forward module compiled (wrap_for_training) and the loss
-    compiled (training_forward_and_loss). Compiled kernels fuse and reorder fp32 operations; FLOAT32_RTOL still
-    bounds that, and a wrong weighting would be off by far more (tests/test_step.py)."""
+    """What train.py runs with model.compile = true: the forward and the loss in one module (training_forward_and_loss),
+    compiled as one region (wrap_for_training). Compiled kernels fuse and reorder fp32 operations; FLOAT32_RTOL
+    still bounds that, and a wrong weighting would be off by far more (tests/test_step.py)."""
     model = GPT(MODEL, seed=3)
     batches = micro_batches_of(seed=1, count=3)
     reference = float64_reference_gradient(model, batches)
@@ -166,5 +204,57 @@ def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_ex
     forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, "cpu", compile=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
+    assert loss_sum_fn is None  # the module computes S itself
     optimizer_step(torch.compile(forward_module), batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
     assert max_relative_error(captured[0], reference) < FLOAT32_RTOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_compiled_and_the_eager_form_of_a_chunks_gradient_give_the_same_bits(monkeypatch, dtype):
+    """Under torch.compile the chunk's ∂S/∂Z is the pointwise where(j == y, p - 1, p) · mask (one fused kernel);
+    eagerly a scatter of -1 at the targets (a pass over P entries, not [P, V]). Both compute p - 1 at the target
+    and p elsewhere, so S, ∂S/∂H and ∂S/∂W agree bit for bit; here the compiled form runs eagerly."""
+    hidden, _ = hidden_and_labels(dtype)
+    hidden = hidden.reshape(-1, 16)
+    weight = torch.nn.Linear(16, MODEL.vocab_size, bias=False).weight.detach().to(dtype)
+    labels = LABELS.reshape(-1)
+
+    def chunk():
+        grad_weight = torch.zeros_like(weight)
+        loss_sum, grad_hidden = chunk_loss_and_gradients(hidden, weight, labels, grad_weight, True)
+        return loss_sum, grad_hidden, grad_weight
+
+    eager = chunk()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    pointwise = chunk()
+    assert all(torch.equal(a, b) for a, b in zip(eager, pointwise, strict=True))
+
+
+@pytest.mark.compile
+def test_inductor_computes_a_chunks_gradient_without_an_fp32_logits_sized_buffer(tmp_path, monkeypatch):
+    """One bf16 chunk compiled by Inductor on the CPU: the only [P, V] buffers its generated code allocates are in
+    the compute dtype (the logits' product, and its gradient written over it), none in fp32. The scatter the
+    gradient used before made Inductor write the fp32 probabilities whole (a [P, V] float32 buffer) and pass
+    over them twice more; this test found that buffer in the code of the old chunk_loss_and_gradients."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    from torch._inductor.utils import run_and_get_code
+
+    positions, vocab, width = 40, 96, 16
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(positions, width, generator=generator).bfloat16()
+    weight = torch.randn(vocab, width, generator=generator).bfloat16()
+    labels = torch.randint(0, vocab, (positions,), generator=generator)
+    labels[:5] = IGNORE_INDEX
+    grad_weight = torch.zeros(vocab, width)
+
+    def chunk(hidden, weight, labels, grad_weight):
+        return chunk_loss_and_gradients(hidden, weight, labels, grad_weight, True)
+
+    (loss_sum, grad_hidden), codes = run_and_get_code(torch.compile(chunk), hidden, weight, labels, grad_weight.clone())
+    allocations = re.findall(r"empty_strided_cpu\(\((\d+), (\d+)\), \(\d+, \d+\), torch\.(\w+)\)", "\n".join(codes))
+    logits_sized = [dtype for rows, columns, dtype in allocations if (int(rows), int(columns)) == (positions, vocab)]
+    assert logits_sized and set(logits_sized) == {"bfloat16"}, allocations
+    # And the compiled chunk computes what the eager one does: bf16 products, fp32 sums (2e-2: bf16's rounding).
+    eager_sum, eager_grad_hidden = chunk(hidden, weight, labels, grad_weight)
+    torch.testing.assert_close(loss_sum, eager_sum, rtol=1e-3, atol=0)
+    assert max_relative_error([grad_hidden.float()], [eager_grad_hidden.float()]) < 2e-2

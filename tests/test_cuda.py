@@ -36,22 +36,57 @@ def test_without_a_gpu_the_perf_table_is_one_line_and_exit_0(monkeypatch, capsys
     assert output.out.count("\n") == 1 and "no CUDA GPU" in output.out and output.err == ""
 
 
-def test_the_perf_command_measures_gpu_8x_at_the_issues_shape_eager_and_compiled(tmp_path):
-    command = gpu_check.perf_command(tmp_path, ["model.loss=plain"])
+def test_the_perf_command_measures_gpu_8x_at_the_issues_shape(tmp_path):
+    command = gpu_check.perf_command(tmp_path, [*gpu_check.PERF_MODES["compiled-chunked"], "model.loss=plain"])
     assert command[1].endswith("scripts/benchmarks/bench.py") and command[command.index("--config") + 1].endswith(
         "gpu_8x.toml"
     )
-    assert "--eager-and-compiled" in command and command[command.index("--accumulation-steps") + 1] == "4"
+    assert "--json" in command and command[command.index("--accumulation-steps") + 1] == "4"
     assert {"batch.micro_batch_size=16", "batch.global_batch_size=64", f"data.source={tmp_path}"} <= set(command)
-    assert command[-1] == "model.loss=plain"  # the user's overrides last: they win
+    assert command[-3:] == ["model.compile=true", "model.loss=chunked", "model.loss=plain"]  # the user's win
+    assert set(gpu_check.PERF_MODES) == {"eager-plain", "eager-chunked", "compiled-plain", "compiled-chunked"}
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_the_equivalence_checks_logic_passes_on_the_cpu_in_fp32(monkeypatch, chunked):
-    """The check's own code (the reference, the step, the chunked pair) on the CPU; pinning needs CUDA, so it is
-    left out here. On a GPU the same function runs bf16, fp16 and the chunked loss in bf16."""
+@pytest.mark.slow
+def test_the_perf_table_keeps_the_rows_it_has_when_a_mode_times_out(monkeypatch, capsys):
+    """--perf-toy-cpu: the script itself on the CPU at a toy size (the model of a few thousand weights, no GPU).
+    The eager chunked mode gives its row; the compiled one, given 1 s, times out (compiling takes far longer):
+    its line says so, the table and the total are still printed, and the exit status says a row is missing."""
+    monkeypatch.setattr(gpu_check, "PERF_TIMEOUT_S", {"eager": 600, "compiled": 1})
+    status = gpu_check.main(["--perf-toy-cpu", "--perf-modes", "eager-chunked,compiled-chunked"])
+    lines = capsys.readouterr().out.splitlines()
+    assert status == 1
+    [eager] = [line for line in lines if line.startswith("eager-chunked ")]
+    [compiled] = [line for line in lines if line.startswith("compiled-chunked ")]
+    seconds_ours, seconds_nanogpt, ratio = (float(value) for value in eager.split()[1:4])
+    assert seconds_ours > 0 and seconds_nanogpt > 0 and ratio == pytest.approx(seconds_ours / seconds_nanogpt, 1e-2)
+    assert "timed out after 1 s" in compiled
+    assert lines[-1].startswith("total ")
+
+
+@pytest.mark.compile
+def test_the_perf_table_has_a_row_for_every_mode_on_the_cpu_at_a_toy_size(monkeypatch, capsys):
+    """All four modes, compiled ones included (minutes of compiling on a busy 2-core CPU)."""
+    monkeypatch.setattr(gpu_check, "PERF_TIMEOUT_S", {"eager": 900, "compiled": 1800})
+    status = gpu_check.main(["--perf-toy-cpu"])
+    output = capsys.readouterr().out
+    assert status == 0, output
+    for mode in gpu_check.PERF_MODES:
+        [line] = [line for line in output.splitlines() if line.startswith(mode + " ")]
+        assert float(line.split()[3]) > 0, line
+
+
+@pytest.mark.parametrize(
+    ("chunked", "vocab_size", "chunk_positions"), [(False, 256, 0), (True, 256, 0), (True, 1000, 96)]
+)
+def test_the_equivalence_checks_logic_passes_on_the_cpu_in_fp32(monkeypatch, chunked, vocab_size, chunk_positions):
+    """The check's own code (the reference, the step, the chunked pair, several chunks per micro-batch as
+    bf16_chunked_loss_50304 runs them) on the CPU; pinning needs CUDA, so it is left out here. On a GPU the same
+    function runs bf16, fp16 and the chunked loss in bf16, the last also at V = 50,304."""
     monkeypatch.setattr(gpu_check, "pinned", lambda micro_batches: micro_batches)
-    passed, figures = gpu_check.equivalence("fp32", torch.device("cpu"), chunked=chunked)
+    passed, figures = gpu_check.equivalence(
+        "fp32", torch.device("cpu"), chunked=chunked, vocab_size=vocab_size, chunk_positions=chunk_positions
+    )
     assert passed, figures
 
 

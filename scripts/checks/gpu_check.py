@@ -12,8 +12,11 @@ on the project's own source files as text (no download); a check that raises is 
     bf16_equivalence, fp16_equivalence  one step (m = 4, A = 4) against the float64 full-batch reference
     fp32_equivalence                    the same in fp32 with TF32 off (what the equivalence checker runs)
     bf16_chunked_loss                   the bf16 step with model.loss = "chunked" against the same reference
-    ddp_two_ranks                       2 gloo ranks on the one GPU, DDP with no_sync: gradient bytes per update
-                                        (counted by a communication hook) = one gradient; ranks agree; reference
+    bf16_chunked_loss_50304             the same at GPT-2's vocabulary (50,304), 3 chunks per micro-batch
+    ddp_two_ranks                       2 gloo ranks, DDP with no_sync: gradient bytes per update (counted by a
+                                        communication hook) = one gradient; ranks agree; reference. On one GPU
+                                        both ranks share it (plain loss, eager); with 2+ GPUs a GPU each and the
+                                        chunked loss compiled with the model in one region, as gpu_8x runs
     sync_audit                          synchronising CUDA calls in one bf16 step with fused AdamW
                                         (torch.cuda.set_sync_debug_mode): at most 1, the boundary's read-back
     fp16_overflow                       an injected inf with fused AdamW and the GradScaler: weights and the
@@ -30,17 +33,21 @@ on the project's own source files as text (no download); a check that raises is 
     cpu_checkpoint_on_cuda              a run saved on the CPU resumed on the GPU: fused AdamW, counters on the
                                         GPU, training continues
 
---perf prints instead the table of issue 18: configs/gpu_8x.toml's model (163 M parameters, vocabulary 50,304,
-seq 1024) at m = 16, A = 4 on packed rows of this project's source files (every target supervised), this
-project's optimizer_step (the config's model.loss) against nanoGPT's loop, eager and compiled, the two loops
-taking turns step by step: seconds per step, the ratio, MFU and peak memory of each. It runs
-`scripts/benchmarks/bench.py --config configs/gpu_8x.toml --eager-and-compiled` (see compare_with_nanogpt
-in scripts/benchmarks/nanogpt_peer.py). A target of 5 minutes on one H100/H200, not yet timed (no GPU was lent
-when it was written).
+--perf prints instead the speed table (issues 18 and 29): configs/gpu_8x.toml's model (163 M parameters, vocabulary
+50,304, seq 1024) at m = 16, A = 4 on packed rows of this project's source files (every target supervised), this
+project's optimizer_step against nanoGPT's loop, the two loops taking turns step by step: seconds per step, the
+ratio, MFU and peak memory of each, one row per mode: the plain and the chunked loss (at V = 50,304 its
+multi-chunk path), eager and compiled. Each mode is one run of `scripts/benchmarks/bench.py --config
+configs/gpu_8x.toml --json` (see compare_with_nanogpt in scripts/benchmarks/nanogpt_peer.py) in a process of its
+own with a timeout (PERF_TIMEOUT_S; --perf-timeout-s), printed as soon as it ends: a mode that times out or
+fails says so on its line and the table goes on. --perf-modes runs some modes only. At most 14 minutes with a
+cold Inductor cache; not yet timed on a GPU. A hidden flag, --perf-toy-cpu, runs the same script on the CPU at a
+toy size (tests/test_cuda.py).
 """
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -60,8 +67,8 @@ from accumulation.config import load_config
 from accumulation.data import build_micro_batches, make_rows, step_counts, step_row_ids
 from accumulation.distributed import DistributedContext
 from accumulation.model import GPT, GPTConfig
-from accumulation.models import build_model, training_forward_and_loss
-from accumulation.step import optimizer_step
+from accumulation.models import ForwardAndLoss, build_model, training_forward_and_loss
+from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
     capture_gradients,
@@ -123,17 +130,22 @@ def sgd_gradient(model, micro_batches, counts, device, **options):
 # ---------------------------------------------------------------------------------------------------------
 
 
-def equivalence(dtype_name: str, device: torch.device, chunked: bool = False) -> tuple[bool, str]:
-    """One step against the float64 reference; `chunked`: with model.loss = "chunked" (hidden states, chunked loss)."""
+def equivalence(
+    dtype_name: str, device: torch.device, chunked: bool = False, vocab_size: int = 256, chunk_positions: int = 0
+) -> tuple[bool, str]:
+    """One step against the float64 reference; `chunked`: with model.loss = "chunked" (hidden states, chunked loss),
+    `chunk_positions` per chunk (0: the default, one chunk per micro-batch at this size)."""
     set_tf32(False)
     micro_batches, counts = step_batches(corpus_rows(), 16, 4)
-    model = GPT(SMALL, seed=1)
+    model = GPT(dataclasses.replace(SMALL, vocab_size=vocab_size), seed=1)
     reference = float64_reference_gradient(model, micro_batches)
     autocast_dtype = AUTOCAST_DTYPES[dtype_name]
     scaler = torch.amp.GradScaler(device.type) if dtype_name == "fp16" else None
     model = model.to(device)
     forward_module, loss_sum_fn = (
-        (FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)) if chunked else (model, None)
+        (FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head, chunk_positions or None))
+        if chunked
+        else (model, None)
     )
     options = {"autocast_dtype": autocast_dtype, "scaler": scaler}
     if loss_sum_fn is not None:
@@ -144,11 +156,18 @@ def equivalence(dtype_name: str, device: torch.device, chunked: bool = False) ->
     return passed, f"max relative error {error:.2e} (tolerance {TOLERANCE[dtype_name]:g}), N = {result.tokens}"
 
 
-def ddp_worker(rank: int, world_size: int) -> dict:
-    device = torch.device("cuda", 0)  # both ranks share the one GPU; gloo all-reduces CUDA tensors too
+def ddp_worker(rank: int, world_size: int, compiled_chunked: bool) -> dict:
+    """`compiled_chunked` (2+ GPUs, a GPU each): the chunked loss compiled with the model in one region inside
+    DDP, as train.py runs gpu_8x; else both ranks share the one GPU and run the plain loss eagerly."""
+    device = torch.device("cuda", rank if compiled_chunked else 0)  # gloo all-reduces CUDA tensors too
+    torch.cuda.set_device(device)
     set_tf32(False)
     model = GPT(SMALL, seed=1).to(device)
-    wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[0])
+    module, loss_sum_fn = model, token_cross_entropy_sum
+    if compiled_chunked:
+        module, loss_sum_fn = ForwardAndLoss(FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)), None
+        module = torch.compile(module)
+    wrapped = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index])
     state = {"bytes": 0}
     wrapped.register_comm_hook(state, counting_allreduce_hook)
     rows = corpus_rows()
@@ -156,7 +175,7 @@ def ddp_worker(rank: int, world_size: int) -> dict:
     for _ in range(2):  # DDP rebuilds its buckets after the first step: count both
         micro_batches, counts = step_batches(rows, 16, 2, world_size, rank)  # A = 4 per rank
         state["bytes"] = 0
-        gradient, _ = sgd_gradient(wrapped, pinned(micro_batches), counts, device)
+        gradient, _ = sgd_gradient(wrapped, pinned(micro_batches), counts, device, loss_sum_fn=loss_sum_fn)
         bytes_per_update.append(state["bytes"])
         gradients.append([g.cpu() for g in gradient])
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -164,7 +183,9 @@ def ddp_worker(rank: int, world_size: int) -> dict:
 
 
 def check_ddp_two_ranks(device: torch.device) -> tuple[bool, str]:
-    rank0, rank1 = run_on_ranks(ddp_worker, 2, timeout_s=120.0)
+    compiled_chunked = torch.cuda.device_count() >= 2
+    # Compiling takes a minute or two with a cold Inductor cache.
+    rank0, rank1 = run_on_ranks(ddp_worker, 2, args=(compiled_chunked,), timeout_s=300.0 if compiled_chunked else 120.0)
     every_micro_batch = [mb for rank in range(2) for mb in step_batches(corpus_rows(), 16, 2, 2, rank)[0]]
     error = max_relative_error(
         rank0["first_gradient"], float64_reference_gradient(GPT(SMALL, seed=1), every_micro_batch)
@@ -173,6 +194,7 @@ def check_ddp_two_ranks(device: torch.device) -> tuple[bool, str]:
     one_gradient = rank0["bytes"] == rank1["bytes"] == [rank0["grad_bytes"]] * 2
     passed = one_gradient and ranks_agree and error < TOLERANCE["fp32"]
     return passed, (
+        f"{'compiled chunked loss, 2 GPUs' if compiled_chunked else 'plain loss, 1 GPU'}: "
         f"bytes per update {rank0['bytes'][-1]:,} (one gradient: {rank0['grad_bytes']:,}); "
         f"ranks equal: {ranks_agree}; vs float64 {error:.2e}"
     )
@@ -385,6 +407,10 @@ CHECKS = {
     "fp16_equivalence": lambda device: equivalence("fp16", device),
     "fp32_equivalence": lambda device: equivalence("fp32", device),
     "bf16_chunked_loss": lambda device: equivalence("bf16", device, chunked=True),
+    # GPT-2's vocabulary, 96 positions per chunk: 3 chunks per micro-batch of 256 positions, the last one shorter
+    "bf16_chunked_loss_50304": lambda device: equivalence(
+        "bf16", device, chunked=True, vocab_size=50_304, chunk_positions=96
+    ),
     "ddp_two_ranks": check_ddp_two_ranks,
     "sync_audit": check_sync_audit,
     "fp16_overflow": check_fp16_overflow,
@@ -397,15 +423,40 @@ CHECKS = {
 
 
 # --perf: the issue's shape, m = 16 and A = 4 on one GPU, measured by scripts/benchmarks/bench.py --config in a
-# process of its own (as mfu_gpt2_small runs it), eager and compiled.
+# process of its own per mode (as mfu_gpt2_small runs it), so that a mode that hangs or compiles for too long loses
+# its own row only.
 PERF_OVERRIDES = ["batch.micro_batch_size=16", "batch.global_batch_size=64"]
 PERF_ACCUMULATION = 4
-PERF_TIMEOUT_S = 300
+# The modes, in the order they run: the loss (model.loss) and whether both loops are compiled (model.compile).
+# At V = 50,304 the chunked loss runs its multi-chunk path: 16 x 1024 positions in chunks of 1,334.
+PERF_MODES = {
+    "eager-plain": ["model.compile=false", "model.loss=plain"],
+    "eager-chunked": ["model.compile=false", "model.loss=chunked"],
+    "compiled-plain": ["model.compile=true", "model.loss=plain"],
+    "compiled-chunked": ["model.compile=true", "model.loss=chunked"],
+}
+# Seconds per mode: an eager mode is 13 timed-and-warm-up steps of each loop; a compiled one first compiles both
+# loops, minutes with a cold Inductor cache (the modes share one cache, so the second compiled mode reuses
+# nanoGPT's graphs). 2 + 2 + 5 + 5 minutes at most, within the 15 minutes a GPU session is lent.
+PERF_TIMEOUT_S = {"eager": 120, "compiled": 300}
+# --perf-toy-cpu (hidden; tests/test_cuda.py runs it): the same script on the CPU at a toy size, to test the script.
+TOY_CPU_OVERRIDES = [
+    "device=cpu",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.d_model=32",
+    "model.vocab_size=512",
+    "data.seq_len=32",
+    "batch.micro_batch_size=2",
+    "batch.global_batch_size=8",
+    "precision.dtype=fp32",
+]
 
 
-def perf_command(text_source: Path, overrides: list[str]) -> list[str]:
+def perf_command(text_source: Path, overrides: list[str], quick: bool = False) -> list[str]:
     """bench.py --config configs/gpu_8x.toml at the perf shape on `text_source` (packed byte rows: every target
-    supervised, so nanoGPT's mean per micro-batch weights tokens as ours does), both loops eager and compiled."""
+    supervised, so nanoGPT's mean per micro-batch weights tokens as ours does); the mode's and the user's
+    overrides last (they win). `quick`: bench.py's --quick (fewer steps)."""
     return [
         sys.executable,
         str(REPOSITORY / "scripts" / "benchmarks" / "bench.py"),
@@ -413,32 +464,85 @@ def perf_command(text_source: Path, overrides: list[str]) -> list[str]:
         str(REPOSITORY / "configs" / "gpu_8x.toml"),
         "--accumulation-steps",
         str(PERF_ACCUMULATION),
-        "--eager-and-compiled",
+        "--json",
+        *(["--quick"] if quick else []),
         f"data.source={text_source}",
         *PERF_OVERRIDES,
         *overrides,
     ]
 
 
-def run_perf(overrides: list[str]) -> int:
-    if not torch.cuda.is_available():
+def perf_row(mode: str, command: list[str], timeout_s: float, cwd: Path, environment: dict) -> dict:
+    """One mode's bench.py run: its row of the table, or why there is none (a timeout, a failure)."""
+    started = time.perf_counter()
+    try:
+        completed = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, cwd=cwd, env=environment)
+    except subprocess.TimeoutExpired:
+        return {"mode": mode, "error": f"timed out after {timeout_s:g} s", "seconds": time.perf_counter() - started}
+    if completed.returncode != 0:
+        error = f"bench.py failed (exit {completed.returncode}): {last_line(completed.stderr)}"
+        return {"mode": mode, "error": error, "seconds": time.perf_counter() - started}
+    results = json.loads(completed.stdout)
+    [comparison] = results["nanogpt"]
+    return {
+        "mode": mode,
+        "seconds": time.perf_counter() - started,
+        "ratio": comparison["ratio_vs_nanogpt"],
+        "ours": comparison["loops"]["optimizer_step"],
+        "nanogpt": comparison["loops"]["nanogpt"],
+    }
+
+
+def perf_line(row: dict) -> str:
+    mode = f"{row['mode']:<18}"
+    if "error" in row:
+        return f"{mode}{row['error']} ({row['seconds']:.0f} s)"
+
+    def mfu(loop: dict) -> str:
+        return "n/a" if loop["mfu"] is None else f"{loop['mfu']:.3f}"
+
+    ours, nanogpt = row["ours"], row["nanogpt"]
+    speed = f"{ours['seconds_per_step']:>10.4f}{nanogpt['seconds_per_step']:>10.4f}{row['ratio']:>8.3f}"
+    memory = f"{ours['peak_mem_bytes'] / 2**20:>10.1f}{nanogpt['peak_mem_bytes'] / 2**20:>10.1f}"
+    return f"{mode}{speed}{mfu(ours):>8}{mfu(nanogpt):>8}{memory}{row['seconds']:>8.0f}"
+
+
+PERF_HEADER = "".join(
+    f"{title:{'<' if index == 0 else '>'}{width}}"
+    for index, (title, width) in enumerate(
+        [("mode", 18), ("s/step", 10), ("nanoGPT", 10), ("ratio", 8), ("MFU", 8), ("nanoGPT", 8)]
+        + [("MiB", 10), ("nanoGPT", 10), ("took s", 8)]
+    )
+)
+
+
+def run_perf(overrides: list[str], modes: list[str], timeout_s: float | None, toy_cpu: bool) -> int:
+    """The speed table, one row per mode as it completes (printed at once, so no row is lost to a later hang);
+    a mode that times out or fails gets a line saying so and the others still run. Exit 1 if any mode has no row."""
+    if not torch.cuda.is_available() and not toy_cpu:
         print(
             "gpu_check --perf: no CUDA GPU on this machine; nothing measured (run it where torch.cuda.is_available())"
         )
         return 0
     started = time.perf_counter()
+    shape = "a toy model, m = 2" if toy_cpu else "configs/gpu_8x.toml's model, V = 50,304, m = 16"
+    where = "the CPU" if toy_cpu else torch.cuda.get_device_name(0)
+    print(f"gpu_check --perf on {where}: optimizer_step against nanoGPT's loop, {shape}, A = {PERF_ACCUMULATION}")
+    print(PERF_HEADER, flush=True)
+    rows = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        command = perf_command(text_folder(Path(scratch)), overrides)
+        text_source = text_folder(Path(scratch))
         environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(scratch, "inductor"))}
-        completed = subprocess.run(
-            command, capture_output=True, text=True, timeout=PERF_TIMEOUT_S, cwd=scratch, env=environment
-        )
-    print(completed.stdout, end="")
-    if completed.returncode != 0:
-        print(f"bench.py failed (exit {completed.returncode}): {last_line(completed.stderr)}", file=sys.stderr)
-        return 1
+        for mode in modes:
+            mode_overrides = [*PERF_MODES[mode], *(TOY_CPU_OVERRIDES if toy_cpu else []), *overrides]
+            command = perf_command(text_source, mode_overrides, quick=toy_cpu)
+            limit = timeout_s if timeout_s is not None else PERF_TIMEOUT_S[mode.split("-")[0]]
+            rows.append(perf_row(mode, command, limit, Path(scratch), environment))
+            print(perf_line(rows[-1]), flush=True)
+    print("s/step: median seconds per step (the two loops take turns); ratio: ours / nanoGPT's; MFU against the")
+    print("GPU's dense bf16 peak; MiB: peak memory of one step above what lies allocated between steps")
     print(f"total {time.perf_counter() - started:.0f} s")
-    return 0
+    return 0 if all("error" not in row for row in rows) else 1
 
 
 def last_line(text: str) -> str:
@@ -472,11 +576,32 @@ def main(argv: list[str]) -> int:
         "without a GPU one line, exit 0",
     )
     parser.add_argument(
+        "--perf-modes",
+        default=",".join(PERF_MODES),
+        help=f"--perf: comma-separated modes to run (default all: {', '.join(PERF_MODES)})",
+    )
+    parser.add_argument(
+        "--perf-timeout-s",
+        type=float,
+        default=None,
+        help=f"--perf: seconds each mode may take (default {PERF_TIMEOUT_S['eager']} eager, "
+        f"{PERF_TIMEOUT_S['compiled']} compiled)",
+    )
+    parser.add_argument("--perf-toy-cpu", action="store_true", help=argparse.SUPPRESS)  # tests: CPU, toy size
+    parser.add_argument(
         "overrides", nargs="*", metavar="section.key=value", help="--perf only: overrides of configs/gpu_8x.toml"
     )
     arguments = parser.parse_args(argv)
-    if arguments.perf:
-        return run_perf(arguments.overrides)
+    if arguments.perf or arguments.perf_toy_cpu:
+        modes = arguments.perf_modes.split(",")
+        unknown = [mode for mode in modes if mode not in PERF_MODES]
+        if unknown:
+            print(
+                f"error: --perf-modes: unknown mode {', '.join(unknown)} (modes: {', '.join(PERF_MODES)})",
+                file=sys.stderr,
+            )
+            return 2
+        return run_perf(arguments.overrides, modes, arguments.perf_timeout_s, arguments.perf_toy_cpu)
     if arguments.overrides:
         print("error: section.key=value overrides apply to --perf only", file=sys.stderr)
         return 2
