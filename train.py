@@ -105,7 +105,7 @@ from accumulation.step import StepResult, all_reduce_ints, count_supervised_toke
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print(help_text(argv))
         return 0
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -291,9 +291,11 @@ class Training(NamedTuple):
 def build_training(config: Config, vocab_size: int, resume: dict | None, context: DistributedContext) -> Training:
     """The model (with a resume's weights), its wrapper, the loss, the optimizer, the schedule and the scaler."""
     device = context.device
-    seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
     # the same initial weights on every rank
     model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
+    # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
+    # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
+    seed_dropout(config.run.seed, context.rank)
     if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
         model.load_state_dict(resume["model"])
     # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,

@@ -6,8 +6,17 @@ listed in --help and written to the run's TOML with no other change to the confi
 from dataclasses import dataclass, field
 
 
+# The own settings of the model (or data source) a config chooses: a frozen dataclass of setting() fields that
+# the piece declares where it is registered (accumulation/registry.py), or None. Its fields are keys of the
+# section (`model.path`), checked, listed and stored like the fields declared here; accumulation/config.py
+# attaches the instance when a Config is made.
+def own_settings():
+    return field(default=None, metadata={"own": True})
+
+
 def setting(default, help, unit="", *, choices=None, at_least=None, above=None, at_most=None, below=None):
-    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values."""
+    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values. A string
+    key whose default is "" accepts "" (meaning none); every other string key needs a non-empty value."""
     return field(
         default=default,
         metadata={
@@ -92,7 +101,8 @@ class BatchConfig:
 class DataConfig:
     source: str = setting(
         "stdlib",
-        '"stdlib" (the embedded corpus), a text file or folder, a .jsonl file of {"prompt", "response"} or '
+        '"stdlib" (the embedded corpus), a registered source\'s name or "module:name" (register_data), a text '
+        'file or folder, a .jsonl file of {"prompt", "response"} or '
         '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
         "glob of *_train_*.bin / *_val_*.bin); scripts/operations/prepare_data.py writes both",
     )
@@ -129,15 +139,15 @@ class DataConfig:
         "rows",
         at_least=0,
     )
+    own: object = own_settings()  # the keys of a registered data source (accumulation/registry.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = setting(
         "gpt",
-        "the architecture, built by accumulation/models.py: a GPT transformer, a GRU language model, or a "
-        'bidirectional transformer encoder (needs data.task = "masked")',
-        choices=("gpt", "gru", "encoder"),
+        'the architecture: a registered name ("gpt", "gru", "encoder": a bidirectional transformer encoder, needs '
+        'data.task = "masked"), or "module:name" to import a fork\'s module that registers one (docs/forking.md)',
     )
     # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
     # model on the meta device, which takes time in proportion to its number of modules.
@@ -170,6 +180,12 @@ class ModelConfig:
         "allows, plain otherwise",
         choices=("auto", "chunked", "plain"),
     )
+    objective: str = setting(
+        "",
+        'the loss: "" = the model\'s own (the token cross-entropy unless its registration names another), or a '
+        'registered loss\'s name or "module:name" (register_loss, accumulation/registry.py)',
+    )
+    own: object = own_settings()  # the chosen model's own keys (accumulation/registry.py)
 
 
 @dataclass(frozen=True)
