@@ -100,7 +100,7 @@ from accumulation.resume import (
 from accumulation.run_dir import RunDirectoryError, RunLock, metrics_lines, run_directory
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
-from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step, to_device
 
 
 def main(argv: list[str]) -> int:
@@ -434,7 +434,7 @@ class Session:
             record["val_loss"] = finite_or_none(val_loss)
         write_metrics(context, self.metrics_file, self.writers, record)
         if counters.steps % config.run.log_every == 0 or finished:
-            say(progress_line(counters, config, record, self.window))
+            say(progress_line(counters, config, record, self.window, self.data.summary.targets))
             self.window = []
 
         self.consecutive_skips = 0 if result.applied else self.consecutive_skips + 1
@@ -488,6 +488,7 @@ class Session:
                 wall_seconds,
                 self.training.model,
                 self.data.train,
+                self.data.summary.targets,
             )
 
     def close(self) -> None:
@@ -509,8 +510,8 @@ def validation_loss(
     forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, context.device.type)
     for micro_batch in eval_micro_batches(data.val, micro_batch_size, context.world_size, context.rank):
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            outputs = forward_module(micro_batch.inputs.to(context.device))
-            loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))
+            inputs, labels = to_device(micro_batch, context.device)
+            loss_sum += loss_sum_fn(forward_module(inputs), labels)
         tokens += count_supervised_tokens(micro_batch.labels)
     model.train()
     if dist.is_initialized():

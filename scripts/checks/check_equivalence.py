@@ -51,7 +51,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX, describe_batch
+from accumulation.batching import IGNORE_INDEX, describe_batch, map_inputs
 from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
 from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data import (
@@ -62,6 +62,7 @@ from accumulation.data import (
     StepBatch,
     build_data,
     check_supervised_counts,
+    rows_from_raw_examples,
     step_batch,
 )
 from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
@@ -399,19 +400,12 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
 def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's inputs and labels rebuilt from the raw examples, one row per example, position by position:
     input j is the example's j-th input token (0 past its end), label j its target at j (-100 where none), or
-    one label per row when the examples carry one. Nothing of the loop's batching or masking code is used."""
+    one label per row when the examples carry one; inputs that are not token ids (images, features) are the
+    examples' tensors, in float64 when they are floating point, as the reference model is. Nothing of the loop's
+    batching or masking code is used (accumulation/rows.py, rows_from_raw_examples)."""
     examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
-    inputs = torch.zeros(len(examples), seq_len, dtype=torch.long)
-    if all(example.label is not None for example in examples):
-        labels = torch.tensor([example.label for example in examples], dtype=torch.long)
-    else:
-        labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for row, example in enumerate(examples):
-        for position, token in enumerate(example.inputs):
-            inputs[row, position] = token
-        for position, target in example.targets.items():
-            labels[row, position] = target
-    return inputs, labels
+    inputs, labels = rows_from_raw_examples(examples, seq_len)
+    return map_inputs(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor, inputs), labels
 
 
 def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
