@@ -88,6 +88,7 @@ from accumulation.models import (
     training_forward_and_loss,
     uses_chunked_loss,
 )
+from accumulation.probe import InexactStep, probe_loss_and_model
 from accumulation.resume import (
     STOPPED_FILE,
     ExpectedShapes,
@@ -155,6 +156,28 @@ def print_to_stderr(*args, **kwargs) -> None:
     print(*args, **kwargs, file=sys.stderr)
 
 
+def probe_step_zero(config: Config, data: Data, training: "Training", context: DistributedContext, say) -> None:
+    """accumulation/probe.py on this rank's first micro-batch of step 0: a mean loss is an InexactStep (exit 2);
+    BatchNorm in train mode or a loss that couples examples is one warning line (an error with
+    batch.on_inexact = "error")."""
+    batch = step_batch(
+        data.train,
+        0,
+        seed=config.run.seed,
+        global_batch_size=config.batch.global_batch_size,
+        tail=config.batch.tail,
+        micro_batch_size=config.batch.micro_batch_size,
+        world_size=context.world_size,
+        rank=context.rank,
+    )
+    first = batch.micro_batches[0]
+    model, forward_module, loss_sum_fn = training.model, training.forward_module, training.loss_sum_fn
+    for line in probe_loss_and_model(
+        forward_module, model, loss_sum_fn, first, context.device, config.batch.on_inexact
+    ):
+        say(f"warning: not exact: {line}", file=sys.stderr)
+
+
 def train_in_run_directory(
     config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, rank: int, world_size: int, say
 ) -> int:
@@ -174,6 +197,9 @@ def train_in_run_directory(
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
         print(f"error: {error}", file=sys.stderr)  # every rank, as above
+        return 2
+    except InexactStep as error:  # the step-0 probe: a mean loss, or (batch.on_inexact=error) coupled rows
+        print(f"error: {error}", file=sys.stderr)  # every rank finds it on its own rows
         return 2
     except DataError as error:  # a row read mid-run holds an id beyond the vocabulary, or not the promised N
         print(f"error: {error}", file=sys.stderr)  # the rank that read the row says so; the others lose it
@@ -207,6 +233,8 @@ def train(
     device = context.device
     training = build_training(config, vocab_size, resume, context)
     counters, consecutive_skips = resume_training(training, resume, config, context)
+    if counters.steps == 0:  # a fresh run, before anything is written: what would make the step inexact
+        probe_step_zero(config, data, training, context, say)
     session = Session(config, data, run_dir, context, training, consecutive_skips, say)
     session.begin(counters, resumed=resume is not None)
     print_run_header(config, data, run_dir, context, training, counters, say)

@@ -95,6 +95,13 @@ class BatchConfig:
         "reordering; the smaller size is kept for the rest of the session; DDP only, not with dist.strategy=fsdp2)",
         choices=("fail", "shrink"),
     )
+    on_inexact: str = setting(
+        "warn",
+        "at step 0 train.py probes the model and the loss (accumulation/probe.py): a loss that is a mean stops the "
+        "run; a model whose rows are coupled (BatchNorm in train mode) or a loss that couples examples (in-batch "
+        "negatives) makes the step no longer the full batch's: warn (one line), or error (one line, exit 2)",
+        choices=("warn", "error"),
+    )
 
 
 @dataclass(frozen=True)

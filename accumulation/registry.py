@@ -134,7 +134,8 @@ def config_name(piece: Piece) -> str:
 
 
 def names_text(kind: str) -> str:
-    return ", ".join(f'"{name}"' for name in _REGISTERED[kind]) or "none"
+    """The registered names as a config writes them: the built-ins, then those of fork modules imported so far."""
+    return ", ".join(f'"{config_name(piece)}"' for piece in _REGISTERED[kind].values()) or "none"
 
 
 def _import_built_ins() -> None:
