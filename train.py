@@ -529,7 +529,9 @@ def validation_loss(
 ) -> float:
     """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
     every micro-batch and rank, then divided once (the same weighting as training). `micro_batch_size` is the
-    training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it."""
+    training loop's current m (batch.on_oom = "shrink" may have lowered it); the value does not depend on it when
+    the model treats each row alone in eval mode and the loss is a sum over targets (a loss with in-batch negatives,
+    which step 0's probe warns of, changes with m: docs/forking.md, "What no loop can make exact")."""
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0

@@ -91,8 +91,10 @@ class BatchConfig:
     on_oom: str = setting(
         "fail",
         "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
-        "largest divisor below half, A grown to match: the same examples and the same update up to float "
-        "reordering; the smaller size is kept for the rest of the session; DDP only, not with dist.strategy=fsdp2)",
+        "largest divisor below half, A grown to match: the same examples and, for a model whose rows are "
+        "independent and a loss that is a sum over targets, the same update up to float reordering (not with "
+        "BatchNorm or in-batch negatives: docs/forking.md); the smaller size is kept for the rest of the session; "
+        "DDP only, not with dist.strategy=fsdp2)",
         choices=("fail", "shrink"),
     )
     on_inexact: str = setting(

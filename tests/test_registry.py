@@ -26,7 +26,7 @@ import torch
 
 from accumulation.config_keys import setting
 from accumulation.gru import GRULanguageModel
-from accumulation.registry import register_loss, register_model
+from accumulation.registry import register_data, register_loss, register_model
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -53,6 +53,16 @@ def doubled_sum(outputs, labels):
 
 register_model("wide-gru", build, settings=WideGRUSettings, fingerprint=notes_hash)
 register_loss("doubled", doubled_sum)
+
+
+def five_token_rows(data_config, *, model_vocab_size, seed):
+    from accumulation.rows import data_from_custom_rows, make_rows, row_fingerprint
+
+    rows = make_rows([bytes(range(40, 80))] * 4, seq_len=5)
+    return data_from_custom_rows(data_config.source, rows, rows, fingerprint=row_fingerprint(rows), vocab_size=256)
+
+
+register_data("five-token-rows", five_token_rows)
 """
 
 NAME = "model.name=registry_fork:wide-gru"
@@ -133,3 +143,36 @@ def test_every_built_in_model_is_registered_with_its_rules():
     with pytest.raises(ConfigError, match="needs data.task"):
         load_config(["model.name=encoder"])
     assert dataclasses.replace(load_config(["model.name=gru", "model.d_model=130"]).model).d_model == 130
+
+
+def test_a_registered_source_is_checked_against_data_seq_len_and_keeps_data_val_rows(fork):
+    from accumulation.data import DataError, build_data
+
+    config = load_config(["data.source=registry_fork:five-token-rows", "data.seq_len=5", "data.val_rows=3"])
+    data = build_data(config.data, model_vocab_size=0, seed=1)
+    assert data.val.num_rows == 3 and data.summary.val_rows_read == 3 and data.train.num_rows == 32
+    assert "fingerprint" in data.summary.describe() and "layout" not in data.summary.describe()
+    config = load_config(["data.source=registry_fork:five-token-rows", "data.seq_len=8"])
+    with pytest.raises(DataError, match=r"^data.seq_len: the rows of .* have 5 positions, but data.seq_len is 8"):
+        build_data(config.data, model_vocab_size=0, seed=1)
+
+
+def test_validation_reads_the_images_un_augmented_and_training_augments_them():
+    from accumulation.data import build_data, eval_micro_batches, step_batch
+
+    config = load_config(["--config", "configs/image_classifier.toml", "data.images=40", "data.val_fraction=0.5"])
+    data = build_data(config.data, model_vocab_size=0, seed=config.run.seed)
+    [first] = list(eval_micro_batches(data.val, 20, 1, 0))
+    assert torch.equal(first.inputs, data.val.images)  # exactly the stored images: nothing augmented
+    batch = step_batch(
+        data.train,
+        0,
+        seed=config.run.seed,
+        global_batch_size=20,
+        tail="drop",
+        micro_batch_size=20,
+        world_size=1,
+        rank=0,
+    )
+    stored = data.train.images[batch.row_ids]
+    assert not torch.equal(batch.micro_batches[0].inputs, stored)  # step 0's rows are cropped and flipped
