@@ -120,6 +120,7 @@ from accumulation.pipeline import (
     pipelined_step,
     stage_optimizer_state,
 )
+from accumulation.probe import InexactStep, probe_loss_and_model
 from accumulation.resume import (
     STOPPED_FILE,
     ExpectedShapes,
@@ -138,12 +139,19 @@ from accumulation.run_dir import (
 )
 from accumulation.schedule import build_scheduler, set_learning_rates
 from accumulation.signals import StopRequest
-from accumulation.step import GlobalCounts, StepResult, all_reduce_ints, count_supervised_tokens, optimizer_step
+from accumulation.step import (
+    GlobalCounts,
+    StepResult,
+    all_reduce_ints,
+    count_supervised_tokens,
+    optimizer_step,
+    to_device,
+)
 
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        print(help_text(argv))
         return 0
     # Everything a user can get wrong is checked before anything is written: a bad launch environment,
     # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the
@@ -200,6 +208,32 @@ def print_to_stderr(*args, **kwargs) -> None:
     print(*args, **kwargs, file=sys.stderr)
 
 
+def probe_step_zero(config: Config, data: Data, training: "Training", context: DistributedContext, say) -> None:
+    """accumulation/probe.py on this rank's first micro-batch of step 0: a mean loss is an InexactStep (exit 2);
+    BatchNorm in train mode or a loss that couples examples is one warning line (an error with
+    batch.on_inexact = "error")."""
+    batch = step_batch(
+        data.train,
+        0,
+        seed=config.run.seed,
+        global_batch_size=config.batch.global_batch_size,
+        tail=config.batch.tail,
+        micro_batch_size=config.batch.micro_batch_size,
+        world_size=context.replicas,
+        rank=context.replica,
+    )
+    first = batch.micro_batches[0]
+    # Training's model.loss, uncompiled (as validation runs it): the probe compares losses, not kernels.
+    model = training.model
+    forward_module, loss_sum_fn = training_forward_and_loss(
+        training.model_config, config.dist, model, context.device.type
+    )
+    for line in probe_loss_and_model(
+        forward_module, model, loss_sum_fn, first, context.device, config.batch.on_inexact
+    ):
+        say(f"warning: not exact: {line}", file=sys.stderr)
+
+
 def train_in_run_directory(
     config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, rank: int, world_size: int, say
 ) -> int:
@@ -220,6 +254,9 @@ def train_in_run_directory(
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except CheckpointError as error:  # ranks that disagree, or state dicts that do not load: nothing written yet
         print(f"error: {error}", file=sys.stderr)  # every rank, as above
+        return 2
+    except InexactStep as error:  # the step-0 probe: a mean loss, or (batch.on_inexact=error) coupled rows
+        print(f"error: {error}", file=sys.stderr)  # every rank finds it on its own rows
         return 2
     except DataError as error:  # a row read mid-run holds an id beyond the vocabulary, or not the promised N
         print(f"error: {error}", file=sys.stderr)  # the rank that read the row says so; the others lose it
@@ -253,6 +290,8 @@ def train(
     device = context.device
     training = build_training(config, vocab_size, resume, context)
     counters, consecutive_skips = resume_training(training, resume, config, context)
+    if counters.steps == 0:  # a fresh run, before anything is written: what would make the step inexact
+        probe_step_zero(config, data, training, context, say)
     session = Session(config, data, run_dir, context, training, consecutive_skips, say)
     session.begin(counters, resumed=resume is not None)
     print_run_header(config, data, run_dir, context, training, counters, say)
@@ -385,9 +424,11 @@ class Training(NamedTuple):
 def build_training(config: Config, vocab_size: int, resume: dict | None, context: DistributedContext) -> Training:
     """The model (with a resume's weights), its wrapper, the loss, the optimizer, the schedule and the scaler."""
     device = context.device
-    seed_dropout(config.run.seed, context.rank)  # dropout: a different stream on each rank
     # the same initial weights on every rank
     model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
+    # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
+    # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
+    seed_dropout(config.run.seed, context.rank)
     if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
         model.load_state_dict(resume["model"])
     # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
@@ -559,7 +600,7 @@ class Session:
             record["val_loss"] = finite_or_none(val_loss)
         write_metrics(context, self.metrics_file, self.writers, record)
         if counters.steps % config.run.log_every == 0 or finished:
-            say(progress_line(counters, config, record, self.window))
+            say(progress_line(counters, config, record, self.window, self.data.summary.targets))
             self.window = []
 
         self.consecutive_skips = 0 if result.applied else self.consecutive_skips + 1
@@ -621,6 +662,7 @@ class Session:
                 wall_seconds,
                 self.training.model,
                 self.data.train,
+                self.data.summary.targets,
             )
 
     def close(self) -> None:
@@ -641,7 +683,9 @@ def validation_loss(
     every micro-batch and replica, then divided once (the same weighting as training). `model_config`:
     config.model with model.loss as training decided it (Training.model_config; default config.model).
     `micro_batch_size` is the training loop's current m (batch.on_oom = "shrink" may have lowered it); the value
-    does not depend on it. With pipeline stages (`pipeline`, Training.pipeline) the rows go forward through the
+    does not depend on it when the model treats each row alone in eval mode and the loss is a sum over targets (a
+    loss with in-batch negatives, which step 0's probe warns of, changes with m: docs/forking.md, "What no loop
+    can make exact"). With pipeline stages (`pipeline`, Training.pipeline) the rows go forward through the
     stages; only last stages add loss sums, and the first stage of each replica counts its targets (so each
     replica's count is added once)."""
     autocast_dtype = autocast_dtype_for(config.precision)
@@ -660,8 +704,8 @@ def validation_loss(
     forward_module, loss_sum_fn = training_forward_and_loss(model_config, config.dist, model, context.device.type)
     for micro_batch in own_rows:
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            outputs = forward_module(micro_batch.inputs.to(context.device))
-            loss_sum += loss_sum_fn(outputs, micro_batch.labels.to(context.device))
+            inputs, labels = to_device(micro_batch, context.device)
+            loss_sum += loss_sum_fn(forward_module(inputs), labels)
         tokens += count_supervised_tokens(micro_batch.labels)
     model.train()
     if dist.is_initialized():

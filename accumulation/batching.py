@@ -16,17 +16,29 @@ import torch
 IGNORE_INDEX = -100
 
 
+# What a model reads: one tensor [rows, ...] of any dtype (int64 token ids [rows, seq_len], float images
+# [rows, C, H, W], feature vectors [rows, F]), or a tuple of such tensors (several per example), rows first.
+Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def map_inputs(function, inputs: Inputs) -> Inputs:
+    """`function` applied to the inputs' tensor, or to each tensor of a tuple of them."""
+    return tuple(function(tensor) for tensor in inputs) if isinstance(inputs, tuple) else function(inputs)
+
+
 @dataclass
 class MicroBatch:
     """What one rank feeds to one forward/backward pass. Tensors live on the host (CPU)."""
 
-    inputs: torch.Tensor  # int64 [rows, seq_len] token ids
-    labels: torch.Tensor  # int64 [rows, seq_len] next-token targets, IGNORE_INDEX where nothing is supervised
+    inputs: Inputs  # [rows, ...]: int64 token ids [rows, seq_len], or any tensor(s) the model reads (see Inputs)
+    labels: torch.Tensor  # int64 [rows, seq_len] next-token targets (or [rows], one per example), IGNORE_INDEX
+    # where nothing is supervised
     num_examples: int  # real rows in this micro-batch (padding rows excluded)
 
     def pinned(self) -> "MicroBatch":
         """A copy in page-locked host memory, from which a copy to a GPU runs asynchronously (CUDA only)."""
-        return MicroBatch(self.inputs.pin_memory(), self.labels.pin_memory(), self.num_examples)
+        inputs = map_inputs(torch.Tensor.pin_memory, self.inputs)
+        return MicroBatch(inputs, self.labels.pin_memory(), self.num_examples)
 
 
 def divisors(value: int) -> list[int]:
@@ -105,11 +117,12 @@ def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) 
     """
     pieces = []
     for micro_batch in micro_batches:
-        rows = micro_batch.inputs.shape[0]
+        rows = micro_batch.labels.shape[0]
         if rows % micro_batch_size != 0:
             raise ValueError(f"a micro-batch of {rows} rows does not split into pieces of {micro_batch_size}")
         for first in range(0, rows, micro_batch_size):
             real = min(max(micro_batch.num_examples - first, 0), micro_batch_size)
             piece = slice(first, first + micro_batch_size)
-            pieces.append(MicroBatch(micro_batch.inputs[piece], micro_batch.labels[piece], real))
+            inputs = map_inputs(lambda tensor, piece=piece: tensor[piece], micro_batch.inputs)
+            pieces.append(MicroBatch(inputs, micro_batch.labels[piece], real))
     return pieces

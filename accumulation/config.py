@@ -31,6 +31,7 @@ from accumulation.config_keys import (
     ScheduleConfig,
     setting,
 )
+from accumulation.registry import Piece, RegistryError, config_name, is_piece_name, lookup, registered
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,7 @@ class Config:
     device: str = setting("auto", "auto: cuda when a GPU is present, else cpu", choices=("auto", "cpu", "cuda"))
 
     def __post_init__(self):
+        _attach_own_settings(self)
         for key, declaration, value in _settings(self):
             _check_value(key, value, declaration)
         _check_combinations(self)
@@ -76,18 +78,85 @@ def _top_level_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(Config) if not dataclasses.is_dataclass(f.type)}
 
 
+def _is_own(declaration: dataclasses.Field) -> bool:
+    return bool(declaration.metadata.get("own"))
+
+
+def _section_fields(section) -> list[tuple[dataclasses.Field, object]]:
+    """A section's (declaration, value) pairs: its declared keys, then the chosen piece's own keys in their place."""
+    found = []
+    for declaration in fields(section):
+        if _is_own(declaration):
+            own = getattr(section, declaration.name)
+            found += [(inner, getattr(own, inner.name)) for inner in fields(own)] if own is not None else []
+        else:
+            found.append((declaration, getattr(section, declaration.name)))
+    return found
+
+
 def _settings(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
     """Every (key, declaration, value) of a config, e.g. ("run.max_steps", <field>, 600), top level first."""
     found = [(name, declaration, getattr(config, name)) for name, declaration in _top_level_fields().items()]
     for section_name in _section_types():
-        section = getattr(config, section_name)
-        for declaration in fields(section):
-            found.append((f"{section_name}.{declaration.name}", declaration, getattr(section, declaration.name)))
+        for declaration, value in _section_fields(getattr(config, section_name)):
+            found.append((f"{section_name}.{declaration.name}", declaration, value))
     return found
 
 
-def _declaration(key: str) -> dataclasses.Field:
-    """The declaration of "section.key" (or of a top-level key); unknown names are a ConfigError."""
+# The sections whose chosen piece may bring its own keys, and the key that chooses it.
+OWNED_SECTIONS = {"model": "name", "data": "source"}
+
+
+def _piece_of(section_name: str, name) -> Piece | None:
+    """The registered piece a section's choosing key names (model.name, data.source), or None: a data.source that
+    is a path, or a value of the wrong type (its own check reports it)."""
+    kind = section_name
+    if type(name) is not str or (kind == "data" and not is_piece_name(kind, name)):
+        return None
+    try:
+        return lookup(kind, name)
+    except RegistryError as error:
+        raise ConfigError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
+
+
+def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
+    """{"model": the chosen model's settings dataclass or None, "data": ...}, from the choosing keys in `pairs`."""
+    section_types = _section_types()
+    owns = {}
+    for section_name, choosing_key in OWNED_SECTIONS.items():
+        default = getattr(section_types[section_name](), choosing_key)
+        piece = _piece_of(section_name, pairs.get(f"{section_name}.{choosing_key}", default))
+        owns[section_name] = piece.settings if piece is not None else None
+    return owns
+
+
+def _attach_own_settings(config: Config) -> None:
+    """Check that model.name (and data.source, when it names a source) names a registered piece, and give its
+    section the piece's own settings: the defaults when none were given, refused when they are another piece's."""
+    for section_name, choosing_key in OWNED_SECTIONS.items():
+        section = getattr(config, section_name)
+        piece = _piece_of(section_name, getattr(section, choosing_key))
+        expected = piece.settings if piece is not None else None
+        own = section.own
+        if own is None and expected is not None:
+            object.__setattr__(section, "own", expected())  # frozen: set once, while the Config is made
+        elif own is not None and type(own) is not expected:
+            raise ConfigError(
+                f"{section_name}.{choosing_key}: {getattr(section, choosing_key)!r} takes "
+                f"{'no own keys' if expected is None else expected.__name__}, but the section holds "
+                f"{type(own).__name__}"
+            )
+    objective = config.model.objective
+    if objective:
+        try:
+            lookup("loss", objective)
+        except RegistryError as error:
+            raise ConfigError(f"model.objective: {error}") from None
+
+
+def _declaration(key: str, owns: dict[str, type | None] | None = None) -> dataclasses.Field:
+    """The declaration of "section.key" (or of a top-level key); unknown names are a ConfigError. `owns` gives
+    the own settings of the pieces the config chooses (_own_types): their keys belong to their sections."""
     section_name, dot, name = key.partition(".")
     section_types = _section_types()
     if not dot:
@@ -99,7 +168,13 @@ def _declaration(key: str) -> dataclasses.Field:
         return top_level[key]
     if section_name not in section_types:
         raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
-    declarations = {f.name: f for f in fields(section_types[section_name])}
+    declarations = {f.name: f for f in fields(section_types[section_name]) if not _is_own(f)}
+    own_type = (owns or {}).get(section_name)
+    if own_type is not None:
+        for declaration in fields(own_type):
+            if declaration.name in declarations:
+                raise ConfigError(f"{key}: {own_type.__name__} declares a key that [{section_name}] already has")
+            declarations[declaration.name] = declaration
     if name not in declarations:
         raise ConfigError(f"unknown key {key} ({section_name} has: {', '.join(declarations)})")
     return declarations[name]
@@ -110,6 +185,7 @@ def _declaration(key: str) -> dataclasses.Field:
 # ---------------------------------------------------------------------------------------------------------
 
 _TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
+_EMPTY_ALLOWED_WORDS = 'a string ("" = none)'
 
 
 def _has_type(value, type_) -> bool:
@@ -118,7 +194,7 @@ def _has_type(value, type_) -> bool:
     if type_ is float:
         return type(value) is float and math.isfinite(value)
     if type_ is str:
-        return type(value) is str and value != ""
+        return type(value) is str
     return type(value) is type_
 
 
@@ -151,7 +227,9 @@ def _allowed_text(declaration: dataclasses.Field) -> str:
     if choices is not None:
         return "one of " + ", ".join(_toml_value(choice) for choice in choices)
     bounds = _bounds_text(declaration.metadata)
-    return f"{_TYPE_WORDS[declaration.type]} {bounds}" if bounds else _TYPE_WORDS[declaration.type]
+    words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
+    words = words or _TYPE_WORDS[declaration.type]
+    return f"{words} {bounds}" if bounds else words
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
@@ -168,6 +246,8 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
         allowed = _is_one_of(value, choices)
     else:
         allowed = _has_type(value, declaration.type) and _within_bounds(value, declaration.metadata)
+        if declaration.type is str and value == "":
+            allowed = declaration.default == ""  # "" means none only where it is the declared default
     if not allowed:
         raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_describe(value)}")
 
@@ -183,20 +263,20 @@ def _is_utf8(text: str) -> bool:
 def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
     which knows the world size.)"""
-    model, batch, schedule = config.model, config.batch, config.schedule
+    batch, schedule = config.batch, config.schedule
     problem = run_name_problem(config.run.name)
     if problem:
         raise ConfigError(f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}")
-    if model.name == "encoder" and config.data.task != "masked":  # it sees every position, the next one included
-        raise ConfigError(
-            f'model.name: the encoder sees every input position, so it needs data.task = "masked", got '
-            f'"{config.data.task}"; use model.name = "gpt" for next-token prediction'
-        )
-    if model.name in ("gpt", "encoder") and model.d_model % model.n_head != 0:  # the heads split d_model evenly
-        raise ConfigError(
-            f"model.d_model: expected a multiple of model.n_head ({model.n_head}) for the {model.name}, "
-            f"got {model.d_model}"
-        )
+    # The rules of the chosen model and data source, declared where they are registered (e.g. the encoder's).
+    for section_name, choosing_key in OWNED_SECTIONS.items():
+        piece = _piece_of(section_name, getattr(getattr(config, section_name), choosing_key))
+        if piece is not None and piece.check is not None:
+            try:
+                piece.check(config)
+            except ConfigError:
+                raise
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
@@ -263,19 +343,20 @@ def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
     raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {text}")
 
 
-def _pair_from_argument(argument: str) -> tuple[str, object]:
-    """'optim.lr=3e-4' -> ("optim.lr", 0.0003)."""
+def _split_argument(argument: str) -> tuple[str, str]:
+    """'optim.lr=3e-4' -> ("optim.lr", "3e-4"): the key and its text, converted once the key's type is known."""
     key, equals, text = argument.partition("=")
     if not equals or not key:
         raise ConfigError(
             f"unexpected argument {argument!r}: expected section.key=value, e.g. run.max_steps=100 "
             f"(an optional --config FILE comes first)"
         )
-    return key, _value_from_text(key, text, _declaration(key))
+    return key, text
 
 
 def _pairs_from_tree(tree: dict) -> dict[str, object]:
-    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown names."""
+    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
+    keys are checked by _checked_pairs, once the chosen pieces, whose own keys they may be, are known)."""
     section_types = _section_types()
     pairs = {}
     for name, value in tree.items():
@@ -283,28 +364,51 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
             if not isinstance(value, dict):
                 raise ConfigError(f"{name}: expected a section [{name}] of keys, got {_describe(value)}")
             for key, inner_value in value.items():
-                _declaration(f"{name}.{key}")
                 pairs[f"{name}.{key}"] = inner_value
         elif isinstance(value, dict):
             raise ConfigError(f"unknown section [{name}] (sections: {', '.join(section_types)})")
         else:
-            _declaration(name)
             pairs[name] = value
     return pairs
 
 
-def _config_from_pairs(pairs: dict[str, object]) -> Config:
+def _checked_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> tuple[dict, dict]:
+    """`pairs` (typed values) then `texts` (command-line text, converted by each key's type) merged, every key
+    checked, with the own settings types of the pieces they choose (_own_types). The choosing keys (model.name,
+    data.source) are read first, because they decide which other keys exist."""
+    choosing = {**pairs, **{key: _unquoted(text) for key, text in texts if key in _CHOOSING_KEYS}}
+    owns = _own_types(choosing)
+    checked = {}
+    for key, value in pairs.items():
+        _declaration(key, owns)
+        checked[key] = value
+    for key, text in texts:
+        checked[key] = _value_from_text(key, text, _declaration(key, owns))
+    return checked, owns
+
+
+_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
+
+
+def _config_from_pairs(pairs: dict[str, object], owns: dict[str, type | None]) -> Config:
     """Build and validate a Config; keys not in `pairs` keep their defaults."""
     section_values = {section_name: {} for section_name in _section_types()}
+    own_values = {section_name: {} for section_name in owns}
     top_level_values = {}
     for key, value in pairs.items():
-        if _declaration(key).type is float and type(value) is int:
+        declaration = _declaration(key, owns)
+        if declaration.type is float and type(value) is int:
             value = float(value)  # `lr = 1` means 1.0; the reverse (a float for an integer) is an error
         section_name, dot, name = key.partition(".")
-        if dot:
-            section_values[section_name][name] = value
-        else:
+        if not dot:
             top_level_values[key] = value
+        elif owns.get(section_name) is not None and name in {f.name for f in fields(owns[section_name])}:
+            own_values[section_name][name] = value
+        else:
+            section_values[section_name][name] = value
+    for section_name, own_type in owns.items():
+        if own_type is not None:
+            section_values[section_name]["own"] = own_type(**own_values[section_name])
     sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
     return Config(**sections, **top_level_values)
 
@@ -332,20 +436,23 @@ def load_config(argv: list[str]) -> Config:
         config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
 
     pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
-    for argument in arguments:
-        key, value = _pair_from_argument(argument)
-        pairs[key] = value
-    return _config_from_pairs(pairs)
+    texts = [_split_argument(argument) for argument in arguments]
+    return _config_from_pairs(*_checked_pairs(pairs, texts))
 
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    return _config_from_pairs(_pairs_from_tree(tree))
+    return _config_from_pairs(*_checked_pairs(_pairs_from_tree(tree)))
 
 
 def config_to_dict(config: Config) -> dict:
-    """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values."""
-    return dataclasses.asdict(config)
+    """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values, the chosen pieces'
+    own keys in their sections (model.path beside model.name), as a TOML file writes them."""
+    tree = {name: getattr(config, name) for name in _top_level_fields()}
+    for section_name in _section_types():
+        section = getattr(config, section_name)
+        tree[section_name] = {declaration.name: value for declaration, value in _section_fields(section)}
+    return tree
 
 
 def resolved_compile(config: Config, device_type: str) -> bool:
@@ -405,15 +512,25 @@ def config_to_toml(config: Config) -> str:
     for name in _top_level_fields():
         lines.append(f"{name} = {_toml_value(getattr(config, name))}")
     for section_name in _section_types():
-        section = getattr(config, section_name)
         lines += ["", f"[{section_name}]"]
-        for declaration in fields(section):
-            lines.append(f"{declaration.name} = {_toml_value(getattr(section, declaration.name))}")
+        for declaration, value in _section_fields(getattr(config, section_name)):
+            lines.append(f"{declaration.name} = {_toml_value(value)}")
     return "\n".join(lines) + "\n"
 
 
-def help_text() -> str:
-    """Usage and every key, grouped by section, with its default, allowed values, unit and meaning."""
+def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
+    unit = declaration.metadata["unit"]
+    unit_text = f"; unit: {unit}" if unit else ""
+    return [
+        f"  {key} = {_toml_value(default)}    ({_allowed_text(declaration)}{unit_text})",
+        f"      {declaration.metadata['help']}",
+    ]
+
+
+def help_text(argv: list[str] = ()) -> str:
+    """Usage and every key, grouped by section, with its default, allowed values, unit and meaning; then the own
+    keys of every registered model and data source, those of a fork that `argv` names (--config FILE, model.name=
+    module:name) included."""
     lines = [
         "usage: python train.py [--config FILE] [section.key=value ...]",
         "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
@@ -422,6 +539,10 @@ def help_text() -> str:
         "line in order; a key given twice takes its last value. Example:",
         "  python train.py --config configs/default.toml run.max_steps=100 optim.lr=1e-3",
     ]
+    try:
+        load_config([argument for argument in argv if argument not in ("--help", "-h")])  # imports a fork's module
+    except ConfigError:
+        pass  # --help lists what it can; the run itself reports the error
     defaults = Config()
     current_section = None
     for key, declaration, default in _settings(defaults):
@@ -430,8 +551,12 @@ def help_text() -> str:
         if heading != current_section:
             lines += ["", heading]
             current_section = heading
-        unit = declaration.metadata["unit"]
-        unit_text = f"; unit: {unit}" if unit else ""
-        lines.append(f"  {key} = {_toml_value(default)}    ({_allowed_text(declaration)}{unit_text})")
-        lines.append(f"      {declaration.metadata['help']}")
+        lines += _key_help(key, declaration, default)
+    for section_name, choosing_key in OWNED_SECTIONS.items():
+        for piece in registered(section_name).values():
+            if piece.settings is None:
+                continue
+            lines += ["", f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"']
+            for declaration in fields(piece.settings):
+                lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
     return "\n".join(lines) + "\n"

@@ -6,8 +6,17 @@ listed in --help and written to the run's TOML with no other change to the confi
 from dataclasses import dataclass, field
 
 
+# The own settings of the model (or data source) a config chooses: a frozen dataclass of setting() fields that
+# the piece declares where it is registered (accumulation/registry.py), or None. Its fields are keys of the
+# section (`model.path`), checked, listed and stored like the fields declared here; accumulation/config.py
+# attaches the instance when a Config is made.
+def own_settings():
+    return field(default=None, metadata={"own": True})
+
+
 def setting(default, help, unit="", *, choices=None, at_least=None, above=None, at_most=None, below=None):
-    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values."""
+    """Declare one config key: its default, help text, unit ("" when it has none) and allowed values. A string
+    key whose default is "" accepts "" (meaning none); every other string key needs a non-empty value."""
     return field(
         default=default,
         metadata={
@@ -82,9 +91,18 @@ class BatchConfig:
     on_oom: str = setting(
         "fail",
         "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
-        "largest divisor below half, A grown to match: the same examples and the same update up to float "
-        "reordering; the smaller size is kept for the rest of the session; DDP only, not with dist.strategy=fsdp2)",
+        "largest divisor below half, A grown to match: the same examples and, for a model whose rows are "
+        "independent and a loss that is a sum over targets, the same update up to float reordering (not with "
+        "BatchNorm or in-batch negatives: docs/forking.md); the smaller size is kept for the rest of the session; "
+        "DDP only, not with dist.strategy=fsdp2)",
         choices=("fail", "shrink"),
+    )
+    on_inexact: str = setting(
+        "warn",
+        "at step 0 train.py probes the model and the loss (accumulation/probe.py): a loss that is a mean stops the "
+        "run; a model whose rows are coupled (BatchNorm in train mode) or a loss that couples examples (in-batch "
+        "negatives) makes the step no longer the full batch's: warn (one line), or error (one line, exit 2)",
+        choices=("warn", "error"),
     )
 
 
@@ -92,7 +110,8 @@ class BatchConfig:
 class DataConfig:
     source: str = setting(
         "stdlib",
-        '"stdlib" (the embedded corpus), a text file or folder, a .jsonl file of {"prompt", "response"} or '
+        '"stdlib" (the embedded corpus), a registered source\'s name or "module:name" (register_data), a text '
+        'file or folder, a .jsonl file of {"prompt", "response"} or '
         '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
         "glob of *_train_*.bin / *_val_*.bin); scripts/operations/prepare_data.py writes both",
     )
@@ -129,15 +148,15 @@ class DataConfig:
         "rows",
         at_least=0,
     )
+    own: object = own_settings()  # the keys of a registered data source (accumulation/registry.py)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = setting(
         "gpt",
-        "the architecture, built by accumulation/models.py: a GPT transformer, a GRU language model, or a "
-        'bidirectional transformer encoder (needs data.task = "masked")',
-        choices=("gpt", "gru", "encoder"),
+        'the architecture: a registered name ("gpt", "gru", "encoder": a bidirectional transformer encoder, needs '
+        'data.task = "masked"), or "module:name" to import a fork\'s module that registers one (docs/forking.md)',
     )
     # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
     # model on the meta device, which takes time in proportion to its number of modules.
@@ -171,6 +190,12 @@ class ModelConfig:
         "device's free memory, plain otherwise",
         choices=("auto", "chunked", "plain"),
     )
+    objective: str = setting(
+        "",
+        'the loss: "" = the model\'s own (the token cross-entropy unless its registration names another), or a '
+        'registered loss\'s name or "module:name" (register_loss, accumulation/registry.py)',
+    )
+    own: object = own_settings()  # the chosen model's own keys (accumulation/registry.py)
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from accumulation import jsonl, masked_lm, text_corpus, token_files
-from accumulation.batching import IGNORE_INDEX, MicroBatch, micro_batch_slices
+from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config import DataConfig
+from accumulation.registry import is_piece_name, lookup
 from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
     BYTE_VOCAB_SIZE,
     Data,
@@ -36,6 +37,7 @@ from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and 
     Rows,
     RowSet,
     RowSubset,
+    data_from_custom_rows,
     data_from_rows,
     key_hash,
     labels_from_mask,
@@ -44,6 +46,8 @@ from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and 
     mix64,
     next_token_example,
     row_fingerprint,
+    rows_from_raw_examples,
+    tensor_fingerprint,
     token_dtype,
     validation_keys,
 )
@@ -74,12 +78,32 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
     """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it).
 
-    Token files (a nanoGPT folder, llm.c shards): accumulation/token_files.py, packed; a path ending in
+    A registered source's name or "module:name" (accumulation/registry.py, register_data): that source's build;
+    token files (a nanoGPT folder, llm.c shards): accumulation/token_files.py, packed; a path ending in
     .jsonl: prompt/response examples (accumulation/jsonl.py), one per row; anything else: text
-    (accumulation/text_corpus.py), one document per row or packed. Validation then reads at most
-    data.val_rows of its rows (validation_subset).
+    (accumulation/text_corpus.py), one document per row or packed. Then, for every source, data.seq_len is
+    checked against the rows' own, and validation reads at most data.val_rows of its rows (validation_subset).
     """
     settings = data_config
+    source, seq_len = settings.source, settings.seq_len
+    if is_piece_name("data", source):  # a registered source (accumulation/registry.py): a fork's own data
+        built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
+    else:
+        built = load_files(settings, model_vocab_size, seed)
+    rows_seq_len = built.train.seq_len
+    if rows_seq_len is not None and rows_seq_len != seq_len:
+        raise DataError(
+            f"data.seq_len: the rows of {source!r} have {rows_seq_len} positions, but data.seq_len is {seq_len}; "
+            f"set data.seq_len={rows_seq_len}"
+        )
+    if built.val is not None:  # every source's validation, a registered one's too
+        built.val = validation_subset(built.val, settings.val_rows)
+        built.summary.val_rows_read = built.val.num_rows
+    return built
+
+
+def load_files(settings: DataConfig, model_vocab_size: int, seed: int) -> Data:
+    """The built-in sources, chosen by what data.source is: token files, a .jsonl file, or text."""
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
     found_token_files = token_files.open_token_files(source, with_validation=val_fraction > 0)
     # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
@@ -112,9 +136,6 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
         built = jsonl.load_jsonl(source, seq_len, val_fraction, tokenizer)
     else:
         built = text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
-    if built.val is not None:
-        built.val = validation_subset(built.val, settings.val_rows)
-        built.summary.val_rows_read = built.val.num_rows
     return built
 
 
@@ -226,24 +247,31 @@ def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, ta
 # ---------------------------------------------------------------------------------------------------
 
 
-# Validation reads its rows as this step sees them, at every pass: for data that changes with the step (a
-# fresh mask), every validation loss of a run is measured on the same inputs and targets, so they compare.
-VALIDATION_STEP = 0
+# Validation reads its rows as this "step" sees them, at every pass. It is no training step (those count from 0):
+# a source that augments its rows gives them un-augmented here, and one that masks afresh every step draws one
+# fixed mask for it, so every validation loss of a run is measured on the same inputs and targets.
+VALIDATION_STEP = -1
 
 
 def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int, step: int) -> MicroBatch:
     """Inputs and labels for `row_ids` as step `step` sees them (rows.examples), then padding rows up to
     micro_batch_size.
 
-    A padding row has inputs 0 and no supervised label, so every micro-batch has the same shape and
-    padding adds nothing to the loss or to num_examples.
+    A padding row has inputs 0 (of the rows' own dtype and shape: token ids, pixels, each tensor of a tuple) and
+    no supervised label, so every micro-batch has the same shape and padding adds nothing to the loss or to
+    num_examples.
     """
     num_real = len(row_ids)
-    inputs = torch.zeros(micro_batch_size, rows.seq_len, dtype=torch.long)
     example_inputs, example_labels = rows.examples(row_ids, step)
+
+    def padded(tensor: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros((micro_batch_size, *tensor.shape[1:]), dtype=tensor.dtype)
+        full[:num_real] = tensor
+        return full
+
     labels = torch.full((micro_batch_size, *example_labels.shape[1:]), IGNORE_INDEX, dtype=torch.long)
-    inputs[:num_real], labels[:num_real] = example_inputs, example_labels
-    return MicroBatch(inputs=inputs, labels=labels, num_examples=num_real)
+    labels[:num_real] = example_labels
+    return MicroBatch(inputs=map_inputs(padded, example_inputs), labels=labels, num_examples=num_real)
 
 
 def step_counts(rows: Rows, row_ids: torch.Tensor, step: int) -> GlobalCounts:

@@ -11,7 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumulation.model import GPTConfig
+from accumulation.model import GPTConfig, check_heads_divide_width, gpt_config
+from accumulation.registry import register_model
 
 
 class SelfAttention(nn.Module):
@@ -82,3 +83,20 @@ class Encoder(nn.Module):
             f"encoder: {sum(p.numel() for p in self.parameters()):,} parameters ({config.n_layer} bidirectional "
             f"layers, d_model {config.d_model}, {config.n_head} heads, vocab {config.vocab_size} with [MASK])"
         )
+
+
+def check_masked_data(config) -> None:
+    """It sees every input position, the next one included: next-token prediction would be copying."""
+    check_heads_divide_width(config)
+    if config.data.task != "masked":
+        raise ValueError(
+            f'model.name: the encoder sees every input position, so it needs data.task = "masked", got '
+            f'"{config.data.task}"; use model.name = "gpt" for next-token prediction'
+        )
+
+
+def build_encoder(model_config, vocab_size: int, *, seq_len: int, seed: int) -> Encoder:
+    return Encoder(gpt_config(model_config, vocab_size, seq_len), seed=seed)
+
+
+register_model("encoder", build_encoder, check=check_masked_data)  # the masked-LM fork (docs/forking.md, example 4)

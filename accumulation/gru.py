@@ -20,6 +20,8 @@ requires; the GPT gets the same from its causal mask.
 import torch
 import torch.nn as nn
 
+from accumulation.registry import register_model
+
 
 class GRULanguageModel(nn.Module):
     """token embedding -> GRU (n_layer layers, d_model wide) -> LayerNorm -> linear head to vocabulary logits."""
@@ -65,3 +67,12 @@ class GRULanguageModel(nn.Module):
             f"gru: {self.num_parameters():,} parameters ({self.n_layer} layers, d_model {self.d_model}, "
             f"vocab {self.vocab_size})"
         )
+
+
+def build_gru(model_config, vocab_size: int, *, seq_len: int, seed: int) -> GRULanguageModel:
+    """model.n_layer GRU layers of width model.d_model; a GRU reads rows of any length, so seq_len is not needed."""
+    model = model_config
+    return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=seed)
+
+
+register_model("gru", build_gru)

@@ -152,7 +152,18 @@ def tensorboard_write_error(error: Exception, writer) -> Exception:
     )
 
 
-def progress_line(counters: Counters, config: Config, record: dict, window: list) -> str:
+def per_second(targets: str) -> str:
+    """The unit of a speed: "tok/s" for tokens, else e.g. "targets/s" (a custom source's summary names it)."""
+    return "tok/s" if targets == "tokens" else f"{targets}/s"
+
+
+def rate_text(count: float, seconds: float, targets: str) -> str:
+    """A rate in thousands ("12.3k"); other targets than tokens (images) plainly below a thousand ("87.5")."""
+    rate = count / seconds
+    return f"{rate:.1f}" if targets != "tokens" and rate < 1e3 else f"{rate / 1e3:.1f}k"
+
+
+def progress_line(counters: Counters, config: Config, record: dict, window: list, targets: str = "tokens") -> str:
     window_tokens = sum(tokens for tokens, _ in window)
     window_seconds = sum(seconds for _, seconds in window)
     seconds_per_step = window_seconds / len(window)
@@ -161,12 +172,21 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
     validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
     return (
         f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
-        f"{window_tokens / window_seconds / 1e3:.1f}k tok/s | eta {eta_s / 60:.1f} min"
+        f"{rate_text(window_tokens, window_seconds, targets)} {per_second(targets)} | eta {eta_s / 60:.1f} min"
     )
 
 
 def print_summary(
-    config, counters, first_loss, last_loss, final_val_loss, session_steps, wall_seconds, model, prompt_source
+    config,
+    counters,
+    first_loss,
+    last_loss,
+    final_val_loss,
+    session_steps,
+    wall_seconds,
+    model,
+    prompt_source,
+    targets="tokens",
 ) -> None:
     """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
     speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
@@ -174,10 +194,10 @@ def print_summary(
     print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
     print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
     print_sample(config, model, prompt_source)
-    print(speed_line(session_steps, wall_seconds))
+    print(speed_line(session_steps, wall_seconds, targets))
 
 
-def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float) -> str:
+def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targets: str = "tokens") -> str:
     """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
     WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
     (supervised tokens, seconds) per step. A session too short for a steady state says so."""
@@ -186,15 +206,15 @@ def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float) -> s
     if len(session_steps) <= WARMUP_STEPS:
         tokens = sum(tokens for tokens, _ in session_steps)
         return (
-            f"speed: {tokens / total_seconds / 1e3:.1f}k supervised tokens/s over all {len(session_steps)} steps, "
-            f"warm-up included (too few steps for a steady state); {tail}"
+            f"speed: {rate_text(tokens, total_seconds, targets)} supervised {targets}/s over all "
+            f"{len(session_steps)} steps, warm-up included (too few steps for a steady state); {tail}"
         )
     warmup, steady = session_steps[:WARMUP_STEPS], session_steps[WARMUP_STEPS:]
     steady_tokens = sum(tokens for tokens, _ in steady)
     steady_seconds = sum(seconds for _, seconds in steady)
     warmup_seconds = sum(seconds for _, seconds in warmup)
     return (
-        f"speed: {steady_tokens / steady_seconds / 1e3:.1f}k supervised tokens/s in steady state "
+        f"speed: {rate_text(steady_tokens, steady_seconds, targets)} supervised {targets}/s in steady state "
         f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
         f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
     )
@@ -222,6 +242,9 @@ def print_sample(config, model, prompt_source) -> None:
     # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
     # least four tokens.
     example = prompt_source.raw_example(0, 0)
+    if not isinstance(example.inputs, list):
+        print("sample: skipped, the data's inputs are not token ids")
+        return
     prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
     model.eval()
     prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
@@ -241,9 +264,11 @@ def print_run_header(
         if stages > 1
         else ""
     )
+    position = "tokens" if data.summary.targets == "tokens" else "positions"
+    per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
     say(
         f"accumulation: {batch}"
-        f" examples per update{pipeline}; {config.data.seq_len} tokens per row; "
+        f" examples per update{pipeline}; {per_row}"
         f"device {context.device} ({context.backend or 'single process'})"
     )
     loss = "chunked" if training.forward_module is not training.model else "plain"

@@ -3,7 +3,8 @@
 Nothing here knows about accumulation; the model maps token ids [rows, seq_len] to logits
 [rows, seq_len, vocab_size], and the data decides vocab_size (256 for bytes). Initialisation is drawn from
 an explicit generator, so the same seed gives the same weights on every rank and in every dtype (build in
-float32, then `.double()` for float64 references). accumulation/models.py builds it from a Config.
+float32, then `.double()` for float64 references). It registers itself as `model.name = "gpt"` (at the end,
+accumulation/registry.py); accumulation/models.py builds it from a Config.
 """
 
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from accumulation.registry import register_model
 
 
 @dataclass
@@ -181,3 +184,32 @@ class GPTStage(nn.Module):
         if self.last:
             x = self.lm_head(self.final_norm(x))
         return x
+
+
+def gpt_config(model_config, vocab_size: int, seq_len: int) -> GPTConfig:
+    """The GPT's shape from config.model (n_layer, n_head, d_model, dropout) and the data's vocabulary and seq_len."""
+    return GPTConfig(
+        seq_len=seq_len,
+        n_layer=model_config.n_layer,
+        n_head=model_config.n_head,
+        d_model=model_config.d_model,
+        vocab_size=vocab_size,
+        dropout=model_config.dropout,
+    )
+
+
+def check_heads_divide_width(config) -> None:
+    """The heads split d_model evenly (the GPT, and the encoder built of its blocks)."""
+    model = config.model
+    if model.d_model % model.n_head != 0:
+        raise ValueError(
+            f"model.d_model: expected a multiple of model.n_head ({model.n_head}) for the {model.name}, "
+            f"got {model.d_model}"
+        )
+
+
+def build_gpt(model_config, vocab_size: int, *, seq_len: int, seed: int) -> GPT:
+    return GPT(gpt_config(model_config, vocab_size, seq_len), seed=seed)
+
+
+register_model("gpt", build_gpt, check=check_heads_divide_width)

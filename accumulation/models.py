@@ -1,14 +1,18 @@
-"""The model factory and the loss: the places a fork adds or swaps an architecture or an objective.
+"""The model factory and the loss: what turns config.model into the model and its loss.
 
 `build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
-chooses the architecture.
-To add one, add its name to the choices of `model.name` in accumulation/config.py and a branch below.
-`loss_sum_fn_for(config.model)` is the loss train.py, validation and the equivalence checker use.
+chooses the architecture among the registered ones (accumulation/registry.py): a model registers itself in the
+file that defines it (`register_model("gru", build_gru)` at the end of accumulation/gru.py), and a fork's module is
+named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the models.
+`loss_sum_fn_for(config.model)` is the loss train.py, validation and the equivalence checker use: model.objective's
+registered loss, or the model's own (its registration's loss_sum_fn), or the token cross-entropy.
 
 The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
 
     forward(inputs) -> outputs
-        inputs: int64 token ids [rows, seq_len]. outputs: whatever loss_sum_fn_for(config.model) accepts with the
+        inputs: what the data's rows hold: int64 token ids [rows, seq_len] for the language models, or any tensor
+        [rows, ...] of any dtype (float images [rows, C, H, W], feature vectors), or a tuple of them.
+        outputs: whatever loss_sum_fn_for(config.model) accepts with the
         labels (the default, accumulation.step.token_cross_entropy_sum, takes logits [rows, seq_len, vocab_size]).
         Labels hold -100 where a position has no target (padding, prompt, ignored positions); the model never
         sees them. The loss is a SUM over supervised positions, so outputs at unsupervised positions are harmless.
@@ -43,9 +47,8 @@ import torch
 
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
 from accumulation.config import ConfigError, DistConfig, ModelConfig
-from accumulation.encoder import Encoder
-from accumulation.gru import GRULanguageModel
-from accumulation.model import GPT, GPTConfig
+from accumulation.model import gpt_config  # noqa: F401 (re-exported: scripts build the GPT's shape from config.model)
+from accumulation.registry import lookup
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -63,31 +66,19 @@ def resolved_vocab_size(model_config: ModelConfig, data_vocab_size: int) -> int:
     return asked
 
 
-def gpt_config(model_config: ModelConfig, vocab_size: int, seq_len: int) -> GPTConfig:
-    return GPTConfig(
-        seq_len=seq_len,
-        n_layer=model_config.n_layer,
-        n_head=model_config.n_head,
-        d_model=model_config.d_model,
-        vocab_size=vocab_size,
-        dropout=model_config.dropout,
-    )
-
-
 def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, seed: int) -> torch.nn.Module:
     """The model model_config.name names (config.model), with vocab_size tokens (see resolved_vocab_size), rows
     of seq_len tokens (config.data.seq_len), initialised from `seed` (config.run.seed). Built on the current
-    default device: call `.to(device)` afterwards."""
-    name = model_config.name
-    if name == "gpt":
-        return GPT(gpt_config(model_config, vocab_size, seq_len), seed=seed)
-    if name == "gru":
-        model = model_config
-        return GRULanguageModel(vocab_size, model.d_model, model.n_layer, model.dropout, seed=seed)
-    if name == "encoder":  # the masked-LM fork (docs/forking.md, worked example 4)
-        return Encoder(gpt_config(model_config, vocab_size, seq_len), seed=seed)
-    # Only reachable in a fork that added a choice to model.name in config.py but no branch here.
-    raise ConfigError(f'model.name: no model is built for "{name}"; add it to build_model in accumulation/models.py')
+    default device: call `.to(device)` afterwards. The Config already checked that the name is registered."""
+    piece = lookup("model", model_config.name)
+    return piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
+
+
+def model_fingerprint(model_config: ModelConfig) -> str:
+    """What the chosen model's registration says about state its keys do not show (e.g. a hash of a model
+    folder's config.json), "" when it says nothing: stored in checkpoints and compared on resume."""
+    fingerprint = lookup("model", model_config.name).fingerprint
+    return fingerprint(model_config) if fingerprint is not None else ""
 
 
 def count_parameters(model_config: ModelConfig, vocab_size: int, seq_len: int) -> int:
@@ -99,10 +90,12 @@ def count_parameters(model_config: ModelConfig, vocab_size: int, seq_len: int) -
 
 
 def loss_sum_fn_for(model_config: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The loss of every model here: loss_sum_fn(outputs, labels) -> the SUM of the losses of the supervised
-    targets (labels != -100), never their mean: the step divides by the global count N itself. A fork with
-    another objective (label smoothing, a per-example classifier's loss, a regression) returns it here."""
-    return token_cross_entropy_sum
+    """loss_sum_fn(outputs, labels) -> the SUM of the losses of the supervised targets (labels != -100), never
+    their mean: the step divides by the global count N itself. model.objective's registered loss when it names
+    one, else the model's own (register_model(..., loss_sum_fn=)), else the token cross-entropy."""
+    if model_config.objective:
+        return lookup("loss", model_config.objective).loss_sum_fn
+    return lookup("model", model_config.name).loss_sum_fn or token_cross_entropy_sum
 
 
 def has_output_head(model: torch.nn.Module) -> bool:
@@ -165,8 +158,8 @@ def uses_chunked_loss(
     if model_config.loss == "chunked":
         if not token_cross_entropy:
             raise ConfigError(
-                'model.loss: "chunked" computes the token cross-entropy, but loss_sum_fn_for in '
-                'accumulation/models.py returns another loss; use "plain" or "auto"'
+                'model.loss: "chunked" computes the token cross-entropy, but this model\'s loss (model.objective, '
+                'or the model\'s registration) is another; use "plain" or "auto"'
             )
         if not has_output_head(model):
             raise ConfigError(

@@ -28,6 +28,7 @@ from accumulation.config import Config, ConfigError, config_from_dict, config_to
 from accumulation.data import DATA_ORDER, DataSummary
 from accumulation.distributed import DistributedContext
 from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.models import model_fingerprint
 from accumulation.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
 from accumulation.schedule import build_scheduler
 
@@ -37,11 +38,14 @@ from accumulation.schedule import build_scheduler
 # micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
 # data.source is not among them: the data's fingerprint (and the token files' stamps) say whether the data is
 # the same, so the same files reached by another spelling of the path, or moved, resume.
+# The own keys of a registered model or data source (accumulation/registry.py) must all match too
+# (own_differences), and the model's fingerprint (model_fingerprint: e.g. a model folder's config.json) with them.
 MUST_MATCH_ON_RESUME = [
     ("model", "name"),
     ("model", "n_layer"),
     ("model", "n_head"),
     ("model", "d_model"),
+    ("model", "objective"),
     ("data", "seq_len"),
     ("data", "task"),
     ("data", "val_fraction"),
@@ -163,6 +167,11 @@ def find_resume_point(
         for section, key in MUST_MATCH_ON_RESUME
         if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
     ]
+    differences += own_differences(stored, config)
+    if payload.get("model_fingerprint", "") != model_fingerprint(config.model):
+        differences.append(
+            f"model fingerprint {payload.get('model_fingerprint', '')!r} -> {model_fingerprint(config.model)!r}"
+        )
     if payload["data"].get("fingerprint") != data.fingerprint:
         sources = (
             f"data.source {stored.data.source!r} -> {config.data.source!r}, "
@@ -194,6 +203,20 @@ def find_resume_point(
     metrics_lines(run_dir / METRICS_FILE)  # a damaged line is refused now, before anything is written
     say(f"resuming from {path} at step {payload['counters']['steps']}")
     return payload
+
+
+def own_differences(stored: Config, config: Config) -> list[str]:
+    """ "model.path 'a' -> 'b'" for each own key of the chosen model or data source that differs (the stored
+    config chose the same pieces: model.name and data.source are compared above)."""
+    differences = []
+    for section_name in ("model", "data"):
+        before, now = getattr(stored, section_name).own, getattr(config, section_name).own
+        if before is None or now is None or type(before) is not type(now):
+            continue
+        for name, value in vars(now).items():
+            if getattr(before, name) != value:
+                differences.append(f"{section_name}.{name} {getattr(before, name)!r} -> {value!r}")
+    return differences
 
 
 def check_token_files_unchanged(path: Path, stored: list | tuple, current: tuple) -> None:
@@ -301,6 +324,7 @@ def checkpoint_payload(
         "counters": vars(counters).copy(),
         "skips_in_a_row": skips_in_a_row,
         "config": config_to_dict(config),
+        "model_fingerprint": model_fingerprint(config.model),  # what the model's keys do not show (registry.py)
         "rng": rng_states(context),
         # The data order is a pure function of (seed, step, global batch), so the position is the step
         # count; the fingerprint and the token files' stamps let a resume refuse data changed underneath it.

@@ -10,9 +10,12 @@ resumed run rebuild exactly the same rows (docs/forking.md, "Data that changes w
 sources here give the same rows at every step; a fresh mask per step (accumulation/masked_lm.py) uses it.
 
     num_rows             rows in the split
-    seq_len              input positions per row
+    seq_len              input positions per row (data.seq_len must equal it), or None for rows that are not
+                         sequences (images, feature vectors)
     examples(row_ids, step)
-                         (inputs, labels), both int64 [len(row_ids), seq_len]: labels[i, j] is what input
+                         (inputs, labels): inputs [len(row_ids), ...] of any dtype (int64 token ids
+                         [len(row_ids), seq_len]; float images [len(row_ids), C, H, W]; a tuple of such tensors when
+                         an example has several), labels int64 [len(row_ids), seq_len]: labels[i, j] is what input
                          position j of row i must predict, or IGNORE_INDEX (-100) where that position has no
                          target (a prompt, padding, a position the step does not mask); labels may instead be
                          int64 [len(row_ids)], one target per row
@@ -61,7 +64,8 @@ class RawExample:
     """One row stated plainly: the tokens the model reads and, position by position, what it must predict.
 
     inputs    the row's input tokens, at most seq_len of them (the positions after them are padding: input 0,
-              no target)
+              no target); or, for inputs that are not token ids, the row's tensor exactly as the model reads it
+              (an image [C, H, W] after this step's augmentation, a feature vector), or a tuple of such tensors
     targets   {input position: target}: position j must predict targets[j]; a position that is not a key
               has no target (label -100)
     label     instead of targets, one target for the whole row (labels of shape [rows]: a classifier)
@@ -72,9 +76,33 @@ class RawExample:
     from this alone (scripts/checks/check_equivalence.py, reference_rows), never from examples()'s tensors.
     """
 
-    inputs: list[int]
+    inputs: list[int] | torch.Tensor | tuple[torch.Tensor, ...]
     targets: dict[int, int] = field(default_factory=dict)
     label: int | None = None
+
+
+def rows_from_raw_examples(examples: list[RawExample], seq_len: int | None) -> tuple:
+    """(inputs, labels) of these rows rebuilt from their raw examples alone, position by position, with none of a
+    source's batching or masking code: token ids at their positions (0 past an example's end) and each target at
+    its position (-100 where none), or the examples' tensors stacked, and one label per row where they carry one.
+    The checker's reference and the conformance suite compare them with examples()."""
+    first = examples[0].inputs
+    if isinstance(first, list):
+        inputs = torch.zeros(len(examples), seq_len, dtype=torch.long)
+        for row, example in enumerate(examples):
+            for position, token in enumerate(example.inputs):
+                inputs[row, position] = token
+    elif isinstance(first, tuple):
+        inputs = tuple(torch.stack([example.inputs[k] for example in examples]) for k in range(len(first)))
+    else:
+        inputs = torch.stack([example.inputs for example in examples])
+    if all(example.label is not None for example in examples):
+        return inputs, torch.tensor([example.label for example in examples], dtype=torch.long)
+    labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, example in enumerate(examples):
+        for position, target in example.targets.items():
+            labels[row, position] = target
+    return inputs, labels
 
 
 def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> RawExample:
@@ -358,27 +386,32 @@ def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
 
 @dataclass
 class DataSummary:
+    """What the run header prints about the data and what resume compares (the fingerprint, the file stamps).
+    Every source gives the first group; the language-model fields after it only where they mean something
+    (a custom source of images leaves them at their defaults: data_from_custom_rows)."""
+
     source: str  # data.source as given
-    root: str  # the file or folder it resolved to
-    seq_len: int
-    vocab_size: int
-    files: int  # files used, training and validation
-    val_files: int  # of those, files in the validation split (0 or 1 for a single file split within itself)
-    skipped_files: int  # non-text files left out
-    bytes: int  # bytes of the files used
-    documents: int  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
-    dropped_documents: int  # of those, with no target to predict: no rows
-    truncated_documents: int  # of those, cut short to one row of seq_len + 1 tokens
     train_rows: int
     val_rows: int  # rows in the validation split
-    min_supervised_tokens: int  # per training row
+    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
+    min_supervised_tokens: int  # supervised targets per training row
     median_supervised_tokens: float
     max_supervised_tokens: int
-    padding_fraction: float  # label positions past a row's last target / all label positions, training rows
-    prompt_fraction: float  # label positions whose target is prompt, not response / all label positions, training
-    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
+    targets: str = "tokens"  # what a supervised target is, in the header and the speed lines: "tokens", "targets"
+    root: str = ""  # the file or folder it resolved to ("" = the source itself)
+    seq_len: int = 0
+    vocab_size: int = 0
+    files: int = 0  # files used, training and validation
+    val_files: int = 0  # of those, files in the validation split (0 or 1 for a single file split within itself)
+    skipped_files: int = 0  # non-text files left out
+    bytes: int = 0  # bytes of the files used
+    documents: int = 0  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
+    dropped_documents: int = 0  # of those, with no target to predict: no rows
+    truncated_documents: int = 0  # of those, cut short to one row of seq_len + 1 tokens
+    padding_fraction: float = 0.0  # label positions past a row's last target / all label positions, training rows
+    prompt_fraction: float = 0.0  # label positions whose target is prompt, not response / all, training rows
     layout: str = "documents"  # data.layout as resolved: "documents" or "packed"
-    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files"
+    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files", or a custom source's own
     tokens: int = 0  # token files: tokens in the files used
     vocab_from: str = "bytes"  # where the vocabulary size came from
     val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
@@ -386,8 +419,15 @@ class DataSummary:
     # (token_files.file_stamps), which resume compares to catch a file changed in place. Empty for text and
     # JSONL, whose fingerprint hashes every row.
     file_stamps: tuple = ()
+    language_model: bool = True  # False for a custom source: the header leaves out files, layout and vocabulary
 
     def describe(self) -> str:
+        if not self.language_model:
+            return (
+                f"data {self.source}: {self.format}, {self.train_rows:,} training rows and {self.validation_text()}; "
+                f"supervised {self.targets} per training row min {self.min_supervised_tokens} / median "
+                f"{self.median_supervised_tokens:g} / max {self.max_supervised_tokens}; fingerprint {self.fingerprint}"
+            )
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
         losses = [
             f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
@@ -395,12 +435,7 @@ class DataSummary:
         ]
         losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
         contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
-        if not self.val_rows:
-            validation = "no validation set"
-        elif self.val_rows_read < self.val_rows:
-            validation = f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
-        else:
-            validation = f"{self.val_rows:,} validation rows"
+        validation = self.validation_text()
         location = self.source if self.source == self.root else f"{self.source} ({self.root})"
         prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
         kind = "" if self.format == "text" else f"{self.format}, "
@@ -412,6 +447,13 @@ class DataSummary:
             f"/ max {self.max_supervised_tokens}, "
             f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
         )
+
+    def validation_text(self) -> str:
+        if not self.val_rows:
+            return "no validation set"
+        if self.val_rows_read < self.val_rows:
+            return f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
+        return f"{self.val_rows:,} validation rows"
 
 
 @dataclass
@@ -444,6 +486,56 @@ class RowSubset:
 
     def raw_example(self, row_id: int, step: int) -> RawExample:
         return self.rows.raw_example(int(self.row_ids[row_id]), step)
+
+
+def tensor_fingerprint(*parts) -> str:
+    """First 16 hex digits of sha256 over tensors (their shape, dtype and bytes) and strings, in order: the
+    fingerprint of a custom source's rows, for resume to compare (it must change whenever a row would)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        if isinstance(part, torch.Tensor):
+            tensor = part.detach().cpu().contiguous()
+            digest.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        else:
+            digest.update(str(part).encode())
+    return digest.hexdigest()[:16]
+
+
+def data_from_custom_rows(
+    source: str,
+    train: Rows,
+    val: Rows | None,
+    *,
+    fingerprint: str,
+    vocab_size: int,
+    format: str = "custom rows",
+    targets: str = "targets",
+) -> Data:
+    """A custom source's Data with the minimal summary: its name, rows, fingerprint and supervised targets per
+    row (from supervised_counts at step 0), and none of the language-model fields (files, layout, vocabulary,
+    padding). `vocab_size` is the number of classes the labels index (the model's output size when
+    model.vocab_size = 0); `targets` names what a target is in the header and the speed lines."""
+    if train.num_rows == 0:
+        raise DataError(f"data.source {source!r}: the training split has no rows")
+    counts = train.supervised_counts(torch.arange(train.num_rows), 0).numpy()
+    summary = DataSummary(
+        source=source,
+        train_rows=train.num_rows,
+        val_rows=val.num_rows if val is not None else 0,
+        fingerprint=fingerprint,
+        min_supervised_tokens=int(counts.min()),
+        median_supervised_tokens=float(np.median(counts)),
+        max_supervised_tokens=int(counts.max()),
+        targets=targets,
+        root=source,
+        seq_len=train.seq_len or 0,
+        vocab_size=vocab_size,
+        format=format,
+        val_rows_read=val.num_rows if val is not None else 0,
+        language_model=False,
+    )
+    return Data(train=train, val=val, summary=summary, vocab_size=vocab_size)
 
 
 def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:

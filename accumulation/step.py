@@ -45,7 +45,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, smaller_micro_batch_size, split_micro_batches
+from accumulation.batching import (
+    IGNORE_INDEX,
+    Inputs,
+    MicroBatch,
+    map_inputs,
+    smaller_micro_batch_size,
+    split_micro_batches,
+)
 
 
 @dataclass(frozen=True)
@@ -106,11 +113,12 @@ def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
     return summed.tolist()
 
 
-def to_device(micro_batch: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy a micro-batch's inputs and labels to `device`. From pinned host memory (train.py pins on CUDA)
-    the copy is asynchronous: the host does not wait for it, and the GPU runs it just before the forward."""
+def to_device(micro_batch: MicroBatch, device: torch.device) -> tuple[Inputs, torch.Tensor]:
+    """Copy a micro-batch's inputs (each tensor of them) and labels to `device`. From pinned host memory (train.py
+    pins on CUDA) the copy is asynchronous: the host does not wait for it, and the GPU runs it just before the
+    forward."""
     return (
-        micro_batch.inputs.to(device, non_blocking=True),
+        map_inputs(lambda tensor: tensor.to(device, non_blocking=True), micro_batch.inputs),
         micro_batch.labels.to(device, non_blocking=True),
     )
 
@@ -440,7 +448,8 @@ def recover_from_out_of_memory(
         torch.cuda.empty_cache()  # the failed micro-batch's activations are free by now; hand them back
     if not isinstance(model, DistributedDataParallel):
         return  # one process: nothing to join
-    inputs, labels = to_device(MicroBatch(last_micro_batch.inputs[:1], last_micro_batch.labels[:1], 0), device)
+    first_row = map_inputs(lambda tensor: tensor[:1], last_micro_batch.inputs)
+    inputs, labels = to_device(MicroBatch(first_row, last_micro_batch.labels[:1], 0), device)
     # a syncing forward: the backward below all-reduces like the other ranks' do
     (loss_sum_of(model, inputs, labels, loss_sum_fn) * 0.0).backward()
 

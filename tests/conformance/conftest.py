@@ -22,7 +22,9 @@ TINY = [
     "data.val_fraction=0",
 ]
 
-PROJECT_CONFIGS = ["configs/default.toml", "configs/sft.toml", "configs/mlm.toml"]
+# The image classifier (forks/image_classifier.py) is the project's fork with float inputs; the Hugging Face fork
+# is checked by tests/test_hf_causal_lm.py, where transformers is installed.
+PROJECT_CONFIGS = ["configs/default.toml", "configs/sft.toml", "configs/mlm.toml", "configs/image_classifier.toml"]
 
 # The expensive checks (the step on 2 ranks under torchrun, and resume, ~10 s each on this 2-core machine)
 # run, for the project's own configs, on the masked-LM fork only, the one whose rows change every step:

@@ -20,7 +20,7 @@ import train
 from accumulation import checker as check_equivalence
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config import load_config
-from accumulation.data import build_data, step_batch, step_row_ids
+from accumulation.data import build_data, rows_from_raw_examples, step_batch, step_row_ids
 from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
 from tests.conformance.conftest import REPO
 
@@ -31,6 +31,21 @@ def built(fork_argv: list[str]):
     config = load_config(fork_argv)
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     return config, data, resolved_vocab_size(config.model, data.vocab_size)
+
+
+def same_inputs(a, b) -> bool:
+    """Equal inputs: one tensor, or tuples of tensors, equal in dtype, shape and every value."""
+    pairs = zip(a, b, strict=True) if isinstance(a, tuple) else [(a, b)]
+    return isinstance(a, tuple) == isinstance(b, tuple) and all(
+        x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs
+    )
+
+
+def concatenated(parts: list):
+    """The inputs of consecutive groups of rows as one: each tensor of a tuple concatenated along the rows."""
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([part[k] for part in parts]) for k in range(len(parts[0])))
+    return torch.cat(parts)
 
 
 def test_model_contract(fork_argv):
@@ -75,20 +90,25 @@ def test_data_contract(fork_argv, step):
     rows = data.train
     row_ids = step_row_ids(rows.num_rows, 8, config.run.seed, step, "drop")
     inputs, labels = rows.examples(row_ids, step)
-    assert inputs.dtype == labels.dtype == torch.int64
-    assert inputs.shape == (len(row_ids), rows.seq_len) and labels.shape[0] == len(row_ids)
+    tensors = list(inputs) if isinstance(inputs, tuple) else [inputs]  # any dtype and shape, rows first
+    assert labels.dtype == torch.int64 and labels.shape[0] == len(row_ids)
+    assert all(tensor.shape[0] == len(row_ids) for tensor in tensors), "every input tensor has one row per row id"
+    if rows.seq_len is not None:  # sequences: data.seq_len positions per row
+        assert tensors[0].shape[1] == rows.seq_len == config.data.seq_len
     again = rows.examples(row_ids, step)
-    assert torch.equal(again[0], inputs) and torch.equal(again[1], labels), "two calls gave other rows"
+    assert same_inputs(again[0], inputs) and torch.equal(again[1], labels), "two calls gave other rows"
     halves = [rows.examples(part, step) for part in (row_ids[:3], row_ids[3:])]
-    assert torch.equal(torch.cat([h[0] for h in halves]), inputs), "a row depends on the rows beside it"
+    assert same_inputs(concatenated([h[0] for h in halves]), inputs), "a row depends on the rows beside it"
     assert torch.equal(torch.cat([h[1] for h in halves]), labels), "a row's labels depend on the rows beside it"
     per_row = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     assert torch.equal(rows.supervised_counts(row_ids, step), per_row), "supervised_counts disagrees with labels"
     assert int(per_row.sum()) > 0
-    reference_inputs, reference_labels = check_equivalence.reference_rows(rows, row_ids, step, rows.seq_len)
-    assert torch.equal(reference_inputs, inputs), "raw_example's inputs are not the rows' inputs"
+    examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
+    reference_inputs, reference_labels = rows_from_raw_examples(examples, rows.seq_len)
+    assert same_inputs(reference_inputs, inputs), "raw_example's inputs are not the rows' inputs"
     assert torch.equal(reference_labels, labels), "raw_example's targets are not the rows' labels"
-    assert 0 <= int(inputs.min()) and int(inputs.max()) < vocab_size
+    if inputs.dtype == torch.int64 and rows.seq_len is not None:  # token ids
+        assert 0 <= int(inputs.min()) and int(inputs.max()) < vocab_size
     supervised = labels[labels != IGNORE_INDEX]
     assert 0 <= int(supervised.min()) and int(supervised.max()) < vocab_size
     assert (

@@ -1,0 +1,101 @@
+"""train.py's probe at step 0: what it can see cheaply, on the data this rank already holds, that would make the
+exact step inexact.
+
+The step divides the SUM of the losses of all supervised targets by the global N (accumulation/step.py). That is
+the full batch's mean loss only if
+- the loss is additive over its targets: split a micro-batch's targets into two sets (the labels of the others
+  set to -100), and the loss of the whole must be the sum of the two. A MEAN is not (it is divided by each
+  micro-batch's own count): that is a bug, refused with one line and exit status 2;
+- the loss is additive over rows: the loss of the whole micro-batch must be the sum of the losses of its two
+  halves of rows. One that is additive over targets but not over rows couples the examples it sees together
+  (in-batch negatives, InfoNCE): no accumulation can reproduce the full batch's, whatever the split;
+- the model treats each row alone: BatchNorm in train mode normalises each row with the statistics of the
+  micro-batch (and, under DDP, of this rank's micro-batch only), so the gradient depends on m and D.
+The last two are not bugs of the fork, only no longer exact: a warning line says so, or, with
+batch.on_inexact = "error", one line and exit status 2.
+
+Cost: one forward without gradient of this rank's first micro-batch of step 0 and five evaluations of the loss
+on its outputs, once per fresh run (a resumed run has passed it). Measured on the default config (m = 4, 2-core
+CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
+"""
+
+import torch
+
+from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs
+
+# Relative difference between the loss of the whole and the sum of its parts above which they differ. The probe
+# runs in float32 without autocast: a sum of a few thousand float32 terms is exact to about 1e-6 relative; a
+# mean is off by a factor near 2 for two halves, an InfoNCE by the log of the batch size, far above 1e-4.
+ADDITIVE_TOLERANCE = 1e-4
+
+
+class InexactStep(ValueError):
+    """What the probe refuses: one line naming the cause and the fix."""
+
+
+def coupling_modules(model: torch.nn.Module) -> list[str]:
+    """The names of the modules that normalise over the rows of a batch in train mode (BatchNorm and its kin)."""
+    return [
+        f"{name or 'the model'} ({type(module).__name__})"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training
+    ]
+
+
+def _relative_difference(whole: float, parts: float) -> float:
+    return abs(whole - parts) / max(abs(whole), abs(parts), 1e-30)
+
+
+def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroBatch, device, on_inexact: str) -> list:
+    """The warnings for what is no longer exact (a list of lines); raises InexactStep for a mean, and for the
+    warnings too when on_inexact is "error". `micro_batch` is this rank's first of step 0."""
+    labels = micro_batch.labels.to(device)
+    supervised = (labels != IGNORE_INDEX).nonzero()
+    warnings = []
+    coupled = coupling_modules(model)
+    if coupled:
+        warnings.append(
+            f"{', '.join(coupled)} normalise each row with the statistics of its micro-batch in train mode (under DDP "
+            f"of this rank's only), so the step's gradient depends on batch.micro_batch_size and the ranks and is no "
+            f"longer the full batch's; use GroupNorm or LayerNorm, or evaluation-mode statistics, to make it exact"
+        )
+    if len(supervised) >= 2:
+        inputs = map_inputs(lambda tensor: tensor.to(device), micro_batch.inputs)
+        model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
+        with torch.no_grad():
+            outputs = forward_module(inputs)
+        model.train()
+        with torch.no_grad():
+            first_targets = torch.zeros_like(labels, dtype=torch.bool)
+            first_targets[tuple(supervised[: len(supervised) // 2].T)] = True  # the first half of the targets
+            whole = float(loss_sum_fn(outputs, labels))
+            first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX)))
+            second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX)))
+            rows, half = len(labels), len(labels) // 2
+            by_rows = None
+            if rows >= 2 and isinstance(outputs, torch.Tensor) and outputs.shape[0] == rows:
+                by_rows = float(loss_sum_fn(outputs[:half], labels[:half])) + float(
+                    loss_sum_fn(outputs[half:], labels[half:])
+                )
+        count, count_first = len(supervised), len(supervised) // 2
+        if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE:
+            # A mean of per-target losses: whole = (S_1 + S_2) / n with first = S_1 / n_1, second = S_2 / n_2.
+            weighted = (count_first * first + (count - count_first) * second) / count
+            if _relative_difference(whole, weighted) <= ADDITIVE_TOLERANCE:
+                raise InexactStep(
+                    f"step 0: the loss is a mean, not a sum over its targets: {whole:.6g} for this micro-batch's "
+                    f"targets, {first + second:.6g} for the sum over two halves of them; a mean makes every "
+                    f"micro-batch weigh the same: return the SUM of the supervised targets' losses, the step "
+                    f"divides by the global N itself (docs/forking.md)"
+                )
+        if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE or (
+            by_rows is not None and _relative_difference(whole, by_rows) > ADDITIVE_TOLERANCE
+        ):
+            warnings.append(
+                f"the loss couples the examples of a micro-batch ({whole:.6g} for the micro-batch, "
+                f"{first + second:.6g} summed over two halves of its targets), e.g. in-batch negatives: no "
+                f"accumulation reproduces the full batch's loss; only A·D = 1 or a technique such as GradCache does"
+            )
+    if warnings and on_inexact == "error":
+        raise InexactStep(f"step 0 (batch.on_inexact=error): {warnings[0]}")
+    return warnings

@@ -1,0 +1,143 @@
+"""Where models, losses and data sources are declared: each registers itself in the file that defines it.
+
+    register_model("gru", build_gru)                      # accumulation/gru.py
+    register_model("hf-causal-lm", build, settings=HFSettings, fingerprint=config_json_hash)
+    register_loss("label-smoothing", label_smoothed_sum)
+    register_data("synthetic-images", build_images, settings=ImageSettings)
+
+A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
+(`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
+module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
+plus a config; no list of names elsewhere is edited. The built-in pieces (BUILT_IN_MODULES) go through the same
+path: they are imported, and register themselves, before the first lookup.
+
+A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config_keys.py): they become
+keys of the piece's section (`model.path` for a model's `path`), checked like every key, listed by --help, written
+to the run's config.toml and to checkpoints, and compared on resume. Its `fingerprint(model_config)` covers what
+the keys do not show (a model folder's config.json, edited in place): stored in checkpoints, compared on resume.
+
+This module imports nothing of the project: accumulation/config.py reads it to check the names.
+"""
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+KINDS = ("model", "loss", "data")
+
+# The modules that define the built-in pieces, imported before the first lookup (they register themselves).
+BUILT_IN_MODULES = ("accumulation.model", "accumulation.gru", "accumulation.encoder")
+
+# "package.module:name": a piece named by import path.
+IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z0-9_.-]+")
+
+
+class RegistryError(ValueError):
+    """A name that names no piece, a module that cannot be imported, or a clash of registrations."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One registered model, loss or data source.
+
+    build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract,
+                  accumulation/models.py); data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+    settings      None, or a frozen dataclass whose fields are setting(...): the piece's own keys, in its section
+    loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
+    fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
+    check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
+    """
+
+    kind: str
+    name: str
+    build: Callable | None = None
+    settings: type | None = None
+    loss_sum_fn: Callable | None = None
+    fingerprint: Callable | None = None
+    check: Callable | None = None
+
+
+_REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
+
+
+def _register(piece: Piece) -> Piece:
+    if piece.settings is not None and not dataclasses.is_dataclass(piece.settings):
+        raise RegistryError(f"{piece.kind} {piece.name!r}: settings must be a dataclass of setting(...) fields")
+    existing = _REGISTERED[piece.kind].get(piece.name)
+    # A module imported twice (as a script, then by name) registers its pieces again: the same function's name.
+    if existing is not None and _function_name(existing) != _function_name(piece):
+        raise RegistryError(f"{piece.kind} {piece.name!r} is registered twice, by two different functions")
+    _REGISTERED[piece.kind][piece.name] = piece
+    return piece
+
+
+def _function_name(piece: Piece) -> str:
+    return getattr(piece.build or piece.loss_sum_fn, "__qualname__", "")
+
+
+def register_model(name, build, *, settings=None, loss_sum_fn=None, fingerprint=None, check=None) -> Piece:
+    """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=)."""
+    return _register(Piece("model", name, build, settings, loss_sum_fn, fingerprint, check))
+
+
+def register_loss(name, loss_sum_fn) -> Piece:
+    """Declare a loss: `model.objective = name` trains with loss_sum_fn(outputs, labels), a SUM over targets."""
+    return _register(Piece("loss", name, loss_sum_fn=loss_sum_fn))
+
+
+def register_data(name, build, *, settings=None, check=None) -> Piece:
+    """Declare a data source: `data.source = name` builds it with build(data_config, model_vocab_size=, seed=)."""
+    return _register(Piece("data", name, build, settings, check=check))
+
+
+def is_piece_name(kind: str, name: str) -> bool:
+    """Whether `name` names a piece of this kind (registered, or an import path), not e.g. a data file."""
+    _import_built_ins()
+    return name in _REGISTERED[kind] or IMPORT_PATH.fullmatch(name) is not None
+
+
+def lookup(kind: str, name: str) -> Piece:
+    """The piece `name` names: a registered name, or "module:name" (the module imported first)."""
+    _import_built_ins()
+    if name in _REGISTERED[kind]:
+        return _REGISTERED[kind][name]
+    if IMPORT_PATH.fullmatch(name) is None:
+        raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
+    module_name, _, short_name = name.partition(":")
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        raise RegistryError(
+            f"cannot import {module_name} ({error}); the module must be importable: install it, or run from the "
+            f"folder that holds it, or add that folder to PYTHONPATH"
+        ) from None
+    if short_name not in _REGISTERED[kind]:
+        raise RegistryError(
+            f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
+            f"call register_{kind}({short_name!r}, ...) in it"
+        )
+    return _REGISTERED[kind][short_name]
+
+
+def registered(kind: str) -> dict[str, Piece]:
+    """The pieces of this kind registered so far (the built-ins, and those of every module imported)."""
+    _import_built_ins()
+    return dict(_REGISTERED[kind])
+
+
+def config_name(piece: Piece) -> str:
+    """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
+    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
+    return piece.name if module_name in BUILT_IN_MODULES else f"{module_name}:{piece.name}"
+
+
+def names_text(kind: str) -> str:
+    """The registered names as a config writes them: the built-ins, then those of fork modules imported so far."""
+    return ", ".join(f'"{config_name(piece)}"' for piece in _REGISTERED[kind].values()) or "none"
+
+
+def _import_built_ins() -> None:
+    for module_name in BUILT_IN_MODULES:
+        importlib.import_module(module_name)  # cached after the first time

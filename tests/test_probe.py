@@ -1,0 +1,108 @@
+"""train.py's step-0 probe (accumulation/probe.py): a mean loss stops the run with one line and exit 2; BatchNorm
+in train mode and a loss that couples examples (in-batch negatives) get one warning line each, an error with
+batch.on_inexact = "error"; the token cross-entropy SUM and a GroupNorm model pass silently."""
+
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import train
+from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.probe import InexactStep, probe_loss_and_model
+from accumulation.step import token_cross_entropy_sum
+
+CLASSES = 5
+
+
+def image_batch(rows=6) -> MicroBatch:
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randn(rows, 3, 8, 8, generator=generator)
+    labels = torch.randint(0, CLASSES, (rows,), generator=generator)
+    labels[-1] = IGNORE_INDEX  # a padding row
+    return MicroBatch(images, labels, rows - 1)
+
+
+def cnn(norm: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3), norm, nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, CLASSES))
+
+
+def mean_loss(outputs, labels):
+    return F.cross_entropy(outputs, labels, ignore_index=IGNORE_INDEX)  # reduction="mean": the classic bug
+
+
+def info_nce_sum(outputs, labels):
+    """Each supervised row's logits against every other row's as negatives: additive over targets, not rows."""
+    keep = labels != IGNORE_INDEX
+    similarity = outputs[keep] @ outputs[keep].T
+    return F.cross_entropy(similarity, torch.arange(int(keep.sum())), reduction="sum")
+
+
+def probe(model, loss, on_inexact="warn", batch=None):
+    batch = batch or image_batch()
+    return probe_loss_and_model(model, model, loss, batch, torch.device("cpu"), on_inexact)
+
+
+def test_a_sum_and_group_norm_pass_silently_and_the_model_is_left_in_train_mode():
+    model = cnn(nn.GroupNorm(2, 8))
+    assert probe(model, token_cross_entropy_sum) == []
+    assert model.training
+
+
+def test_a_mean_loss_is_refused_naming_the_sum():
+    with pytest.raises(
+        InexactStep, match=r"^step 0: the loss is a mean, not a sum over its targets: .* return the SUM"
+    ):
+        probe(cnn(nn.GroupNorm(2, 8)), mean_loss)
+
+
+def test_batch_norm_and_in_batch_negatives_are_named_in_warnings_or_errors():
+    model = cnn(nn.BatchNorm2d(8))
+    running_mean = model[1].running_mean.clone()
+    [line] = probe(model, token_cross_entropy_sum)
+    assert line.startswith("1 (BatchNorm2d) normalise each row with the statistics of its micro-batch")
+    assert torch.equal(model[1].running_mean, running_mean), "the probe changed BatchNorm's statistics"
+    with pytest.raises(InexactStep, match=r"batch.on_inexact=error\): 1 \(BatchNorm2d\)"):
+        probe(model, token_cross_entropy_sum, on_inexact="error")
+    [line] = probe(cnn(nn.GroupNorm(2, 8)), info_nce_sum)
+    assert "couples the examples of a micro-batch" in line and "in-batch negatives" in line
+    assert "GradCache" in line
+
+
+FORK = """
+import torch.nn.functional as F
+from accumulation.registry import register_loss
+
+
+def mean_cross_entropy(outputs, labels):
+    return F.cross_entropy(outputs.flatten(0, -2), labels.flatten(), ignore_index=-100)
+
+
+register_loss("mean", mean_cross_entropy)
+"""
+
+
+def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    (tmp_path / "probe_fork.py").write_text(textwrap.dedent(FORK))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = [
+        "model.objective=probe_fork:mean",
+        "model.n_layer=1",
+        "model.d_model=16",
+        "model.n_head=2",
+        "data.seq_len=32",
+        "batch.global_batch_size=4",
+        "device=cpu",
+        f"run.out_dir={tmp_path / 'runs'}",
+    ]
+    try:
+        assert train.main(argv) == 2
+    finally:
+        sys.modules.pop("probe_fork", None)
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith("error: step 0: the loss is a mean, not a sum over its targets")
+    assert not (tmp_path / "runs" / "default" / "checkpoints").exists()
