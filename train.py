@@ -208,28 +208,19 @@ def print_to_stderr(*args, **kwargs) -> None:
     print(*args, **kwargs, file=sys.stderr)
 
 
-def probe_step_zero(config: Config, data: Data, training: "Training", context: DistributedContext, say) -> None:
+def probe_step_zero(
+    config: Config, training: "Training", context: DistributedContext, micro_batch: MicroBatch, say
+) -> None:
     """accumulation/probe.py on this rank's first micro-batch of step 0: a mean loss is an InexactStep (exit 2);
     BatchNorm in train mode or a loss that couples examples is one warning line (an error with
     batch.on_inexact = "error")."""
-    batch = step_batch(
-        data.train,
-        0,
-        seed=config.run.seed,
-        global_batch_size=config.batch.global_batch_size,
-        tail=config.batch.tail,
-        micro_batch_size=config.batch.micro_batch_size,
-        world_size=context.replicas,
-        rank=context.replica,
-    )
-    first = batch.micro_batches[0]
     # Training's model.loss, uncompiled (as validation runs it): the probe compares losses, not kernels.
     model = training.model
     forward_module, loss_sum_fn = training_forward_and_loss(
         training.model_config, config.dist, model, context.device.type
     )
     for line in probe_loss_and_model(
-        forward_module, model, loss_sum_fn, first, context.device, config.batch.on_inexact
+        forward_module, model, loss_sum_fn, micro_batch, context.device, config.batch.on_inexact
     ):
         say(f"warning: not exact: {line}", file=sys.stderr)
 
@@ -290,8 +281,10 @@ def train(
     device = context.device
     training = build_training(config, vocab_size, resume, context)
     counters, consecutive_skips = resume_training(training, resume, config, context)
+    step_batches = StepBatches(config, data, context)  # each step's micro-batches, built one step ahead
     if counters.steps == 0:  # a fresh run, before anything is written: what would make the step inexact
-        probe_step_zero(config, data, training, context, say)
+        [first_micro_batch, *_], _ = step_batches.peek(0, config.batch.micro_batch_size)
+        probe_step_zero(config, training, context, first_micro_batch, say)
     session = Session(config, data, run_dir, context, training, consecutive_skips, say)
     session.begin(counters, resumed=resume is not None)
     print_run_header(config, data, run_dir, context, training, counters, say)
@@ -299,7 +292,6 @@ def train(
     try:
         # ---------------------------------------------------------------- TRAINING SECTION BEGIN
         micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it below
-        step_batches = StepBatches(config, data, context)
         while counters.steps < config.run.max_steps:
             step_start = time.perf_counter()
             if device.type == "cuda":
@@ -374,6 +366,12 @@ class StepBatches:
         self.built.clear()
         return ready if ready is not None else self.micro_batches(step, micro_batch_size)
 
+    def peek(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        """A step's micro-batches without taking them: built now (a DataError raises here) and kept for take()."""
+        if (step, micro_batch_size) not in self.built:
+            self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
+        return self.built[(step, micro_batch_size)]
+
     def build(self, step: int, micro_batch_size: int) -> None:
         if step >= self.config.run.max_steps:
             return
@@ -436,7 +434,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
     compiled = resolved_compile(config, device.type)
     pipeline = None
-    if context.layout.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
+    if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
         model_config = dataclasses.replace(config.model, loss="plain")
         forward_module, loss_sum_fn = model, loss_sum_fn_for(config.model)
         accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)

@@ -33,6 +33,11 @@ class DistributedContext:
         return self.rank == 0
 
     @property
+    def pipelined(self) -> bool:
+        """Whether this rank runs one pipeline stage of the model (dist.pipeline_stages > 1)."""
+        return self.layout is not None and self.layout.pipelined
+
+    @property
     def replicas(self) -> int:
         """D: the data-parallel replicas, what the batch arithmetic, the data split and validation count."""
         return self.layout.replicas if self.layout is not None else self.world_size

@@ -64,3 +64,12 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
         if failed:
             raise RuntimeError(f"ranks exited with non-zero status {failed}; see the traceback above")
         return [torch.load(Path(scratch) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def pretend_launched(monkeypatch, world_size: int, rank: int = 0) -> None:
+    """The environment torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set with pytest's
+    monkeypatch and nothing launched: for what train.py and the checker refuse before any process group exists
+    (half of that environment is refused itself: accumulation/distributed.py, launch_environment)."""
+    launch = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
+    for name, value in launch.items():
+        monkeypatch.setenv(name, str(value))

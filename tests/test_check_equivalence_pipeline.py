@@ -4,6 +4,7 @@
 import pytest
 
 from accumulation import checker as check_equivalence
+from testkit.ranks import pretend_launched
 from tests.test_check_equivalence import TINY_CONFIG, reported_relative_error, run_checker, short_documents_corpus
 
 STAGES = ["model.n_layer=2", "dist.pipeline_stages=2"]
@@ -35,7 +36,7 @@ def test_the_pipeline_bug_needs_pipeline_stages(tmp_path, capsys):
 
 @pytest.mark.parametrize("model", [["model.n_layer=1"], ["model.name=gru"]], ids=["one-block", "no-seam"])
 def test_a_model_that_does_not_split_is_one_line_exit_2(tmp_path, capsys, monkeypatch, model):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # read before any process group: nothing is launched
+    pretend_launched(monkeypatch, world_size=2)  # read before any process group: nothing is launched
     corpus = short_documents_corpus(tmp_path / "corpus")
     arguments = [*TINY_CONFIG, f"data.source={corpus}", *model, "dist.pipeline_stages=2"]
     assert check_equivalence.main(arguments) == 2

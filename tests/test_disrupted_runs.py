@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from testkit.disk import fill_disk, small_disk
+from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process
 from tests.test_logs import assert_tensorboard_matches_metrics
 from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
@@ -388,9 +389,8 @@ def test_resume_on_1_then_2_ranks_follows_the_2_rank_run(tmp_path, corpus, refer
 def test_a_number_of_ranks_that_cannot_hold_the_global_batch_is_refused(tmp_path, corpus, capsys, monkeypatch):
     """G = 8 with m = 4 ran on 2 ranks (A = 1); on 4 ranks each rank has 2 examples, which m = 4 cannot
     split, and on 3 ranks G itself does not divide. Checked before any process group or file exists."""
-    monkeypatch.setenv("RANK", "0")
     for ranks, named in [(4, "micro_batch_size must be one of [1, 2]"), (3, "multiple of 3 (e.g. 6 or 9)")]:
-        monkeypatch.setenv("WORLD_SIZE", str(ranks))
+        pretend_launched(monkeypatch, world_size=ranks)
         status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"batch.micro_batch_size": 4}), capsys)
         assert status == 2 and named in error and error.count("\n") == 1, error
     assert not (tmp_path / "runs").exists()

@@ -18,7 +18,7 @@ from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
 from accumulation.models import build_model, resolved_vocab_size
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
-from testkit.ranks import run_on_ranks
+from testkit.ranks import pretend_launched, run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_check_equivalence import reported_relative_error, run_checker
 from tests.test_step import FLOAT64_RTOL
@@ -315,8 +315,7 @@ def test_checkpoints_move_between_ddp_fsdp2_and_world_sizes(fsdp2_straight):
 def test_bad_fsdp2_combinations_are_one_line_exit_2_nothing_written(
     tmp_path, capsys, monkeypatch, arguments, world_size, named
 ):
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))  # main checks the world before any process group exists
+    pretend_launched(monkeypatch, world_size)  # main checks the world before any process group exists
     out_dir = tmp_path / "runs"
     assert train.main(arguments + [f"run.out_dir={out_dir}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()

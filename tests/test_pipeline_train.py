@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import train
+from testkit.ranks import pretend_launched
 from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
 
 # Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
@@ -188,11 +189,11 @@ REFUSED = [
 def test_settings_pipeline_stages_refuse_are_one_line_exit_2_nothing_written(
     tmp_path, capsys, monkeypatch, world_size, settings, named
 ):
-    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    pretend_launched(monkeypatch, world_size)
     corpus = uneven_corpus(tmp_path / "corpus")
     arguments = tiny_settings(tmp_path, corpus, **{"model.n_layer": 2, **settings})
     assert train.main(arguments) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), lines
     assert not (tmp_path / "runs").exists()
-    assert "RANK" not in os.environ  # nothing here started a process group
+    assert not torch.distributed.is_initialized()  # nothing here started a process group

@@ -20,6 +20,7 @@ import train
 from accumulation.config import ConfigError, load_config
 from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
+from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, finish, start_torchrun
 from tests.test_train import run_train, tiny_settings, uneven_corpus
@@ -338,8 +339,7 @@ def test_two_jobs_started_together_one_is_refused_and_a_killed_holder_blocks_nob
 def test_every_rank_prints_a_start_up_error(tmp_path, corpus, capsys, monkeypatch):
     """Rank 1 finds the same bad setting as rank 0 and prints it too: under torchrun the first rank to exit
     gets the others stopped, and a line left to rank 0 alone was lost in 2 of 9 launches."""
-    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
-        monkeypatch.setenv(name, value)  # a whole launch environment: the config is refused before any connection
+    pretend_launched(monkeypatch, world_size=2, rank=1)  # the config is refused before any connection
     status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"optim.lr": -1}), capsys)
     assert status == 2 and error.startswith("error: optim.lr: ") and error.count("\n") == 1, error
 

@@ -158,7 +158,7 @@ def check(
     loss_sum_fn = checked_loss_sum_fn(config, bug)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
-    if context.layout.pipelined:
+    if context.pipelined:
         loop_gradients, result, loss_path = pipelined_step_gradients(batch, model, loss_sum_fn, context, config, bug)
     else:
         loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
