@@ -1,7 +1,11 @@
 """Run a function on D gloo ranks on this machine and collect what each rank returns: for tests and for
 the scripts that measure multi-rank behaviour without torchrun.
 
-Every rank is a spawned process with one intra-op thread (the ranks share the machine's cores). Hangs
+Every rank is a fresh process with one intra-op thread (the ranks share the machine's cores), forked from a
+forkserver that imported torch once: a rank starts in well under a second instead of importing torch again
+(seconds, the most of a small multi-rank test). Nothing a rank does reaches the next call's ranks (each is
+forked afresh from the server, which runs no torch code itself), and each rank gets the caller's environment
+as it is at the call, as a spawned process would. Hangs
 become failures: each collective gives up after `timeout_s`, and the parent waits at most `timeout_s` for
 all ranks before it kills the rest. Ranks end with os._exit after tearing down the process group, because
 the interpreter's own exit can abort a finished gloo rank (about 1 spawn in 20 on the test machine).
@@ -19,8 +23,23 @@ import torch.multiprocessing as mp
 
 from accumulation.distributed import run_and_exit
 
+# What the forkserver imports once, before it forks any rank (torch, and the package, whose step imports FSDP2:
+# seconds together); the rest, fn's own module first, each rank imports.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "accumulation.distributed",
+    "accumulation.step",
+    "accumulation.data",
+]
 
-def _rank_main(rank: int, world_size: int, store_path: str, result_dir: str, timeout_s: float, fn, args) -> None:
+
+def _rank_main(
+    rank: int, world_size: int, store_path: str, result_dir: str, timeout_s: float, environment: dict, fn, args
+) -> None:
+    os.environ.clear()  # the server's environment is the one of its start; the caller's may have changed since
+    os.environ.update(environment)
+
     def work(_argv: list[str]) -> int:
         torch.set_num_threads(1)
         dist.init_process_group(
@@ -43,9 +62,13 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
     per-rank results (anything torch.save can write) in rank order. `fn` must be importable by name."""
     with tempfile.TemporaryDirectory(prefix="accumulation-ranks-") as scratch:
         store_path = os.path.join(scratch, "store")  # a file store: no port to pick, nothing to collide with
-        context = mp.get_context("spawn")
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        environment = dict(os.environ)
         processes = [
-            context.Process(target=_rank_main, args=(rank, world_size, store_path, scratch, timeout_s, fn, args))
+            context.Process(
+                target=_rank_main, args=(rank, world_size, store_path, scratch, timeout_s, environment, fn, args)
+            )
             for rank in range(world_size)
         ]
         for process in processes:

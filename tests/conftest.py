@@ -26,6 +26,18 @@ def deterministic_torch():
     torch.set_num_threads(threads)
 
 
+# pytest.ini runs the suite on `-n auto` pytest-xdist workers. One per core this process may use (a container's
+# or taskset's share, not the machine's), at most 8: every worker imports torch and builds its own session
+# fixtures, and each 2-rank test already runs two processes. optionalhook: with -p no:xdist nobody calls it.
+MAX_WORKERS = 8
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    return max(1, min(cores or 1, MAX_WORKERS))
+
+
 def pytest_addoption(parser):
     """tests/conformance runs against a fork's own config: python -m pytest tests/conformance --fork-config FILE."""
     parser.addoption(

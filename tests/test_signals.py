@@ -75,8 +75,8 @@ def one_step(rank: int, world_size: int, stop_on_rank: int | None) -> bool:
 
 def test_every_rank_learns_of_a_stop_request_at_the_same_step():
     """The flag rides on the loss all-reduce: one rank's request reaches all; no request, no stop."""
-    assert run_on_ranks(one_step, 2, (1,), timeout_s=60) == [True, True]
-    assert run_on_ranks(one_step, 2, (None,), timeout_s=60) == [False, False]
+    assert run_on_ranks(one_step, 2, (1,)) == [True, True]
+    assert run_on_ranks(one_step, 2, (None,)) == [False, False]
 
 
 def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -> subprocess.CompletedProcess:

@@ -257,8 +257,9 @@ def plant(bug: Bug) -> dict:
         target.write_text(text.replace(bug.old, bug.new))
         started = time.monotonic()
         environment = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
+        # -n 0: in one process. Under pytest-xdist (pytest.ini) -x ends the session as interrupted, exit 2.
         completed = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *bug.tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *bug.tests],
             cwd=copy,
             env=environment,
             capture_output=True,
