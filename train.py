@@ -10,9 +10,9 @@ maths of one step; this file is the loop around it: set-up, the training section
 
 Read top-down: `main` checks everything a user can get wrong; `train` reads as the run's story (build_training,
 resume_training, the fenced training section, then Session: checkpoints, logs and the checks after each step);
-the helpers follow. The logs themselves (metrics.jsonl, TensorBoard, the printed lines) are accumulation/logs.py.
-A fork changes three things, each in one place: the model and the loss (accumulation/models.py) and the data
-(accumulation/data.py: `build_data`). docs/forking.md walks through it.
+the helpers follow. The logs themselves (metrics.jsonl, TensorBoard, the printed lines) are accumulation/run/logs.py.
+A fork changes three things, each in one place: the model and the loss (accumulation/models/factory.py) and the data
+(accumulation/data/sources.py: `build_data`). docs/forking.md walks through it.
 """
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
@@ -43,24 +43,7 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import MicroBatch, describe_batch
-from accumulation.build import (
-    autocast_dtype_for,
-    build_optimizer,
-    check_config_for_world,
-    check_micro_batch_fits_in_memory,
-    check_model_fits_in_memory,
-    load_optimizer_state,
-    set_tf32,
-    wrap_for_training,
-)
-from accumulation.checkpoint import (
-    WRITE_ERROR_STATUS,
-    CheckpointError,
-    WriteError,
-    save_checkpoint,
-    why_not_written,
-)
-from accumulation.config import (
+from accumulation.config.config import (
     Config,
     ConfigError,
     ModelConfig,
@@ -71,7 +54,7 @@ from accumulation.config import (
     resolved_grad_scaler,
 )
 from accumulation.counters import Counters
-from accumulation.data import (
+from accumulation.data.sources import (
     Data,
     DataError,
     build_data,
@@ -80,7 +63,15 @@ from accumulation.data import (
     step_batch,
     steps_per_epoch,
 )
-from accumulation.distributed import (
+from accumulation.models.factory import (
+    build_model,
+    free_memory_bytes,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+    training_forward_and_loss,
+    uses_chunked_loss,
+)
+from accumulation.parallel.distributed import (
     DistributedContext,
     LaunchError,
     launch_environment,
@@ -89,27 +80,7 @@ from accumulation.distributed import (
     setup_distributed,
     teardown_distributed,
 )
-from accumulation.logs import (
-    close_logs,
-    finite_or_none,
-    flush_logs,
-    keep_metrics_up_to,
-    open_logs,
-    peak_memory_bytes,
-    print_run_header,
-    print_summary,
-    progress_line,
-    write_metrics,
-)
-from accumulation.models import (
-    build_model,
-    free_memory_bytes,
-    loss_sum_fn_for,
-    resolved_vocab_size,
-    training_forward_and_loss,
-    uses_chunked_loss,
-)
-from accumulation.pipeline import (
+from accumulation.parallel.pipeline import (
     Pipeline,
     build_pipeline,
     check_model_splits,
@@ -121,7 +92,36 @@ from accumulation.pipeline import (
     stage_optimizer_state,
 )
 from accumulation.probe import InexactStep, probe_loss_and_model
-from accumulation.resume import (
+from accumulation.run.build import (
+    autocast_dtype_for,
+    build_optimizer,
+    check_config_for_world,
+    check_micro_batch_fits_in_memory,
+    check_model_fits_in_memory,
+    load_optimizer_state,
+    set_tf32,
+    wrap_for_training,
+)
+from accumulation.run.checkpoint import (
+    WRITE_ERROR_STATUS,
+    CheckpointError,
+    WriteError,
+    save_checkpoint,
+    why_not_written,
+)
+from accumulation.run.logs import (
+    close_logs,
+    finite_or_none,
+    flush_logs,
+    keep_metrics_up_to,
+    open_logs,
+    peak_memory_bytes,
+    print_run_header,
+    print_summary,
+    progress_line,
+    write_metrics,
+)
+from accumulation.run.resume import (
     STOPPED_FILE,
     ExpectedShapes,
     check_ranks_agree_on_resume,
@@ -130,15 +130,15 @@ from accumulation.resume import (
     restore_rng_states,
     seed_dropout,
 )
-from accumulation.run_dir import (
+from accumulation.run.run_dir import (
     RunDirectoryError,
     RunLock,
     check_run_directory,
     run_directory,
     write_text_atomically,
 )
+from accumulation.run.signals import StopRequest
 from accumulation.schedule import build_scheduler, set_learning_rates
-from accumulation.signals import StopRequest
 from accumulation.step import (
     GlobalCounts,
     StepResult,
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
     # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the
     # same error and every rank prints it: under torchrun the first rank to exit gets the others stopped,
     # and a line left to rank 0 alone could die with it.
-    lock = None  # rank 0's hold on the run directory (accumulation/run_dir.py), for this job's whole life
+    lock = None  # rank 0's hold on the run directory (accumulation/run/run_dir.py), for this job's whole life
     try:
         rank, world_size = launch_environment()
         say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
@@ -199,7 +199,7 @@ def main(argv: list[str]) -> int:
 
 
 def training_device_type(config: Config) -> str:
-    """The kind of device the ranks will choose (accumulation/distributed.py's choose_device), known before
+    """The kind of device the ranks will choose (accumulation/parallel/distributed.py's choose_device), known before
     they are set up."""
     return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
 
@@ -236,7 +236,7 @@ def train_in_run_directory(
     # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
-    # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/signals.py)
+    # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/run/signals.py)
     stop = StopRequest()
     try:
         with stop.installed():
@@ -445,7 +445,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
         wrapped = pipeline.wrapped
     else:
         # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
-        # (accumulation/models.py, uses_chunked_loss); validation uses the same loss.
+        # (accumulation/models/factory.py, uses_chunked_loss); validation uses the same loss.
         # Every rank decides on the least free memory of all ranks, so all run the same loss.
         positions = config.batch.micro_batch_size * config.data.seq_len
         free_bytes = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)

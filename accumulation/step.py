@@ -30,7 +30,7 @@ of any shape); the algebra above holds for all of them, because it only needs pe
 N of supervised targets. (model.loss = "chunked" is one such pair: a module returning hidden states, and a
 loss that applies the output head itself, accumulation/chunked_loss.py.) `loss_sum_fn=None` says the model
 computes S itself, `model(inputs, labels) -> S`: that is how the forward and the loss compile as one region
-(accumulation/models.py, ForwardAndLoss).
+(accumulation/models/factory.py, ForwardAndLoss).
 """
 
 import contextlib
@@ -98,7 +98,8 @@ def count_supervised_tokens(labels: torch.Tensor) -> int:
 
 def data_parallel_size() -> int:
     """D for this step: here every rank is a data-parallel replica (dist.pipeline_stages = 1). With pipeline
-    stages D is world size / P (accumulation/mesh.py), and train.py runs accumulation/pipeline.py's step instead."""
+    stages D is world size / P (accumulation/parallel/mesh.py), and train.py runs the step of
+    accumulation/parallel/pipeline.py instead."""
     return dist.get_world_size() if dist.is_initialized() else 1
 
 

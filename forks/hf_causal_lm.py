@@ -9,7 +9,7 @@ import path (`model.name = "forks.hf_causal_lm:hf-causal-lm"`). model.path is a 
 `save_pretrained` (config.json and the weights) is loaded; one that holds only a config.json is built from it,
 initialised from run.seed. Nothing is downloaded (local_files_only).
 
-What adapting Hugging Face to the loop's contract takes (accumulation/models.py), and why:
+What adapting Hugging Face to the loop's contract takes (accumulation/models/factory.py), and why:
 - the loop's labels are already shifted (label j is token j + 1) and hold -100 where there is no target, and the
   step divides the SUM of the losses by the global N itself. So forward() returns the logits and never passes
   `labels=` to Hugging Face: its loss_function would shift the labels a second time, upcast, and return the
@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from accumulation.config import ConfigError
-from accumulation.config_keys import setting
-from accumulation.registry import register_model
+from accumulation.config.config import ConfigError
+from accumulation.config.config_keys import setting
+from accumulation.config.registry import register_model
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # one of them, or an index and shards: *.safetensors
 

@@ -26,10 +26,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from accumulation.config_keys import setting
-from accumulation.data import VALIDATION_STEP, Data, DataError, RawExample, data_from_custom_rows, tensor_fingerprint
-from accumulation.registry import register_data, register_model
-from accumulation.rows import step_uniforms
+from accumulation.config.config_keys import setting
+from accumulation.config.registry import register_data, register_model
+from accumulation.data.rows import step_uniforms
+from accumulation.data.sources import (
+    VALIDATION_STEP,
+    Data,
+    DataError,
+    RawExample,
+    data_from_custom_rows,
+    tensor_fingerprint,
+)
 
 CROP_PADDING = 2  # pixels of zeros around the image before a crop of its own size
 
@@ -59,7 +66,7 @@ def synthetic_images(count: int, size: int, classes: int, seed: int) -> tuple[to
 
 
 class ImageRows:
-    """The Rows interface (accumulation/rows.py) over images held in memory: one labelled image per row."""
+    """The Rows interface (accumulation/data/rows.py) over images held in memory: one labelled image per row."""
 
     seq_len = None  # rows are images, not sequences: data.seq_len does not apply
 

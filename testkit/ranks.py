@@ -21,16 +21,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from accumulation.distributed import run_and_exit
+from accumulation.parallel.distributed import run_and_exit
 
 # What the forkserver imports once, before it forks any rank (torch, and the package, whose step imports FSDP2:
 # seconds together); the rest, fn's own module first, each rank imports.
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
-    "accumulation.distributed",
+    "accumulation.parallel.distributed",
     "accumulation.step",
-    "accumulation.data",
+    "accumulation.data.sources",
 ]
 
 
@@ -92,7 +92,7 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
 def pretend_launched(monkeypatch, world_size: int, rank: int = 0) -> None:
     """The environment torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set with pytest's
     monkeypatch and nothing launched: for what train.py and the checker refuse before any process group exists
-    (half of that environment is refused itself: accumulation/distributed.py, launch_environment)."""
+    (half of that environment is refused itself: accumulation/parallel/distributed.py, launch_environment)."""
     launch = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
     for name, value in launch.items():
         monkeypatch.setenv(name, str(value))

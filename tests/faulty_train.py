@@ -36,9 +36,9 @@ import signal
 import time
 from pathlib import Path
 
-import accumulation.checkpoint
-import accumulation.data
-import accumulation.signals
+import accumulation.data.sources
+import accumulation.run.checkpoint
+import accumulation.run.signals
 import accumulation.step
 
 TRAIN_PY = Path(__file__).resolve().parent.parent / "train.py"
@@ -88,7 +88,7 @@ def send_signal_and_wait_for_it(fault: dict, name: str, to: str) -> None:
 
 
 stop_signal_received = False
-real_handle = accumulation.signals.StopRequest._handle
+real_handle = accumulation.run.signals.StopRequest._handle
 
 
 def handle_and_note(stop_request, signum, frame):
@@ -100,8 +100,8 @@ def handle_and_note(stop_request, signum, frame):
 FAULT = this_process_fault()
 STEP_LOG = os.environ.get("ACCUMULATION_STEP_LOG")
 real_optimizer_step = accumulation.step.optimizer_step
-real_step_row_ids = accumulation.data.step_row_ids
-real_save_checkpoint = accumulation.checkpoint.save_checkpoint
+real_step_row_ids = accumulation.data.sources.step_row_ids
+real_save_checkpoint = accumulation.run.checkpoint.save_checkpoint
 step_running = 0  # the step whose examples were fetched last, counted from 1: the one about to run
 
 
@@ -183,7 +183,7 @@ if "sleep_before_start" in FAULT:
 
 # train.py binds these names when it is imported, so they are replaced in their modules first.
 accumulation.step.optimizer_step = optimizer_step_with_fault
-accumulation.data.step_row_ids = step_row_ids_noting_the_step
-accumulation.checkpoint.save_checkpoint = save_checkpoint_with_fault
-accumulation.signals.StopRequest._handle = handle_and_note
+accumulation.data.sources.step_row_ids = step_row_ids_noting_the_step
+accumulation.run.checkpoint.save_checkpoint = save_checkpoint_with_fault
+accumulation.run.signals.StopRequest._handle = handle_and_note
 runpy.run_path(str(TRAIN_PY), run_name="__main__")

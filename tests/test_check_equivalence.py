@@ -21,8 +21,8 @@ from accumulation.checker.promises import (
     row_independence_message,
     rows_agree_across_calls_and_ranks,
 )
-from accumulation.data import RawExample, StepBatch
-from accumulation.distributed import DistributedContext
+from accumulation.data.sources import RawExample, StepBatch
+from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import token_cross_entropy_sum
 from tests.conformance.tokens import write_token_folder
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 import train
-from accumulation.checkpoint import check_archive
-from accumulation.config import load_config
-from accumulation.distributed import DistributedContext
-from accumulation.resume import restore_rng_states, seed_dropout
-from accumulation.run_dir import LOCK_FILE
+from accumulation.config.config import load_config
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.checkpoint import check_archive
+from accumulation.run.resume import restore_rng_states, seed_dropout
+from accumulation.run.run_dir import LOCK_FILE
 from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, uneven_corpus
 
 

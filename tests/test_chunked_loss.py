@@ -10,15 +10,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
-from accumulation.config import ConfigError, load_config
-from accumulation.model import GPT, GPTConfig
-from accumulation.models import (
+from accumulation.config.config import ConfigError, load_config
+from accumulation.models.factory import (
     build_model,
     chunked_loss_pays,
     plain_loss_bytes,
     training_forward_and_loss,
     uses_chunked_loss,
 )
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error

@@ -16,9 +16,9 @@ from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config import load_config
-from accumulation.model import GPT, GPTConfig
-from accumulation.models import ForwardAndLoss, training_forward_and_loss
+from accumulation.config.config import load_config
+from accumulation.models.factory import ForwardAndLoss, training_forward_and_loss
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from accumulation.config import (
+from accumulation.config.config import (
     Config,
     ConfigError,
     config_from_dict,

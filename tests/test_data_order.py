@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from accumulation import data
-from accumulation.data import DataError
+from accumulation.data import sources as data
+from accumulation.data.sources import DataError
 
 # ---------------------------------------------------------------------------------------------------
 # Data order

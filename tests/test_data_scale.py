@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from accumulation import data
+from accumulation.data import sources as data
 
 HUGE_ROWS = 10**11  # 800 GB as an int64 permutation: only sampling can check it
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from accumulation import masked_lm
-from accumulation.config import load_config
-from accumulation.data import build_data
-from accumulation.token_files import LLMC_MAGIC
+from accumulation.config.config import load_config
+from accumulation.data import masked_lm
+from accumulation.data.sources import build_data
+from accumulation.data.token_files import LLMC_MAGIC
 
 TOKENS = 20_000  # more than SAMPLED_BLOCKS_PER_FILE blocks of SAMPLED_BLOCK_TOKENS: the blocks are spaced
 

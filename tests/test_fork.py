@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import train
-from accumulation.config import load_config
-from accumulation.data import build_data, step_row_ids
-from accumulation.masked_lm import MaskedTokenRows
+from accumulation.config.config import load_config
+from accumulation.data.masked_lm import MaskedTokenRows
+from accumulation.data.sources import build_data, step_row_ids
 from tests.conformance.tokens import write_token_folder
 from tests.test_train import REPO, final_weights, read_metrics, run_train
 

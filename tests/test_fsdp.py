@@ -10,12 +10,12 @@ from torch.distributed.tensor import DTensor
 
 import train
 from accumulation import checker as check_equivalence
-from accumulation.build import autocast_dtype_for, build_optimizer, load_optimizer_state, wrap_for_training
-from accumulation.config import load_config, resolved_compile
-from accumulation.data import build_data, build_micro_batches, step_row_ids
-from accumulation.distributed import DistributedContext
-from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
-from accumulation.models import build_model, resolved_vocab_size
+from accumulation.config.config import load_config, resolved_compile
+from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.models.factory import build_model, resolved_vocab_size
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.run.build import autocast_dtype_for, build_optimizer, load_optimizer_state, wrap_for_training
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
 from testkit.ranks import pretend_launched, run_on_ranks

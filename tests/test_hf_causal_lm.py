@@ -11,8 +11,8 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -r requirements-hf.txt)"
 )
 
-from accumulation.config import ConfigError, load_config  # noqa: E402
-from accumulation.models import build_model, has_output_head, model_fingerprint  # noqa: E402
+from accumulation.config.config import ConfigError, load_config  # noqa: E402
+from accumulation.models.factory import build_model, has_output_head, model_fingerprint  # noqa: E402
 from scripts.checks import check_equivalence  # noqa: E402
 
 TINY_LLAMA = {

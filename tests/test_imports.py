@@ -1,24 +1,46 @@
-"""The package's modules import one another without a cycle: the shared data types (accumulation/rows.py) are
-imported by the sources, and the factory (accumulation/data.py) imports the sources, never the other way. A
-fork that adds a source imports rows.py and joins no cycle."""
+"""The package's imports go one way, by folder: the maths at the top of accumulation/ imports nothing else of
+the package; config/ only the maths; models/ and data/ the two above (and not each other); parallel/ those;
+run/ all of them; checker/ everything. Within a folder there is no cycle: the shared data types (data/rows.py)
+are imported by the sources, and the factory (data/sources.py) imports the sources, never the other way."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "accumulation"
 
+# Each folder's layer ("" = the package's top level, the maths of one step): a module imports its own folder
+# or a lower layer only. The same order as the folders' __init__ docstrings.
+LAYERS = {"": 0, "config": 1, "models": 2, "data": 2, "parallel": 3, "run": 4, "checker": 5}
 
-def imported_modules(path: Path) -> set[str]:
-    """The accumulation modules a file imports, at its top or inside a function."""
+
+def module_name(path: Path) -> str:
+    """accumulation/data/rows.py -> "data.rows"; accumulation/step.py -> "step"."""
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules a file imports, at its top or inside a function, as module_name gives them."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == "accumulation":  # from accumulation import x
-            names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("accumulation."):
-            names.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "accumulation":
+            base = node.module.removeprefix("accumulation").removeprefix(".")
+            for alias in node.names:  # from accumulation.data import jsonl: the module data.jsonl
+                joined = f"{base}.{alias.name}" if base else alias.name
+                names.add(joined if joined in modules else base)
         elif isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("accumulation.")}
-    return names
+            names |= {a.name.removeprefix("accumulation.") for a in node.names if a.name.startswith("accumulation.")}
+    return names - {""}
+
+
+def folder(module: str) -> str:
+    return module.split(".")[0] if "." in module or module in LAYERS else ""
+
+
+def package_graph() -> dict[str, set[str]]:
+    paths = [path for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts]
+    modules = {module_name(path) for path in paths}
+    return {module_name(path): imported_modules(path, modules) - {module_name(path)} for path in paths}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -43,10 +65,23 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((cycle for module in sorted(graph) if (cycle := visit(module))), None)
 
 
+def test_every_folder_imports_only_its_own_and_lower_layers():
+    graph = package_graph()
+    assert set(map(folder, graph)) == set(LAYERS), "a new folder of accumulation/ needs its layer in LAYERS"
+    wrong = [
+        f"{module} imports {imported}"
+        for module, imports in sorted(graph.items())
+        for imported in sorted(imports)
+        if folder(imported) != folder(module) and LAYERS[folder(imported)] >= LAYERS[folder(module)]
+    ]
+    assert not wrong, "imports against the layer order: " + "; ".join(wrong)
+
+
 def test_the_package_has_no_import_cycle():
-    graph = {path.stem: imported_modules(path) for path in PACKAGE.glob("*.py")}
-    assert {"rows", "jsonl", "text_corpus", "token_files", "masked_lm"} <= graph["data"]  # the factory
-    assert "data" not in graph["token_files"] | graph["jsonl"] | graph["text_corpus"] | graph["masked_lm"]
+    graph = package_graph()
+    sources = {"data.rows", "data.jsonl", "data.text_corpus", "data.token_files", "data.masked_lm"}
+    assert sources <= graph["data.sources"]  # the factory
+    assert "data.sources" not in set().union(*(graph[source] for source in sources))
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accumulation import data
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config import load_config
-from accumulation.data import DataError
+from accumulation.config.config import load_config
+from accumulation.data import sources as data
+from accumulation.data.sources import DataError
 from tests.test_rows import assert_rows_match_their_raw_examples, build, supervised_targets, window_of, write
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +58,7 @@ class WordTokenizer:
 def test_the_end_token_ends_the_response_and_is_supervised(tmp_path):
     """A model must learn to stop: the end-of-text token follows the response, as a supervised target, in every
     row; it never follows the prompt (where no row would ever supervise it)."""
-    from accumulation.jsonl import load_jsonl
+    from accumulation.data.jsonl import load_jsonl
 
     tokenizer = WordTokenizer(["what", "is", "two", "plus", "four", "three", "one"])
     lines = [{"prompt": "what is two plus two", "response": "four"}, {"prompt": "what is one", "response": "one"}]

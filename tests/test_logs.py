@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from accumulation import logs
-from accumulation.checkpoint import WriteError
 from accumulation.counters import Counters
-from accumulation.distributed import DistributedContext
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run import logs
+from accumulation.run.checkpoint import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
 
@@ -128,7 +128,7 @@ def test_tensorboard_after_a_kill_and_a_resume_equals_metrics(tmp_path):
 def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_path):
     """torch.save on a real full disk fails inside its zip writer; the error is one line naming the file,
     the space needed and that the disk is full; its temporary file goes; the older checkpoints stay whole."""
-    from accumulation.checkpoint import save_checkpoint
+    from accumulation.run.checkpoint import save_checkpoint
 
     payload = {"model": {"weight": torch.zeros(40_000)}, "counters": {"steps": 0}}  # 160 kB of tensors
     with small_disk(tmp_path / "disk", 2**20) as disk:
@@ -150,7 +150,7 @@ def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp
     with the operating system's words for the reason."""
     import errno
 
-    import accumulation.checkpoint as checkpoint
+    import accumulation.run.checkpoint as checkpoint
 
     def failing_save(payload, file):
         file.write(b"partial")

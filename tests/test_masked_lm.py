@@ -1,12 +1,12 @@
-"""The masked-LM fork's rows (accumulation/masked_lm.py): BERT's 15% with 80/10/10, fresh every step, a pure
+"""The masked-LM fork's rows (accumulation/data/masked_lm.py): BERT's 15% with 80/10/10, fresh every step, a pure
 function of (seed, step, row id), supervised exactly where masked."""
 
 import torch
 
-from accumulation.config import load_config
-from accumulation.data import build_data
-from accumulation.masked_lm import MASK_FRACTION
-from accumulation.rows import step_uniforms
+from accumulation.config.config import load_config
+from accumulation.data.masked_lm import MASK_FRACTION
+from accumulation.data.rows import step_uniforms
+from accumulation.data.sources import build_data
 from tests.conformance.tokens import REPO, write_token_folder
 
 

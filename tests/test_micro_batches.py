@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from accumulation import data
-from accumulation import rows as rows_module
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data import DataError
+from accumulation.data import rows as rows_module
+from accumulation.data import sources as data
+from accumulation.data.sources import DataError
 from tests.test_rows import assert_rows_match_their_raw_examples, real_examples
 
 # ---------------------------------------------------------------------------------------------------

@@ -4,9 +4,9 @@ vocabulary size, describe() and the optional generate(), for every architecture 
 import pytest
 import torch
 
-from accumulation import models
-from accumulation.config import Config, ConfigError, load_config
-from accumulation.models import build_model, count_parameters, resolved_vocab_size
+from accumulation.config.config import Config, ConfigError, load_config
+from accumulation.models import factory as models
+from accumulation.models.factory import build_model, count_parameters, resolved_vocab_size
 
 BYTE_VOCAB_SIZE = 256  # what byte-level data gives
 SEQ_LEN = 8

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.build import load_optimizer_state
-from accumulation.config import load_config
-from accumulation.data import BYTE_VOCAB_SIZE, build_data, make_rows
-from accumulation.model import GPT, GPTConfig
+from accumulation.config.config import load_config
+from accumulation.data.sources import BYTE_VOCAB_SIZE, build_data, make_rows
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.run.build import load_optimizer_state
 from scripts.benchmarks import bench, invariants, measuring, nanogpt_peer
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import capture_gradients, max_relative_error

@@ -9,9 +9,9 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from accumulation.batching import MicroBatch
-from accumulation.mesh import build_layout
-from accumulation.model import GPT, GPTConfig
-from accumulation.pipeline import (
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.parallel.mesh import build_layout
+from accumulation.parallel.pipeline import (
     build_pipeline,
     gathered_model_state,
     gathered_optimizer_state,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from accumulation.model import GPT
+from accumulation.models.gpt import GPT
 from scripts.teaching import pitfall_setup, pitfalls
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from accumulation import data, token_files
-from accumulation.config import load_config
-from accumulation.data import build_data
+from accumulation.config.config import load_config
+from accumulation.data import sources as data
+from accumulation.data import token_files
+from accumulation.data.sources import build_data
 from scripts.operations import prepare_data
 from testkit.disk import read_only_view, small_disk
 from tests.test_jsonl import jsonl

@@ -75,7 +75,7 @@ def test_batch_norm_and_in_batch_negatives_are_named_in_warnings_or_errors():
 
 FORK = """
 import torch.nn.functional as F
-from accumulation.registry import register_loss
+from accumulation.config.registry import register_loss
 
 
 def mean_cross_entropy(outputs, labels):

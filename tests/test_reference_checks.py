@@ -18,12 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config import load_config
+from accumulation.config.config import load_config
 from accumulation.counters import Counters
-from accumulation.data import VALIDATION_STEP, build_data
-from accumulation.distributed import DistributedContext
-from accumulation.model import GPT, GPTConfig
-from accumulation.models import build_model
+from accumulation.data.sources import VALIDATION_STEP, build_data
+from accumulation.models.factory import build_model
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, full_batch_mean_loss, max_relative_error

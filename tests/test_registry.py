@@ -1,5 +1,5 @@
-"""The fork seam (accumulation/registry.py): a model, a loss and a data source registered in the fork's own module
-and named by import path in the config, with their own settings checked, listed, stored and compared on resume,
+"""The fork seam (accumulation/config/registry.py): a model, a loss and a data source registered in the fork's own
+module and named by import path in the config, with their own settings checked, listed, stored and compared on resume,
 and a fingerprint hook for state the keys do not show. No file of the project is edited for the fork below."""
 
 import dataclasses
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import train
-from accumulation.config import ConfigError, config_to_toml, help_text, load_config
-from accumulation.distributed import DistributedContext
-from accumulation.models import build_model, loss_sum_fn_for
-from accumulation.resume import seed_dropout
+from accumulation.config.config import ConfigError, config_to_toml, help_text, load_config
+from accumulation.models.factory import build_model, loss_sum_fn_for
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.resume import seed_dropout
 
 # A fork in one file: a GRU of a width its own setting multiplies, whose build seeds the global generator (as
 # Hugging Face's set_seed does), a fingerprint over a file its other setting names, and a registered loss.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from accumulation.config_keys import setting
-from accumulation.gru import GRULanguageModel
-from accumulation.registry import register_data, register_loss, register_model
+from accumulation.config.config_keys import setting
+from accumulation.models.gru import GRULanguageModel
+from accumulation.config.registry import register_data, register_loss, register_model
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -56,7 +56,7 @@ register_loss("doubled", doubled_sum)
 
 
 def five_token_rows(data_config, *, model_vocab_size, seed):
-    from accumulation.rows import data_from_custom_rows, make_rows, row_fingerprint
+    from accumulation.data.rows import data_from_custom_rows, make_rows, row_fingerprint
 
     rows = make_rows([bytes(range(40, 80))] * 4, seq_len=5)
     return data_from_custom_rows(data_config.source, rows, rows, fingerprint=row_fingerprint(rows), vocab_size=256)
@@ -137,7 +137,7 @@ def test_resume_compares_the_own_settings_and_the_fingerprint(fork, capsys):
 
 
 def test_every_built_in_model_is_registered_with_its_rules():
-    from accumulation.registry import registered
+    from accumulation.config.registry import registered
 
     assert {"gpt", "gru", "encoder"} <= set(registered("model"))
     with pytest.raises(ConfigError, match="needs data.task"):
@@ -146,7 +146,7 @@ def test_every_built_in_model_is_registered_with_its_rules():
 
 
 def test_a_registered_source_is_checked_against_data_seq_len_and_keeps_data_val_rows(fork):
-    from accumulation.data import DataError, build_data
+    from accumulation.data.sources import DataError, build_data
 
     config = load_config(["data.source=registry_fork:five-token-rows", "data.seq_len=5", "data.val_rows=3"])
     data = build_data(config.data, model_vocab_size=0, seed=1)
@@ -158,7 +158,7 @@ def test_a_registered_source_is_checked_against_data_seq_len_and_keeps_data_val_
 
 
 def test_validation_reads_the_images_un_augmented_and_training_augments_them():
-    from accumulation.data import build_data, eval_micro_batches, step_batch
+    from accumulation.data.sources import build_data, eval_micro_batches, step_batch
 
     config = load_config(["--config", "configs/image_classifier.toml", "data.images=40", "data.val_fraction=0.5"])
     data = build_data(config.data, model_vocab_size=0, seed=config.run.seed)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from accumulation import data
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config import Config, DataConfig
+from accumulation.config.config import Config, DataConfig
+from accumulation.data import sources as data
 
 
 def write(path: Path, content: bytes) -> Path:

@@ -1,5 +1,5 @@
 """The run directory: run.name is one folder inside run.out_dir, links cannot lead a run out of it, and one
-training job at a time holds it (accumulation/run_dir.py). Also: a start-up error is printed by every rank,
+training job at a time holds it (accumulation/run/run_dir.py). Also: a start-up error is printed by every rank,
 so torchrun cannot swallow it."""
 
 import os
@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import accumulation.run_dir as run_dir_module
+import accumulation.run.run_dir as run_dir_module
 import train
-from accumulation.config import ConfigError, load_config
-from accumulation.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
+from accumulation.config.config import ConfigError, load_config
+from accumulation.run.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
 from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process, snapshot

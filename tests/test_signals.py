@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from accumulation.batching import MicroBatch
-from accumulation.signals import StopRequest
+from accumulation.run.signals import StopRequest
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import REPO, assert_same_run, read_fault_log

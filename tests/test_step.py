@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
 from accumulation.counters import Counters
-from accumulation.model import GPT, GPTConfig
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.schedule import build_scheduler
 from accumulation.step import (
     StepResult,

@@ -85,7 +85,7 @@ def prompt_masked_micro_batches(shapes_per_micro_batch: list[list[tuple[int, int
         inputs = torch.randint(0, VOCAB_SIZE, (len(shapes), SEQ_LEN), generator=generator)
         labels = torch.randint(0, VOCAB_SIZE, (len(shapes), SEQ_LEN), generator=generator)
         for row, (prompt, length) in enumerate(shapes):
-            inputs[row, length:] = 0  # byte 0 is the padding, as in accumulation/data.py
+            inputs[row, length:] = 0  # byte 0 is the padding, as in accumulation/data/sources.py
             labels[row, :prompt] = IGNORE_INDEX
             labels[row, length:] = IGNORE_INDEX
         batches.append(MicroBatch(inputs, labels, num_examples=sum(1 for _, length in shapes if length > 0)))

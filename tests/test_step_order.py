@@ -13,7 +13,7 @@ import torch
 
 import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.model import GPT, GPTConfig
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from tests.test_checkpoints import run_in_process
 from tests.test_train import tiny_settings, uneven_corpus

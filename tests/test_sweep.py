@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config import load_config
-from accumulation.data import build_data, step_row_ids
-from accumulation.distributed import DistributedContext
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data, step_row_ids
+from accumulation.parallel.distributed import DistributedContext
 from scripts.benchmarks import sweep_microbatch
 from testkit.memory import peak_memory_bytes_of
 from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from accumulation import data, text_corpus
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data import DataError
+from accumulation.data import sources as data
+from accumulation.data import text_corpus
+from accumulation.data.sources import DataError
 from tests.test_rows import build, supervised_targets, write
 
 # ---------------------------------------------------------------------------------------------------

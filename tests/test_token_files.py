@@ -12,10 +12,11 @@ import torch
 
 import train
 from accumulation import checker as check_equivalence
-from accumulation import data, token_files
-from accumulation.config import load_config
-from accumulation.data import DataError, build_data, build_micro_batches, step_row_ids
-from accumulation.models import build_model
+from accumulation.config.config import load_config
+from accumulation.data import sources as data
+from accumulation.data import token_files
+from accumulation.data.sources import DataError, build_data, build_micro_batches, step_row_ids
+from accumulation.models.factory import build_model
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_jsonl import jsonl

@@ -11,9 +11,9 @@ import torch
 
 import train
 from accumulation.batching import accumulation_steps
-from accumulation.checkpoint import REQUIRED_KEYS
-from accumulation.config import load_config
-from accumulation.data import build_data, step_row_ids
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data, step_row_ids
+from accumulation.run.checkpoint import REQUIRED_KEYS
 
 REPO = Path(__file__).resolve().parent.parent
 CONTRACT_METRICS = {

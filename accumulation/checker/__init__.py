@@ -16,7 +16,7 @@ unscaling. Two settings are switched off, because no reference could reproduce t
 (it rescales the gradient by the step's own norm) and dropout (its random masks).
 
 The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (each
-row's input tokens and its targets, position by position: accumulation/rows.py, RawExample) with the
+row's input tokens and its targets, position by position: accumulation/data/rows.py, RawExample) with the
 simplest possible code, not with the loop's batching or masking. Then one float64 forward and backward over
 all of the step's rows at once, of the configured loss's SUM divided by the number of supervised targets N:
 the mean loss of the whole global batch, which is what every update must follow. No micro-batches, no ranks,

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.reference import map_tensors
-from accumulation.data import DataError, Rows, StepBatch, check_supervised_counts
-from accumulation.distributed import DistributedContext
+from accumulation.data.sources import DataError, Rows, StepBatch, check_supervised_counts
+from accumulation.parallel.distributed import DistributedContext
 
 
 def rows_agree_across_calls_and_ranks(

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config import Config
-from accumulation.data import Rows
+from accumulation.config.config import Config
+from accumulation.data.sources import Rows
 from accumulation.step import count_supervised_tokens
 
 

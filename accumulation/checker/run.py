@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
-from accumulation.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
 from accumulation.checker.promises import (
     additivity_message,
     counts_message,
@@ -55,18 +54,19 @@ from accumulation.checker.self_test import (
     shifted_again_loss,
 )
 from accumulation.chunked_loss import FinalHiddenStates
-from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
-from accumulation.data import DataError, Rows, StepBatch, build_data, step_batch
-from accumulation.distributed import DistributedContext, setup_distributed, teardown_distributed
-from accumulation.mesh import layout_of
-from accumulation.models import (
+from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
+from accumulation.data.sources import DataError, Rows, StepBatch, build_data, step_batch
+from accumulation.models.factory import (
     build_model,
     count_parameters,
     loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
 )
-from accumulation.pipeline import build_pipeline, check_model_splits, pipelined_step
+from accumulation.parallel.distributed import DistributedContext, setup_distributed, teardown_distributed
+from accumulation.parallel.mesh import layout_of
+from accumulation.parallel.pipeline import build_pipeline, check_model_splits, pipelined_step
+from accumulation.run.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
 from accumulation.step import StepResult, count_supervised_tokens, optimizer_step
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
@@ -209,7 +209,7 @@ def compare_on_main(
     parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
     print(
         f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
-        f"from accumulation.models.build_model; compared with gradient clipping and dropout off"
+        f"from accumulation.models.factory.build_model; compared with gradient clipping and dropout off"
     )
     print(
         f"loss path: {found.loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64"
@@ -428,7 +428,7 @@ def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
 
 
 def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: DistributedContext, config, bug):
-    """The pipelined step as train.py runs it (accumulation/pipeline.py), without clipping; returns (the whole
+    """The pipelined step as train.py runs it (accumulation/parallel/pipeline.py), without clipping; returns (the whole
     model's gradient as the stages' optimizers were handed it, gathered on rank 0 in the model's parameter
     order, or None when the update was skipped; the StepResult; which loss path ran, in words). The
     optimizers never move the weights."""

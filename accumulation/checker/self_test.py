@@ -8,8 +8,8 @@ them.
 import torch
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data import DataError, RawExample, Rows, RowSet
-from accumulation.distributed import DistributedContext
+from accumulation.data.sources import DataError, RawExample, Rows, RowSet
+from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import all_reduce_ints, count_supervised_tokens
 
 # Bugs in the loop only (the reference stays right): the checker must see the loop go wrong.

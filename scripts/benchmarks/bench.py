@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from accumulation.config import ConfigError, load_config
+from accumulation.config.config import ConfigError, load_config
 
 # Run as `python scripts/benchmarks/bench.py`, Python puts only this file's folder on sys.path: the repository
 # root goes first, so the benchmark's other files import as scripts.benchmarks.*, as the tests import them.

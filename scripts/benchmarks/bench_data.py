@@ -34,8 +34,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accumulation.config import load_config
-from accumulation.data import build_data, step_batch
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data, step_batch
 
 REPO = Path(__file__).resolve().parents[2]
 GPT2_VOCAB = 50_257

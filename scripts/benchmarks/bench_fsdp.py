@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accumulation.build import autocast_dtype_for, build_optimizer, wrap_for_training
-from accumulation.config import Config, load_config, resolved_compile
-from accumulation.data import BYTE_VOCAB_SIZE, RowSet, build_micro_batches, make_rows, step_row_ids
-from accumulation.distributed import DistributedContext
-from accumulation.models import build_model
+from accumulation.config.config import Config, load_config, resolved_compile
+from accumulation.data.sources import BYTE_VOCAB_SIZE, RowSet, build_micro_batches, make_rows, step_row_ids
+from accumulation.models.factory import build_model
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.build import autocast_dtype_for, build_optimizer, wrap_for_training
 from accumulation.step import optimizer_step
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks

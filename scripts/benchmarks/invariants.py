@@ -18,12 +18,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.build import build_optimizer
-from accumulation.config import resolved_grad_scaler
+from accumulation.config.config import resolved_grad_scaler
 from accumulation.counters import Counters
-from accumulation.data import BYTE_VOCAB_SIZE, build_data
-from accumulation.model import GPT, GPTConfig
-from accumulation.models import gpt_config, loss_sum_fn_for
+from accumulation.data.sources import BYTE_VOCAB_SIZE, build_data
+from accumulation.models.factory import gpt_config, loss_sum_fn_for
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import StepResult, optimizer_step
 from scripts.benchmarks.measuring import (

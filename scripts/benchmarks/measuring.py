@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from accumulation.batching import MicroBatch
-from accumulation.config import Config
-from accumulation.data import RowSet, step_batch
-from accumulation.model import GPT
+from accumulation.config.config import Config
+from accumulation.data.sources import RowSet, step_batch
+from accumulation.models.gpt import GPT
 from accumulation.step import GlobalCounts, count_supervised_tokens
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats

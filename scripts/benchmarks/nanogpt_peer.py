@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.build import autocast_dtype_for, build_optimizer, set_tf32
-from accumulation.config import Config, resolved_compile, resolved_grad_scaler
-from accumulation.data import build_data
-from accumulation.models import build_model, resolved_vocab_size, training_forward_and_loss, uses_chunked_loss
+from accumulation.config.config import Config, resolved_compile, resolved_grad_scaler
+from accumulation.data.sources import build_data
+from accumulation.models.factory import build_model, resolved_vocab_size, training_forward_and_loss, uses_chunked_loss
+from accumulation.run.build import autocast_dtype_for, build_optimizer, set_tf32
 from accumulation.step import GlobalCounts, optimizer_step
 from scripts.benchmarks.measuring import (
     cpu_model,

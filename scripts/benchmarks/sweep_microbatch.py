@@ -18,7 +18,7 @@ An m that does not fit (torch.OutOfMemoryError) is marked "does not fit" and the
 m: finding that size is what the sweep is for on a GPU. (One process only: under torchrun a rank that runs
 out of memory leaves the others waiting in DDP's all-reduce, so the error ends the run there.)
 
-The model is the config's (accumulation.models.build_model) with dropout off, trained with the config's loss
+The model is the config's (accumulation.models.factory.build_model) with dropout off, trained with the config's loss
 and precision, and the optimizer is SGD with learning rate 0, so the weights never move: every update of
 every m sees the same model, and the gradients of different m must agree. That SGD holds no state, so the
 peak is what depends on m (activations, gradients, temporaries); AdamW would add 2 x 4 bytes per parameter
@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import accumulation_steps
-from accumulation.build import autocast_dtype_for, check_device_available, wrap_for_training
-from accumulation.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
-from accumulation.data import Data, DataError, build_data, build_micro_batches, step_row_ids
-from accumulation.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.models import build_model, resolved_vocab_size, training_forward_and_loss
+from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
+from accumulation.data.sources import Data, DataError, build_data, build_micro_batches, step_row_ids
+from accumulation.models.factory import build_model, resolved_vocab_size, training_forward_and_loss
+from accumulation.parallel.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
+from accumulation.run.build import autocast_dtype_for, check_device_available, wrap_for_training
 from accumulation.step import optimizer_step
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import first_update_probe, max_relative_error, without_dropout

@@ -10,7 +10,7 @@ Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
 import sys
 
 from accumulation.checker import main
-from accumulation.distributed import run_and_exit
+from accumulation.parallel.distributed import run_and_exit
 
 if __name__ == "__main__":
     run_and_exit(main, sys.argv[1:])

@@ -61,13 +61,13 @@ import torch
 
 import accumulation
 from accumulation.batching import MicroBatch
-from accumulation.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
-from accumulation.config import load_config
-from accumulation.data import build_micro_batches, make_rows, step_counts, step_row_ids
-from accumulation.distributed import DistributedContext
-from accumulation.model import GPT, GPTConfig
-from accumulation.models import ForwardAndLoss, build_model, training_forward_and_loss
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_micro_batches, make_rows, step_counts, step_row_ids
+from accumulation.models.factory import ForwardAndLoss, build_model, training_forward_and_loss
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import (

@@ -50,7 +50,7 @@ BUGS = [
     Bug(
         "val-batches-rounded-down",
         "validation micro-batches per rank rounded down: rows silently dropped",
-        "accumulation/data.py",
+        "accumulation/data/sources.py",
         "    return math.ceil(total / world_size)",
         "    return total // world_size",
         [VALIDATION_TEST],
@@ -58,7 +58,7 @@ BUGS = [
     Bug(
         "tb-purge-off-by-one",
         "TensorBoard's purge step on resume one too early: the checkpoint's own point is dropped",
-        "accumulation/logs.py",
+        "accumulation/run/logs.py",
         "purge_step=counters.updates + 1 if resumed else None",
         "purge_step=counters.updates if resumed else None",
         [TENSORBOARD_TEST],
@@ -66,7 +66,7 @@ BUGS = [
     Bug(
         "tb-no-purge-on-tokens",
         "no purge on the token axis: points of steps run twice appear twice",
-        "accumulation/logs.py",
+        "accumulation/run/logs.py",
         "purge_step=counters.tokens + 1 if resumed else None",
         "purge_step=None",
         [TENSORBOARD_TEST],
@@ -99,7 +99,7 @@ BUGS = [
     Bug(
         "half-metrics-line",
         "a full disk leaves half a metrics line that a resume would keep as a record",
-        "accumulation/logs.py",
+        "accumulation/run/logs.py",
         "            os.ftruncate(self.descriptor, size_before)",
         "            pass",
         ["tests/test_logs.py::test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all"],
@@ -107,7 +107,7 @@ BUGS = [
     Bug(
         "checkpoint-temporary-kept",
         "a failed save leaves its temporary file on the full disk",
-        "accumulation/checkpoint.py",
+        "accumulation/run/checkpoint.py",
         "                temporary.unlink(missing_ok=True)",
         "                pass",
         ["tests/test_logs.py::test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay"],
@@ -115,7 +115,7 @@ BUGS = [
     Bug(
         "dropout-stream-not-restored",
         "a resume starts dropout afresh instead of continuing each rank's stream",
-        "accumulation/resume.py",
+        "accumulation/run/resume.py",
         '        torch.set_rng_state(per_rank[context.rank]["cpu"])',
         "        pass",
         ["tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical"],
@@ -132,7 +132,7 @@ BUGS = [
     Bug(
         "token-ids-signed",
         "nanoGPT token ids read as signed 16-bit: GPT-2's ids from 32,768 on come out negative",
-        "accumulation/token_files.py",
+        "accumulation/data/token_files.py",
         'NANOGPT_TOKEN_TYPE = np.dtype("<u2")',
         'NANOGPT_TOKEN_TYPE = np.dtype("<i2")',
         [f"{TOKEN_FILES_TEST}::test_ids_of_a_gpt2_sized_vocabulary_read_back_unsigned"],
@@ -140,7 +140,7 @@ BUGS = [
     Bug(
         "token-files-writable",
         "token files memory-mapped for writing: a read-only mount fails with a traceback",
-        "accumulation/token_files.py",
+        "accumulation/data/token_files.py",
         'np.memmap(path, dtype=NANOGPT_TOKEN_TYPE, mode="r")',
         'np.memmap(path, dtype=NANOGPT_TOKEN_TYPE, mode="r+")',
         [f"{TOKEN_FILES_TEST}::test_token_files_on_a_read_only_mount_are_read"],
@@ -148,7 +148,7 @@ BUGS = [
     Bug(
         "token-file-stamps-ignored",
         "a resume over a token file edited in place between the sampled blocks goes on silently",
-        "accumulation/resume.py",
+        "accumulation/run/resume.py",
         '    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)\n',
         "",
         [f"{TOKEN_FILES_TEST}::test_a_resume_over_a_token_file_changed_in_place_is_refused_naming_it"],
@@ -156,7 +156,7 @@ BUGS = [
     Bug(
         "end-token-on-prompt",
         "the end token appended to the prompt, not the response: no row supervises it, the model never stops",
-        "accumulation/jsonl.py",
+        "accumulation/data/jsonl.py",
         "(np.array(prompt, dtype=np.int64), np.array(response + end, dtype=np.int64))",
         "(np.array(prompt + end, dtype=np.int64), np.array(response, dtype=np.int64))",
         ["tests/test_jsonl.py::test_the_end_token_ends_the_response_and_is_supervised"],
@@ -164,7 +164,7 @@ BUGS = [
     Bug(
         "resume-ignores-beta2",
         "a resume does not compare AdamW's beta2: config.toml says 0.99, AdamW keeps 0.95",
-        "accumulation/resume.py",
+        "accumulation/run/resume.py",
         '    ("optim", "beta2"),\n',
         "",
         ["tests/test_checkpoints.py::test_every_setting_that_shapes_the_run_is_compared_on_resume"],
@@ -172,7 +172,7 @@ BUGS = [
     Bug(
         "fsdp2-state-misplaced",
         "FSDP2 optimizer state sharded along the last dimension on load, not as its parameter",
-        "accumulation/fsdp.py",
+        "accumulation/parallel/fsdp.py",
         "param.device_mesh, param.placements, src_data_rank=None",
         "param.device_mesh, [type(param.placements[0])(value.dim() - 1)], src_data_rank=None",
         ["tests/test_fsdp.py::test_one_sgd_update_under_fsdp2_equals_ddp_and_the_float64_reference"],
@@ -196,7 +196,7 @@ BUGS = [
     Bug(
         "dropout-stream-of-rank-0",
         "a resume gives every rank rank 0's dropout stream",
-        "accumulation/resume.py",
+        "accumulation/run/resume.py",
         'torch.set_rng_state(per_rank[context.rank]["cpu"])',
         'torch.set_rng_state(per_rank[0]["cpu"])',
         ["tests/test_checkpoints.py::test_each_rank_continues_its_own_dropout_stream_after_a_resume"],
@@ -204,7 +204,7 @@ BUGS = [
     Bug(
         "no-run-lock",
         "no lock on the run directory: two jobs on one name interleave and lose metrics lines",
-        "accumulation/run_dir.py",
+        "accumulation/run/run_dir.py",
         "fcntl.flock(self.descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)",
         "pass",
         [f"{RUN_DIR_TEST}::test_two_jobs_started_together_one_is_refused_and_a_killed_holder_blocks_nobody"],
@@ -222,7 +222,7 @@ BUGS = [
     Bug(
         "ctrl-c-not-caught",
         "Ctrl-C ends the run without a checkpoint (SIGINT not among the stop signals)",
-        "accumulation/signals.py",
+        "accumulation/run/signals.py",
         "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)",
         "STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)",
         [

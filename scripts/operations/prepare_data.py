@@ -43,10 +43,10 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data import DataError, key_hash, validation_keys
-from accumulation.jsonl import parse_example
-from accumulation.text_corpus import folder_file_paths, is_text, split_at_newline
-from accumulation.token_files import LLMC_HEADER_INT32, LLMC_MAGIC
+from accumulation.data.jsonl import parse_example
+from accumulation.data.sources import DataError, key_hash, validation_keys
+from accumulation.data.text_corpus import folder_file_paths, is_text, split_at_newline
+from accumulation.data.token_files import LLMC_HEADER_INT32, LLMC_MAGIC
 
 END_OF_TEXT = "<|endoftext|>"
 BYTE_VOCAB_SIZE = 256

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from accumulation.build import build_optimizer
-from accumulation.config import load_config
-from accumulation.data import build_data, step_batch
-from accumulation.models import build_model
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data, step_batch
+from accumulation.models.factory import build_model
+from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
 

@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.model import GPT, GPTConfig
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import counting_allreduce_hook, float64_reference_gradient

@@ -10,8 +10,8 @@ import numpy
 import torch
 
 from accumulation.batching import MicroBatch, accumulation_steps, describe_batch
-from accumulation.config import DistConfig
-from accumulation.data import rows_dropped_per_epoch, steps_per_epoch
+from accumulation.config.config import DistConfig
+from accumulation.data.sources import rows_dropped_per_epoch, steps_per_epoch
 from accumulation.schedule import lr_multiplier
 from accumulation.step import optimizer_step
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.data import epoch_permutation, step_row_ids, steps_per_epoch
+from accumulation.data.sources import epoch_permutation, step_row_ids, steps_per_epoch
 from accumulation.schedule import build_scheduler
 from accumulation.step import count_supervised_tokens, optimizer_step
 from scripts.teaching.pitfall_setup import (

@@ -19,9 +19,9 @@ import torch
 import train
 from accumulation import checker as check_equivalence
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config import load_config
-from accumulation.data import build_data, rows_from_raw_examples, step_batch, step_row_ids
-from accumulation.models import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data, rows_from_raw_examples, step_batch, step_row_ids
+from accumulation.models.factory import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
 from tests.conformance.conftest import REPO
 
 STEPS = (0, 1)  # two steps: rows that change with the step must change consistently

@@ -1,5 +1,5 @@
 """The types every data source shares, in one module that imports no source: a source imports this, and
-accumulation/data.py (the factory, the data order and the micro-batches) imports the sources.
+accumulation/data/sources.py (the factory, the data order and the micro-batches) imports the sources.
 
 The interface
 -------------
@@ -7,7 +7,7 @@ The training loop sees a split of the data only as a `Rows` object. Every method
 `step` it serves, and what it returns must be a pure function of (the source's seed, step, row ids): never of
 a global random generator, of the rank, or of how often it was called. Then every rank, the checker and a
 resumed run rebuild exactly the same rows (docs/forking.md, "Data that changes with the step"). The
-sources here give the same rows at every step; a fresh mask per step (accumulation/masked_lm.py) uses it.
+sources here give the same rows at every step; a fresh mask per step (accumulation/data/masked_lm.py) uses it.
 
     num_rows             rows in the split
     seq_len              input positions per row (data.seq_len must equal it), or None for rows that are not
@@ -27,10 +27,10 @@ sources here give the same rows at every step; a fresh mask per step (accumulati
                          RawExample: the row's input tokens and, position by position, its targets, stated
                          without the tensors of examples(), so that a checker can build reference labels its own way
 
-RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/token_files.py) for
-memory-mapped token files; MaskedTokenRows (accumulation/masked_lm.py) on top of those, with a fresh mask
+RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/data/token_files.py) for
+memory-mapped token files; MaskedTokenRows (accumulation/data/masked_lm.py) on top of those, with a fresh mask
 every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows and
-make_example_rows build RowSets) and adds a branch to build_data in accumulation/data.py.
+make_example_rows build RowSets) and adds a branch to build_data in accumulation/data/sources.py.
 """
 
 import hashlib

@@ -1,6 +1,6 @@
 """What train.py and the scripts derive from a Config in the same way: the checks that need the world size
 or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs. The model
-itself is built by accumulation/models.py.
+itself is built by accumulation/models/factory.py.
 
 torch.compile and DDP: the model is compiled first and wrapped in DDP after (wrap_for_training), as the
 PyTorch manual's "Where to apply torch.compile?" advises (compile the module passed to the wrapper). The
@@ -9,7 +9,7 @@ the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket bounda
 convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
 its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
 other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
-With model.compile on, the module is ForwardAndLoss (training_forward_and_loss in accumulation/models.py): the
+With model.compile on, the module is ForwardAndLoss (training_forward_and_loss in accumulation/models/factory.py): the
 forward and the loss (plain or chunked) in one module, so they compile as one region inside DDP's forward
 (tests/test_compiled_region.py counts 0 graph breaks and no recompiles). Not measured here: the project's
 machines have no GPU (scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
@@ -21,13 +21,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
-from accumulation.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
-from accumulation.distributed import DistributedContext
-from accumulation.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
-from accumulation.memory import memory_limit_bytes
-from accumulation.mesh import check_layout
-from accumulation.models import count_parameters
-from accumulation.pipeline import check_pipeline_settings
+from accumulation.config.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
+from accumulation.data.memory import memory_limit_bytes
+from accumulation.models.factory import count_parameters
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
+from accumulation.parallel.mesh import check_layout
+from accumulation.parallel.pipeline import check_pipeline_settings
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -87,8 +87,8 @@ def wrap_for_training(
     by resolved_compile) is on, then
     DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
     skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
-    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/fsdp.py): build the optimizer
-    after this call. `model` is the module of training_forward_and_loss (accumulation/models.py): the model, or
+    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer
+    after this call. `model` is the module of training_forward_and_loss (accumulation/models/factory.py): the model, or
     with the chunked loss the module returning its hidden states; with `compile`, either with its loss in one
     module (ForwardAndLoss), compiled here as one region."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
@@ -146,7 +146,7 @@ def set_tf32(enabled: bool) -> None:
 
 def training_memory(device_preference: str) -> tuple[str, int]:
     """(where the run trains, the most memory it can have there): this rank's GPU, or what the process can get
-    on this machine (accumulation/memory.py: physical memory, cgroup, ulimit -v)."""
+    on this machine (accumulation/data/memory.py: physical memory, cgroup, ulimit -v)."""
     if device_preference != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return "the GPU", torch.cuda.get_device_properties(local_rank).total_memory
@@ -155,7 +155,7 @@ def training_memory(device_preference: str) -> tuple[str, int]:
 
 
 def training_state_shards(config: Config, where: str) -> int:
-    """Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/fsdp.py)."""
+    """Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/parallel/fsdp.py)."""
     return int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
 
 

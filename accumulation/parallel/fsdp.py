@@ -9,7 +9,7 @@ module's parameters one communication group, all-gathered in one collective just
 again before its backward), and whose gradients are reduce-scattered in one collective after its backward.
 
 What changes against DDP, and where:
-- `shard_model` (called by accumulation/build.py's `wrap_for_training`): `fully_shard` on each module the
+- `shard_model` (called by accumulation/run/build.py's `wrap_for_training`): `fully_shard` on each module the
   model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
   which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
   (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from accumulation.config import Config, ConfigError
-from accumulation.distributed import DistributedContext
+from accumulation.config.config import Config, ConfigError
+from accumulation.parallel.distributed import DistributedContext
 
 
 def check_strategy_for_world(config: Config, world_size: int) -> None:

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from accumulation.mesh import Layout, build_layout, layout_of
+from accumulation.parallel.mesh import Layout, build_layout, layout_of
 
 
 @dataclass
@@ -26,7 +26,9 @@ class DistributedContext:
     world_size: int  # ranks, D × P (the same as D without pipeline stages)
     device: torch.device
     backend: str | None  # "nccl", "gloo", or None for a single process
-    layout: Layout | None = None  # replicas and pipeline stages (accumulation/mesh.py); None: every rank a replica
+    layout: Layout | None = (
+        None  # replicas and pipeline stages (accumulation/parallel/mesh.py); None: every rank a replica
+    )
 
     @property
     def is_main(self) -> bool:

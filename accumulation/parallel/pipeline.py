@@ -1,7 +1,7 @@
 """Pipeline parallelism (dist.pipeline_stages = P > 1): the schedule's micro-batches ARE the accumulation group.
 
 The model is cut into P stages (the model's pipeline_split, e.g. GPT.pipeline_split), one per rank of a
-replica; D = world size / P replicas each run the whole pipeline on their own rows (accumulation/mesh.py). A
+replica; D = world size / P replicas each run the whole pipeline on their own rows (accumulation/parallel/mesh.py). A
 replica's A = G / (m·D) micro-batches go through one `schedule.step` of PyTorch's pipeline schedules
 (torch.distributed.pipelining: 1F1B or GPipe), which runs every micro-batch's forward and backward through
 the stages and accumulates each stage's gradients. So the step is the same sum as accumulation/step.py's:
@@ -36,8 +36,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config import Config, ConfigError
-from accumulation.mesh import Layout
+from accumulation.config.config import Config, ConfigError
+from accumulation.parallel.mesh import Layout
 from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, update_or_skip
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}

@@ -4,7 +4,7 @@ Nothing here knows about accumulation; the model maps token ids [rows, seq_len] 
 [rows, seq_len, vocab_size], and the data decides vocab_size (256 for bytes). Initialisation is drawn from
 an explicit generator, so the same seed gives the same weights on every rank and in every dtype (build in
 float32, then `.double()` for float64 references). It registers itself as `model.name = "gpt"` (at the end,
-accumulation/registry.py); accumulation/models.py builds it from a Config.
+accumulation/config/registry.py); accumulation/models/factory.py builds it from a Config.
 """
 
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumulation.registry import register_model
+from accumulation.config.registry import register_model
 
 
 @dataclass
@@ -109,14 +109,14 @@ class GPT(nn.Module):
         return self.lm_head
 
     def fsdp_units(self) -> list[nn.Module]:
-        """The modules dist.strategy = "fsdp2" shards one by one (accumulation/fsdp.py): the transformer blocks.
+        """The modules dist.strategy = "fsdp2" shards one by one (parallel/fsdp.py): the transformer blocks.
         Each is all-gathered just before it runs and freed after, so a rank holds one block's full weights at a time."""
         return list(self.blocks)
 
     def pipeline_split(self, num_stages: int) -> list[nn.Module]:
-        """The model cut into `num_stages` pipeline stages (dist.pipeline_stages, accumulation/pipeline.py): the
-        embeddings and the first blocks; further runs of blocks; the last blocks, the final norm and the output head.
-        Each stage maps the previous stage's output to its own (the first takes the token ids, the last returns
+        """The model cut into `num_stages` pipeline stages (dist.pipeline_stages, accumulation/parallel/pipeline.py):
+        the embeddings and the first blocks; further runs of blocks; the last blocks, the final norm and the output
+        head. Each stage maps the previous stage's output to its own (the first takes the token ids, the last returns
         the logits), and holds this model's own modules, so the stages' parameters are the model's parameters.
         The blocks are shared out as evenly as they go, the earlier stages taking the extra ones."""
         n_layer = len(self.blocks)

@@ -1,8 +1,9 @@
 """The model factory and the loss: what turns config.model into the model and its loss.
 
 `build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
-chooses the architecture among the registered ones (accumulation/registry.py): a model registers itself in the
-file that defines it (`register_model("gru", build_gru)` at the end of accumulation/gru.py), and a fork's module is
+chooses the architecture among the registered ones (accumulation/config/registry.py): a model registers itself in
+the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
+module is
 named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the models.
 `loss_sum_fn_for(config.model)` is the loss train.py, validation and the equivalence checker use: model.objective's
 registered loss, or the model's own (its registration's loss_sum_fn), or the token cross-entropy.
@@ -34,7 +35,7 @@ The contract. The training loop, the checkpoints and the scripts rely on this an
     fsdp_units() -> list of submodules (optional)
         the modules dist.strategy = "fsdp2" shards one by one, each its own all-gather and reduce-scatter (the
         GPT: its transformer blocks); the rest is sharded with the whole model. A model without it (the GRU)
-        is sharded as one piece (accumulation/fsdp.py).
+        is sharded as one piece (accumulation/parallel/fsdp.py).
 
 The vocabulary size comes from the data (256 for bytes) unless model.vocab_size asks for more:
 resolved_vocab_size decides, and build_model takes the result.
@@ -46,9 +47,9 @@ from collections.abc import Callable
 import torch
 
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
-from accumulation.config import ConfigError, DistConfig, ModelConfig
-from accumulation.model import gpt_config  # noqa: F401 (re-exported: scripts build the GPT's shape from config.model)
-from accumulation.registry import lookup
+from accumulation.config.config import ConfigError, DistConfig, ModelConfig
+from accumulation.config.registry import lookup
+from accumulation.models.gpt import gpt_config  # noqa: F401 (re-exported: scripts build the GPT's shape from config.model)
 from accumulation.step import token_cross_entropy_sum
 
 

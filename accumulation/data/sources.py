@@ -1,15 +1,15 @@
 """The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches.
 
 The types every source shares (the `Rows` interface, RowSet, RawExample, Data, DataError) live in
-accumulation/rows.py, which imports no source; the sources import it, and this module imports the sources.
-They are imported here too, so `from accumulation.data import RowSet` keeps working.
+accumulation/data/rows.py, which imports no source; the sources import it, and this module imports the sources.
+They are imported here too, so `from accumulation.data.sources import RowSet` keeps working.
 
 The pipeline:
     config.data  ->  build_data  ->  a source  ->  train and validation Rows
-        "stdlib", a text file or a folder: accumulation/text_corpus.py (the embedded demo corpus)
-        a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/jsonl.py
-        token files (nanoGPT's train.bin/val.bin, llm.c shards): accumulation/token_files.py
-        token files with data.task = "masked": accumulation/masked_lm.py (a fresh mask every step)
+        "stdlib", a text file or a folder: accumulation/data/text_corpus.py (the embedded demo corpus)
+        a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/data/jsonl.py
+        token files (nanoGPT's train.bin/val.bin, llm.c shards): accumulation/data/token_files.py
+        token files with data.task = "masked": accumulation/data/masked_lm.py (a fresh mask every step)
 and, every optimizer step s:
     (seed, s, global_batch_size)  ->  row ids of the step  ->  step_batch: the rows as step s sees them
     (rows.examples(row_ids, s)), N from rows.supervised_counts(row_ids, s), this rank's micro-batches
@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from accumulation import jsonl, masked_lm, text_corpus, token_files
 from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_batch_slices
-from accumulation.config import DataConfig
-from accumulation.registry import is_piece_name, lookup
-from accumulation.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
+from accumulation.config.config import DataConfig
+from accumulation.config.registry import is_piece_name, lookup
+from accumulation.data import jsonl, masked_lm, text_corpus, token_files
+from accumulation.data.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
     BYTE_VOCAB_SIZE,
     Data,
     DataError,
@@ -78,15 +78,15 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
     """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it).
 
-    A registered source's name or "module:name" (accumulation/registry.py, register_data): that source's build;
-    token files (a nanoGPT folder, llm.c shards): accumulation/token_files.py, packed; a path ending in
-    .jsonl: prompt/response examples (accumulation/jsonl.py), one per row; anything else: text
-    (accumulation/text_corpus.py), one document per row or packed. Then, for every source, data.seq_len is
+    A registered source's name or "module:name" (accumulation/config/registry.py, register_data): that source's build;
+    token files (a nanoGPT folder, llm.c shards): accumulation/data/token_files.py, packed; a path ending in
+    .jsonl: prompt/response examples (accumulation/data/jsonl.py), one per row; anything else: text
+    (accumulation/data/text_corpus.py), one document per row or packed. Then, for every source, data.seq_len is
     checked against the rows' own, and validation reads at most data.val_rows of its rows (validation_subset).
     """
     settings = data_config
     source, seq_len = settings.source, settings.seq_len
-    if is_piece_name("data", source):  # a registered source (accumulation/registry.py): a fork's own data
+    if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
         built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
     else:
         built = load_files(settings, model_vocab_size, seed)

@@ -1,6 +1,6 @@
 """A GRU language model: the second architecture, from a different family than the GPT.
 
-It is here to prove the model seam by use, and it keeps the contract every model keeps (accumulation/models.py
+It is here to prove the model seam by use, and it keeps the contract every model keeps (accumulation/models/factory.py
 states it in full):
 
     forward(tokens) -> logits    int64 token ids [rows, seq_len] -> [rows, seq_len, vocab_size], the outputs
@@ -20,7 +20,7 @@ requires; the GPT gets the same from its causal mask.
 import torch
 import torch.nn as nn
 
-from accumulation.registry import register_model
+from accumulation.config.registry import register_model
 
 
 class GRULanguageModel(nn.Module):

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accumulation.rows import Data, DataError, DataSummary, RawExample, next_token_example
+from accumulation.data.rows import Data, DataError, DataSummary, RawExample, next_token_example
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_INT32 = 256
@@ -252,7 +252,7 @@ def sampled_blocks(token_file: TokenFile) -> list[tuple[int, np.ndarray]]:
 
 
 class PackedTokenRows:
-    """Rows of seq_len + 1 tokens read from memory-mapped token files (the Rows interface of data.py)."""
+    """Rows of seq_len + 1 tokens read from memory-mapped token files (the Rows interface of data/rows.py)."""
 
     def __init__(self, files: list[TokenFile], seq_len: int, vocab_size: int, vocab_from: str):
         self.files, self._seq_len, self.vocab_size, self.vocab_from = files, seq_len, vocab_size, vocab_from

@@ -1,6 +1,6 @@
 """Masked language modelling on token files (BERT's objective): the worked fork of data that changes every step.
 
-Each row is seq_len tokens of a token file (the packed rows of accumulation/token_files.py, read the same
+Each row is seq_len tokens of a token file (the packed rows of accumulation/data/token_files.py, read the same
 way). At optimizer step s, each position of row r is masked with probability MASK_FRACTION; a masked position
 reads [MASK] (80% of them), a random token of the vocabulary (10%) or its own token (10%), and is the only
 kind of position with a target: its original token. Unmasked positions have no target (-100).
@@ -20,8 +20,8 @@ import hashlib
 import numpy as np
 import torch
 
-from accumulation.rows import Data, DataError, RawExample, labels_from_mask, step_uniforms
-from accumulation.token_files import PackedTokenRows, TokenSource, load_token_files
+from accumulation.data.rows import Data, DataError, RawExample, labels_from_mask, step_uniforms
+from accumulation.data.token_files import PackedTokenRows, TokenSource, load_token_files
 
 MASK_FRACTION = 0.15  # of the positions of each row, on average: masked and supervised
 MASK_TOKEN_SHARE = 0.8  # of the masked positions: the input reads [MASK]
@@ -43,7 +43,7 @@ def masking_scheme() -> str:
 
 
 class MaskedTokenRows:
-    """PackedTokenRows read as masked-LM rows (the Rows interface of accumulation/rows.py)."""
+    """PackedTokenRows read as masked-LM rows (the Rows interface of accumulation/data/rows.py)."""
 
     def __init__(self, packed: PackedTokenRows, seed: int):
         self.packed, self.seed = packed, seed

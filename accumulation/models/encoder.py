@@ -3,7 +3,7 @@
 The GPT's blocks without the causal mask: every position attends to every other, so the model can use the
 tokens on both sides of a masked position to predict it. It maps token ids [rows, seq_len] to logits
 [rows, seq_len, vocab_size] (the vocabulary includes the [MASK] token), and is trained only at the masked
-positions, whose labels the data supplies (accumulation/masked_lm.py). Initial weights come from an explicit
+positions, whose labels the data supplies (accumulation/data/masked_lm.py). Initial weights come from an explicit
 generator seeded with config.run.seed, so every rank and every build start equal.
 """
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumulation.model import GPTConfig, check_heads_divide_width, gpt_config
-from accumulation.registry import register_model
+from accumulation.config.registry import register_model
+from accumulation.models.gpt import GPTConfig, check_heads_divide_width, gpt_config
 
 
 class SelfAttention(nn.Module):

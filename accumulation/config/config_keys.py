@@ -1,5 +1,5 @@
 """Every key of every config section, declared once: its default, its unit, a help string and the values it
-allows. accumulation/config.py composes the sections into Config and derives from these declarations the type
+allows. accumulation/config/config.py composes the sections into Config and derives from these declarations the type
 checks, the range checks, `--help`, and the TOML written to the run directory: a key added here is checked,
 listed in --help and written to the run's TOML with no other change to the config code."""
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 
 # The own settings of the model (or data source) a config chooses: a frozen dataclass of setting() fields that
-# the piece declares where it is registered (accumulation/registry.py), or None. Its fields are keys of the
-# section (`model.path`), checked, listed and stored like the fields declared here; accumulation/config.py
+# the piece declares where it is registered (accumulation/config/registry.py), or None. Its fields are keys of the
+# section (`model.path`), checked, listed and stored like the fields declared here; accumulation/config/config.py
 # attaches the instance when a Config is made.
 def own_settings():
     return field(default=None, metadata={"own": True})
@@ -138,7 +138,8 @@ class DataConfig:
     task: str = setting(
         "next-token",
         "next-token: each position predicts the next token; masked: token files only, 15% of positions masked afresh "
-        "every step (80% [MASK], 10% a random token, 10% kept) and only those supervised (accumulation/masked_lm.py)",
+        "every step (80% [MASK], 10% a random token, 10% kept) and only those supervised "
+        "(accumulation/data/masked_lm.py)",
         choices=("next-token", "masked"),
     )
     val_rows: int = setting(
@@ -148,7 +149,7 @@ class DataConfig:
         "rows",
         at_least=0,
     )
-    own: object = own_settings()  # the keys of a registered data source (accumulation/registry.py)
+    own: object = own_settings()  # the keys of a registered data source (accumulation/config/registry.py)
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,9 @@ class ModelConfig:
     objective: str = setting(
         "",
         'the loss: "" = the model\'s own (the token cross-entropy unless its registration names another), or a '
-        'registered loss\'s name or "module:name" (register_loss, accumulation/registry.py)',
+        'registered loss\'s name or "module:name" (register_loss, accumulation/config/registry.py)',
     )
-    own: object = own_settings()  # the chosen model's own keys (accumulation/registry.py)
+    own: object = own_settings()  # the chosen model's own keys (accumulation/config/registry.py)
 
 
 @dataclass(frozen=True)
@@ -256,7 +257,7 @@ class DistConfig:
     strategy: str = setting(
         "ddp",
         "ddp: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel); "
-        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/fsdp.py), needs 2 or more ranks, "
+        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/parallel/fsdp.py), needs 2 or more ranks, "
         "without model.compile or batch.on_oom=shrink; the same exact step and the same checkpoint files either way",
         choices=("ddp", "fsdp2"),
     )
@@ -264,7 +265,8 @@ class DistConfig:
         1,
         "P: pipeline stages the model is cut into, one per rank; world size = D x P and D = world size / P are the "
         "data-parallel replicas; with P > 1 the schedule's micro-batches are the accumulation group "
-        "(accumulation/pipeline.py; dist.strategy=ddp, model.loss plain, model.compile off, batch.on_oom=fail)",
+        "(accumulation/parallel/pipeline.py; dist.strategy=ddp, model.loss plain, model.compile off, "
+        "batch.on_oom=fail)",
         "stages",
         at_least=1,
     )

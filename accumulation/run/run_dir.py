@@ -25,8 +25,8 @@ import socket
 import sys
 from pathlib import Path
 
-from accumulation.checkpoint import STEP_FILE, disk_full, few, why_not_written
-from accumulation.config import Config, ConfigError, config_to_toml
+from accumulation.config.config import Config, ConfigError, config_to_toml
+from accumulation.run.checkpoint import STEP_FILE, disk_full, few, why_not_written
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"

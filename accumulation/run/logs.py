@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from accumulation.batching import describe_batch
-from accumulation.checkpoint import WriteError, os_error_in, why_not_written
-from accumulation.config import Config
+from accumulation.config.config import Config
 from accumulation.counters import Counters
-from accumulation.data import Data, rows_dropped_per_epoch
-from accumulation.distributed import DistributedContext
-from accumulation.fsdp import describe_sharding
-from accumulation.run_dir import metrics_lines
+from accumulation.data.sources import Data, rows_dropped_per_epoch
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.fsdp import describe_sharding
+from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
+from accumulation.run.run_dir import metrics_lines
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
 # the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
@@ -230,10 +230,10 @@ def print_sample(config, model, prompt_source) -> None:
     if config.dist.pipeline_stages > 1:  # rank 0 holds only the first stage's trained weights
         print("sample: skipped with pipeline stages; sample from the checkpoint (whole weights) on one process")
         return
-    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models.py)
+    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models/factory.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")
         return
-    from accumulation.token_files import sample_decoder  # imported here: the sample is this function's alone
+    from accumulation.data.token_files import sample_decoder  # imported here: the sample is this function's alone
 
     decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
     if decode is None:

@@ -7,7 +7,7 @@ two places, read in this order, and a key given twice takes its last value:
     2. the command line:           python train.py run.max_steps=100 optim.lr=1e-3
 
 Every setting is declared once, with its default, its unit, a help string and the values it allows: the
-sections' keys in accumulation/config_keys.py, the top-level `device` below. From those declarations we derive
+sections' keys in accumulation/config/config_keys.py, the top-level `device` below. From those declarations we derive
 the type checks, the range checks, `--help`, and the TOML written to the run directory. Anything unknown, of the
 wrong type, out of range or impossible in combination is a ConfigError whose message is one line naming the key:
 nothing is guessed, and nothing is ever silently rounded.
@@ -20,7 +20,7 @@ import re
 import tomllib
 from dataclasses import dataclass, field, fields
 
-from accumulation.config_keys import (
+from accumulation.config.config_keys import (
     BatchConfig,
     DataConfig,
     DistConfig,
@@ -31,7 +31,7 @@ from accumulation.config_keys import (
     ScheduleConfig,
     setting,
 )
-from accumulation.registry import Piece, RegistryError, config_name, is_piece_name, lookup, registered
+from accumulation.config.registry import Piece, RegistryError, config_name, is_piece_name, lookup, registered
 
 
 class ConfigError(ValueError):

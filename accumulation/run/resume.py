@@ -12,8 +12,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accumulation.build import build_optimizer
-from accumulation.checkpoint import (
+from accumulation.config.config import Config, ConfigError, config_from_dict, config_to_dict
+from accumulation.data.sources import DATA_ORDER, DataSummary
+from accumulation.models.factory import model_fingerprint
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.run.build import build_optimizer
+from accumulation.run.checkpoint import (
     CheckpointError,
     check_model_dtypes,
     check_model_state,
@@ -24,12 +29,7 @@ from accumulation.checkpoint import (
     newest_readable_checkpoint,
     step_checkpoints,
 )
-from accumulation.config import Config, ConfigError, config_from_dict, config_to_dict
-from accumulation.data import DATA_ORDER, DataSummary
-from accumulation.distributed import DistributedContext
-from accumulation.fsdp import full_model_state_dict, full_optimizer_state_dict
-from accumulation.models import model_fingerprint
-from accumulation.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
+from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
 from accumulation.schedule import build_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
@@ -38,7 +38,7 @@ from accumulation.schedule import build_scheduler
 # micro_batch_size and so the number of ranks, the schedule's shape, grad_clip, precision) may change.
 # data.source is not among them: the data's fingerprint (and the token files' stamps) say whether the data is
 # the same, so the same files reached by another spelling of the path, or moved, resume.
-# The own keys of a registered model or data source (accumulation/registry.py) must all match too
+# The own keys of a registered model or data source (accumulation/config/registry.py) must all match too
 # (own_differences), and the model's fingerprint (model_fingerprint: e.g. a model folder's config.json) with them.
 MUST_MATCH_ON_RESUME = [
     ("model", "name"),
@@ -60,7 +60,7 @@ MUST_MATCH_ON_RESUME = [
 ]
 
 # Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
-# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data.py.)
+# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data/sources.py.)
 DROPOUT_SEED_OFFSET = 2**40
 
 
@@ -220,7 +220,7 @@ def own_differences(stored: Config, config: Config) -> list[str]:
 
 
 def check_token_files_unchanged(path: Path, stored: list | tuple, current: tuple) -> None:
-    """Refuse a resume over token files changed since the checkpoint (accumulation/token_files.py's
+    """Refuse a resume over token files changed since the checkpoint (accumulation/data/token_files.py's
     file_stamps), naming the first changed file and what shows the change. The resumed steps would read
     other tokens than the interrupted run would have, and nothing would say so. Files are paired by their
     position among the training files, not by their path: the same files under another spelling of

@@ -1,6 +1,6 @@
 """Where models, losses and data sources are declared: each registers itself in the file that defines it.
 
-    register_model("gru", build_gru)                      # accumulation/gru.py
+    register_model("gru", build_gru)                      # accumulation/models/gru.py
     register_model("hf-causal-lm", build, settings=HFSettings, fingerprint=config_json_hash)
     register_loss("label-smoothing", label_smoothed_sum)
     register_data("synthetic-images", build_images, settings=ImageSettings)
@@ -11,12 +11,12 @@ module is imported, registers its pieces, and the name after the colon is looked
 plus a config; no list of names elsewhere is edited. The built-in pieces (BUILT_IN_MODULES) go through the same
 path: they are imported, and register themselves, before the first lookup.
 
-A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config_keys.py): they become
+A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config/config_keys.py): they become
 keys of the piece's section (`model.path` for a model's `path`), checked like every key, listed by --help, written
 to the run's config.toml and to checkpoints, and compared on resume. Its `fingerprint(model_config)` covers what
 the keys do not show (a model folder's config.json, edited in place): stored in checkpoints, compared on resume.
 
-This module imports nothing of the project: accumulation/config.py reads it to check the names.
+This module imports nothing of the project: accumulation/config/config.py reads it to check the names.
 """
 
 import dataclasses
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 KINDS = ("model", "loss", "data")
 
 # The modules that define the built-in pieces, imported before the first lookup (they register themselves).
-BUILT_IN_MODULES = ("accumulation.model", "accumulation.gru", "accumulation.encoder")
+BUILT_IN_MODULES = ("accumulation.models.gpt", "accumulation.models.gru", "accumulation.models.encoder")
 
 # "package.module:name": a piece named by import path.
 IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z0-9_.-]+")
@@ -43,7 +43,8 @@ class Piece:
     """One registered model, loss or data source.
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract,
-                  accumulation/models.py); data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+                  accumulation/models/factory.py); data: build(data_config, *, model_vocab_size, seed) -> Data;
+                  loss: unused
     settings      None, or a frozen dataclass whose fields are setting(...): the piece's own keys, in its section
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
