@@ -113,3 +113,15 @@ def test_the_cadence_figure_is_readable_with_units_on_its_axes(tmp_path):
     assert by_updates.get_xlabel() == "optimizer updates" and by_examples.get_xlabel() == "examples seen"
     labels = {line.get_label() for line in by_updates.get_lines()}
     assert {text.get_text() for text in by_updates.get_legend().get_texts()} <= labels
+
+
+def test_the_loss_curves_figure_is_readable(tmp_path):
+    """The figure's layout on two made-up runs per variant (its numbers come from the script's real runs)."""
+    from scripts.teaching import loss_curves
+
+    def runs(offset: float) -> list[dict]:
+        return [{"train": [3.0 + offset, 2.5 + offset, 2.2 + offset], "val": 2.0 + offset} for _ in range(2)]
+
+    curves = {variant: runs(0.01 * k) for k, variant in enumerate(["correct", "mean of means", "per-rank N", "x D"])}
+    figure = loss_curves.draw(curves, str(tmp_path / "loss_curves.png"))
+    assert_readable(figure, figures.FONT_PT)

@@ -25,6 +25,7 @@ from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
+from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults  # read on a projector
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_ARGUMENTS = [
@@ -64,18 +65,6 @@ def train(config, data, global_batch_size: int, micro_batch_size: int, steps: in
             scheduler.step()
         losses.append(result.loss)
     return losses
-
-
-# Figures are read on a projector: every text at least FONT_PT points at the saved size (the figure's inches
-# at its dpi), titles TITLE_PT. tests/test_teaching_figures.py checks every text of the drawn figures.
-FONT_PT, TITLE_PT = 11, 12
-
-
-def matplotlib_defaults() -> None:
-    """Axis labels and tick labels without an explicit size take matplotlib's default: make it FONT_PT."""
-    import matplotlib
-
-    matplotlib.rcParams.update({"font.size": FONT_PT, "axes.titlesize": TITLE_PT, "legend.fontsize": FONT_PT})
 
 
 def moving_average(values: list[float], window: int) -> list[float]:

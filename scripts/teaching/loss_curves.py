@@ -38,6 +38,7 @@ from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults
 from testkit.ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -167,12 +168,13 @@ def moving_average(values: list[float], window: int) -> list[float]:
     ]
 
 
-def draw(curves: dict, png_path: str) -> None:
+def draw(curves: dict, png_path: str):
     """Left: the training curves of the first seed. Right: each bug's paired difference from the correct run
     of the same seed, one thin line per seed, and the correct runs' own spread across seeds for scale."""
     from matplotlib.figure import Figure  # imported here: only drawing needs matplotlib
 
-    figure = Figure(figsize=(11, 4), layout="constrained")
+    matplotlib_defaults()  # every text at least FONT_PT: the figure is read on a projector
+    figure = Figure(figsize=(15, 6), layout="constrained")
     loss_axes, difference_axes = figure.subplots(1, 2)
     window = min(SMOOTHING, len(curves["correct"][0]["train"]))
     correct = [moving_average(run["train"], window) for run in curves["correct"]]
@@ -194,17 +196,18 @@ def draw(curves: dict, png_path: str) -> None:
     )
     loss_axes.set_xlabel("optimizer updates")
     loss_axes.set_ylabel(f"training loss (nats per token, {window}-step mean)")
-    loss_axes.set_title("first seed; val = validation loss of each seed", fontsize=9)
-    loss_axes.legend(fontsize=7)
+    loss_axes.set_title("first seed; val = validation loss of each seed", fontsize=TITLE_PT)
+    loss_axes.legend(fontsize=FONT_PT)
     difference_axes.axhline(0.0, color="grey", linewidth=0.8)
     difference_axes.set_xlabel("optimizer updates")
     difference_axes.set_ylabel("bug − correct, same seed (nats per token)")
-    difference_axes.legend(fontsize=7)
+    difference_axes.legend(fontsize=FONT_PT)
     seeds = len(curves["correct"])
     figure.suptitle(
-        f"SFT arithmetic, 2 ranks, global 32 = micro 4 x accum 4 x ranks 2, AdamW, {seeds} seeds", fontsize=10
+        f"SFT arithmetic, 2 ranks, global 32 = micro 4 x accum 4 x ranks 2, AdamW, {seeds} seeds", fontsize=TITLE_PT
     )
     figure.savefig(png_path, dpi=90)
+    return figure
 
 
 def main(argv: list[str]) -> int:
