@@ -25,7 +25,12 @@ from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
-from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults  # read on a projector
+
+# Run as `python scripts/teaching/cadence.py`, Python puts only this file's folder on sys.path: the
+# repository root goes first, so that the figures' shared sizes import as scripts.teaching.figures.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG_ARGUMENTS = [

@@ -38,8 +38,13 @@ from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
-from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults
 from testkit.ranks import run_on_ranks
+
+# Run as `python scripts/teaching/loss_curves.py`, Python puts only this file's folder on sys.path: the
+# repository root goes first, so that the figures' shared sizes import as scripts.teaching.figures.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.teaching.figures import FONT_PT, TITLE_PT, matplotlib_defaults
 
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
