@@ -397,8 +397,8 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
             global_batch_size=config.batch.global_batch_size,
             tail=config.batch.tail,
             micro_batch_size=config.batch.micro_batch_size,
-            world_size=context.world_size,
-            rank=context.rank,
+            world_size=context.replicas,  # D, as main() split the step's rows
+            rank=context.replica,
         ).micro_batches
     if bug == "mean-of-means":
         loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
