@@ -29,7 +29,6 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -67,49 +66,23 @@ def split_into_stages(model: torch.nn.Module, num_stages: int) -> list[torch.nn.
     return stages
 
 
-class Held(NamedTuple):
-    """Where one stage's parameter lies: elements [first, end) of its storage."""
-
-    first: int
-    end: int
-    stage: int
-    names: list[str]  # the model's names for the parameter (several when it is tied)
-
-
 def weights_in_several_stages(model: torch.nn.Module, stages: list[torch.nn.Module]) -> list[tuple[list, list]]:
-    """(the model's names for it, the stages holding it) for each weight that more than one stage holds: one
-    Parameter in two stages (an embedding tied to the output head, a module two stages share), or two
-    Parameters over the same elements of one storage. Each rank trains only its own stage's parameters, so
-    such a weight would take a different update on each stage holding it, with the gradient of that stage's
-    use alone, and the checkpoint would keep one of the copies. Works on the meta device (shapes only)."""
+    """(the model's names for it, the stages holding it) for each Parameter that more than one stage holds: an
+    embedding tied to the output head, or a module two stages share. Each rank trains only its own stage's
+    parameters, so such a weight would take a different update on each stage holding it, with the gradient of
+    that stage's use alone, and the checkpoint would keep one of the copies. Works on the meta device."""
     model_names: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         model_names.setdefault(id(param), []).append(name)
-    by_storage: dict[int, list[Held]] = {}
+    stages_holding: dict[int, list[int]] = {}
     for stage_index, stage in enumerate(stages):
-        for local_name, param in stage.named_parameters():
-            if param.numel() == 0:
-                continue
-            # The storage's identity: data_ptr() is 0 for every meta tensor, _cdata is the storage object itself.
-            storage = param.untyped_storage()._cdata
-            # The last element the parameter covers, whatever its strides: offset + Σ (size_i - 1) · stride_i.
-            last = param.storage_offset() + sum(
-                (size - 1) * stride for size, stride in zip(param.shape, param.stride(), strict=True)
-            )
-            names = model_names.get(id(param), [f"stage {stage_index}'s {local_name}"])
-            by_storage.setdefault(storage, []).append(Held(param.storage_offset(), last + 1, stage_index, names))
-    shared = []
-    for held in by_storage.values():  # almost always one parameter per storage
-        clashing = [
-            entry
-            for a, b in itertools.combinations(held, 2)
-            if a.stage != b.stage and a.first < b.end and b.first < a.end  # two stages, overlapping elements
-            for entry in (a, b)
-        ]
-        if clashing:
-            names = list(dict.fromkeys(name for entry in clashing for name in entry.names))
-            shared.append((names, sorted({entry.stage for entry in clashing})))
-    return shared
+        for param in stage.parameters():
+            stages_holding.setdefault(id(param), []).append(stage_index)
+    return [
+        (model_names.get(param_id, ["(a parameter outside the model)"]), held_by)
+        for param_id, held_by in stages_holding.items()
+        if len(held_by) > 1
+    ]
 
 
 def check_pipeline_settings(config: Config, accumulation_steps: int) -> None:
