@@ -78,6 +78,15 @@ def test_a_link_that_leads_out_of_out_dir_is_refused(tmp_path, corpus, capsys):
     assert not any(elsewhere.iterdir())
 
 
+def test_an_out_dir_that_is_a_loop_of_links_is_one_line(tmp_path, corpus, capsys):
+    looping = tmp_path / "loop"
+    looping.symlink_to(looping)
+    arguments = tiny_settings(tmp_path, corpus, **{"run.out_dir": looping, "run.max_steps": 0})
+    status, _, error = run_in_process(arguments, capsys)
+    assert status == 2
+    assert error.startswith("error: run.out_dir: ") and error.count("\n") == 1 and "looping link" in error, error
+
+
 def test_a_linked_out_dir_is_fine(tmp_path, corpus, capsys):
     """out_dir itself may be a link (a scratch folder linked into the home directory): the run stays inside it."""
     (tmp_path / "scratch").mkdir()
