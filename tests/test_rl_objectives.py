@@ -20,7 +20,7 @@ from accumulation.rl.objective_check import (
     reference_gradient,
     relative_error,
 )
-from accumulation.rl.objectives import NORMALISER_UNITS, aggregation, group_relative_advantages
+from accumulation.rl.objectives import NORMALISER_UNITS, aggregation, completion_lengths, group_relative_advantages
 from testkit.ranks import run_on_ranks
 
 MODES = sorted(NORMALISER_UNITS)
@@ -56,13 +56,13 @@ def step_rows(model: torch.nn.Module) -> StepRows:
 
 
 def test_the_normaliser_of_each_mode_is_counted_in_its_unit():
-    model = tiny_policy()
-    rows = step_rows(model)
-    assert aggregation("token-mean", rows.labels, rows.group_ids).normaliser == 57  # Σ of the lengths above
-    assert aggregation("seq-mean-token-mean", rows.labels, rows.group_ids).normaliser == 12
-    assert aggregation("seq-mean-token-sum", rows.labels, rows.group_ids).normaliser == 12
-    assert aggregation("seq-mean-token-sum-norm", rows.labels, rows.group_ids, CONSTANT).normaliser == 12 * CONSTANT
-    assert aggregation("prompt-mean", rows.labels, rows.group_ids).normaliser == 3
+    rows = step_rows(tiny_policy())
+    lengths, groups = completion_lengths(rows.labels), rows.group_ids
+    assert aggregation("token-mean", lengths, groups).normaliser == 57  # Σ of the lengths above
+    assert aggregation("seq-mean-token-mean", lengths, groups).normaliser == 12
+    assert aggregation("seq-mean-token-sum", lengths, groups).normaliser == 12
+    assert aggregation("seq-mean-token-sum-norm", lengths, groups, CONSTANT).normaliser == 12 * CONSTANT
+    assert aggregation("prompt-mean", lengths, groups).normaliser == 3
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -51,7 +51,7 @@ Declaration = Callable[[str, StepRows, float, int, int], StepAggregation]
 
 
 def declared_by_the_library(mode: str, rows: StepRows, constant: float, micro_batch: int, micro_batches: int):
-    return aggregation(mode, rows.labels, rows.group_ids, constant)
+    return aggregation(mode, completion_lengths(rows.labels), rows.group_ids, constant)
 
 
 def objective_from_definition(
@@ -190,7 +190,7 @@ def judge(
     worst_split = max(errors, key=errors.get)
     m, accumulation, ranks = worst_split
     declared = declare(mode, rows, constant, m, accumulation * ranks)
-    meant = aggregation(mode, rows.labels, rows.group_ids, constant)
+    meant = aggregation(mode, completion_lengths(rows.labels), rows.group_ids, constant)
     return ObjectiveCheck(
         mode,
         errors[worst_split] <= RELATIVE_TOLERANCE,
@@ -234,7 +234,7 @@ def per_micro_batch_token_mean(mode, rows, constant, micro_batch, micro_batches)
 
 def sequence_mean_over_targets(mode, rows, constant, micro_batch, micro_batches):
     """A sequence mean divided by the completion tokens instead of the completions."""
-    meant = aggregation(mode, rows.labels, rows.group_ids, constant)
+    meant = aggregation(mode, completion_lengths(rows.labels), rows.group_ids, constant)
     return StepAggregation(meant.row_weights, float(completion_lengths(rows.labels).sum()), "targets")
 
 
@@ -250,7 +250,7 @@ def per_micro_batch_prompt_mean(mode, rows, constant, micro_batch, micro_batches
     weights = []
     for first in range(0, rows.labels.shape[0], micro_batch):
         selected = slice(first, first + micro_batch)
-        piece = aggregation("prompt-mean", rows.labels[selected], rows.group_ids[selected])
+        piece = aggregation("prompt-mean", completion_lengths(rows.labels[selected]), rows.group_ids[selected])
         weights.append(piece.row_weights / piece.normaliser)
     return StepAggregation(torch.cat(weights), float(micro_batches), "micro-batches")
 

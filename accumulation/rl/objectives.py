@@ -54,14 +54,15 @@ def completion_lengths(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum(dim=1)
 
 
-def aggregation(mode: str, labels: torch.Tensor, group_ids: torch.Tensor, constant: float = 0.0) -> StepAggregation:
+def aggregation(mode: str, lengths: torch.Tensor, group_ids: torch.Tensor, constant: float = 0.0) -> StepAggregation:
     """The row weights and the normaliser of `mode` for one optimizer step whose global rows (all ranks, all
-    micro-batches) have `labels` [rows, seq_len] and `group_ids` [rows]. `constant` is Dr. GRPO's C (for
+    micro-batches) have completion lengths `lengths` [rows] and `group_ids` [rows]: host tensors every rank holds
+    after the round's exchange, so no collective is needed here. `constant` is Dr. GRPO's C (for
     seq-mean-token-sum-norm only), such as the longest completion the sampler may write."""
     if mode not in NORMALISER_UNITS:
         raise ValueError(f"loss aggregation must be one of {sorted(NORMALISER_UNITS)}, got {mode!r}")
-    lengths = completion_lengths(labels).double()
-    rows = labels.shape[0]
+    lengths = lengths.double()
+    rows = lengths.shape[0]
     ones = torch.ones(rows, dtype=torch.float64)
     if mode == "token-mean":
         return StepAggregation(ones, float(lengths.sum()), "targets")
