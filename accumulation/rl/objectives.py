@@ -117,7 +117,7 @@ class PolicyLoss:
         ℓ_it = −min(ρ_it · A_i, clip(ρ_it, 1 − ε, 1 + ε) · A_i)
 
     called as loss(outputs, labels, advantages=..., old_log_probs=..., row_weights=...), the per-row tensors
-    arriving from the micro-batch. It also adds, detached, what the logs report: tokens whose ratio was clipped,
+    arriving from the micro-batch. It also keeps, detached, what the logs report: tokens where the clip binds,
     and Σ_t of the approximate KL to the sampling policy, k3 = (ρ − 1) − log ρ (Schulman's unbiased,
     non-negative estimator of KL(π_old ‖ π) from tokens sampled by π_old: E[ρ] = 1 under π_old)."""
 
@@ -132,14 +132,16 @@ class PolicyLoss:
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip_ratio, 1 + self.clip_ratio) * advantage)
         per_token = -surrogate * supervised
         with torch.no_grad():  # diagnostics only; kept on the device until the caller asks (no read-back here)
-            clipped = ((ratio - 1).abs() > self.clip_ratio) & supervised
+            # The clip binds where it changes the loss: the ratio past 1 + ε with A > 0, or below 1 − ε with A < 0.
+            above, below = ratio > 1 + self.clip_ratio, ratio < 1 - self.clip_ratio
+            clipped = ((above & (advantage > 0)) | (below & (advantage < 0))) & supervised
             kl = (torch.expm1(log_ratio) - log_ratio) * supervised
             self.pending.append(torch.stack([clipped.sum().double(), kl.sum().double(), supervised.sum().double()]))
         return (per_token.sum(dim=1) * row_weights.to(per_token.dtype)).sum()
 
-    def take_statistics(self) -> dict[str, float]:
-        """Clip fraction and mean approximate KL over the tokens seen since the last call (one read-back)."""
-        clipped, kl, tokens = torch.stack(self.pending).sum(dim=0).tolist() if self.pending else (0.0, 0.0, 0.0)
+    def take_sums(self) -> torch.Tensor:
+        """[clipped tokens, Σ approximate KL, tokens] over the micro-batches since the last call: float64 on the
+        device, summed over ranks by the caller before the ratios are formed."""
+        sums = torch.stack(self.pending).sum(dim=0) if self.pending else torch.zeros(3, dtype=torch.float64)
         self.pending.clear()
-        tokens = max(tokens, 1.0)
-        return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens}
+        return sums

@@ -36,6 +36,12 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def addition_problems(max_operand: int) -> list[tuple[str, str]]:
+    """Every 'Q: a + b =' with 0 <= a, b < max_operand, with its answer as the response (' 57\\n'), in a fixed
+    order: the same problems, in the same format, as data/sft_arithmetic.jsonl's, small enough to learn on a CPU."""
+    return [(f"Q: {a} + {b} =", f" {a + b}\n") for a in range(max_operand) for b in range(max_operand)]
+
+
 def answer(prompt: str) -> int:
     """The true result of 'Q: a op b ='."""
     left, operator, right = PROBLEM.fullmatch(prompt).groups()
