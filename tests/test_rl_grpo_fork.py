@@ -97,3 +97,15 @@ def test_a_round_logs_rl_units_and_a_continued_run_is_the_uninterrupted_one(tmp_
     assert "tokens" not in last  # completions are never called tokens
     for key in ("mean_reward", "clip_fraction", "approx_kl", "held_out_reward"):
         assert 0.0 <= last[key] <= 1.0, key
+
+
+def test_the_forks_objective_check_passes_and_its_wrong_normaliser_fails_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(SCRIPT.parent.parent.parent)
+    spec = importlib.util.spec_from_file_location("check_objectives", SCRIPT.with_name("check_objectives.py"))
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    settings = ["--config", "configs/grpo.toml", f'run.out_dir="{tmp_path}"', *TOY]
+    assert check.main(settings) == 0
+    assert "PASS seq-mean-token-mean" in capsys.readouterr().out
+    assert check.main([*settings, "--inject-bug", "wrong-normaliser"]) == 1
+    assert "normaliser declared: targets = " in capsys.readouterr().out
