@@ -229,7 +229,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     run, rl, model_settings = settings["run"], settings["rl"], settings["model"]
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    # A caller that set up the process group itself (a test's gloo ranks) keeps it; else torchrun's environment.
+    launched_here = not dist.is_initialized()
+    ranks = int(os.environ.get("WORLD_SIZE", "1")) if launched_here else dist.get_world_size()
     mini = rl.mini_batch_size or None  # 0: the algorithm's default
     try:
         sizes = round_sizes(rl.batch_size, rl.group_size, ranks, rl.micro_batch_size, mini, rl.ppo_epochs)
@@ -237,9 +239,10 @@ def main(argv: list[str]) -> int:
     except (SizeError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    context = setup_distributed("cpu", timeout_s=300)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))  # ranks share the cores
-    rank, device = context.rank, context.device
+    if launched_here:
+        setup_distributed("cpu", timeout_s=300)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))  # ranks share the cores
+    rank, device = (dist.get_rank() if ranks > 1 else 0), torch.device("cpu")
     torch.manual_seed(run.seed)
     run_dir = Path(run.out_dir) / run.name
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -330,7 +333,8 @@ def main(argv: list[str]) -> int:
             save_atomically(
                 {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "counters": counters}, latest
             )
-    teardown_distributed()
+    if launched_here:
+        teardown_distributed()
     return 0
 
 
