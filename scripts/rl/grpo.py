@@ -55,14 +55,14 @@ class Run:
 @dataclasses.dataclass
 class Task:
     source: str = "additions"  # "additions" (every a + b below max_operand), or a {"prompt", "response"} JSONL
-    max_operand: int = 50  # additions only
+    max_operand: int = 20  # additions only
     longest_answer: int = 8  # JSONL only: bytes of the reference response, to keep problems answered without working
-    held_out: int = 64  # prompts kept out of SFT and GRPO, for the greedy evaluation
+    held_out: int = 40  # prompts kept out of SFT and GRPO, for the greedy evaluation
 
 
 @dataclasses.dataclass
 class Sft:
-    steps: int = 300
+    steps: int = 400
     global_batch_size: int = 32
     micro_batch_size: int = 16
     lr: float = 3e-3
