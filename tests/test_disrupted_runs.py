@@ -115,6 +115,7 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, corpus, reference):
     """One job, three SIGKILLs on three attempts, each followed by torchrun's restart of all workers:
@@ -151,6 +152,7 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, cor
     assert not [path.name for path in (run_dir / "checkpoints").iterdir() if path.name.startswith(".")]
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpus):
     """Rank 1 stalls before step 2; rank 0 waits in step 2's first collective for dist.timeout_s = 5 s, then
@@ -187,6 +189,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resumes(tmp_path, corpus, reference):
     """SIGUSR1 reaches rank 1 only, during step 3: that step's boundary carries the flag through its loss
@@ -210,6 +213,7 @@ def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resum
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_resumes(
@@ -246,6 +250,7 @@ def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_res
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path, corpus):
     """Fail fast: rank 1 raises (a bug) before step 2. It prints its traceback and leaves without tearing
@@ -266,6 +271,7 @@ def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path, corpus):
     assert time.time() - fired["unix_time"] < 30  # not dist.timeout_s (300 s)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_full_disk_while_saving_is_one_line_loses_nothing_and_resumes(tmp_path, corpus, reference):
     """A real full disk (a tmpfs) under 2 ranks: the step-4 save fails. One line names the file, the space
@@ -306,6 +312,7 @@ def test_a_full_disk_while_saving_is_one_line_loses_nothing_and_resumes(tmp_path
         assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_short_chaos_soak_ends_bit_identical():
     """scripts/checks/chaos_soak.py with 3 random faults (a SIGKILLed rank, SIGTERM to the agent or a kill during a
@@ -329,6 +336,7 @@ def test_a_short_chaos_soak_ends_bit_identical():
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_agents_with_c10d_rendezvous_equal_one_standalone_agent(tmp_path, corpus, reference):
     """--nnodes=2 --nproc_per_node=1 on this machine, as on two nodes: the same 2 ranks, the same data per
@@ -354,6 +362,7 @@ def test_two_agents_with_c10d_rendezvous_equal_one_standalone_agent(tmp_path, co
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_resume_on_1_then_2_ranks_follows_the_2_rank_run(tmp_path, corpus, reference):
     """2 ranks for steps 1-2, 1 rank (A = 4) for steps 3-4, 2 ranks (A = 2) for steps 5-6, against the
