@@ -108,15 +108,10 @@ def _launched_rank_main(
 ) -> None:
     os.environ.clear()
     os.environ.update(environment)
-    # What torchrun's agent gives each worker; rank 0 then hosts the TCP store (no agent holds one).
-    launch = {
-        "RANK": rank,
-        "LOCAL_RANK": rank,
-        "WORLD_SIZE": world_size,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": port,
-    }
-    os.environ.update({name: str(value) for name, value in launch.items()})
+    if world_size > 1:  # one rank runs as `python train.py` does: no launch environment, no process group
+        # What torchrun's agent gives each worker; rank 0 then hosts the TCP store (no agent holds one).
+        launch = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1"}
+        os.environ.update({name: str(value) for name, value in launch.items()}, MASTER_PORT=str(port))
     # The rank's stdout and stderr go to files at the descriptor level, so whatever writes them is kept.
     for descriptor, name in ((1, "out"), (2, "err")):
         with open(Path(output_dir) / f"rank{rank}.{name}", "w") as sink:
@@ -129,8 +124,9 @@ def _launched_rank_main(
 
 def run_main_on_ranks(main_name: str, argv: list[str], world_size: int = 2, timeout_s: float = 120.0) -> list:
     """A program's main(argv) ("train:main", "accumulation.checker:main") on `world_size` ranks forked from
-    the forkserver, each with the environment torchrun would give it, instead of torchrun and interpreters
-    that import torch again: (exit status, stdout, stderr) of each rank, in rank order."""
+    the forkserver, each with the environment torchrun would give it (none for one rank, as `python train.py`),
+    instead of torchrun and interpreters that import torch again: (exit status, stdout, stderr) of each rank,
+    in rank order."""
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -1,6 +1,8 @@
 """train.py with dist.pipeline_stages = 2 on 2 gloo ranks: the same updates as one process, the same checkpoint
 files (a pipelined run resumes on 1 process and on DDP, and a 1-process run resumes pipelined), a stopped run
-resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written."""
+resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written. The
+runs are train.main on forked gloo ranks (tests/test_train.py, train_forked); the run stopped by SIGTERM to
+torchrun's agent is in the integration tier."""
 
 import os
 import shutil
@@ -14,7 +16,16 @@ import torch
 
 import train
 from testkit.ranks import pretend_launched
-from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_train import (
+    PLAIN_SGD,
+    REPO,
+    TIMING_KEYS,
+    read_metrics,
+    run_train,
+    tiny_settings,
+    train_forked,
+    uneven_corpus,
+)
 
 # Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
 PIPELINE_RUN = {
@@ -39,12 +50,13 @@ def runs(tmp_path_factory):
     """One process (the reference) and 2 ranks with 2 pipeline stages, the same 3 steps: their run folders."""
     tmp_path = tmp_path_factory.mktemp("pipeline_runs")
     corpus = uneven_corpus(tmp_path / "corpus")
-    one = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **{"run.name": "one"}))
-    assert one.returncode == 0, one.stderr
-    piped = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped"}), ranks=2)
-    assert piped.returncode == 0, piped.stderr
-    assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in piped.stdout
-    return tmp_path, corpus, piped.stdout
+    status, _, stderr = train_forked(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **{"run.name": "one"}), 1)
+    assert status == 0, stderr
+    piped = tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped"})
+    status, stdout, stderr = train_forked(piped, 2)
+    assert status == 0, stderr
+    assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in stdout
+    return tmp_path, corpus, stdout
 
 
 def comparable_metrics(run_dir) -> list[dict]:
@@ -97,17 +109,18 @@ def test_pipelined_run_equals_one_process_with_the_same_files_and_logs(runs):
 def test_a_stopped_pipelined_run_resumes_bit_identically(runs):
     tmp_path, corpus, _stdout = runs
     resumed_from_step_2(tmp_path / "runs" / "piped", tmp_path / "runs" / "piped_again")
-    completed = run_train(
-        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped_again"}), ranks=2
+    status, stdout, stderr = train_forked(
+        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped_again"}), 2
     )
-    assert completed.returncode == 0, completed.stderr
-    assert "resuming from" in completed.stdout
+    assert status == 0, stderr
+    assert "resuming from" in stdout
     straight, again = checkpoint(tmp_path / "runs" / "piped", 3), checkpoint(tmp_path / "runs" / "piped_again", 3)
     for key, value in straight["model"].items():
         assert torch.equal(value, again["model"][key]), key
     assert comparable_metrics(tmp_path / "runs" / "piped") == comparable_metrics(tmp_path / "runs" / "piped_again")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_pipelined_run_killed_by_sigterm_resumes_bit_identically(tmp_path):
     """SIGTERM to torchrun's agent as soon as the first step is logged: both stages learn of it in the same
@@ -163,9 +176,11 @@ def test_checkpoints_resume_across_layouts(runs, source, ranks, stages):
     name = f"{source}_on_{ranks}x{stages}"
     resumed_from_step_2(tmp_path / "runs" / source, tmp_path / "runs" / name)
     layout = {"dist.pipeline_stages": stages}
-    completed = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **layout, **{"run.name": name}), ranks=ranks)
-    assert completed.returncode == 0, completed.stderr
-    assert "resuming from" in completed.stdout
+    status, stdout, stderr = train_forked(
+        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **layout, **{"run.name": name}), ranks
+    )
+    assert status == 0, stderr
+    assert "resuming from" in stdout
     initial = checkpoint(tmp_path / "runs" / "one", 0)["model"]
     reference = checkpoint(tmp_path / "runs" / "one", 3)["model"]
     assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], reference, initial)
