@@ -122,11 +122,17 @@ def _launched_rank_main(
     run_and_exit(main, argv)  # exits with main's status, as the script under torchrun would
 
 
-def run_main_on_ranks(main_name: str, argv: list[str], world_size: int = 2, timeout_s: float = 120.0) -> list:
+def run_main_on_ranks(
+    main_name: str,
+    argv: list[str],
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    rank_argv: list[list[str]] | None = None,
+) -> list:
     """A program's main(argv) ("train:main", "accumulation.checker:main") on `world_size` ranks forked from
     the forkserver, each with the environment torchrun would give it (none for one rank, as `python train.py`),
     instead of torchrun and interpreters that import torch again: (exit status, stdout, stderr) of each rank,
-    in rank order."""
+    in rank order. `rank_argv[r]`, when given, follows argv on rank r (nodes that do not share a folder)."""
     with socket.socket() as probe:  # a free port for rank 0's store
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -136,7 +142,16 @@ def run_main_on_ranks(main_name: str, argv: list[str], world_size: int = 2, time
         environment = {**os.environ, "OMP_NUM_THREADS": "1"}
         processes = [
             context.Process(
-                target=_launched_rank_main, args=(rank, world_size, port, scratch, environment, main_name, argv)
+                target=_launched_rank_main,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    scratch,
+                    environment,
+                    main_name,
+                    argv + (rank_argv[rank] if rank_argv else []),
+                ),
             )
             for rank in range(world_size)
         ]
