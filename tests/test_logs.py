@@ -190,6 +190,7 @@ def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.integration  # plant_bugs.py runs pytest in processes of its own
 @pytest.mark.slow
 def test_plant_bugs_tells_a_caught_bug_from_a_harmless_change_and_a_vanished_text():
     """scripts/checks/plant_bugs.py's verdicts, by what the tests do with a planted change (not by the texts of its

@@ -271,11 +271,19 @@ def test_bad_configuration_is_one_line_exit_2_nothing_written(tmp_path, capsys, 
     assert not out_dir.exists()
 
 
-def test_bad_configuration_exit_status_from_the_real_entry_point(tmp_path):
-    completed = run_train([f"run.out_dir={tmp_path / 'runs'}", "batch.tail=sometimes"])
-    assert completed.returncode == 2
-    assert completed.stderr.strip().count("\n") == 0 and "batch.tail" in completed.stderr
-    assert "Traceback" not in completed.stderr
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_bad_configuration_exit_status_from_the_real_entry_point(tmp_path, launch):
+    """The exit status a shell sees: in a process forked as `python train.py` (train.main, then run_and_exit's
+    exit), or launched as one."""
+    arguments = [f"run.out_dir={tmp_path / 'runs'}", "batch.tail=sometimes"]
+    if launch == "launched":
+        completed = run_train(arguments)
+        status, stderr = completed.returncode, completed.stderr
+    else:
+        status, _, stderr = train_forked(arguments, 1)
+    assert status == 2
+    assert stderr.strip().count("\n") == 0 and "batch.tail" in stderr
+    assert "Traceback" not in stderr
     assert not (tmp_path / "runs").exists()
 
 
