@@ -257,6 +257,10 @@ def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corp
             {**state, 0: {**state[0], "exp_avg": state[0]["exp_avg"].half()}},
             "optimizer state exp_avg of parameter 0 is stored as torch.float16, its parameter's torch.float32",
         ),
+        # was: a line naming no file, quoting a "<generator object ...>"
+        ({**state, 2: {**state[2], "step": "x"}}, "optimizer state step of parameter 2 is 'x', not a count of updates"),
+        ({**state, 2: {**state[2], "step": torch.tensor(-1.0)}}, "optimizer state step of parameter 2 is -1.0"),
+        ({**state, 1: {**state[1], "exp_avg": "x"}}, "optimizer state exp_avg of parameter 1 is 'x', not a tensor"),
     ]
     for optimizer_state, named in damaged:
         torch.save({**payload, "optimizer": {**payload["optimizer"], "state": optimizer_state}}, latest)

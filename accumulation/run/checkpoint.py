@@ -362,8 +362,21 @@ def check_optimizer_state(
         if not (isinstance(number, int) and 0 <= number < len(shapes) and isinstance(values, dict)):
             raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {number!r}; it is damaged")
         for key, value in values.items():
-            if not isinstance(value, torch.Tensor) or key == "step":
+            if key == "step":  # the updates this parameter has taken: a whole number, as a number or a 1-element tensor
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(count, bool) or not isinstance(count, int | float) or not 0 <= count < math.inf:
+                    raise CheckpointError(
+                        f"checkpoint {path}: optimizer state step of parameter {number} is {count!r}, not a count of "
+                        f"updates; the file is damaged: {OLDER_CHECKPOINT}"
+                    )
                 continue
+            if value is None or isinstance(value, int | float):  # e.g. an optimizer's scalar settings per parameter
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"checkpoint {path}: optimizer state {key} of parameter {number} is {value!r}, not a tensor; the "
+                    f"file is damaged: {OLDER_CHECKPOINT}"
+                )
             if value.shape != shapes[number]:
                 raise CheckpointError(
                     f"checkpoint {path}: optimizer state {key} of parameter {number} has shape {list(value.shape)}, "
