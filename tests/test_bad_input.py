@@ -162,6 +162,8 @@ def damage(payload: dict, kind: str) -> dict:
         return {**payload, "data": {**payload["data"], "files": [None]}}
     if kind == "non-finite weights":
         return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
+    if kind == "infinite weights":  # inf alone, without NaN: a check for NaN only would pass it
+        return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), -math.inf)}}
     if kind == "missing parameter":
         return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
     if kind == "wrong shape":  # the config matches; the tensor does not
@@ -205,6 +207,7 @@ def damage(payload: dict, kind: str) -> dict:
         ("file stamps", "data.files should be a list of the token files' stamps"),
         # was: every update skipped, exit 0
         ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
+        ("infinite weights", "the weights lm_head.weight hold NaN or inf"),
         ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
         ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
         # was: each accepted, exit 0 (the weights silently rounded, or the stored config's defaults compared)
@@ -265,6 +268,34 @@ def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corp
     for optimizer_state, named in damaged:
         torch.save({**payload, "optimizer": {**payload["optimizer"], "state": optimizer_state}}, latest)
         status, output, error = run_in_process(arguments + ["run.max_steps=3"], capsys)
+        assert status == 2 and error.count("\n") == 1 and named in error, error
+        assert f"checkpoint {latest}" in error and "resuming" not in output
+
+
+def test_a_checkpoint_after_one_update_is_checked_like_any_other(tmp_path, corpus, capsys):
+    """After a single applied update: an emptied optimizer state (AdamW's moments would restart from zero) and
+    a scheduler left behind the counters (the learning rate of step 1 again) are each one line, before
+    "resuming"."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 1, "run.sample_bytes": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    latest = tmp_path / "runs" / "default" / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    assert payload["counters"]["updates"] == 1
+    for path in latest.parent.iterdir():
+        path.unlink()
+    damaged = [
+        (
+            {**payload, "optimizer": {**payload["optimizer"], "state": {}}},
+            "its optimizer state is empty after 1 applied updates",
+        ),
+        (
+            {**payload, "scheduler": {**payload["scheduler"], "last_epoch": 0}},
+            "its scheduler is at 0 applied updates, its counters at 1",
+        ),
+    ]
+    for damaged_payload, named in damaged:
+        torch.save(damaged_payload, latest)
+        status, output, error = run_in_process(arguments + ["run.max_steps=2"], capsys)
         assert status == 2 and error.count("\n") == 1 and named in error, error
         assert f"checkpoint {latest}" in error and "resuming" not in output
 
