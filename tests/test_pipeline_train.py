@@ -1,6 +1,7 @@
-"""train.py with dist.pipeline_stages = 2 on 2 gloo ranks: the same updates as one process, the same checkpoint
-files (a pipelined run resumes on 1 process and on DDP, and a 1-process run resumes pipelined), a stopped run
-resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written."""
+"""train.py with dist.pipeline_stages = 2 on 2 gloo ranks, and on a 2 × 2 mesh of 4 ranks with A from 1 to 4
+under both schedules: the same updates as one process, the same checkpoint files (a pipelined run resumes on
+1 process and on DDP, and a 1-process run resumes pipelined), a stopped run resumed bit-identically; and every
+setting pipeline stages refuse is one line, exit 2, nothing written."""
 
 import os
 import shutil
@@ -197,3 +198,67 @@ def test_settings_pipeline_stages_refuse_are_one_line_exit_2_nothing_written(
     assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), lines
     assert not (tmp_path / "runs").exists()
     assert not torch.distributed.is_initialized()  # nothing here started a process group
+
+
+# The D × P = 2 × 2 mesh on 4 ranks, A = G / (m·D) from 1 to 4, both schedules (1F1B needs A ≥ P = 2): the
+# same 3 steps as one process, within FP32_RTOL (the same sums in other orders, as above). DDP rebuilds its
+# buckets at step 2's first forward from the gradient order step 1 recorded, so a one-step test cannot see a
+# wrong reducer state. The default tier keeps the default schedule at A = 2 (without the schedule's no_sync,
+# the first stage died at step 2 there); the others are slow: each 4-rank launch takes ~30 s on 2 cores.
+MESH_RUN = {
+    **PLAIN_SGD,
+    "model.n_layer": 2,
+    "run.max_steps": 3,
+    "run.log_every": 1,
+    "run.checkpoint_every": 3,
+    "run.eval_every": 0,
+    "run.sample_bytes": 0,
+    "batch.global_batch_size": 24,  # G = m·A·D with D = 2: m = 12, 6, 4, 3 for A = 1, 2, 3, 4
+}
+MESH_LAYOUTS = [
+    pytest.param(schedule, accumulation, marks=() if (schedule, accumulation) == ("1f1b", 2) else pytest.mark.slow)
+    for schedule, accumulation in [
+        ("1f1b", 2),
+        ("1f1b", 3),
+        ("1f1b", 4),
+        ("gpipe", 1),
+        ("gpipe", 2),
+        ("gpipe", 3),
+        ("gpipe", 4),
+    ]
+]
+
+
+@pytest.fixture(scope="module")
+def mesh_reference(tmp_path_factory):
+    """One process, the whole global batch in one micro-batch, the same 3 steps: (tmp_path, corpus, run folder)."""
+    tmp_path = tmp_path_factory.mktemp("mesh_runs")
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**MESH_RUN, "batch.micro_batch_size": 24, "run.name": "one"}
+    one = run_train(tiny_settings(tmp_path, corpus, **settings))
+    assert one.returncode == 0, one.stderr
+    return tmp_path, corpus, tmp_path / "runs" / "one"
+
+
+@pytest.mark.parametrize("schedule, accumulation", MESH_LAYOUTS)
+def test_every_two_by_two_mesh_layout_trains_several_steps_as_one_process(mesh_reference, schedule, accumulation):
+    tmp_path, corpus, one = mesh_reference
+    name = f"mesh_{schedule}_A{accumulation}"
+    layout = {
+        **STAGES,
+        "dist.pipeline_schedule": schedule,
+        "batch.micro_batch_size": 24 // (2 * accumulation),
+        "run.name": name,
+    }
+    piped = run_train(tiny_settings(tmp_path, corpus, **MESH_RUN, **layout), ranks=4, timeout_s=300)
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert f"x accum {accumulation} x replicas 2 examples per update; 2 pipeline stages ({schedule}), 4 ranks" in (
+        piped.stdout
+    )
+    ours, reference = read_metrics(tmp_path / "runs" / name), read_metrics(one)
+    assert [line["steps"] for line in ours] == [1, 2, 3]
+    for got, expected in zip(ours, reference, strict=True):
+        assert got["tokens"] == expected["tokens"] and got["micro_batches"] == expected["micro_batches"] * accumulation
+        assert abs(got["loss"] - expected["loss"]) <= FP32_RTOL * expected["loss"]
+    initial = checkpoint(one, 0)["model"]
+    assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], checkpoint(one, 3)["model"], initial)
