@@ -244,7 +244,8 @@ def check_adam_eps(update) -> None:
     """Exercise 15: update(model, micro_batches, optimizer, loss_scale) backpropagates the token-mean loss
     times loss_scale, and applies one Adam update from the true gradient. Adam divides by the gradient's own
     size, so a forgotten division by the scale would cancel, but for eps: here eps is the gradient's median
-    entry, as a large model's per-entry gradients are against the default eps (accumulation.md, section 13)."""
+    entry, as large against the entries as the default eps is wherever a scale factor shrinks them (gallery row 8,
+    accumulation.md section 13)."""
     lr, loss_scale = 1e-2, 2.0**16
     model = make_model()
     micro_batches = make_step(seed=9)
