@@ -73,6 +73,46 @@ def test_the_scaler_checker_fails_on_each_scaler_mistake(mistake):
         checks.check_scaler_order(namespace["update"])
 
 
+# Exercise 12 has a second right answer: clip the still-scaled gradient at s · max_norm and let scaler.step
+# unscale. It differs from the key only by where clip_grad_norm_'s eps of 1e-6 meets the norm, and must pass.
+def test_the_scaler_checker_passes_on_the_clip_of_the_scaled_gradient():
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: scaler_order\n.*?)```", key, flags=re.DOTALL)
+    edits = [
+        ("    scaler.unscale_(optimizer)", "    pass  #"),
+        (
+            "clip_grad_norm_(model.parameters(), max_norm)",
+            "clip_grad_norm_(model.parameters(), max_norm * scaler.get_scale())",
+        ),
+    ]
+    for old, new in edits:
+        assert old in source, f"the key no longer holds {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, "exercises_key.md:scaler_order (clip at s · max_norm)", "exec"), namespace)
+    checks.check_scaler_order(namespace["update"])
+
+
+# Exercise 13's checker must see an optimizer step on the empty step, not only the schedule: this answer
+# backpropagates the empty step's zero loss (guarded against 0 / 0) and steps AdamW, whose momentum and
+# weight decay then move the weights, while it keeps the schedule right.
+def test_the_schedule_checker_fails_on_an_update_from_the_empty_step():
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: schedule_clock\n.*?)```", key, flags=re.DOTALL)
+    edits = [
+        ("        if tokens == 0:\n            continue", "        if False:\n            pass"),
+        ("(loss_sum / tokens).backward()", "(loss_sum / max(tokens, 1)).backward()"),
+        ("        scheduler.step()", "        if tokens > 0:\n            scheduler.step()"),
+    ]
+    for old, new in edits:
+        assert old in source, f"the key no longer holds {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, "exercises_key.md:schedule_clock (update on the empty step)", "exec"), namespace)
+    with pytest.raises(AssertionError, match="empty step"):
+        checks.check_schedule_clock(namespace["train"])
+
+
 # Exercise 14's checker sees each half of the exercise on its own: the key with the × D dropped (the
 # gradient is off by 1/2), and the key with no_sync dropped (the gradient is right, the bytes are 4 times).
 TWO_RANK_MISTAKES = {
