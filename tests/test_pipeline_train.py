@@ -204,7 +204,8 @@ def test_settings_pipeline_stages_refuse_are_one_line_exit_2_nothing_written(
 # same 3 steps as one process, within FP32_RTOL (the same sums in other orders, as above). DDP rebuilds its
 # buckets at step 2's first forward from the gradient order step 1 recorded, so a one-step test cannot see a
 # wrong reducer state. The default tier keeps the default schedule at A = 2 (without the schedule's no_sync,
-# the first stage died at step 2 there); the others are slow: each 4-rank launch takes ~30 s on 2 cores.
+# the first stage died at step 2 there); the others are in the integration tier: each 4-rank launch
+# takes ~30 s on 2 cores.
 MESH_RUN = {
     **PLAIN_SGD,
     "model.n_layer": 2,
@@ -216,7 +217,9 @@ MESH_RUN = {
     "batch.global_batch_size": 24,  # G = m·A·D with D = 2: m = 12, 6, 4, 3 for A = 1, 2, 3, 4
 }
 MESH_LAYOUTS = [
-    pytest.param(schedule, accumulation, marks=() if (schedule, accumulation) == ("1f1b", 2) else pytest.mark.slow)
+    pytest.param(
+        schedule, accumulation, marks=() if (schedule, accumulation) == ("1f1b", 2) else pytest.mark.integration
+    )
     for schedule, accumulation in [
         ("1f1b", 2),
         ("1f1b", 3),
