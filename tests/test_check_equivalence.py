@@ -137,6 +137,25 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
         assert "traceback : check_equivalence FAIL: loss: the logged loss is off" in stderr, stderr
 
 
+IMAGE_CLASSIFIER_CONFIG = str(REPO / "configs" / "image_classifier.toml")
+
+
+def test_a_mean_of_means_on_micro_batches_of_equal_target_counts_is_refused_not_passed(tmp_path, capsys):
+    """One label per row (the image classifier fork: labels (rows,)), or one micro-batch (A·D = 1): every
+    micro-batch holds the same number of targets, the mean of means is the global mean, and the self-test would
+    PASS with the bug in. It says n/a instead, exit 2 (neither PASS nor FAIL), one line, nothing on stdout."""
+    status = checker.main(["--config", IMAGE_CLASSIFIER_CONFIG, "--inject-bug", "mean-of-means"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == "", captured.out
+    assert len(captured.err.splitlines()) == 1
+    assert "n/a: every micro-batch holds the same number of targets" in captured.err
+    assert "the mean of means equals the global mean on these rows" in captured.err
+    corpus = short_documents_corpus(tmp_path / "corpus")
+    one_micro_batch = [*TINY_CONFIG, f"data.source={corpus}", "batch.micro_batch_size=8"]
+    assert checker.main([*one_micro_batch, "--inject-bug", "mean-of-means"]) == 2
+    assert "(221 in each of 1)" in capsys.readouterr().err
+
+
 def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, capsys):
     """The checker runs the step as train.py would with model.loss = "chunked" (hidden states, chunked loss)."""
     (tmp_path / "pass").mkdir()

@@ -64,7 +64,10 @@ loop weights and masks it).
 --inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
 (count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
 model (batch-norm), or with dist.pipeline_stages > 1 in the schedule (scale-grads: PyTorch's default
-scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it.
+scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it. A bug the data cannot show is refused
+(exit 2, one line) rather than passed: mean-of-means where every micro-batch holds the same number of targets
+(one label per row, packed rows, A·D = 1), mask without prompts, rank-mask on rows that do not change with the
+step.
 
 Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
 torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable

@@ -54,6 +54,7 @@ from accumulation.checker.self_test import (
     mean_of_means_loss,
     refuse_a_bug_this_data_cannot_show,
     shifted_again_loss,
+    targets_per_micro_batch,
 )
 from accumulation.chunked_loss import FinalHiddenStates
 from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
@@ -129,7 +130,10 @@ def main(argv: list[str]) -> int:
             world_size=layout.replicas,
             rank=layout.replica,
         )
-        refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, CHECKED_STEP)
+        micro_batch_targets = targets_per_micro_batch(
+            batch, config.batch.global_batch_size, config.batch.micro_batch_size, layout.replicas
+        )
+        refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, CHECKED_STEP, micro_batch_targets)
     except (ConfigError, DataError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
