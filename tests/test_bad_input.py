@@ -4,6 +4,7 @@ this process (fast); a few go through the real entry point."""
 
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -240,6 +241,51 @@ def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_pa
     assert f"checkpoint {checkpoints / 'latest.pt'}" in error, error
     assert "resuming" not in output  # every check comes before "resuming from"
     assert snapshot(run_dir) == before
+
+
+def at_most_3_gib() -> None:
+    """A child's address space capped at 3 GiB (the tiny run needs under 2): a reader of /dev/zero then fails
+    in the child instead of filling the shared machine's memory until the kernel kills some process."""
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+@pytest.mark.parametrize(
+    "name, kind, named",
+    [
+        ("latest.pt", "named pipe", "is a named pipe (FIFO), not a file this program wrote"),  # was: no output, forever
+        # was: memory filled until the kernel killed the job
+        ("latest.pt", "link to /dev/zero", "is a symbolic link to /dev/zero, which is a character device, not a"),
+        ("step_000000.pt", "directory", "is a directory, not a file this program wrote"),  # was: resumed from latest.pt
+        # refused before, by the run directory's own check (accumulation/run/run_dir.py)
+        ("latest.pt", "directory", "is a folder, where this program keeps the newest checkpoint"),
+    ],
+)
+def test_a_checkpoint_name_that_is_not_a_regular_file_is_refused_before_it_is_read(started_run, name, kind, named):
+    """Through the real entry point, with a timeout: a run that hangs on a FIFO fails the test, not the suite."""
+    arguments, run_dir = started_run
+    path = run_dir / "checkpoints" / name
+    path.unlink()  # the other checkpoint name stays: a regular file to resume from
+    if kind == "named pipe":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    names_before, files_before = sorted(run_dir.rglob("*")), snapshot(run_dir)  # snapshot opens regular files only
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        preexec_fn=at_most_3_gib,
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.startswith("error: ") and completed.stderr.count("\n") == 1, completed.stderr
+    assert f"{path} {named}" in completed.stderr, completed.stderr
+    assert "resuming" not in completed.stdout
+    assert sorted(run_dir.rglob("*")) == names_before and snapshot(run_dir) == files_before
 
 
 def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corpus, capsys):

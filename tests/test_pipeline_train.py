@@ -15,6 +15,7 @@ import torch
 
 import train
 from testkit.ranks import pretend_launched
+from tests.test_checkpoints import EVAL_MODE_FORK
 from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
 
 # Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
@@ -265,3 +266,22 @@ def test_every_two_by_two_mesh_layout_trains_several_steps_as_one_process(mesh_r
         assert abs(got["loss"] - expected["loss"]) <= FP32_RTOL * expected["loss"]
     initial = checkpoint(one, 0)["model"]
     assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], checkpoint(one, 3)["model"], initial)
+
+
+@pytest.mark.integration
+def test_pipeline_stages_of_a_model_built_in_eval_mode_train_with_dropout_after_a_resume(tmp_path, monkeypatch):
+    """The loop puts this rank's stage in train mode before every step: without that, the stages of a model
+    built in eval mode (as from_pretrained returns one) trained without dropout after a resume."""
+    (tmp_path / "eval_mode_fork.py").write_text(EVAL_MODE_FORK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**PIPELINE_RUN, **STAGES, "model.name": "eval_mode_fork:eval-mode-gpt", "model.dropout": 0.1}
+    straight = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "straight"}), ranks=2)
+    assert straight.returncode == 0, straight.stderr
+    resumed_from_step_2(tmp_path / "runs" / "straight", tmp_path / "runs" / "resumed")
+    resumed = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "resumed"}), ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    expected, got = (checkpoint(tmp_path / "runs" / name, 3)["model"] for name in ("straight", "resumed"))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
