@@ -31,7 +31,9 @@ import argparse
 import json
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -283,57 +285,43 @@ def experts(rank: int, factor: float, counts: dict) -> list[torch.Tensor]:
 # The table: each layout with its right and its wrong factor.
 # ---------------------------------------------------------------------------------------------------------
 
-# name: (layout function, keyword arguments, reduction, group, op, right factor, wrong factor or mistake)
+
+class Layout(NamedTuple):
+    run: Callable  # the layout's function, run on every rank with the factor f
+    arguments: dict
+    reduction: str
+    group: str  # the ranks the gradient is combined over
+    op: str
+    right: int  # the right factor f: the size of the averaging group, 1 where every reduction sums
+    wrong: int | str  # a wrong factor, or a mistake in N
+
+
 LAYOUTS = {
-    "DDP": (ddp, {}, "all-reduce", "4 data ranks", "avg", 4, 1),
-    "FSDP2, reduce-scatter in every micro-batch": (fsdp, {"mode": "every"}, "reduce-scatter", "4 shards", "avg", 4, 1),
-    "FSDP2, deferred (gradient sync, reshard after backward)": (
-        fsdp,
-        {"mode": "deferred"},
-        "reduce-scatter",
-        "4 shards",
-        "avg",
-        4,
-        1,
+    "DDP": Layout(ddp, {}, "all-reduce", "4 data ranks", "avg", right=4, wrong=1),
+    "FSDP2, reduce-scatter in every micro-batch": Layout(
+        fsdp, {"mode": "every"}, "reduce-scatter", "4 shards", "avg", right=4, wrong=1
     ),
-    "FSDP2, set_gradient_divide_factor(1.0)": (fsdp, {"mode": "sum"}, "reduce-scatter", "4 shards", "sum", 1, 4),
-    "HSDP 2 x 2, all-reduce in every micro-batch": (
-        fsdp,
-        {"mode": "hsdp"},
-        "reduce-scatter, all-reduce",
-        "2 shards x 2 replicas",
-        "avg, avg",
-        4,
-        2,
+    "FSDP2, deferred (gradient sync, reshard after backward)": Layout(
+        fsdp, {"mode": "deferred"}, "reduce-scatter", "4 shards", "avg", right=4, wrong=1
     ),
-    "HSDP 2 x 2, set_requires_all_reduce(last only)": (
-        fsdp,
-        {"mode": "hsdp-once"},
-        "reduce-scatter, all-reduce",
-        "2 shards x 2 replicas",
-        "avg, avg",
-        4,
-        2,
+    "FSDP2, set_gradient_divide_factor(1.0)": Layout(
+        fsdp, {"mode": "sum"}, "reduce-scatter", "4 shards", "sum", right=1, wrong=4
     ),
-    "pipeline, 2 stages x 2 replicas": (pipeline, {}, "all-reduce per stage", "the stage's 2 replicas", "avg", 2, 4),
-    "CP 2 x 2 data ranks": (context_parallel, {}, "all-reduce", "4 ranks (CP x data)", "avg", 4, 2),
-    "CP 2 x 2, N counted over data ranks only": (
-        context_parallel,
-        {},
-        "all-reduce",
-        "4 ranks (CP x data)",
-        "avg",
-        4,
-        "N per CP rank",
+    "HSDP 2 x 2, all-reduce in every micro-batch": Layout(
+        fsdp, {"mode": "hsdp"}, "reduce-scatter, all-reduce", "2 shards x 2 replicas", "avg, avg", right=4, wrong=2
     ),
-    "experts, EP = 2 over 4 data ranks": (
-        experts,
-        {},
-        "all-to-all, all-reduce",
-        "EP pair, then expert's 2 hosts",
-        "sum, avg",
-        2,
-        4,
+    "HSDP 2 x 2, set_requires_all_reduce(last only)": Layout(
+        fsdp, {"mode": "hsdp-once"}, "reduce-scatter, all-reduce", "2 shards x 2 replicas", "avg, avg", 4, 2
+    ),
+    "pipeline, 2 stages x 2 replicas": Layout(
+        pipeline, {}, "all-reduce per stage", "the stage's 2 replicas", "avg", right=2, wrong=4
+    ),
+    "CP 2 x 2 data ranks": Layout(context_parallel, {}, "all-reduce", "4 ranks (CP x data)", "avg", right=4, wrong=2),
+    "CP 2 x 2, N counted over data ranks only": Layout(
+        context_parallel, {}, "all-reduce", "4 ranks (CP x data)", "avg", right=4, wrong="N per CP rank"
+    ),
+    "experts, EP = 2 over 4 data ranks": Layout(
+        experts, {}, "all-to-all, all-reduce", "EP pair, then expert's 2 hosts", "sum, avg", right=2, wrong=4
     ),
 }
 
@@ -344,13 +332,13 @@ def measure(rank: int, world_size: int) -> dict:
     assert world_size == RANKS
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")  # nothing in place
     results = {}
-    for name, (layout, arguments, _, _, _, right, wrong) in LAYOUTS.items():
+    for name, layout in LAYOUTS.items():
         counts = {}
-        right_update = layout(rank, right, counts, **arguments)
-        if isinstance(wrong, str):
-            wrong_update = layout(rank, right, {}, count_over_data_ranks=True)
+        right_update = layout.run(rank, layout.right, counts, **layout.arguments)
+        if isinstance(layout.wrong, str):  # the right factor, and N counted wrong
+            wrong_update = layout.run(rank, layout.right, {}, count_over_data_ranks=True)
         else:
-            wrong_update = layout(rank, wrong, {}, **arguments)
+            wrong_update = layout.run(rank, layout.wrong, {}, **layout.arguments)
         results[name] = {"right": right_update, "wrong": wrong_update, "counts": counts}
     return results
 
@@ -368,21 +356,22 @@ def run() -> list[dict]:
     dense_reference = reference_update(dense_model())
     expert_reference = reference_update(ExpertModel())[1:5]  # experts 0 and 1: weight and bias each
     rows = []
-    for name, (_, _, reduction, group, op, right, wrong) in LAYOUTS.items():
+    for name, layout in LAYOUTS.items():
         reference = expert_reference if name.startswith("experts") else dense_reference
         counts = per_rank[0][name]["counts"]
         rows.append(
             {
                 "layout": name,
-                "reduction": reduction,
-                "group": group,
-                "op": op,
-                "right_factor": right,
+                "reduction": layout.reduction,
+                "group": layout.group,
+                "op": layout.op,
+                "right_factor": layout.right,
                 "right_error": relative_error(whole_update(name, per_rank, "right"), reference),
-                "wrong_factor": wrong,
+                "wrong_factor": layout.wrong,
                 "wrong_error": relative_error(whole_update(name, per_rank, "wrong"), reference),
                 "reduce_scatters": counts.get("reduce_scatters"),
                 "all_reduces": counts.get("all_reduces"),
+                "all_gathers": counts.get("all_gathers"),
             }
         )
     return rows
@@ -393,14 +382,14 @@ def factor(value) -> str:
 
 
 def collectives(row: dict) -> str:
-    """FSDP2's gradient collectives in the step, where they were counted."""
+    """FSDP2's collectives in the step, where they were counted: the gradient's, then the parameters'."""
     if row["reduce_scatters"] is None:
         return ""
-    return f"{row['reduce_scatters']} reduce-scatters, {row['all_reduces']} all-reduces"
+    return f"{row['reduce_scatters']} RS, {row['all_reduces']} AR, {row['all_gathers']} AG"
 
 
 def table(rows: list[dict]) -> str:
-    header = ("layout", "reduction", "group", "op", "right f", "error", "wrong f", "error", "per step (rank 0)")
+    header = ("layout", "reduction", "group", "op", "right f", "error", "wrong f", "error", "collectives (rank 0)")
     lines = [
         (
             row["layout"],
