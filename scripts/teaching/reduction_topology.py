@@ -9,8 +9,8 @@ supervised targets of the whole step (every rank, every micro-batch, every CP ra
 factor under test. The layout's reduction then combines the ranks' gradients. The right f is the size of the
 group that AVERAGES the parameter's gradient (1 where every reduction sums); each row runs once with the right
 f and once with a wrong one, and prints the relative error of the applied update against one float64 update
-from the full batch's token-mean gradient (max |Δ - Δ_ref| / max |Δ_ref|). Rounding in float64 costs a few
-1e-16; a wrong factor costs |f_wrong / f - 1|, 0.5 and more.
+from the full batch's token-mean gradient (max |Δ - Δ_ref| / max |Δ_ref|). Rounding costs a few 1e-14 (see
+ROUNDING_BOUND); a wrong factor costs |f_wrong / f - 1|, 0.5 and more.
 
 The layouts, on the 4 ranks:
   DDP            4 data ranks; DDP all-reduces the mean
@@ -154,7 +154,7 @@ def sgd_update(model: nn.Module, parameters=None) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------------------------
 # The layouts. Each runs on every rank with the factor f and returns the applied update (where a rank holds
-# only part of the model, its part).
+# only part of the model, its part); FSDP2's layouts count their collectives into `counts`.
 # ---------------------------------------------------------------------------------------------------------
 
 
