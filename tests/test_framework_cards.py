@@ -4,6 +4,7 @@ one SGD step on the cards' tiny float64 model, against the float64 full batch. I
 (pip install -r requirements-cards.txt torch==2.13.0; .ci/run installs it)."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ FRAMEWORKS = sorted({card.framework for card in cards.CARDS})
 # A bug on these rows moves the update by 3 % or more (the smallest, row 11's position-0 count, by 2 of 63
 # targets); a correct path agrees to float32 rounding, cards.MATCH_RTOL.
 BUG_MIN = 1e-2
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "accumulation.md"
 
 
 @pytest.mark.integration
@@ -31,3 +33,6 @@ def test_each_setting_is_the_token_mean_or_its_gallery_rows_bug(framework):
             assert measured.error <= cards.MATCH_RTOL, (card.setting, measured.error)
         else:
             assert measured.error >= BUG_MIN, (card.setting, measured.error)
+        # Section 20 quotes the script's table: each line, as printed, stands in the guide.
+        line = f"| {card.framework} | {measured.version} | {card.setting} | {cards.shown(measured.error)} |"
+        assert line in GUIDE.read_text(), line
