@@ -10,19 +10,18 @@ micro-batch means shows. The update each framework applies is compared with the 
 -lr times the gradient of the token mean over all 8 rows, written from its definition (the sum of -log p(target)
 over the supervised targets, divided by their count N).
 
-On one process, every normalisation these frameworks have weighs each row's loss sum S_r by some w_r, and the
-update is -lr · sum_r w_r ∇S_r. The reference has w_r = 1/N; each gallery row of scripts/teaching/pitfalls.py has
-weights of its own (row 1's mean of means: 1/(A n_k) for a row of micro-batch k, which holds n_k targets). So
-each card names the gallery row it reproduces, and "matches" checks that the framework's update equals that
-row's weights applied to the same rows: a framework that is off is off in the way the gallery says.
+Every normalisation these frameworks have weighs each row's loss sum S_r by some w_r: the update is
+-lr · sum_r w_r ∇S_r. The reference has w_r = 1/N; each gallery row of scripts/teaching/pitfalls.py has weights
+of its own (row 1: 1/(A n_k) for a row of micro-batch k, which holds n_k targets). Each card names the gallery
+row it reproduces, and "matches" checks that the update equals that row's weights applied to the same rows.
+The Trainer's cards on 2 ranks are in framework_cards_two_ranks.py.
 
 Where a framework's loop needs what a test cannot give it (torchtune's recipe a checkpoint and a tokenizer;
 torchtitan's trainer its own model, data loader and process mesh; TRL's GRPO trainer a generation loop), its own
 loss and normalisation functions run inside the few lines of its loop that call them, written out here.
-A framework that is not installed is reported as skipped: pip install -r requirements-cards.txt.
-The table prints an error at rounding level as a bound: < 1e-14 in float64; < 1e-6 where a framework's loss
-passes through float32 (transformers', torchtune's and torchtitan's losses cast the logits with .float(); TRL
-divides by a token count that becomes a float32 tensor).
+A framework that is not installed is skipped (pip install -r requirements-cards.txt). An error at rounding level
+prints as a bound: < 1e-14 in float64; < 1e-6 where a loss passes through float32 (transformers', torchtune's and
+torchtitan's cast the logits with .float(); TRL divides by a token count held as a float32 tensor).
 """
 
 import argparse
@@ -259,16 +258,6 @@ def hf_trainer(accepts_count: bool | None = None, loss_type: str | None = None) 
     return run
 
 
-def fresh_accelerator():
-    """Accelerate keeps its state in process-wide singletons: reset them so each card starts as a new script."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    return Accelerator(gradient_accumulation_steps=ACCUMULATION_STEPS, cpu=True)
-
-
 def model_mean(model, micro_batch, targets_in_step):
     return model(**micro_batch).loss
 
@@ -287,7 +276,13 @@ def accelerate_accumulate(loss_of: Callable) -> Callable[[torch.nn.Module], None
     prepared optimizer skips until the A-th micro-batch)."""
 
     def run(model: torch.nn.Module) -> None:
-        accelerator = fresh_accelerator()
+        from accelerate import Accelerator
+        from accelerate.state import AcceleratorState, GradientState
+
+        # Accelerate keeps its state in process-wide singletons: reset, each card starts as a new script would.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        accelerator = Accelerator(gradient_accumulation_steps=ACCUMULATION_STEPS, cpu=True)
         model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))
         targets_in_step = sum(targets_per_micro_batch())
         for micro_batch in micro_batches():
@@ -525,6 +520,12 @@ CARDS = [
 ]  # fmt: skip
 
 
+def all_cards() -> list[Card]:
+    from scripts.teaching.framework_cards_two_ranks import TWO_RANK_CARDS  # it imports this module's pieces
+
+    return sorted(CARDS + TWO_RANK_CARDS, key=lambda card: list(PACKAGES).index(card.framework))  # stable
+
+
 @dataclass
 class Measurement:
     framework: str
@@ -577,7 +578,7 @@ def main() -> int:
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     gradients = {}
-    measurements = [measure(card, gradients) for card in CARDS]
+    measurements = [measure(card, gradients) for card in all_cards()]
     if args.json:
         print(json.dumps([asdict(m) for m in measurements], indent=1))
     else:
@@ -588,10 +589,7 @@ def main() -> int:
             print(f"| {m.framework} | {m.version} | {m.setting} | {error} | {m.gallery_row} |")
     mismatched = [m for m in measurements if m.matches is not None and m.matches > MATCH_RTOL]
     for m in mismatched:
-        print(
-            f"{m.framework}, {m.setting}: update is {m.matches:.3g} from gallery row {m.gallery_row}'s weights",
-            file=sys.stderr,
-        )
+        print(f"{m.framework}, {m.setting}: {m.matches:.3g} from row {m.gallery_row}'s weights", file=sys.stderr)
     return 1 if mismatched else 0
 
 
