@@ -299,7 +299,10 @@ def train(
             # The step's rows are a pure function of (seed, step, row ids); the step's micro-batches were built,
             # checked and pinned while the device ran the step before (see StepBatches).
             micro_batches, global_counts = step_batches.take(counters.steps, micro_batch_size)
+            # Train mode (dropout on) for every step: a model may arrive in eval mode (Hugging Face's
+            # from_pretrained returns one so), and a resumed run has no step-0 probe to leave it in train mode.
             if training.pipeline is not None:  # dist.pipeline_stages > 1: the schedule runs the micro-batches
+                training.pipeline.stage_module.train()
                 result = pipelined_step(
                     training.pipeline,
                     micro_batches,
@@ -311,6 +314,7 @@ def train(
                     stop_requested=lambda: stop.requested,
                 )
             else:
+                training.wrapped.train()
                 result = optimizer_step(
                     training.wrapped,
                     micro_batches,

@@ -161,6 +161,7 @@ BAD_LINES = {
     "null response": ('{"prompt": "Q", "response": null}', r"line 3: 'response' is null, not a string"),
     "list text": ('{"text": ["T"]}', r"line 3: 'text' is an array, not a string"),
     "lone surrogate": ('{"text": "\\ud800"}', r"line 3: 'text' holds a lone surrogate escape"),
+    "100,000 arrays deep": ("[" * 100_000 + "]" * 100_000, r"line 3: nested too deeply to parse"),
 }
 
 

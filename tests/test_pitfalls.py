@@ -237,9 +237,14 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
         )
         for row in rows_of(gallery)
     ]
-    figure = pitfalls.draw(measurements, str(tmp_path / "pitfalls.png"))
+    png_path = tmp_path / "pitfalls.png"
+    figure = pitfalls.draw(measurements, str(png_path))
     texts = [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
     assert all(t.get_fontsize() >= pitfalls.FONT_PT for t in texts), "a text below the projector's size"
+    # Points are pixels at 72 dpi: no wider than the guide's column, the page never shrinks them below FONT_PT.
+    from PIL import Image
+
+    assert Image.open(png_path).width <= pitfalls.GUIDE_WIDTH_PX
     error_axes, cosine_axes, scale_axes = figure.axes[:3]
     row_labels = [label.get_text() for label in error_axes.get_yticklabels()]
     vector_rows = [m for m in measurements if m.metric in pitfalls.RELATIVE_ERRORS]
@@ -252,3 +257,12 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
             assert bar.get_x() == 1.0 and bar.get_x() + bar.get_width() == pytest.approx(value)  # from 1 to the value
             # Red only where the buggy twin deviates from the ideal 1.
             assert (to_rgb(bar.get_facecolor()) == to_rgb("tab:red")) == (abs(value - 1) >= 5e-4), (field, value)
+    # A correct twin at rounding level or 0 is a marker and its text, never a bar from the axis's floor.
+    exact = [m for m in vector_rows if pitfalls.exact_marker_text(m.metric, m.correct) is not None]
+    assert exact, "the gallery's correct twins are exact: at least one must be drawn as a marker"
+    green_bars = [p for p in error_axes.patches if to_rgb(p.get_facecolor()) == to_rgb("tab:green")]
+    assert len(green_bars) == len(vector_rows) - len(exact)
+    error_texts = [t.get_text() for t in error_axes.texts]
+    for m in exact:
+        assert pitfalls.exact_marker_text(m.metric, m.correct) in error_texts
+    assert any(text.startswith("< 1e-14") and text.endswith("(exact)") for text in error_texts)

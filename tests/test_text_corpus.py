@@ -189,6 +189,19 @@ def test_a_source_without_usable_text_is_an_error(tmp_path, contents):
     assert_data_error(rf"{tmp_path}.*has no usable text", str(tmp_path))
 
 
+def test_files_without_a_target_take_no_part_in_the_split(tmp_path):
+    # One real file beside an empty one and a 1-byte one: the real file is split at a newline as if it were
+    # alone, instead of an empty file becoming the whole validation set.
+    text = b"".join(f"line {index:03d}\n".encode() for index in range(100))  # 100 lines of 9 bytes
+    write(tmp_path / "real.txt", text)
+    write(tmp_path / "empty.txt", b"")
+    write(tmp_path / "one_byte.txt", b"x")
+    corpus = build(str(tmp_path), seq_len=32, val_fraction=0.1)
+    assert supervised_targets(corpus.train) == text[:810][1:]  # (1 - 0.1) * 900 = 810, as for the lone file
+    assert supervised_targets(corpus.val) == text[810:][1:]
+    assert corpus.summary.files == 3
+
+
 def test_a_split_that_leaves_training_or_validation_without_rows_is_an_error(tmp_path):
     write(tmp_path / "a.txt", b"some text\n")
     write(tmp_path / "b.txt", b"more text\n")

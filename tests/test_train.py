@@ -102,10 +102,10 @@ def train_as(launch: str, arguments: list[str], ranks: int, capsys) -> tuple[int
     return train_forked(arguments, ranks)
 
 
-def train_forked(arguments: list[str], ranks: int) -> tuple[int, str, str]:
+def train_forked(arguments: list[str], ranks: int, timeout_s: float = 120) -> tuple[int, str, str]:
     """(exit status, rank 0's stdout, every rank's stderr) of train.main on `ranks` ranks forked from the
     forkserver (one rank: a process of its own, as `python train.py`; for fixtures that outlive capsys)."""
-    per_rank = run_main_on_ranks("train:main", arguments, world_size=ranks)
+    per_rank = run_main_on_ranks("train:main", arguments, world_size=ranks, timeout_s=timeout_s)
     status = next((status for status, _, _ in per_rank if status != 0), 0)  # as torchrun: the first failure
     return status, per_rank[0][1], "".join(err for _, _, err in per_rank)
 

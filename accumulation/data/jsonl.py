@@ -59,6 +59,8 @@ def parse_example(source: str, line_number: int, line: str) -> tuple[bytes, byte
         example = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); {LINE_FORMAT}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise DataError(f"{where}: nested too deeply to parse; {LINE_FORMAT}") from None
     if not isinstance(example, dict):
         raise DataError(f"{where}: {json_type_name(example)}, not an object; {LINE_FORMAT}")
     has_text = "text" in example

@@ -233,13 +233,20 @@ def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: boo
     train_documents: list[bytes] = []
     val_documents: list[bytes] = []
     val_files = 0
-    if len(files) == 1 and val_fraction > 0:
-        train_part, val_part = split_at_newline(files[0].data, val_fraction)
+    # A file under 2 bytes holds no target (a target needs a token before it), so it takes no part in the
+    # split: an empty file beside one real file must not become the whole validation set.
+    files_with_targets = [file for file in files if len(file.data) >= 2]
+    if len(files_with_targets) == 1 and val_fraction > 0:
+        [lone_file] = files_with_targets
+        train_part, val_part = split_at_newline(lone_file.data, val_fraction)
         train_documents += documents_of(train_part, is_python_source)
         val_documents += documents_of(val_part, is_python_source)
         val_files = 1
+        for file in files:  # the files without a target: documents that make_rows drops, counted in the summary
+            if file is not lone_file:
+                train_documents += documents_of(file.data, is_python_source)
     else:
-        chosen = validation_keys([file.relative_path for file in files], val_fraction)
+        chosen = validation_keys([file.relative_path for file in files_with_targets], val_fraction)
         for file in files:
             documents = documents_of(file.data, is_python_source)
             if file.relative_path in chosen:

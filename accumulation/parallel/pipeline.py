@@ -28,6 +28,7 @@ N is counted on the host from the step's row ids (train.py's global_counts), no 
 import itertools
 import math
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -45,13 +46,44 @@ SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
 def split_into_stages(model: torch.nn.Module, num_stages: int) -> list[torch.nn.Module]:
     """The model's own pipeline_split(num_stages); a ValueError (with its reason) when it cannot be split so,
-    or when the model has no pipeline_split (docs/forking.md says how a fork's model provides one)."""
+    when the model has no pipeline_split (docs/forking.md says how a fork's model provides one), or when a
+    weight sits in more than one stage (weights_in_several_stages)."""
     if not callable(getattr(model, "pipeline_split", None)):
         raise ValueError(
             f"dist.pipeline_stages: the {type(model).__name__} model has no pipeline_split(num_stages) method "
             "returning its stages (docs/forking.md); use dist.pipeline_stages=1"
         )
-    return model.pipeline_split(num_stages)
+    stages = model.pipeline_split(num_stages)
+    shared = weights_in_several_stages(model, stages)
+    if shared:
+        found = "; ".join(
+            f"{' = '.join(names)} in stages {' and '.join(map(str, held_by))}" for names, held_by in shared
+        )
+        raise ValueError(
+            f"dist.pipeline_stages: a weight is shared by several pipeline stages (tied weights: {found}), and each "
+            "stage would train its own copy of it; untie it (e.g. give the output head its own weight) or use "
+            "dist.pipeline_stages=1"
+        )
+    return stages
+
+
+def weights_in_several_stages(model: torch.nn.Module, stages: list[torch.nn.Module]) -> list[tuple[list, list]]:
+    """(the model's names for it, the stages holding it) for each Parameter that more than one stage holds: an
+    embedding tied to the output head, or a module two stages share. Each rank trains only its own stage's
+    parameters, so such a weight would take a different update on each stage holding it, with the gradient of
+    that stage's use alone, and the checkpoint would keep one of the copies. Works on the meta device."""
+    model_names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        model_names.setdefault(id(param), []).append(name)
+    stages_holding: dict[int, list[int]] = {}
+    for stage_index, stage in enumerate(stages):
+        for param in stage.parameters():
+            stages_holding.setdefault(id(param), []).append(stage_index)
+    return [
+        (model_names.get(param_id, ["(a parameter outside the model)"]), held_by)
+        for param_id, held_by in stages_holding.items()
+        if len(held_by) > 1
+    ]
 
 
 def check_pipeline_settings(config: Config, accumulation_steps: int) -> None:
@@ -155,7 +187,9 @@ def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: 
     labels = torch.cat([mb.labels for mb in micro_batches]).to(device) if layout.is_last_stage else None
     args = (inputs,) if layout.is_first_stage else ()
     if train:
-        pipeline.schedule.step(*args, target=labels, return_outputs=False)
+        # no_sync: the shape inference's forward must not arm DDP's reducer; the last micro-batch's backward arms it.
+        with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) else nullcontext():
+            pipeline.schedule.step(*args, target=labels, return_outputs=False)
     else:
         pipeline.schedule.eval(*args, target=labels)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

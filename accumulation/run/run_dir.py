@@ -58,8 +58,15 @@ def run_directory(config: Config) -> Path:
     TOML file's "~/runs" is no folder named "~"."""
     out_dir = Path(config.run.out_dir).expanduser()
     run_dir = out_dir / config.run.name
-    resolved = run_dir.resolve()  # follows every link that exists; a part that does not exist stays as written
-    if resolved.parent != out_dir.resolve():
+    try:
+        resolved = run_dir.resolve()  # follows every link that exists; a part that does not exist stays as written
+        out_dir_resolved = out_dir.resolve()
+    except (RuntimeError, OSError) as error:  # a loop of links: RuntimeError before Python 3.13, OSError after
+        raise ConfigError(
+            f"run.out_dir: {run_dir} cannot be resolved ({error}); remove the looping link or choose another "
+            f"run.out_dir"
+        ) from None
+    if resolved.parent != out_dir_resolved:
         raise ConfigError(
             f"run.name: {run_dir} is a link to {resolved}, outside run.out_dir {out_dir}; a run writes only "
             f"inside run.out_dir: remove the link or choose another run.name"
