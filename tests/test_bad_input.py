@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import garbage, run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, free_port
 from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
@@ -391,9 +392,11 @@ def test_documented_fallbacks_train_instead_of_failing(tmp_path, capsys, started
     assert read_metrics(tmp_path / "runs" / "small")[0]["examples"] == 3
 
 
-def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_bad_input_through_the_real_entry_point(tmp_path, corpus, launched):
     """The exit status and stderr a shell sees: exit 2, one line, no traceback, for a checkpoint of random
-    bytes and for a data file that is not UTF-8."""
+    bytes and for a data file that is not UTF-8. In a process forked as `python train.py` (testkit/ranks.py:
+    train.main, then run_and_exit's exit), or launched as one."""
     settings = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
     checkpoints = tmp_path / "runs" / "default" / "checkpoints"
     checkpoints.mkdir(parents=True)
@@ -403,13 +406,28 @@ def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
         (settings, "latest.pt cannot be read"),
         (settings + [f"data.source={source}"], "is not a text file"),
     ]:
-        completed = run_train(arguments)
-        assert completed.returncode == 2
-        assert (
-            completed.stderr.count("\n") == 1 and named in completed.stderr and "Traceback" not in completed.stderr
-        ), completed.stderr
+        if launched:
+            completed = run_train(arguments)
+            status, stderr = completed.returncode, completed.stderr
+        else:
+            [(status, _, stderr)] = run_main_on_ranks("train:main", arguments, world_size=1)
+        assert status == 2
+        assert stderr.count("\n") == 1 and named in stderr and "Traceback" not in stderr, stderr
 
 
+def test_ranks_that_see_different_checkpoints_are_refused_on_forked_ranks(tmp_path, corpus, capsys):
+    """As below, on 2 ranks forked with torchrun's environment (testkit/ranks.py) instead of 2 interpreters."""
+    shared = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(shared, capsys)[0] == 0
+    out_dirs = [[f"run.out_dir={tmp_path / 'runs'}"], [f"run.out_dir={tmp_path / 'other_node_runs'}"]]
+    results = run_main_on_ranks("train:main", [*shared, "run.max_steps=2"], world_size=2, rank_argv=out_dirs)
+    assert [status for status, _, _ in results] == [2, 2], results
+    error = results[0][2]
+    assert error.count("\n") == 1 and "rank 0 step 0, rank 1 none" in error and "every node shares" in error, error
+    assert not (tmp_path / "other_node_runs").exists()
+
+
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, corpus, capsys):
     """Two nodes without a shared run.out_dir: rank 0 finds the checkpoint, rank 1 (another folder here)

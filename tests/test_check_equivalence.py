@@ -1,6 +1,6 @@
 """scripts/checks/check_equivalence.py (its logic: accumulation/checker/): PASS on the loop (one process, and
-two gloo ranks under torchrun) on a corpus whose rows hold very different token counts; FAIL on a wrong
-normalization; exit status 2 on a bad config."""
+two gloo ranks: forked from the forkserver, and under torchrun in the integration tier) on a corpus whose rows
+hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
 
 import os
 import re
@@ -24,6 +24,7 @@ from accumulation.checker.promises import (
 from accumulation.data.sources import RawExample, StepBatch
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import token_cross_entropy_sum
+from testkit.ranks import run_main_on_ranks
 from tests.conformance.tokens import write_token_folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -57,13 +58,27 @@ def run_checker(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tup
     return status, stdout
 
 
-def run_checker_with_stderr(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tuple[int, str, str]:
+def on_forked_ranks(arguments: list[str], ranks: int) -> tuple[int, str, str]:
+    """The checker's main on `ranks` gloo ranks forked with torchrun's environment (testkit/ranks.py): (the
+    first non-zero exit status or 0, rank 0's stdout, every rank's stderr)."""
+    per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=ranks)
+    status = next((status for status, _, _ in per_rank if status != 0), 0)
+    assert status in (0, 1), per_rank  # anything else is a crash
+    return status, per_rank[0][1], "".join(err for _, _, err in per_rank)
+
+
+def run_checker_with_stderr(
+    tmp_path: Path, arguments: list[str], ranks: int, capsys, launched: bool = False
+) -> tuple[int, str, str]:
+    """More than one rank: forked ranks, or with `launched` the script under torchrun, as a user runs it."""
     corpus = short_documents_corpus(tmp_path / "corpus")
     arguments = [*TINY_CONFIG, f"data.source={corpus}", *arguments]
     if ranks == 1:
         status = checker.main(arguments)
         captured = capsys.readouterr()
         return status, captured.out, captured.err
+    if not launched:
+        return on_forked_ranks(arguments, ranks)
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     completed = subprocess.run(
@@ -106,9 +121,13 @@ def failing_lines(stdout: str) -> list[str]:
     return [name for name, verdict in verdicts.items() if "FAIL: " in verdict]
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_the_loop_passes(tmp_path, capsys, ranks):
-    status, stdout = run_checker(tmp_path, [], ranks, capsys)
+# Two ranks forked (the default tier) and under torchrun (the integration tier).
+RANKS_AND_LAUNCH = [(1, False), (2, False), pytest.param(2, True, marks=pytest.mark.integration)]
+
+
+@pytest.mark.parametrize("ranks, launched", RANKS_AND_LAUNCH)
+def test_the_loop_passes(tmp_path, capsys, ranks, launched):
+    status, stdout, _ = run_checker_with_stderr(tmp_path, [], ranks, capsys, launched)
     assert status == 0, stdout
     assert f"x ranks {ranks};" in stdout
     assert stdout.splitlines()[-1] == "PASS"
@@ -118,9 +137,10 @@ def test_the_loop_passes(tmp_path, capsys, ranks):
     assert re.search(r"gradient: max relative error \S+ \(A = 1, D = 1 in fp32: [0-9.e+-]+;", stdout), stdout
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
-    status, stdout, stderr = run_checker_with_stderr(tmp_path, ["--inject-bug", "mean-of-means"], ranks, capsys)
+@pytest.mark.parametrize("ranks, launched", RANKS_AND_LAUNCH)
+def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks, launched):
+    arguments = ["--inject-bug", "mean-of-means"]
+    status, stdout, stderr = run_checker_with_stderr(tmp_path, arguments, ranks, capsys, launched)
     assert status == 1, stdout
     assert stdout.splitlines()[-1] == "FAIL"
     # It fails on the gradient itself (this bug leaves the counts and the fork's promises alone), and by far;
@@ -128,7 +148,7 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks):
     assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
     assert failing_lines(stdout) == ["loss", "gradient"]
     assert checker_line(stdout, "gradient").endswith("accumulation, not rounding")
-    if ranks == 2:
+    if launched:
         # torchrun's failure summary shows the first failing check instead of advice on enabling tracebacks.
         # Every rank returns status 1 at once, but whether torchrun still sees the second rank running (and stops
         # it with SIGTERM) depends on which of them its monitor polls first: on a loaded machine it sometimes
@@ -193,18 +213,8 @@ def run_on_sft(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tupl
     if ranks == 1:
         status = checker.main([*SMALL_SFT, *arguments])
         return status, capsys.readouterr().out
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    completed = subprocess.run(
-        launcher + [str(SCRIPT), *SMALL_SFT, *arguments],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environment,
-        cwd=REPO,
-    )
-    assert completed.returncode in (0, 1), completed.stdout + completed.stderr
-    return completed.returncode, completed.stdout
+    status, stdout, _ = on_forked_ranks([*SMALL_SFT, *arguments], ranks)
+    return status, stdout
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -317,13 +327,8 @@ def run_on_mlm(tmp_path: Path, arguments: list[str], ranks: int, capsys) -> tupl
     if ranks == 1:
         status = checker.main([*small, *arguments])
         return status, capsys.readouterr().out
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    completed = subprocess.run(
-        launcher + [str(SCRIPT), *small, *arguments], capture_output=True, text=True, timeout=120, env=environment
-    )
-    assert completed.returncode in (0, 1), completed.stdout + completed.stderr
-    return completed.returncode, completed.stdout
+    status, stdout, _ = on_forked_ranks([*small, *arguments], ranks)
+    return status, stdout
 
 
 def test_a_mean_loss_fails_even_with_one_micro_batch_on_one_rank(tmp_path, capsys):

@@ -47,6 +47,7 @@ def test_the_perf_command_measures_gpu_8x_at_the_issues_shape(tmp_path):
     assert set(gpu_check.PERF_MODES) == {"eager-plain", "eager-chunked", "compiled-plain", "compiled-chunked"}
 
 
+@pytest.mark.integration  # runs scripts/benchmarks/bench.py in processes of its own
 @pytest.mark.slow
 def test_the_perf_table_keeps_the_rows_it_has_when_a_mode_times_out(monkeypatch, capsys):
     """--perf-toy-cpu: the script itself on the CPU at a toy size (the model of a few thousand weights, no GPU).

@@ -308,6 +308,7 @@ def start_train(arguments: list[str]) -> subprocess.Popen:
     )
 
 
+@pytest.mark.integration
 def test_two_jobs_started_together_one_is_refused_and_a_killed_holder_blocks_nobody(tmp_path, corpus, capsys):
     """Both start at once on one run directory. Before the lock, one resumed the other's step-0 checkpoint,
     rewrote metrics.jsonl under it and lost 500 of its lines. Now one trains, the other exits 2 at once with
@@ -355,6 +356,7 @@ def test_every_rank_prints_a_start_up_error(tmp_path, corpus, capsys, monkeypatc
     assert status == 2 and error.startswith("error: optim.lr: ") and error.count("\n") == 1, error
 
 
+@pytest.mark.integration
 def test_the_error_line_survives_torchrun_when_rank_0_starts_last(tmp_path, corpus):
     """The race made certain: rank 0 sleeps 30 s before it starts, so rank 1 finds the bad setting first and
     exits 2, and torchrun's agent stops rank 0 before it has read its config. The line is still there,
