@@ -14,11 +14,14 @@ nothing is guessed, and nothing is ever silently rounded.
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
+
+import tomli_w
 
 from accumulation.config.config_keys import (
     BatchConfig,
@@ -225,7 +228,7 @@ def _allowed_text(declaration: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
     choices = declaration.metadata["choices"]
     if choices is not None:
-        return "one of " + ", ".join(_toml_value(choice) for choice in choices)
+        return "one of " + ", ".join(_shown(choice) for choice in choices)
     bounds = _bounds_text(declaration.metadata)
     words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
     words = words or _TYPE_WORDS[declaration.type]
@@ -249,7 +252,7 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
         if declaration.type is str and value == "":
             allowed = declaration.default == ""  # "" means none only where it is the declared default
     if not allowed:
-        raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_describe(value)}")
+        raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_shown(value)}")
 
 
 def _is_utf8(text: str) -> bool:
@@ -362,7 +365,7 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
     for name, value in tree.items():
         if name in section_types:
             if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {_describe(value)}")
+                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {_shown(value)}")
             for key, inner_value in value.items():
                 pairs[f"{name}.{key}"] = inner_value
         elif isinstance(value, dict):
@@ -474,55 +477,28 @@ def resolved_grad_scaler(config: Config) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _toml_string(text: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    escaped = []
-    for character in text:
-        if character in '"\\':
-            escaped.append("\\" + character)
-        elif character < " " or character == "\x7f":
-            escaped.append(f"\\u{ord(character):04x}")
-        else:
-            escaped.append(character)
-    return '"' + "".join(escaped) + '"'
+def _shown(value) -> str:
+    """A value as error messages and --help show it, in TOML's spelling: "adamw", true, 0.003, inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # inf, -inf, nan: TOML's words (JSON has none)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (str, int, float)) else repr(value)
 
 
-def _toml_value(value: str | int | float | bool) -> str:
-    if isinstance(value, bool):  # before int: bool is a subclass of int
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as exactly this float, e.g. 0.003, 1e-05
-    return str(value)
-
-
-def _describe(value) -> str:
-    """A value as it appears in an error message: in TOML spelling when it has one."""
-    return _toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
+# The first line of every config.toml this program writes: how a run directory's own file is recognised.
+CONFIG_FIRST_LINE = "# The resolved configuration of this run: defaults, file and command line combined."
 
 
 def config_to_toml(config: Config) -> str:
     """The resolved config as a TOML file that `--config` reads back to an equal Config."""
-    lines = [
-        "# The resolved configuration of this run: defaults, file and command line combined.",
-        "# Run it again with: python train.py --config <this file>",
-        "",
-    ]
-    for name in _top_level_fields():
-        lines.append(f"{name} = {_toml_value(getattr(config, name))}")
-    for section_name in _section_types():
-        lines += ["", f"[{section_name}]"]
-        for declaration, value in _section_fields(getattr(config, section_name)):
-            lines.append(f"{declaration.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    header = f"{CONFIG_FIRST_LINE}\n# Run it again with: python train.py --config <this file>\n\n"
+    return header + tomli_w.dumps(config_to_dict(config))
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
     unit = declaration.metadata["unit"]
     unit_text = f"; unit: {unit}" if unit else ""
     return [
-        f"  {key} = {_toml_value(default)}    ({_allowed_text(declaration)}{unit_text})",
+        f"  {key} = {_shown(default)}    ({_allowed_text(declaration)}{unit_text})",
         f"      {declaration.metadata['help']}",
     ]
 
