@@ -8,7 +8,7 @@ them.
 import torch
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data.sources import DataError, RawExample, Rows, RowSet
+from accumulation.data.rows import DataError, RawExample, Rows, RowSet
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import all_reduce_ints, count_supervised_tokens
 

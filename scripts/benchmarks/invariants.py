@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import resolved_grad_scaler
 from accumulation.counters import Counters
-from accumulation.data.sources import BYTE_VOCAB_SIZE, build_data
-from accumulation.models.factory import gpt_config, loss_sum_fn_for
-from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.data.rows import BYTE_VOCAB_SIZE
+from accumulation.data.sources import build_data
+from accumulation.models.factory import loss_sum_fn_for
+from accumulation.models.gpt import GPT, GPTConfig, gpt_config
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import StepResult, optimizer_step
