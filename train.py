@@ -47,7 +47,6 @@ from accumulation.config.config import (
     ConfigError,
     ModelConfig,
     config_to_toml,
-    help_text,
     load_config,
     resolved_compile,
     resolved_grad_scaler,
@@ -152,6 +151,8 @@ from accumulation.step import (
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
+        from accumulation.config.help import help_text  # only --help lists every piece's keys
+
         print(help_text(argv))
         return 0
     # Everything a user can get wrong is checked before anything is written: a bad launch environment,

@@ -269,7 +269,7 @@ def model_line_of_a_run(tmp_path, capsys, arguments: list[str]) -> str:
     """The run header's model line of train.main with run.max_steps = 0 (everything built, no step run, so a
     compiled module is never called and never compiles)."""
     corpus = tmp_path / "corpus"
-    corpus.mkdir()
+    corpus.mkdir(parents=True)
     for index in range(8):
         (corpus / f"doc{index}.txt").write_text(f"document {index}: " + "some words to predict " * 20)
     common = [f"data.source={corpus}", f"run.out_dir={tmp_path / 'runs'}", "data.seq_len=32", "run.max_steps=0"]

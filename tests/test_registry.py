@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import train
-from accumulation.config.config import ConfigError, config_to_toml, help_text, load_config
+from accumulation.config.config import ConfigError, config_to_toml, load_config
+from accumulation.config.help import help_text
 from accumulation.models.factory import build_model, loss_sum_fn_for
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.resume import seed_dropout

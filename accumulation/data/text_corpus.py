@@ -24,8 +24,8 @@ from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_rows
 from accumulation.data.splits import Data, data_from_rows, validation_keys
 
 # Memory the text path takes per byte of text, its peak while the rows are built (the bytes, their copies
-# as documents and packed, and the row tables): 13.5 measured (peak RSS over the one before, a 24.5 MB
-# text file, both layouts, bytes as tokens, 2026-12-01), rounded up. Text is read whole; token files are not.
+# as documents and packed, and the row tables), rounded up from the figure docs/data.md gives. Text is read
+# whole; token files are not.
 TEXT_MEMORY_BYTES_PER_BYTE = 16
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party

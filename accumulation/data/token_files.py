@@ -47,9 +47,7 @@ NANOGPT_TOKEN_TYPE = np.dtype("<u2")
 SAMPLED_BLOCKS_PER_FILE = 4
 SAMPLED_BLOCK_TOKENS = 4096
 # Training token files totalling at most this many bytes are hashed whole at start-up, so that a resume can tell
-# an edit in place from a copy that only lost its modification time. The cost, on this project's 2-core CPU
-# (2026-12-01): sha256 over 256 MiB in memory 0.7 s per GiB when idle; 2.6 s per GiB read from the page
-# cache in HASH_READ_BYTES blocks while the machine was shared (load average 5). A cold disk adds its reading.
+# an edit in place from a copy that only lost its modification time (its cost: docs/data.md).
 WHOLE_FILE_HASH_MAX_BYTES = 2**30
 HASH_READ_BYTES = 2**24
 
