@@ -228,7 +228,7 @@ def allowed_text(declaration: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
     choices = declaration.metadata["choices"]
     if choices is not None:
-        return "one of " + ", ".join(shown(choice) for choice in choices)
+        return "one of " + ", ".join(value_text(choice) for choice in choices)
     bounds = _bounds_text(declaration.metadata)
     words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
     words = words or _TYPE_WORDS[declaration.type]
@@ -252,7 +252,7 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
         if declaration.type is str and value == "":
             allowed = declaration.default == ""  # "" means none only where it is the declared default
     if not allowed:
-        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {shown(value)}")
+        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {value_text(value)}")
 
 
 def _is_utf8(text: str) -> bool:
@@ -365,7 +365,7 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
     for name, value in tree.items():
         if name in section_types:
             if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {shown(value)}")
+                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {value_text(value)}")
             for key, inner_value in value.items():
                 pairs[f"{name}.{key}"] = inner_value
         elif isinstance(value, dict):
@@ -477,7 +477,7 @@ def resolved_grad_scaler(config: Config) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def shown(value) -> str:
+def value_text(value) -> str:
     """A value as error messages and --help show it, in TOML's spelling: "adamw", true, 0.003, inf."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # inf, -inf, nan: TOML's words (JSON has none)

@@ -13,7 +13,7 @@ from accumulation.config.config import (
     allowed_text,
     load_config,
     settings_of,
-    shown,
+    value_text,
 )
 from accumulation.config.registry import config_name, registered
 
@@ -22,7 +22,7 @@ def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
     unit = declaration.metadata["unit"]
     unit_text = f"; unit: {unit}" if unit else ""
     return [
-        f"  {key} = {shown(default)}    ({allowed_text(declaration)}{unit_text})",
+        f"  {key} = {value_text(default)}    ({allowed_text(declaration)}{unit_text})",
         f"      {declaration.metadata['help']}",
     ]
 
