@@ -15,7 +15,10 @@ from accumulation import checker as check_equivalence
 from accumulation.config.config import load_config
 from accumulation.data import sources as data
 from accumulation.data import token_files
-from accumulation.data.sources import DataError, build_data, build_micro_batches, step_row_ids
+from accumulation.data.rows import DataError
+from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.splits import Data
+from accumulation.data.tokenizer import sample_decoder
 from accumulation.models.factory import build_model
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
@@ -72,7 +75,7 @@ def llmc_folder(folder: Path, shard_tokens=(1200, 900, 700), val_tokens=400, ver
     return folder
 
 
-def build(source, *settings) -> data.Data:
+def build(source, *settings) -> Data:
     config = load_config([f"data.source={source}", "data.seq_len=16", *settings])
     return build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
 
@@ -554,8 +557,8 @@ def test_the_equivalence_checker_passes_on_packed_token_files(tmp_path, capsys):
 
 def test_the_sample_is_decoded_with_what_the_tokens_are(tmp_path):
     folder = nanogpt_folder(tmp_path / "n")
-    decode, _ = token_files.sample_decoder(load_config([f"data.source={folder}"]))
+    decode, _ = sample_decoder(load_config([f"data.source={folder}"]))
     assert decode([104, 105]) == "hi"  # meta.json: "tokenizer": "bytes"
     (folder / "meta.json").write_text(json.dumps({"vocab_size": 50304}))
-    decode, why_not = token_files.sample_decoder(load_config([f"data.source={folder}"]))
+    decode, why_not = sample_decoder(load_config([f"data.source={folder}"]))
     assert decode is None and "no tokenizer.json beside the token files" in why_not

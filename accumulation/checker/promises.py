@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.reference import map_tensors
-from accumulation.data.sources import DataError, Rows, StepBatch, check_supervised_counts
+from accumulation.data.rows import DataError, Rows
+from accumulation.data.sources import StepBatch, check_supervised_counts
 from accumulation.parallel.distributed import DistributedContext
 
 

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import Config
-from accumulation.data.sources import Rows
+from accumulation.data.rows import Rows
 from accumulation.step import count_supervised_tokens
 
 

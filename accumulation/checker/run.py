@@ -56,12 +56,14 @@ from accumulation.checker.self_test import (
     shifted_again_loss,
     targets_per_micro_batch,
 )
-from accumulation.chunked_loss import FinalHiddenStates
 from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
-from accumulation.data.sources import DataError, Rows, StepBatch, build_data, step_batch
+from accumulation.data.rows import DataError, Rows
+from accumulation.data.sources import StepBatch, build_data, step_batch
 from accumulation.models.factory import (
     build_model,
+    build_model_on_meta,
     count_parameters,
+    decided_model_config,
     loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
@@ -117,8 +119,8 @@ def main(argv: list[str]) -> int:
         layout = layout_of(world_size, rank, config.dist.pipeline_stages)  # the stages of a replica: the same rows
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
-        with torch.device("meta"):  # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
-            check_model_splits(build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=0), config)
+        # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
+        check_model_splits(build_model_on_meta(config.model, vocab_size, config.data.seq_len), config)
         rows = BuggyRows(data.train, bug, layout.replica) if bug in DATA_BUGS else data.train
         batch = step_batch(
             rows,
@@ -225,7 +227,7 @@ def compare_on_main(
         f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
     )
-    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
+    parameters = count_parameters(reference_model)
     dropout_off = "; ".join(found.dropout_off) or "none was on"
     print(
         f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
@@ -415,20 +417,20 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
     the StepResult; which loss path ran, in words).
 
     The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
-    # model.loss and model.compile as train.py resolves them: the plain or the chunked loss, compiled or not.
+    # model.loss and model.compile as train.py decides them: the plain or the chunked loss, compiled or not.
     compiled = resolved_compile(config, context.device.type)
+    model_config = decided_model_config(config, model, context.device)
     # (The mean-of-means self-test wraps the loss, so its forward and loss are not compiled as one module.)
     forward_module, train_loss_sum_fn = training_forward_and_loss(
-        config.model, config.dist, model, context.device.type, compile=compiled and bug != "mean-of-means"
+        model_config, model, compile=compiled and bug != "mean-of-means"
     )
+    plain_path = f"plain: the model's outputs into {function_name(loss_sum_fn)}"  # the configured (or buggy) loss
     if bug not in LOSS_BUGS:  # SELF-TEST ONLY otherwise: the loop keeps the fork's buggy loss on the plain path
         loss_sum_fn = train_loss_sum_fn
     else:
-        forward_module = model
-    if isinstance(forward_module, FinalHiddenStates):
-        path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
-    else:
-        path = f"plain: the model's outputs into {function_name(loss_sum_fn)}"
+        forward_module, model_config = model, dataclasses.replace(model_config, loss="plain")
+    chunked_path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
+    path = chunked_path if model_config.loss == "chunked" else plain_path
     loss_path = f"the loop ran model.loss = {config.model.loss} as {path}, {'compiled' if compiled else 'eager'}"
     param_dtype = autocast_dtype_for(config.precision)
     wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)

@@ -8,7 +8,8 @@ them.
 import torch
 
 from accumulation.batching import IGNORE_INDEX, micro_batch_slices
-from accumulation.data.sources import DataError, RawExample, Rows, RowSet, StepBatch
+from accumulation.data.rows import DataError, RawExample, Rows, RowSet
+from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import all_reduce_ints, count_supervised_tokens
 

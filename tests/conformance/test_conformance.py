@@ -20,8 +20,15 @@ import train
 from accumulation import checker as check_equivalence
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import load_config
-from accumulation.data.sources import build_data, rows_from_raw_examples, step_batch, step_row_ids
-from accumulation.models.factory import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.data.rows import rows_from_raw_examples
+from accumulation.data.sources import build_data, step_batch, step_row_ids
+from accumulation.models.factory import (
+    build_model,
+    build_model_on_meta,
+    count_parameters,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+)
 from testkit.ranks import run_main_on_ranks
 from tests.conformance.conftest import REPO
 
@@ -60,7 +67,8 @@ def test_model_contract(fork_argv):
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name}: two builds from the same seed differ; initialise from config.run.seed"
     # meta build
-    assert count_parameters(config.model, vocab_size, config.data.seq_len) == sum(p.numel() for p in first.parameters())
+    on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
+    assert count_parameters(on_meta) == sum(p.numel() for p in first.parameters())
     batch = step_batch(
         data.train, 0, seed=config.run.seed, global_batch_size=8, tail="drop", micro_batch_size=8, world_size=1, rank=0
     )
