@@ -11,13 +11,12 @@ maths of one step; this file is the loop around it: set-up, the training section
 Read top-down: `main` checks everything a user can get wrong; `train` reads as the run's story (build_training,
 resume_training, the fenced training section, then Session: checkpoints, logs and the checks after each step);
 the helpers follow. The logs themselves (metrics.jsonl, TensorBoard, the printed lines) are accumulation/run/logs.py.
-A fork changes three things, each in one place: the model and the loss (accumulation/models/factory.py) and the data
-(accumulation/data/sources.py: `build_data`). docs/forking.md walks through it.
+A fork adds a model, a loss or a data source in its own file, registered by name (accumulation/config/registry.py),
+and names it in the config; no file here is edited. docs/forking.md walks through it.
 """
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
 
-import dataclasses
 import math
 import os
 import signal
@@ -48,24 +47,25 @@ from accumulation.config.config import (
     ConfigError,
     ModelConfig,
     config_to_toml,
-    help_text,
     load_config,
     resolved_compile,
     resolved_grad_scaler,
 )
 from accumulation.counters import Counters
+from accumulation.data.rows import DataError
 from accumulation.data.sources import (
-    Data,
-    DataError,
     build_data,
     check_supervised_counts,
     eval_micro_batches,
     step_batch,
     steps_per_epoch,
 )
+from accumulation.data.splits import Data
 from accumulation.models.factory import (
     build_model,
-    free_memory_bytes,
+    build_model_on_meta,
+    count_parameters,
+    decided_model_config,
     loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
@@ -151,6 +151,8 @@ from accumulation.step import (
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
+        from accumulation.config.help import help_text  # only --help lists every piece's keys
+
         print(help_text(argv))
         return 0
     # Everything a user can get wrong is checked before anything is written: a bad launch environment,
@@ -165,20 +167,20 @@ def main(argv: list[str]) -> int:
         check_config_for_world(config, world_size)
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
         # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
-        check_model_fits_in_memory(config, vocab_size=max(config.model.vocab_size, 1))
+        one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
+        check_model_fits_in_memory(config, count_parameters(one_token_model))
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
         check_run_directory(run_dir)  # this program's own files only (a fresh run: in a folder of no other run)
-        with torch.device("meta"):  # every parameter's shape, no memory
-            model_on_meta = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
-            shapes = ExpectedShapes.of(config, model_on_meta)
+        model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
+        shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
-        chunked_loss = uses_chunked_loss(config.model, config.dist, model_on_meta, training_device_type(config))
+        chunked_loss = uses_chunked_loss(config.model, config.dist, model_on_meta)
         check_model_splits(model_on_meta, config)  # dist.pipeline_stages > 1: the model's pipeline_split, P <= layers
-        check_micro_batch_fits_in_memory(config, vocab_size, chunked_loss)
+        check_micro_batch_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
@@ -198,12 +200,6 @@ def main(argv: list[str]) -> int:
             lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
 
 
-def training_device_type(config: Config) -> str:
-    """The kind of device the ranks will choose (accumulation/parallel/distributed.py's choose_device), known before
-    they are set up."""
-    return "cuda" if config.device != "cpu" and torch.cuda.is_available() else "cpu"
-
-
 def print_to_stderr(*args, **kwargs) -> None:
     print(*args, **kwargs, file=sys.stderr)
 
@@ -216,9 +212,7 @@ def probe_step_zero(
     batch.on_inexact = "error")."""
     # Training's model.loss, uncompiled (as validation runs it): the probe compares losses, not kernels.
     model = training.model
-    forward_module, loss_sum_fn = training_forward_and_loss(
-        training.model_config, config.dist, model, context.device.type
-    )
+    forward_module, loss_sum_fn = training_forward_and_loss(training.model_config, model)
     for line in probe_loss_and_model(
         forward_module, model, loss_sum_fn, micro_batch, context.device, config.batch.on_inexact
     ):
@@ -299,7 +293,10 @@ def train(
             # The step's rows are a pure function of (seed, step, row ids); the step's micro-batches were built,
             # checked and pinned while the device ran the step before (see StepBatches).
             micro_batches, global_counts = step_batches.take(counters.steps, micro_batch_size)
+            # Train mode (dropout on) for every step: a model may arrive in eval mode (Hugging Face's
+            # from_pretrained returns one so), and a resumed run has no step-0 probe to leave it in train mode.
             if training.pipeline is not None:  # dist.pipeline_stages > 1: the schedule runs the micro-batches
+                training.pipeline.stage_module.train()
                 result = pipelined_step(
                     training.pipeline,
                     micro_batches,
@@ -311,6 +308,7 @@ def train(
                     stop_requested=lambda: stop.requested,
                 )
             else:
+                training.wrapped.train()
                 result = optimizer_step(
                     training.wrapped,
                     micro_batches,
@@ -434,8 +432,10 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # model.loss: the model's logits and the plain loss, or its hidden states and the chunked loss (the same SUM).
     compiled = resolved_compile(config, device.type)
     pipeline = None
+    # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
+    # (accumulation/models/factory.py); the probe and validation use the same loss.
+    model_config = decided_model_config(config, model, device)
     if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
-        model_config = dataclasses.replace(config.model, loss="plain")
         forward_module, loss_sum_fn = model, loss_sum_fn_for(config.model)
         accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
         pipeline = build_pipeline(model, context.layout, device, loss_sum_fn, accum, config.dist.pipeline_schedule)
@@ -444,19 +444,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
         pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
         wrapped = pipeline.wrapped
     else:
-        # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
-        # (accumulation/models/factory.py, uses_chunked_loss); validation uses the same loss.
-        # Every rank decides on the least free memory of all ranks, so all run the same loss.
-        positions = config.batch.micro_batch_size * config.data.seq_len
-        free_bytes = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)
-        if dist.is_initialized() and config.model.loss == "auto":
-            free_bytes = free_bytes.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL: device tensors
-            dist.all_reduce(free_bytes, op=dist.ReduceOp.MIN)
-        chunked = uses_chunked_loss(config.model, config.dist, model, device.type, positions, int(free_bytes))
-        model_config = dataclasses.replace(config.model, loss="chunked" if chunked else "plain")
-        forward_module, loss_sum_fn = training_forward_and_loss(
-            model_config, config.dist, model, device.type, compile=compiled
-        )
+        forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
         param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
         wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
         optimizer = build_optimizer(config.optim, model, device)
@@ -698,8 +686,8 @@ def validation_loss(
     loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
     tokens = 0
     # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    model_config = config.model if model_config is None else model_config
-    forward_module, loss_sum_fn = training_forward_and_loss(model_config, config.dist, model, context.device.type)
+    model_config = decided_model_config(config, model, context.device) if model_config is None else model_config
+    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model)
     for micro_batch in own_rows:
         with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             inputs, labels = to_device(micro_batch, context.device)

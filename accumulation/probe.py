@@ -52,6 +52,7 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
     labels = micro_batch.labels.to(device)
     supervised = (labels != IGNORE_INDEX).nonzero()
     warnings = []
+    model.train()  # the mode every step runs it in (train.py's loop), whatever mode the build left it in
     coupled = coupling_modules(model)
     if coupled:
         warnings.append(

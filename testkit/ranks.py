@@ -11,7 +11,9 @@ all ranks before it kills the rest. Ranks end with os._exit after tearing down t
 the interpreter's own exit can abort a finished gloo rank (about 1 spawn in 20 on the test machine).
 """
 
+import importlib
 import os
+import socket
 import tempfile
 import time
 from datetime import timedelta
@@ -23,14 +25,17 @@ import torch.multiprocessing as mp
 
 from accumulation.parallel.distributed import run_and_exit
 
-# What the forkserver imports once, before it forks any rank (torch, and the package, whose step imports FSDP2:
-# seconds together); the rest, fn's own module first, each rank imports.
+# What the forkserver imports once, before it forks any rank (torch, and the package, whose step imports FSDP2,
+# train.py, whose pipeline imports torch's pipelining, and the checker: seconds together); the rest, fn's own
+# module first, each rank imports.
 FORKSERVER_PRELOAD = [
     "torch",
     "torch.distributed",
     "accumulation.parallel.distributed",
     "accumulation.step",
     "accumulation.data.sources",
+    "train",
+    "accumulation.checker",
 ]
 
 
@@ -96,3 +101,74 @@ def pretend_launched(monkeypatch, world_size: int, rank: int = 0) -> None:
     launch = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
     for name, value in launch.items():
         monkeypatch.setenv(name, str(value))
+
+
+def _launched_rank_main(
+    rank: int, world_size: int, port: int, output_dir: str, environment: dict, main_name: str, argv: list[str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(environment)
+    if world_size > 1:  # one rank runs as `python train.py` does: no launch environment, no process group
+        # What torchrun's agent gives each worker; rank 0 then hosts the TCP store (no agent holds one).
+        launch = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1"}
+        os.environ.update({name: str(value) for name, value in launch.items()}, MASTER_PORT=str(port))
+    # The rank's stdout and stderr go to files at the descriptor level, so whatever writes them is kept.
+    for descriptor, name in ((1, "out"), (2, "err")):
+        with open(Path(output_dir) / f"rank{rank}.{name}", "w") as sink:
+            os.dup2(sink.fileno(), descriptor)
+    module_name, function_name = main_name.split(":")
+    main = getattr(importlib.import_module(module_name), function_name)
+    torch.set_num_threads(1)
+    run_and_exit(main, argv)  # exits with main's status, as the script under torchrun would
+
+
+def run_main_on_ranks(
+    main_name: str,
+    argv: list[str],
+    world_size: int = 2,
+    timeout_s: float = 120.0,
+    rank_argv: list[list[str]] | None = None,
+) -> list:
+    """A program's main(argv) ("train:main", "accumulation.checker:main") on `world_size` ranks forked from
+    the forkserver, each with the environment torchrun would give it (none for one rank, as `python train.py`),
+    instead of torchrun and interpreters that import torch again: (exit status, stdout, stderr) of each rank,
+    in rank order. `rank_argv[r]`, when given, follows argv on rank r (nodes that do not share a folder)."""
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="accumulation-launched-") as scratch:
+        context = mp.get_context("forkserver")
+        context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        processes = [
+            context.Process(
+                target=_launched_rank_main,
+                args=(
+                    rank,
+                    world_size,
+                    port,
+                    scratch,
+                    environment,
+                    main_name,
+                    argv + (rank_argv[rank] if rank_argv else []),
+                ),
+            )
+            for rank in range(world_size)
+        ]
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + timeout_s
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s} s (a hang?)")
+        outputs = []
+        for rank, process in enumerate(processes):
+            out, err = ((Path(scratch) / f"rank{rank}.{name}").read_text() for name in ("out", "err"))
+            outputs.append((process.exitcode, out, err))
+        return outputs

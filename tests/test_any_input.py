@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from accumulation.batching import IGNORE_INDEX, split_micro_batches
-from accumulation.data.sources import RawExample, rows_from_raw_examples, step_batch
+from accumulation.data.rows import RawExample, rows_from_raw_examples
+from accumulation.data.sources import step_batch
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients
 

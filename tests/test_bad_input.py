@@ -4,6 +4,7 @@ this process (fast); a few go through the real entry point."""
 
 import math
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import garbage, run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, free_port
 from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
@@ -162,6 +164,8 @@ def damage(payload: dict, kind: str) -> dict:
         return {**payload, "data": {**payload["data"], "files": [None]}}
     if kind == "non-finite weights":
         return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), math.nan)}}
+    if kind == "infinite weights":  # inf alone, without NaN: a check for NaN only would pass it
+        return {**payload, "model": {**payload["model"], "lm_head.weight": torch.full((256, 16), -math.inf)}}
     if kind == "missing parameter":
         return {**payload, "model": {key: value for key, value in payload["model"].items() if key != "lm_head.weight"}}
     if kind == "wrong shape":  # the config matches; the tensor does not
@@ -205,6 +209,7 @@ def damage(payload: dict, kind: str) -> dict:
         ("file stamps", "data.files should be a list of the token files' stamps"),
         # was: every update skipped, exit 0
         ("non-finite weights", "the weights lm_head.weight hold NaN or inf"),
+        ("infinite weights", "the weights lm_head.weight hold NaN or inf"),
         ("missing parameter", "its model does not fit the configured model: missing lm_head.weight"),
         ("wrong shape", "lm_head.weight has shape [256, 8], the configured model [256, 16]"),
         # was: each accepted, exit 0 (the weights silently rounded, or the stored config's defaults compared)
@@ -239,6 +244,51 @@ def test_a_damaged_checkpoint_is_one_line_and_the_run_directory_untouched(tmp_pa
     assert snapshot(run_dir) == before
 
 
+def at_most_3_gib() -> None:
+    """A child's address space capped at 3 GiB (the tiny run needs under 2): a reader of /dev/zero then fails
+    in the child instead of filling the shared machine's memory until the kernel kills some process."""
+    resource.setrlimit(resource.RLIMIT_AS, (3 * 2**30, 3 * 2**30))
+
+
+@pytest.mark.parametrize(
+    "name, kind, named",
+    [
+        ("latest.pt", "named pipe", "is a named pipe (FIFO), not a file this program wrote"),  # was: no output, forever
+        # was: memory filled until the kernel killed the job
+        ("latest.pt", "link to /dev/zero", "is a symbolic link to /dev/zero, which is a character device, not a"),
+        ("step_000000.pt", "directory", "is a directory, not a file this program wrote"),  # was: resumed from latest.pt
+        # refused before, by the run directory's own check (accumulation/run/run_dir.py)
+        ("latest.pt", "directory", "is a folder, where this program keeps the newest checkpoint"),
+    ],
+)
+def test_a_checkpoint_name_that_is_not_a_regular_file_is_refused_before_it_is_read(started_run, name, kind, named):
+    """Through the real entry point, with a timeout: a run that hangs on a FIFO fails the test, not the suite."""
+    arguments, run_dir = started_run
+    path = run_dir / "checkpoints" / name
+    path.unlink()  # the other checkpoint name stays: a regular file to resume from
+    if kind == "named pipe":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+    names_before, files_before = sorted(run_dir.rglob("*")), snapshot(run_dir)  # snapshot opens regular files only
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), *arguments],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+        preexec_fn=at_most_3_gib,
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stderr.startswith("error: ") and completed.stderr.count("\n") == 1, completed.stderr
+    assert f"{path} {named}" in completed.stderr, completed.stderr
+    assert "resuming" not in completed.stdout
+    assert sorted(run_dir.rglob("*")) == names_before and snapshot(run_dir) == files_before
+
+
 def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corpus, capsys):
     """After 2 applied updates AdamW holds two moments per parameter. A checkpoint whose optimizer state is
     empty (the moments would restart from zero, exit 0 before), or holds a moment without its partner, or a
@@ -257,10 +307,42 @@ def test_a_checkpoint_whose_optimizer_lost_its_moments_is_refused(tmp_path, corp
             {**state, 0: {**state[0], "exp_avg": state[0]["exp_avg"].half()}},
             "optimizer state exp_avg of parameter 0 is stored as torch.float16, its parameter's torch.float32",
         ),
+        # was: a line naming no file, quoting a "<generator object ...>"
+        ({**state, 2: {**state[2], "step": "x"}}, "optimizer state step of parameter 2 is 'x', not a count of updates"),
+        ({**state, 2: {**state[2], "step": torch.tensor(-1.0)}}, "optimizer state step of parameter 2 is -1.0"),
+        ({**state, 1: {**state[1], "exp_avg": "x"}}, "optimizer state exp_avg of parameter 1 is 'x', not a tensor"),
     ]
     for optimizer_state, named in damaged:
         torch.save({**payload, "optimizer": {**payload["optimizer"], "state": optimizer_state}}, latest)
         status, output, error = run_in_process(arguments + ["run.max_steps=3"], capsys)
+        assert status == 2 and error.count("\n") == 1 and named in error, error
+        assert f"checkpoint {latest}" in error and "resuming" not in output
+
+
+def test_a_checkpoint_after_one_update_is_checked_like_any_other(tmp_path, corpus, capsys):
+    """After a single applied update: an emptied optimizer state (AdamW's moments would restart from zero) and
+    a scheduler left behind the counters (the learning rate of step 1 again) are each one line, before
+    "resuming"."""
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 1, "run.sample_bytes": 0})
+    assert run_in_process(arguments, capsys)[0] == 0
+    latest = tmp_path / "runs" / "default" / "checkpoints" / "latest.pt"
+    payload = torch.load(latest, weights_only=True)
+    assert payload["counters"]["updates"] == 1
+    for path in latest.parent.iterdir():
+        path.unlink()
+    damaged = [
+        (
+            {**payload, "optimizer": {**payload["optimizer"], "state": {}}},
+            "its optimizer state is empty after 1 applied updates",
+        ),
+        (
+            {**payload, "scheduler": {**payload["scheduler"], "last_epoch": 0}},
+            "its scheduler is at 0 applied updates, its counters at 1",
+        ),
+    ]
+    for damaged_payload, named in damaged:
+        torch.save(damaged_payload, latest)
+        status, output, error = run_in_process(arguments + ["run.max_steps=2"], capsys)
         assert status == 2 and error.count("\n") == 1 and named in error, error
         assert f"checkpoint {latest}" in error and "resuming" not in output
 
@@ -310,9 +392,11 @@ def test_documented_fallbacks_train_instead_of_failing(tmp_path, capsys, started
     assert read_metrics(tmp_path / "runs" / "small")[0]["examples"] == 3
 
 
-def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_bad_input_through_the_real_entry_point(tmp_path, corpus, launched):
     """The exit status and stderr a shell sees: exit 2, one line, no traceback, for a checkpoint of random
-    bytes and for a data file that is not UTF-8."""
+    bytes and for a data file that is not UTF-8. In a process forked as `python train.py` (testkit/ranks.py:
+    train.main, then run_and_exit's exit), or launched as one."""
     settings = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
     checkpoints = tmp_path / "runs" / "default" / "checkpoints"
     checkpoints.mkdir(parents=True)
@@ -322,13 +406,28 @@ def test_bad_input_through_the_real_entry_point(tmp_path, corpus):
         (settings, "latest.pt cannot be read"),
         (settings + [f"data.source={source}"], "is not a text file"),
     ]:
-        completed = run_train(arguments)
-        assert completed.returncode == 2
-        assert (
-            completed.stderr.count("\n") == 1 and named in completed.stderr and "Traceback" not in completed.stderr
-        ), completed.stderr
+        if launched:
+            completed = run_train(arguments)
+            status, stderr = completed.returncode, completed.stderr
+        else:
+            [(status, _, stderr)] = run_main_on_ranks("train:main", arguments, world_size=1)
+        assert status == 2
+        assert stderr.count("\n") == 1 and named in stderr and "Traceback" not in stderr, stderr
 
 
+def test_ranks_that_see_different_checkpoints_are_refused_on_forked_ranks(tmp_path, corpus, capsys):
+    """As below, on 2 ranks forked with torchrun's environment (testkit/ranks.py) instead of 2 interpreters."""
+    shared = tiny_settings(tmp_path, corpus, **{"run.max_steps": 0})
+    assert run_in_process(shared, capsys)[0] == 0
+    out_dirs = [[f"run.out_dir={tmp_path / 'runs'}"], [f"run.out_dir={tmp_path / 'other_node_runs'}"]]
+    results = run_main_on_ranks("train:main", [*shared, "run.max_steps=2"], world_size=2, rank_argv=out_dirs)
+    assert [status for status, _, _ in results] == [2, 2], results
+    error = results[0][2]
+    assert error.count("\n") == 1 and "rank 0 step 0, rank 1 none" in error and "every node shares" in error, error
+    assert not (tmp_path / "other_node_runs").exists()
+
+
+@pytest.mark.integration
 @pytest.mark.slow
 def test_ranks_that_see_different_checkpoints_are_refused(tmp_path, corpus, capsys):
     """Two nodes without a shared run.out_dir: rank 0 finds the checkpoint, rank 1 (another folder here)

@@ -7,7 +7,9 @@ import pytest
 
 from scripts.benchmarks.bench_pipeline import Sizes, measure, table, two_stage_model
 
-pytestmark = pytest.mark.slow  # 2 then 4 gloo ranks on 2 shared cores: 196 s here at a load average of about 15
+# A benchmark's runs, 2 then 4 gloo ranks on 2 shared cores: 196 s here at a load average of about 15. The
+# integration tier; the 2 x 2 mesh's one all-reduce per stage is also tests/test_pipeline.py's, by default.
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 TOY = Sizes(width=32, blocks_per_stage=1, seq_len=8, micro_batch_size=2, accumulation_steps=(2, 4), repeats=1)
 

@@ -1,18 +1,26 @@
-"""scripts/checks/check_equivalence.py with pipeline stages under torchrun: PASS on 2 ranks (P = 2) and on 4
-(a 2 × 2 mesh) against the float64 full batch; FAIL with the schedule's scale_grads default injected."""
+"""scripts/checks/check_equivalence.py with pipeline stages on forked gloo ranks (and under torchrun in the
+integration tier): PASS on 2 ranks (P = 2) and on 4 (a 2 × 2 mesh) against the float64 full batch; FAIL with the
+schedule's scale_grads default injected."""
 
 import pytest
 
 from accumulation import checker as check_equivalence
 from testkit.ranks import pretend_launched
-from tests.test_check_equivalence import TINY_CONFIG, reported_relative_error, run_checker, short_documents_corpus
+from tests.test_check_equivalence import (
+    TINY_CONFIG,
+    reported_relative_error,
+    run_checker,
+    run_checker_with_stderr,
+    short_documents_corpus,
+)
 
 STAGES = ["model.n_layer=2", "dist.pipeline_stages=2"]
 
 
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_the_pipelined_loop_passes(tmp_path, capsys, ranks):
-    status, stdout = run_checker(tmp_path, STAGES, ranks, capsys)
+def test_the_pipelined_loop_passes(tmp_path, capsys, ranks, launched):
+    status, stdout, _ = run_checker_with_stderr(tmp_path, STAGES, ranks, capsys, launched)
     assert status == 0, stdout
     assert f"x replicas {ranks // 2}; 2 pipeline stages (1f1b), {ranks} ranks;" in stdout
     assert stdout.splitlines()[-1] == "PASS"

@@ -316,3 +316,43 @@ def test_a_malicious_pickle_is_refused_without_running_it(tmp_path, capsys, star
     # The file is a working attack: an unrestricted load runs it.
     torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=False)
     assert marker.exists()
+
+
+# A model that arrives in eval mode, as Hugging Face's from_pretrained returns one: the GPT, with dropout.
+EVAL_MODE_FORK = """
+from accumulation.config.registry import register_model
+from accumulation.models.gpt import build_gpt
+
+
+def build(model_config, vocab_size, *, seq_len, seed):
+    return build_gpt(model_config, vocab_size, seq_len=seq_len, seed=seed).eval()
+
+
+register_model("eval-mode-gpt", build)
+"""
+
+
+def test_a_model_built_in_eval_mode_trains_with_dropout_and_resumes_bit_for_bit(tmp_path, corpus, capsys, monkeypatch):
+    """The loop puts the model in train mode before every step. Without that, a fresh run trained with dropout
+    only because the step-0 probe ends in train mode, and a resumed run (no probe, no validation before its
+    first step) trained the model as built: in eval mode, without dropout, and ended on other weights."""
+    (tmp_path / "eval_mode_fork.py").write_text(EVAL_MODE_FORK)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def arguments(name: str, **overrides) -> list[str]:
+        settings = {"model.name": "eval_mode_fork:eval-mode-gpt", "model.dropout": 0.1, "run.sample_bytes": 0}
+        return tiny_settings(tmp_path / name, corpus, **{**settings, **overrides})
+
+    assert run_in_process(arguments("straight"), capsys)[0] == 0
+    assert run_in_process(arguments("resumed", **{"run.max_steps": 2}), capsys)[0] == 0
+    status, output, error = run_in_process(arguments("resumed"), capsys)
+    assert status == 0, error
+    assert "at step 2" in output
+    assert run_in_process(arguments("no_dropout", **{"model.dropout": 0.0}), capsys)[0] == 0
+    straight, resumed, no_dropout = (
+        final_weights(tmp_path / name / "runs" / "default") for name in ("straight", "resumed", "no_dropout")
+    )
+    for name, value in straight.items():
+        assert torch.equal(resumed[name], value), name
+    # Dropout did act in the straight run's steps: without it the same steps end on other weights.
+    assert any(not torch.equal(no_dropout[name], value) for name, value in straight.items())

@@ -2,15 +2,18 @@
 computed in the forward. The same SUM and the same gradients as the plain loss, and through optimizer_step the
 same update as the independent float64 reference (testkit/reference.py), on one process and on 2 gloo ranks."""
 
+import dataclasses
 import re
 
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
 from accumulation.config.config import ConfigError, load_config
+from accumulation.models import factory
 from accumulation.models.factory import (
     build_model,
     chunked_loss_pays,
@@ -139,8 +142,11 @@ def test_two_ranks_with_the_chunked_loss_equal_the_float64_reference():
 
 def test_model_loss_chooses_the_pair_the_step_runs():
     def pair(overrides, model, device_type):
-        config = load_config(overrides)
-        return training_forward_and_loss(config.model, config.dist, model, device_type)
+        config = load_config(overrides)  # m·T and the free memory unknown here (0): auto decides plain
+        chunked = uses_chunked_loss(config.model, config.dist, model)
+        return training_forward_and_loss(
+            dataclasses.replace(config.model, loss="chunked" if chunked else "plain"), model
+        )
 
     def build(overrides):
         config = load_config(overrides)
@@ -172,22 +178,21 @@ def test_model_loss_auto_chooses_chunked_when_the_plain_logits_would_take_over_a
     # The default config on a CPU (m = 4, T = 128, bytes): 1.6 MB, plain with any memory a machine has.
     assert not chunked_loss_pays(4 * 128, 256, free_bytes=2**30)
 
-    def auto(overrides, model, device_type, free_bytes, positions=positions):
+    def auto(overrides, model, free_bytes, positions=positions):
         config = load_config(overrides)
-        return uses_chunked_loss(config.model, config.dist, model, device_type, positions, free_bytes)
+        return uses_chunked_loss(config.model, config.dist, model, positions, free_bytes)
 
     gpt = build_model(load_config([]).model, vocab, seq_len=8, seed=0)
-    for device_type in ("cpu", "cuda"):  # the same numbers give the same choice on either device
-        assert auto([], gpt, device_type, free_bytes=10**9) is True
-        assert auto([], gpt, device_type, free_bytes=10**12) is False
-        assert auto([], gpt, device_type, free_bytes=10**9, positions=0) is False  # m·T unknown: plain
+    assert auto([], gpt, free_bytes=10**9) is True
+    assert auto([], gpt, free_bytes=10**12) is False
+    assert auto([], gpt, free_bytes=10**9, positions=0) is False  # m·T unknown: plain
     # The other conditions stay: FSDP2 and a model without an output head keep the plain loss; an explicit
     # choice is never overruled by the memory.
-    assert auto(["dist.strategy=fsdp2"], gpt, "cuda", free_bytes=10**9) is False
+    assert auto(["dist.strategy=fsdp2"], gpt, free_bytes=10**9) is False
     gru = build_model(load_config(["model.name=gru"]).model, vocab, seq_len=8, seed=0)
-    assert auto(["model.name=gru"], gru, "cuda", free_bytes=10**9) is False
-    assert auto(["model.loss=plain"], gpt, "cuda", free_bytes=10**9) is False
-    assert auto(["model.loss=chunked"], gpt, "cuda", free_bytes=10**15) is True
+    assert auto(["model.name=gru"], gru, free_bytes=10**9) is False
+    assert auto(["model.loss=plain"], gpt, free_bytes=10**9) is False
+    assert auto(["model.loss=chunked"], gpt, free_bytes=10**15) is True
 
 
 @pytest.mark.slow
@@ -201,7 +206,7 @@ def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_ex
     batches = micro_batches_of(seed=1, count=3)
     reference = float64_reference_gradient(model, batches)
     config = load_config([f"model.loss={loss}", "model.compile=true"])
-    forward_module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, "cpu", compile=True)
+    forward_module, loss_sum_fn = training_forward_and_loss(config.model, model, compile=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     assert loss_sum_fn is None  # the module computes S itself
@@ -258,3 +263,31 @@ def test_inductor_computes_a_chunks_gradient_without_an_fp32_logits_sized_buffer
     eager_sum, eager_grad_hidden = chunk(hidden, weight, labels, grad_weight)
     torch.testing.assert_close(loss_sum, eager_sum, rtol=1e-3, atol=0)
     assert max_relative_error([grad_hidden.float()], [eager_grad_hidden.float()]) < 2e-2
+
+
+def model_line_of_a_run(tmp_path, capsys, arguments: list[str]) -> str:
+    """The run header's model line of train.main with run.max_steps = 0 (everything built, no step run, so a
+    compiled module is never called and never compiles)."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(parents=True)
+    for index in range(8):
+        (corpus / f"doc{index}.txt").write_text(f"document {index}: " + "some words to predict " * 20)
+    common = [f"data.source={corpus}", f"run.out_dir={tmp_path / 'runs'}", "data.seq_len=32", "run.max_steps=0"]
+    assert train.main([*common, "model.n_layer=1", "model.d_model=32", "model.n_head=2", *arguments]) == 0
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
+
+
+# The default config at data.seq_len = 32: the plain loss's logit buffers at m·T = 4·32 positions of vocabulary 256
+# are 3 · 4 · 128 · 256 = 393,216 bytes, so with 10**5 bytes free model.loss = "auto" takes the chunked loss.
+LITTLE_FREE_MEMORY_BYTES = 10**5
+
+
+@pytest.mark.parametrize("compiled", ["false", "true"])
+def test_the_run_header_names_the_loss_that_runs_compiled_or_not(tmp_path, capsys, monkeypatch, compiled):
+    """With model.compile on, the step runs ForwardAndLoss around the model (the plain loss) or around its hidden
+    states (the chunked one): the header names model.loss as decided, not what the module looks like."""
+    plain = model_line_of_a_run(tmp_path / "plain", capsys, [f"model.compile={compiled}"])
+    assert f"; loss plain; compile {'on' if compiled == 'true' else 'off'}" in plain
+    monkeypatch.setattr(factory, "free_memory_bytes", lambda device_type: LITTLE_FREE_MEMORY_BYTES)
+    chunked = model_line_of_a_run(tmp_path / "chunked", capsys, [f"model.compile={compiled}"])
+    assert f"; loss chunked; compile {'on' if compiled == 'true' else 'off'}" in chunked

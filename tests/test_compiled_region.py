@@ -54,7 +54,7 @@ def compiled_region_worker(rank: int, world_size: int, backend: str) -> dict:
         counters.clear()
         model = GPT(MODEL, seed=3)
         config = load_config([f"model.loss={loss}", "model.compile=true"])
-        module, loss_sum_fn = training_forward_and_loss(config.model, config.dist, model, "cpu", compile=True)
+        module, loss_sum_fn = training_forward_and_loss(config.model, model, compile=True)
         if loss == "chunked":  # 5 positions per chunk: 16 positions in chunks of 5, 5, 5 and a last one of 1
             module.loss_sum_fn.chunk_positions = 5
         wrapped = DistributedDataParallel(torch.compile(module, backend=backend))  # as wrap_for_training does

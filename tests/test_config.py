@@ -12,11 +12,11 @@ from accumulation.config.config import (
     config_from_dict,
     config_to_dict,
     config_to_toml,
-    help_text,
     load_config,
     resolved_compile,
     resolved_grad_scaler,
 )
+from accumulation.config.help import help_text
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_CONFIGS = sorted((REPO_ROOT / "configs").glob("*.toml"))

@@ -6,7 +6,7 @@ whole check is `python scripts/checks/gpu_check.py`."""
 import pytest
 import torch
 
-from scripts.checks import gpu_check
+from scripts.checks import gpu_check, gpu_perf
 from testkit.syncs import synchronising_calls
 
 
@@ -37,22 +37,23 @@ def test_without_a_gpu_the_perf_table_is_one_line_and_exit_0(monkeypatch, capsys
 
 
 def test_the_perf_command_measures_gpu_8x_at_the_issues_shape(tmp_path):
-    command = gpu_check.perf_command(tmp_path, [*gpu_check.PERF_MODES["compiled-chunked"], "model.loss=plain"])
+    command = gpu_perf.perf_command(tmp_path, [*gpu_perf.PERF_MODES["compiled-chunked"], "model.loss=plain"])
     assert command[1].endswith("scripts/benchmarks/bench.py") and command[command.index("--config") + 1].endswith(
         "gpu_8x.toml"
     )
     assert "--json" in command and command[command.index("--accumulation-steps") + 1] == "4"
     assert {"batch.micro_batch_size=16", "batch.global_batch_size=64", f"data.source={tmp_path}"} <= set(command)
     assert command[-3:] == ["model.compile=true", "model.loss=chunked", "model.loss=plain"]  # the user's win
-    assert set(gpu_check.PERF_MODES) == {"eager-plain", "eager-chunked", "compiled-plain", "compiled-chunked"}
+    assert set(gpu_perf.PERF_MODES) == {"eager-plain", "eager-chunked", "compiled-plain", "compiled-chunked"}
 
 
+@pytest.mark.integration  # runs scripts/benchmarks/bench.py in processes of its own
 @pytest.mark.slow
 def test_the_perf_table_keeps_the_rows_it_has_when_a_mode_times_out(monkeypatch, capsys):
     """--perf-toy-cpu: the script itself on the CPU at a toy size (the model of a few thousand weights, no GPU).
     The eager chunked mode gives its row; the compiled one, given 1 s, times out (compiling takes far longer):
     its line says so, the table and the total are still printed, and the exit status says a row is missing."""
-    monkeypatch.setattr(gpu_check, "PERF_TIMEOUT_S", {"eager": 600, "compiled": 1})
+    monkeypatch.setattr(gpu_perf, "PERF_TIMEOUT_S", {"eager": 600, "compiled": 1})
     status = gpu_check.main(["--perf-toy-cpu", "--perf-modes", "eager-chunked,compiled-chunked"])
     lines = capsys.readouterr().out.splitlines()
     assert status == 1
@@ -67,11 +68,11 @@ def test_the_perf_table_keeps_the_rows_it_has_when_a_mode_times_out(monkeypatch,
 @pytest.mark.compile
 def test_the_perf_table_has_a_row_for_every_mode_on_the_cpu_at_a_toy_size(monkeypatch, capsys):
     """All four modes, compiled ones included (minutes of compiling on a busy 2-core CPU)."""
-    monkeypatch.setattr(gpu_check, "PERF_TIMEOUT_S", {"eager": 900, "compiled": 1800})
+    monkeypatch.setattr(gpu_perf, "PERF_TIMEOUT_S", {"eager": 900, "compiled": 1800})
     status = gpu_check.main(["--perf-toy-cpu"])
     output = capsys.readouterr().out
     assert status == 0, output
-    for mode in gpu_check.PERF_MODES:
+    for mode in gpu_perf.PERF_MODES:
         [line] = [line for line in output.splitlines() if line.startswith(mode + " ")]
         assert float(line.split()[3]) > 0, line
 

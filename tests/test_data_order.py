@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from accumulation.data import sources as data
-from accumulation.data.sources import DataError
+from accumulation.data.rows import DataError
 
 # ---------------------------------------------------------------------------------------------------
 # Data order

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from accumulation.data import sources as data
+from accumulation.data.rows import RawExample, mix64
 
 HUGE_ROWS = 10**11  # 800 GB as an int64 permutation: only sampling can check it
 
@@ -22,7 +23,7 @@ def inverse_row_positions(num_rows: int, seed: int, epoch: int, row_ids: np.ndar
     def inverse(values):
         left, right = values >> shift, values & mask
         for key in keys[::-1]:
-            left, right = right ^ (data.mix64(left ^ key) & mask), left
+            left, right = right ^ (mix64(left ^ key) & mask), left
         return (left << shift) | right
 
     values = inverse(row_ids.astype(np.uint64))
@@ -109,7 +110,7 @@ class IdRows:
         return torch.full((len(row_ids),), self.seq_len)
 
     def raw_example(self, row_id, step):
-        return data.RawExample(inputs=[row_id] * self.seq_len, targets=dict.fromkeys(range(self.seq_len), row_id))
+        return RawExample(inputs=[row_id] * self.seq_len, targets=dict.fromkeys(range(self.seq_len), row_id))
 
 
 @pytest.mark.parametrize("step", [0, 97_656_249, 10**9])

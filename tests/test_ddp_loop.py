@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scripts.teaching import ddp_loop
 from tests.test_minimal_loop import code_lines
 
@@ -19,6 +21,7 @@ def test_the_loop_from_set_up_to_teardown_has_at_most_60_lines_of_code():
     assert code_lines(loop) <= 60
 
 
+@pytest.mark.integration  # a teaching script's 2-rank runs, each --bug variant spawning its own ranks
 def test_the_loop_passes_and_every_planted_bug_fails():
     """One interpreter runs the correct loop and every --bug variant (each spawns its own 2 ranks), so torch is
     imported once: main() returns 0 for PASS and 1 for FAIL, and prints each rank's error against float64."""

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from testkit.disk import fill_disk, small_disk
-from testkit.ranks import pretend_launched
+from testkit.ranks import pretend_launched, run_main_on_ranks
 from tests.test_checkpoints import run_in_process
 from tests.test_logs import assert_tensorboard_matches_metrics
 from tests.test_train import comparable, final_weights, read_metrics, run_train, tiny_settings, uneven_corpus
@@ -115,6 +115,7 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, corpus, reference):
     """One job, three SIGKILLs on three attempts, each followed by torchrun's restart of all workers:
@@ -151,6 +152,57 @@ def test_killed_ranks_are_restarted_and_the_run_ends_bit_identical(tmp_path, cor
     assert not [path.name for path in (run_dir / "checkpoints").iterdir() if path.name.startswith(".")]
 
 
+def main_where_rank_1_fails(argv: list[str]) -> int:
+    """train.main for a forked rank (testkit/ranks.py) where rank 1, as its step 2 begins, raises
+    (RANK_1_FAILS=raise) or stalls for 15 s (RANK_1_FAILS=stall), longer than the tests' dist.timeout_s."""
+    import train
+
+    real_optimizer_step, calls = train.optimizer_step, []
+
+    def optimizer_step(*args, **options):
+        calls.append(len(calls) + 1)
+        if os.environ["RANK"] == "1" and len(calls) == 2:
+            if os.environ["RANK_1_FAILS"] == "raise":
+                raise RuntimeError("injected failure at step 2")
+            time.sleep(15)
+        return real_optimizer_step(*args, **options)
+
+    train.optimizer_step = optimizer_step
+    return train.main(argv)
+
+
+def test_on_forked_ranks_a_stalled_rank_makes_the_other_fail_within_the_timeout(tmp_path, corpus, monkeypatch):
+    """The torchrun test below on 2 forked ranks (the default tier): rank 1 stalls as step 2 begins; rank 0
+    waits in step 2's first collective for dist.timeout_s = 5 s, then says so in one line and exits non-zero."""
+    monkeypatch.setenv("RANK_1_FAILS", "stall")
+    arguments = tiny_settings(tmp_path, corpus, **{"dist.timeout_s": 5, "run.sample_bytes": 0})
+    started = time.monotonic()
+    [(status, stdout, error), _] = run_main_on_ranks(
+        "tests.test_disrupted_runs:main_where_rank_1_fails", arguments, timeout_s=150
+    )
+    assert status != 0
+    assert "error: rank 0: another rank stopped answering, so a collective failed (Timed out" in error, error
+    assert "dist.timeout_s=5 s" in error
+    assert "step 2/" not in stdout  # rank 0 never finished step 2
+    assert time.monotonic() - started < 100  # start-up, 5 s of waiting and rank 1's 15 s stall, not a hang
+
+
+def test_on_forked_ranks_a_rank_that_raises_ends_the_other_within_seconds(tmp_path, corpus, monkeypatch):
+    """The torchrun test below on 2 forked ranks: rank 1 raises before step 2, prints its traceback and leaves
+    without tearing down the process group; rank 0's next collective fails at once, not after dist.timeout_s."""
+    monkeypatch.setenv("RANK_1_FAILS", "raise")
+    arguments = tiny_settings(tmp_path, corpus, **{**SETTINGS, "dist.timeout_s": 300})
+    started = time.monotonic()
+    [(status_0, stdout_0, _), (status_1, _, error_1)] = run_main_on_ranks(
+        "tests.test_disrupted_runs:main_where_rank_1_fails", arguments, timeout_s=150
+    )
+    assert status_0 != 0 and status_1 == 1
+    assert "RuntimeError: injected failure at step 2" in error_1 and "Traceback" in error_1
+    assert "step 2/" not in stdout_0  # rank 0 never finished step 2
+    assert time.monotonic() - started < 100  # not dist.timeout_s (300 s)
+
+
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_hanging_rank_makes_the_others_fail_within_the_timeout(tmp_path, corpus):
     """Rank 1 stalls before step 2; rank 0 waits in step 2's first collective for dist.timeout_s = 5 s, then
@@ -187,6 +239,7 @@ def checkpoint_names(run_dir: Path) -> list[str]:
     return sorted(path.name for path in (run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resumes(tmp_path, corpus, reference):
     """SIGUSR1 reaches rank 1 only, during step 3: that step's boundary carries the flag through its loss
@@ -210,6 +263,7 @@ def test_a_stop_signal_to_one_rank_stops_both_at_one_step_and_max_restarts_resum
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
 def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_resumes(
@@ -246,6 +300,7 @@ def test_a_signal_to_the_agent_checkpoints_within_its_grace_and_a_new_launch_res
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path, corpus):
     """Fail fast: rank 1 raises (a bug) before step 2. It prints its traceback and leaves without tearing
@@ -266,6 +321,7 @@ def test_a_rank_that_raises_ends_every_rank_within_seconds(tmp_path, corpus):
     assert time.time() - fired["unix_time"] < 30  # not dist.timeout_s (300 s)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_full_disk_while_saving_is_one_line_loses_nothing_and_resumes(tmp_path, corpus, reference):
     """A real full disk (a tmpfs) under 2 ranks: the step-4 save fails. One line names the file, the space
@@ -306,6 +362,7 @@ def test_a_full_disk_while_saving_is_one_line_loses_nothing_and_resumes(tmp_path
         assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_short_chaos_soak_ends_bit_identical():
     """scripts/checks/chaos_soak.py with 3 random faults (a SIGKILLed rank, SIGTERM to the agent or a kill during a
@@ -329,6 +386,7 @@ def test_a_short_chaos_soak_ends_bit_identical():
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_two_agents_with_c10d_rendezvous_equal_one_standalone_agent(tmp_path, corpus, reference):
     """--nnodes=2 --nproc_per_node=1 on this machine, as on two nodes: the same 2 ranks, the same data per
@@ -354,6 +412,7 @@ def test_two_agents_with_c10d_rendezvous_equal_one_standalone_agent(tmp_path, co
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_resume_on_1_then_2_ranks_follows_the_2_rank_run(tmp_path, corpus, reference):
     """2 ranks for steps 1-2, 1 rank (A = 4) for steps 3-4, 2 ranks (A = 2) for steps 5-6, against the

@@ -31,6 +31,7 @@ def assert_drawn(png_path: Path) -> None:
     assert png_path.stat().st_size > 10_000  # lines and labels, not an empty canvas
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_loss_curves_on_two_ranks_write_the_figure_and_a_row_per_run(tmp_path):
     png_path = tmp_path / "loss_curves.png"
@@ -53,6 +54,7 @@ def test_loss_curves_on_two_ranks_write_the_figure_and_a_row_per_run(tmp_path):
     assert all(difference != 0.0 for difference in rows[1]["train_minus_correct"])
 
 
+@pytest.mark.integration
 def test_cadence_writes_the_figure_and_same_g_is_one_curve(tmp_path):
     png_path = tmp_path / "cadence.png"
     completed = run_script("cadence.py", "--steps", "3", "--png", str(png_path))

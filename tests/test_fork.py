@@ -1,5 +1,6 @@
 """The two worked forks of docs/forking.md, through the real entry point: supervised fine-tuning on
-prompt/response JSONL (configs/sft.toml) and a model of another family (model.name = "gru")."""
+prompt/response JSONL (configs/sft.toml) and a model of another family (model.name = "gru"). Through train.main
+here or on forked ranks by default, launched as a user does in the integration tier (tests/test_train.py)."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from accumulation.config.config import load_config
 from accumulation.data.masked_lm import MaskedTokenRows
 from accumulation.data.sources import build_data, step_row_ids
 from tests.conformance.tokens import write_token_folder
-from tests.test_train import REPO, final_weights, read_metrics, run_train
+from tests.test_train import LAUNCHES, REPO, final_weights, read_metrics, train_as
 
 SFT_CONFIG = str(REPO / "configs" / "sft.toml")
 
@@ -33,10 +34,11 @@ def small_sft(tmp_path, **overrides) -> list[str]:
     return ["--config", SFT_CONFIG, *[f"{key}={value}" for key, value in settings.items()]]
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
-    completed = run_train(small_sft(tmp_path), ranks=ranks)
-    assert completed.returncode == 0, completed.stderr
+def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, capsys, launch, ranks):
+    status, _, stderr = train_as(launch, small_sft(tmp_path), ranks, capsys)
+    assert status == 0, stderr
     metrics = read_metrics(tmp_path / "runs" / "sft")
     assert [line["steps"] for line in metrics] == [1, 2, 3, 4]
     # Counted independently from the raw examples: every response byte is one supervised target (the
@@ -52,14 +54,15 @@ def test_sft_counts_only_response_tokens_on_1_and_2_ranks(tmp_path, ranks):
     assert metrics[1]["val_loss"] is not None
 
 
-def test_sft_resume_is_bit_identical(tmp_path):
-    straight = run_train(small_sft(tmp_path / "straight"))
-    assert straight.returncode == 0, straight.stderr
-    first_half = run_train(small_sft(tmp_path / "resumed", **{"run.max_steps": 2}))
-    assert first_half.returncode == 0, first_half.stderr
-    second_half = run_train(small_sft(tmp_path / "resumed"))
-    assert second_half.returncode == 0, second_half.stderr
-    assert "resuming from" in second_half.stdout
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_sft_resume_is_bit_identical(tmp_path, capsys, launch):
+    status, _, stderr = train_as(launch, small_sft(tmp_path / "straight"), 1, capsys)
+    assert status == 0, stderr
+    status, _, stderr = train_as(launch, small_sft(tmp_path / "resumed", **{"run.max_steps": 2}), 1, capsys)
+    assert status == 0, stderr
+    status, stdout, stderr = train_as(launch, small_sft(tmp_path / "resumed"), 1, capsys)
+    assert status == 0, stderr
+    assert "resuming from" in stdout
     expected = final_weights(tmp_path / "straight" / "runs" / "sft")
     resumed = final_weights(tmp_path / "resumed" / "runs" / "sft")
     assert all(torch.equal(expected[name], resumed[name]) for name in expected)
@@ -75,12 +78,13 @@ def test_sft_resume_is_bit_identical(tmp_path):
         assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
 
 
-def test_gru_trains_through_the_entry_point_and_skips_the_sample(tmp_path):
+@pytest.mark.parametrize("launch", LAUNCHES)
+def test_gru_trains_through_the_entry_point_and_skips_the_sample(tmp_path, capsys, launch):
     arguments = small_sft(tmp_path, **{"model.name": "gru", "model.dropout": 0.0, "run.sample_bytes": 8})
-    completed = run_train(arguments)
-    assert completed.returncode == 0, completed.stderr
-    assert "model: gru:" in completed.stdout
-    assert "sample: skipped, the gru model has no generate()" in completed.stdout
+    status, stdout, stderr = train_as(launch, arguments, 1, capsys)
+    assert status == 0, stderr
+    assert "model: gru:" in stdout
+    assert "sample: skipped, the gru model has no generate()" in stdout
     metrics = read_metrics(tmp_path / "runs" / "sft")
     assert metrics[-1]["loss"] < metrics[0]["loss"]  # it learns
     weights = final_weights(tmp_path / "runs" / "sft")

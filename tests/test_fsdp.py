@@ -20,7 +20,7 @@ from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
 from testkit.ranks import pretend_launched, run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
-from tests.test_check_equivalence import reported_relative_error, run_checker
+from tests.test_check_equivalence import reported_relative_error, run_checker_with_stderr
 from tests.test_step import FLOAT64_RTOL
 from tests.test_train import (
     PLAIN_SGD,
@@ -28,8 +28,8 @@ from tests.test_train import (
     comparable,
     final_weights,
     read_metrics,
-    run_train,
     tiny_settings,
+    train_forked,
     uneven_corpus,
 )
 
@@ -235,11 +235,13 @@ def test_fsdp2_reduce_scatters_once_per_group_per_update_and_the_grad_scaler_agr
         assert found["scale"] == 512.0 and found["weights_unchanged"], rank
 
 
-def test_the_equivalence_checker_passes_under_fsdp2(tmp_path, capsys, monkeypatch):
-    """scripts/checks/check_equivalence.py under torchrun with fsdp2: the gradient handed to the optimizer, gathered
-    whole from the shards (testkit/reference.py's probe), against the float64 full batch."""
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_the_equivalence_checker_passes_under_fsdp2(tmp_path, capsys, monkeypatch, launched):
+    """scripts/checks/check_equivalence.py with fsdp2 on 2 forked ranks (and under torchrun, launched): the gradient
+    handed to the optimizer, gathered whole from the shards (testkit/reference.py's probe), against the float64
+    full batch."""
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the script imports this checkout's accumulation/
-    status, stdout = run_checker(tmp_path, ["dist.strategy=fsdp2"], 2, capsys)
+    status, stdout, _ = run_checker_with_stderr(tmp_path, ["dist.strategy=fsdp2"], 2, capsys, launched)
     assert status == 0, stdout
     assert "model: FSDPGPT (gpt)" in stdout and stdout.splitlines()[-1] == "PASS"
     assert reported_relative_error(stdout) < check_equivalence.RELATIVE_TOLERANCE["fp32"]
@@ -248,11 +250,12 @@ def test_the_equivalence_checker_passes_under_fsdp2(tmp_path, capsys, monkeypatc
 DROPOUT_RUN = {"model.dropout": 0.2, "schedule.decay_updates": 4, "run.checkpoint_every": 2, "run.sample_bytes": 0}
 
 
-def train_run(tmp_path, corpus, name: str, ranks: int, strategy: str, steps: int):
+def train_run(tmp_path, corpus, name: str, ranks: int, strategy: str, steps: int) -> str:
+    """train.main on `ranks` forked gloo ranks (tests/test_train.py, train_forked); rank 0's stdout."""
     overrides = {**DROPOUT_RUN, "run.name": name, "run.max_steps": steps, "dist.strategy": strategy}
-    completed = run_train(tiny_settings(tmp_path, corpus, **overrides), ranks=ranks)
-    assert completed.returncode == 0, completed.stderr
-    return completed
+    status, stdout, stderr = train_forked(tiny_settings(tmp_path, corpus, **overrides), ranks)
+    assert status == 0, stderr
+    return stdout
 
 
 @pytest.fixture(scope="module")
@@ -260,8 +263,8 @@ def fsdp2_straight(tmp_path_factory):
     """4 steps of fsdp2 on 2 ranks with dropout, uninterrupted: the reference of the two tests below."""
     tmp_path = tmp_path_factory.mktemp("fsdp2_straight")
     corpus = uneven_corpus(tmp_path / "corpus")
-    completed = train_run(tmp_path, corpus, "straight", 2, "fsdp2", 4)
-    assert "fsdp2: 2 groups (1 from fsdp_units() and the root)" in completed.stdout
+    stdout = train_run(tmp_path, corpus, "straight", 2, "fsdp2", 4)
+    assert "fsdp2: 2 groups (1 from fsdp_units() and the root)" in stdout
     return tmp_path, corpus
 
 
@@ -270,7 +273,7 @@ def test_fsdp2_resume_is_bit_exact_with_dropout(fsdp2_straight):
     """As tests/test_train.py's resume test, under fsdp2: 4 steps straight equal 2, a restart, and 2 more."""
     tmp_path, corpus = fsdp2_straight
     train_run(tmp_path, corpus, "resumed", 2, "fsdp2", 2)
-    assert "resuming from" in train_run(tmp_path, corpus, "resumed", 2, "fsdp2", 4).stdout
+    assert "resuming from" in train_run(tmp_path, corpus, "resumed", 2, "fsdp2", 4)
     a, b = tmp_path / "runs" / "straight", tmp_path / "runs" / "resumed"
     for key, value in final_weights(a).items():
         assert torch.equal(value, final_weights(b)[key]), key
@@ -284,7 +287,7 @@ def test_checkpoints_move_between_ddp_fsdp2_and_world_sizes(fsdp2_straight):
     parameter number."""
     tmp_path, corpus = fsdp2_straight
     train_run(tmp_path, corpus, "moving", 2, "ddp", 2)
-    assert "resuming from" in train_run(tmp_path, corpus, "moving", 2, "fsdp2", 4).stdout
+    assert "resuming from" in train_run(tmp_path, corpus, "moving", 2, "fsdp2", 4)
     reference = final_weights(tmp_path / "runs" / "straight")
     weights = final_weights(tmp_path / "runs" / "moving")
     # The same dropout masks (D unchanged: every rank's generator restored) and fp32 reordering in the
@@ -295,7 +298,7 @@ def test_checkpoints_move_between_ddp_fsdp2_and_world_sizes(fsdp2_straight):
     losses = [line["loss"] for line in read_metrics(tmp_path / "runs" / "moving")]
     assert losses == pytest.approx([line["loss"] for line in read_metrics(tmp_path / "runs" / "straight")], rel=1e-5)
     # fsdp2's checkpoint on one process under ddp (A = 8 instead of 4; dropout reseeded for the new D).
-    assert "resuming from" in train_run(tmp_path, corpus, "moving", 1, "ddp", 6).stdout
+    assert "resuming from" in train_run(tmp_path, corpus, "moving", 1, "ddp", 6)
     final = torch.load(tmp_path / "runs" / "moving" / "checkpoints" / "latest.pt", weights_only=True)
     # AdamW's own step counter went on from fsdp2's 4 (a restarted optimizer state would say 2).
     assert {state["step"].item() for state in final["optimizer"]["state"].values()} == {6.0}

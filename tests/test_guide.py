@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from scripts.teaching import guide_numbers
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Each printed name, and the words of the guide its value completes.
@@ -40,14 +44,20 @@ SENTENCES = {
 }
 
 
-def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide():
-    printed = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "teaching" / "guide_numbers.py")],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide(capsys, launched):
+    """The script's main in this process, or (integration) the script run as a user runs it."""
+    if launched:
+        printed = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "teaching" / "guide_numbers.py")],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout
+    else:
+        guide_numbers.main()
+        printed = capsys.readouterr().out
     guide = (REPO / "docs" / "accumulation.md").read_text()
     values = dict(line.split(": ", 1) for line in printed.strip().splitlines())
     # Section 10's table: for each A, the one-sign then the mixed-sign errors of a bf16 and an fp32 buffer.

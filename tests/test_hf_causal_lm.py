@@ -3,6 +3,7 @@ local config: nothing is downloaded. Skipped where transformers is not installed
 installs it). Importing transformers costs 10-15 s per process, so the checks share one module and one process."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -r requirements-hf.txt)"
 )
 
+from accumulation import checker  # noqa: E402
 from accumulation.config.config import ConfigError, load_config  # noqa: E402
 from accumulation.models.factory import build_model, has_output_head, model_fingerprint  # noqa: E402
 from scripts.checks import check_equivalence  # noqa: E402
@@ -101,3 +103,17 @@ def test_the_checker_passes_the_hf_model_on_sft_data(folders, capsys):
     status = check_equivalence.main(argv(folders / "config_only"))
     out = capsys.readouterr().out
     assert status == 0 and out.splitlines()[-1] == "PASS", out
+
+
+def test_the_checker_switches_off_a_gpt2_configs_dropout_and_passes(tmp_path, capsys):
+    """GPT-2's config keeps its own dropout (resid_pdrop, embd_pdrop, attn_pdrop 0.1), which model.dropout does
+    not reach: left on, the loop, the reference and the A = 1, D = 1 baseline drew other masks, and a widened
+    tolerance passed a gradient 17 % off. The checker sets every Dropout module's p to 0, says so, and PASSes."""
+    config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1
+    config.save_pretrained(tmp_path / "gpt2")
+    status = check_equivalence.main(argv(tmp_path / "gpt2"))
+    out = capsys.readouterr().out
+    assert status == 0 and out.splitlines()[-1] == "PASS", out
+    assert re.search(r"dropout off: \d+ Dropout modules \(p 0.1 -> 0\); config.resid_pdrop \(0.1 -> 0\)", out), out
+    assert float(re.search(r"max relative error ([0-9.e+-]+)", out).group(1)) < checker.RELATIVE_TOLERANCE["fp32"]

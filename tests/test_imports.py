@@ -1,12 +1,16 @@
 """The package's imports go one way, by folder: the maths at the top of accumulation/ imports nothing else of
 the package; config/ only the maths; models/ and data/ the two above (and not each other); parallel/ those;
-run/ all of them; checker/ everything. Within a folder there is no cycle: the shared data types (data/rows.py)
-are imported by the sources, and the factory (data/sources.py) imports the sources, never the other way."""
+run/ all of them; checker/ everything. Within a folder there is no cycle: the shared data types (data/rows.py,
+data/splits.py) are imported by the sources, and the factory (data/sources.py) imports the sources, never the other
+way."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "accumulation"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "accumulation"
 
 # Each folder's layer ("" = the package's top level, the maths of one step): a module imports its own folder
 # or a lower layer only. The same order as the folders' __init__ docstrings.
@@ -79,7 +83,8 @@ def test_every_folder_imports_only_its_own_and_lower_layers():
 
 def test_the_package_has_no_import_cycle():
     graph = package_graph()
-    sources = {"data.rows", "data.jsonl", "data.text_corpus", "data.token_files", "data.masked_lm"}
+    sources = {"data.rows", "data.splits", "data.locate", "data.jsonl", "data.text_corpus", "data.token_files"}
+    sources |= {"data.masked_lm", "data.tokenizer"}
     assert sources <= graph["data.sources"]  # the factory
     assert "data.sources" not in set().union(*(graph[source] for source in sources))
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
@@ -88,3 +93,49 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"data": {"rows", "jsonl"}, "jsonl": {"data"}, "rows": set()}) == ["data", "jsonl", "data"]
     assert find_cycle({"data": {"rows", "jsonl"}, "jsonl": {"rows"}, "rows": set()}) is None
+
+
+# What a config must ask for before it is imported (CONTRACT, "The step, for forkers"): the other data sources,
+# the other models, the chunked loss and the checker.
+OPTION_MODULES = {
+    "accumulation.data.token_files",
+    "accumulation.data.jsonl",
+    "accumulation.data.masked_lm",
+    "accumulation.models.gru",
+    "accumulation.models.encoder",
+    "accumulation.chunked_loss",
+    "accumulation.checker",
+}
+
+
+def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
+    """The accumulation modules in sys.modules after train.main(arguments), in a fresh interpreter."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for index in range(8):
+        (corpus / f"doc{index}.txt").write_text(f"document {index}: " + "some words to predict " * 20)
+    program = (
+        "import sys, train\n"
+        "assert train.main(sys.argv[1:]) == 0\n"
+        "print(' '.join(name for name in sys.modules if name.startswith('accumulation')))\n"
+    )
+    arguments = [f"data.source={corpus}", f"run.out_dir={tmp_path / 'runs'}", "data.seq_len=32", *arguments]
+    completed = subprocess.run(
+        [sys.executable, "-c", program, *arguments], capture_output=True, text=True, cwd=REPO, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr
+    return set(completed.stdout.splitlines()[-1].split())
+
+
+def test_a_default_run_imports_none_of_the_option_modules(tmp_path):
+    """One step of the default config (its validation and sample included) on a small text corpus: the modules of
+    what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
+    imported = modules_a_run_imports(tmp_path, ["run.max_steps=1"])
+    assert "accumulation.models.gpt" in imported and "accumulation.data.text_corpus" in imported
+    options = {name for name in imported if name in OPTION_MODULES or name.startswith("accumulation.checker")}
+    assert not options, f"the default run imported {sorted(options)}"
+
+
+def test_a_config_that_asks_for_an_option_imports_it(tmp_path):
+    imported = modules_a_run_imports(tmp_path, ["run.max_steps=0", "model.name=gru", "model.loss=plain"])
+    assert "accumulation.models.gru" in imported and "accumulation.models.gpt" not in imported

@@ -12,7 +12,8 @@ import torch
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import load_config
 from accumulation.data import sources as data
-from accumulation.data.sources import DataError
+from accumulation.data.rows import DataError, RowSet, next_token_example
+from accumulation.data.splits import key_hash
 from tests.test_rows import assert_rows_match_their_raw_examples, build, supervised_targets, window_of, write
 
 REPO = Path(__file__).resolve().parent.parent
@@ -90,7 +91,7 @@ def test_jsonl_rows_supervise_exactly_the_response(tmp_path):
     for row, example in enumerate(examples):
         prompt = list(example.get("prompt", "").encode())
         response = list(example.get("response", example.get("text", "")).encode())
-        assert rows.raw_example(row) == data.next_token_example(prompt, response, seq_len=20)
+        assert rows.raw_example(row) == next_token_example(prompt, response, seq_len=20)
     assert_rows_match_their_raw_examples(rows, list(range(rows.num_rows)))
 
     # Written out for the first example: "Q: 2 + 2 =" is 10 bytes, so targets 1..9 are prompt.
@@ -123,7 +124,7 @@ def test_jsonl_truncates_long_examples_and_drops_those_left_without_a_target(tmp
     assert summary.vocab_size == built.vocab_size == 256
 
 
-def example_texts(rows: data.RowSet) -> list[bytes]:
+def example_texts(rows: RowSet) -> list[bytes]:
     """The tokens of every row's RawExample, in row order."""
     return [bytes(window_of(rows.raw_example(row))) for row in range(rows.num_rows)]
 
@@ -133,7 +134,7 @@ def test_jsonl_validation_split_is_by_line_hash_and_stable_when_lines_are_added(
     lines = [json.dumps(example) for example in examples]
     built = build(jsonl(tmp_path / "a.jsonl", *lines), seq_len=32, val_fraction=0.2)
     texts = [(example["prompt"] + example["response"]).encode() for example in examples]
-    val_texts = [text for text, line in zip(texts, lines, strict=True) if data.key_hash(line) < 0.2]
+    val_texts = [text for text, line in zip(texts, lines, strict=True) if key_hash(line) < 0.2]
     assert 0 < len(val_texts) < len(lines)
     assert example_texts(built.val) == val_texts
     assert example_texts(built.train) == [text for text in texts if text not in val_texts]
@@ -145,7 +146,7 @@ def test_jsonl_validation_split_is_by_line_hash_and_stable_when_lines_are_added(
 
     # Two lines, a fraction too small for either: the line with the smallest hash is the validation set.
     pair = lines[:2]
-    tiny_fraction = min(data.key_hash(line) for line in pair) / 2
+    tiny_fraction = min(key_hash(line) for line in pair) / 2
     small = build(jsonl(tmp_path / "c.jsonl", *pair), seq_len=32, val_fraction=tiny_fraction)
     assert (small.train.num_rows, small.val.num_rows) == (1, 1)
 
@@ -161,6 +162,7 @@ BAD_LINES = {
     "null response": ('{"prompt": "Q", "response": null}', r"line 3: 'response' is null, not a string"),
     "list text": ('{"text": ["T"]}', r"line 3: 'text' is an array, not a string"),
     "lone surrogate": ('{"text": "\\ud800"}', r"line 3: 'text' holds a lone surrogate escape"),
+    "100,000 arrays deep": ("[" * 100_000 + "]" * 100_000, r"line 3: nested too deeply to parse"),
 }
 
 

@@ -102,6 +102,29 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
         assert "Traceback" not in capfd.readouterr().err
 
 
+def test_tensorboard_after_a_resume_from_an_earlier_checkpoint_equals_metrics(tmp_path, capsys):
+    """In-process form of the kill below (which runs in the integration tier): the run's events of steps 3 and 4
+    are on disk, its newest checkpoint is step 2's, as a kill during the step-4 save leaves it; the resume must
+    drop the old points of steps 3 and 4 on both axes and end with one point per step, equal to metrics.jsonl."""
+    import train
+    from tests.test_train import tiny_settings, uneven_corpus
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"run.checkpoint_every": 2, "run.keep_checkpoints": 5, "run.sample_bytes": 0}
+    arguments = tiny_settings(tmp_path, corpus, **settings, **{"schedule.decay_updates": 6})
+    assert train.main([*arguments, "run.max_steps=4"]) == 0
+    run_dir = tmp_path / "runs" / "default"
+    checkpoints = run_dir / "checkpoints"
+    (checkpoints / "step_000004.pt").unlink()  # as if the step-4 save had never been published
+    (checkpoints / "latest.pt").write_bytes((checkpoints / "step_000002.pt").read_bytes())
+    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4]
+    assert train.main([*arguments, "run.max_steps=6"]) == 0
+    assert "at step 2" in capsys.readouterr().out
+    assert_tensorboard_matches_metrics(run_dir)
+    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.integration
 def test_tensorboard_after_a_kill_and_a_resume_equals_metrics(tmp_path):
     """Killed while the step-4 checkpoint was being saved: the events of steps 3 and 4 are already on disk
     (the logs are flushed before each checkpoint), the resume continues from step 2, so both axes must drop
@@ -167,6 +190,7 @@ def test_any_other_os_error_while_saving_is_one_line_with_the_systems_reason(tmp
     assert list((tmp_path / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.integration  # plant_bugs.py runs pytest in processes of its own
 @pytest.mark.slow
 def test_plant_bugs_tells_a_caught_bug_from_a_harmless_change_and_a_vanished_text():
     """scripts/checks/plant_bugs.py's verdicts, by what the tests do with a planted change (not by the texts of its

@@ -9,7 +9,7 @@ import torch
 from accumulation.batching import IGNORE_INDEX
 from accumulation.data import rows as rows_module
 from accumulation.data import sources as data
-from accumulation.data.sources import DataError
+from accumulation.data.rows import DataError, RawExample, RowSet, labels_from_mask, make_example_rows, make_rows
 from tests.test_rows import assert_rows_match_their_raw_examples, real_examples
 
 # ---------------------------------------------------------------------------------------------------
@@ -20,25 +20,25 @@ LAYOUTS = [(8, 1, 1), (2, 4, 1), (4, 1, 2), (1, 4, 2)]  # (m, A, D), all with G 
 
 
 @pytest.fixture(scope="module")
-def small_rows() -> data.RowSet:
+def small_rows() -> RowSet:
     documents = [f"document {index}: ".encode() + b"abcdefghijklmnopqrstuvwxyz"[: index % 26] for index in range(30)]
-    return data.make_rows(documents, seq_len=12)
+    return make_rows(documents, seq_len=12)
 
 
 @pytest.fixture(scope="module")
-def example_rows() -> data.RowSet:
+def example_rows() -> RowSet:
     """Prompt/response rows: prompts of 11 to 17 bytes, responses of 1 to 13, some truncated, some dropped."""
     examples = [
         (f"prompt {index}: ".encode() + b"?" * (index % 7), b"abcdefghijklmnopqrstuvwxyz"[: 1 + index % 13])
         for index in range(30)
     ]
-    built = data.make_example_rows(examples, seq_len=12)
+    built = make_example_rows(examples, seq_len=12)
     assert built.truncated > 0 and built.dropped > 0
     return built.rows
 
 
 @pytest.fixture(params=["documents", "prompt/response examples"])
-def any_rows(request, small_rows, example_rows) -> data.RowSet:
+def any_rows(request, small_rows, example_rows) -> RowSet:
     return small_rows if request.param == "documents" else example_rows
 
 
@@ -154,11 +154,11 @@ class CountingRows:
     def examples(self, row_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = row_ids[:, None] + torch.arange(self.seq_len + 1)
         supervised = torch.arange(self.seq_len) >= 1
-        return tokens[:, :-1], data.labels_from_mask(tokens[:, 1:], supervised.expand(len(row_ids), -1))
+        return tokens[:, :-1], labels_from_mask(tokens[:, 1:], supervised.expand(len(row_ids), -1))
 
-    def raw_example(self, row_id: int, step: int) -> data.RawExample:
+    def raw_example(self, row_id: int, step: int) -> RawExample:
         inputs = list(range(row_id, row_id + 4))
-        return data.RawExample(inputs=inputs, targets={1: row_id + 2, 2: row_id + 3, 3: row_id + 4})
+        return RawExample(inputs=inputs, targets={1: row_id + 2, 2: row_id + 3, 3: row_id + 4})
 
 
 def test_the_interface_is_all_that_micro_batches_need():

@@ -6,14 +6,28 @@ import sys
 import tokenize
 from pathlib import Path
 
+import pytest
+
+from scripts.teaching import minimal_loop
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "teaching" / "minimal_loop.py"
 
 
-def run(*arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+# The script's main in this process (the default tier), or the script run as a user runs it (integration).
+LAUNCHED = [False, pytest.param(True, marks=pytest.mark.integration)]
+
+
+def run(arguments: list[str], launched: bool, capsys) -> tuple[int, str]:
+    """(exit status, stdout) of minimal_loop.py with `arguments`."""
+    if not launched:
+        status = minimal_loop.main(arguments)
+        return status, capsys.readouterr().out
+    completed = subprocess.run(
         [sys.executable, str(SCRIPT), *arguments], capture_output=True, text=True, timeout=120, cwd=REPO
     )
+    assert not completed.stderr, completed.stderr
+    return completed.returncode, completed.stdout
 
 
 def code_lines(source: str) -> int:
@@ -39,10 +53,11 @@ def test_the_minimal_loop_has_at_most_80_lines_of_code():
     assert code_lines(SCRIPT.read_text()) <= 80
 
 
-def test_the_minimal_loop_matches_optimizer_step_and_the_classic_loop_does_not():
-    completed = run()
-    assert completed.returncode == 0, completed.stdout + completed.stderr
-    lines = completed.stdout.splitlines()
+@pytest.mark.parametrize("launched", LAUNCHED)
+def test_the_minimal_loop_matches_optimizer_step_and_the_classic_loop_does_not(capsys, launched):
+    status, stdout = run([], launched, capsys)
+    assert status == 0, stdout
+    lines = stdout.splitlines()
     assert lines[-1] == "PASS"
     ours = float(lines[-3].split(": ")[1].split()[0])
     classic = float(lines[-2].split(": ")[1])
@@ -50,7 +65,8 @@ def test_the_minimal_loop_matches_optimizer_step_and_the_classic_loop_does_not()
     assert classic > 1e-3  # the mean of micro-batch means ends measurably elsewhere
 
 
-def test_the_check_fails_when_the_loop_uses_the_classic_line():
-    completed = run("--classic")
-    assert completed.returncode == 1, completed.stdout + completed.stderr
-    assert completed.stdout.splitlines()[-1] == "FAIL"
+@pytest.mark.parametrize("launched", LAUNCHED)
+def test_the_check_fails_when_the_loop_uses_the_classic_line(capsys, launched):
+    status, stdout = run(["--classic"], launched, capsys)
+    assert status == 1, stdout
+    assert stdout.splitlines()[-1] == "FAIL"

@@ -6,7 +6,7 @@ import torch
 
 from accumulation.config.config import Config, ConfigError, load_config
 from accumulation.models import factory as models
-from accumulation.models.factory import build_model, count_parameters, resolved_vocab_size
+from accumulation.models.factory import build_model, build_model_on_meta, count_parameters, resolved_vocab_size
 
 BYTE_VOCAB_SIZE = 256  # what byte-level data gives
 SEQ_LEN = 8
@@ -70,12 +70,11 @@ def test_the_seed_alone_decides_the_initial_weights(name):
 @pytest.mark.parametrize("n_layer", [1, 2, 48])
 def test_count_parameters_equals_a_real_build(name, n_layer):
     config = small_config(name, f"model.n_layer={n_layer}")
-    assert count_parameters(config.model, BYTE_VOCAB_SIZE, config.data.seq_len) == total_numel(
-        build(config, BYTE_VOCAB_SIZE)
-    )
+    on_meta = build_model_on_meta(config.model, BYTE_VOCAB_SIZE, config.data.seq_len)
+    assert count_parameters(on_meta) == total_numel(build(config, BYTE_VOCAB_SIZE))
 
 
-def test_count_parameters_builds_on_the_meta_device(monkeypatch):
+def test_build_model_on_meta_allocates_nothing(monkeypatch):
     built = []
 
     def recording_build_model(model_config, vocab_size, *, seq_len, seed):
@@ -84,7 +83,7 @@ def test_count_parameters_builds_on_the_meta_device(monkeypatch):
 
     monkeypatch.setattr(models, "build_model", recording_build_model)
     for name in MODEL_NAMES:
-        count_parameters(small_config(name).model, BYTE_VOCAB_SIZE, SEQ_LEN)
+        build_model_on_meta(small_config(name).model, BYTE_VOCAB_SIZE, SEQ_LEN)
     assert len(built) == len(MODEL_NAMES)
     assert all(param.is_meta for model in built for param in model.parameters())
 
@@ -95,7 +94,8 @@ def test_count_parameters_of_a_model_too_large_to_build_here():
     d_model, n_layer, seq_len, vocab = 4096, 48, 2048, BYTE_VOCAB_SIZE
     per_block = 12 * d_model**2 + 13 * d_model  # qkv and proj 4·d², the 4x MLP 8·d², their biases and two norms
     embeddings_and_head = vocab * d_model + seq_len * d_model + 2 * d_model + d_model * vocab
-    assert count_parameters(config.model, vocab, config.data.seq_len) == n_layer * per_block + embeddings_and_head
+    on_meta = build_model_on_meta(config.model, vocab, config.data.seq_len)
+    assert count_parameters(on_meta) == n_layer * per_block + embeddings_and_head
 
 
 def test_the_vocabulary_comes_from_the_data_unless_the_config_asks_for_more():

@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import smaller_micro_batch_size, split_micro_batches
-from accumulation.data.sources import build_micro_batches, make_rows, step_row_ids
+from accumulation.data.rows import make_rows
+from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config.config import load_config
-from accumulation.data.sources import BYTE_VOCAB_SIZE, build_data, make_rows
+from accumulation.data.rows import BYTE_VOCAB_SIZE, make_rows
+from accumulation.data.sources import build_data
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.run.build import load_optimizer_state
 from scripts.benchmarks import bench, invariants, measuring, nanogpt_peer

@@ -1,6 +1,8 @@
-"""train.py with dist.pipeline_stages = 2 on 2 gloo ranks: the same updates as one process, the same checkpoint
-files (a pipelined run resumes on 1 process and on DDP, and a 1-process run resumes pipelined), a stopped run
-resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written."""
+"""train.py with dist.pipeline_stages = 2 on 2 gloo ranks, and on a 2 × 2 mesh of 4 ranks with A from 1 to 4
+under both schedules: the same updates as one process, the same checkpoint files (a pipelined run resumes on
+1 process and on DDP, and a 1-process run resumes pipelined), a stopped run resumed bit-identically; and every
+setting pipeline stages refuse is one line, exit 2, nothing written. The shared runs are train.main on forked
+gloo ranks (tests/test_train.py, train_forked); torchrun's launches are in the integration tier."""
 
 import os
 import shutil
@@ -14,7 +16,17 @@ import torch
 
 import train
 from testkit.ranks import pretend_launched
-from tests.test_train import PLAIN_SGD, REPO, TIMING_KEYS, read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_checkpoints import EVAL_MODE_FORK
+from tests.test_train import (
+    PLAIN_SGD,
+    REPO,
+    TIMING_KEYS,
+    read_metrics,
+    run_train,
+    tiny_settings,
+    train_forked,
+    uneven_corpus,
+)
 
 # Two blocks, so two stages of one block each; 3 plain SGD steps with a checkpoint after each.
 PIPELINE_RUN = {
@@ -39,12 +51,13 @@ def runs(tmp_path_factory):
     """One process (the reference) and 2 ranks with 2 pipeline stages, the same 3 steps: their run folders."""
     tmp_path = tmp_path_factory.mktemp("pipeline_runs")
     corpus = uneven_corpus(tmp_path / "corpus")
-    one = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **{"run.name": "one"}))
-    assert one.returncode == 0, one.stderr
-    piped = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped"}), ranks=2)
-    assert piped.returncode == 0, piped.stderr
-    assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in piped.stdout
-    return tmp_path, corpus, piped.stdout
+    status, _, stderr = train_forked(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **{"run.name": "one"}), 1)
+    assert status == 0, stderr
+    piped = tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped"})
+    status, stdout, stderr = train_forked(piped, 2)
+    assert status == 0, stderr
+    assert "x replicas 1 examples per update; 2 pipeline stages (1f1b), 2 ranks" in stdout
+    return tmp_path, corpus, stdout
 
 
 def comparable_metrics(run_dir) -> list[dict]:
@@ -97,17 +110,18 @@ def test_pipelined_run_equals_one_process_with_the_same_files_and_logs(runs):
 def test_a_stopped_pipelined_run_resumes_bit_identically(runs):
     tmp_path, corpus, _stdout = runs
     resumed_from_step_2(tmp_path / "runs" / "piped", tmp_path / "runs" / "piped_again")
-    completed = run_train(
-        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped_again"}), ranks=2
+    status, stdout, stderr = train_forked(
+        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **STAGES, **{"run.name": "piped_again"}), 2
     )
-    assert completed.returncode == 0, completed.stderr
-    assert "resuming from" in completed.stdout
+    assert status == 0, stderr
+    assert "resuming from" in stdout
     straight, again = checkpoint(tmp_path / "runs" / "piped", 3), checkpoint(tmp_path / "runs" / "piped_again", 3)
     for key, value in straight["model"].items():
         assert torch.equal(value, again["model"][key]), key
     assert comparable_metrics(tmp_path / "runs" / "piped") == comparable_metrics(tmp_path / "runs" / "piped_again")
 
 
+@pytest.mark.integration
 @pytest.mark.slow
 def test_a_pipelined_run_killed_by_sigterm_resumes_bit_identically(tmp_path):
     """SIGTERM to torchrun's agent as soon as the first step is logged: both stages learn of it in the same
@@ -163,9 +177,11 @@ def test_checkpoints_resume_across_layouts(runs, source, ranks, stages):
     name = f"{source}_on_{ranks}x{stages}"
     resumed_from_step_2(tmp_path / "runs" / source, tmp_path / "runs" / name)
     layout = {"dist.pipeline_stages": stages}
-    completed = run_train(tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **layout, **{"run.name": name}), ranks=ranks)
-    assert completed.returncode == 0, completed.stderr
-    assert "resuming from" in completed.stdout
+    status, stdout, stderr = train_forked(
+        tiny_settings(tmp_path, corpus, **PIPELINE_RUN, **layout, **{"run.name": name}), ranks
+    )
+    assert status == 0, stderr
+    assert "resuming from" in stdout
     initial = checkpoint(tmp_path / "runs" / "one", 0)["model"]
     reference = checkpoint(tmp_path / "runs" / "one", 3)["model"]
     assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], reference, initial)
@@ -197,3 +213,93 @@ def test_settings_pipeline_stages_refuse_are_one_line_exit_2_nothing_written(
     assert len(lines) == 1 and lines[0].startswith(f"error: {named}"), lines
     assert not (tmp_path / "runs").exists()
     assert not torch.distributed.is_initialized()  # nothing here started a process group
+
+
+# The D × P = 2 × 2 mesh on 4 ranks, A = G / (m·D) from 1 to 4, both schedules (1F1B needs A ≥ P = 2): the
+# same 3 steps as one process, within FP32_RTOL (the same sums in other orders, as above). DDP rebuilds its
+# buckets at step 2's first forward from the gradient order step 1 recorded, so a one-step test cannot see a
+# wrong reducer state. The default tier keeps the default schedule at A = 2 (without the schedule's no_sync,
+# the first stage died at step 2 there), on 4 forked ranks; the others are in the integration tier, launched
+# by torchrun: each 4-rank launch takes ~30 s on 2 cores.
+MESH_RUN = {
+    **PLAIN_SGD,
+    "model.n_layer": 2,
+    "run.max_steps": 3,
+    "run.log_every": 1,
+    "run.checkpoint_every": 3,
+    "run.eval_every": 0,
+    "run.sample_bytes": 0,
+    "batch.global_batch_size": 24,  # G = m·A·D with D = 2: m = 12, 6, 4, 3 for A = 1, 2, 3, 4
+}
+DEFAULT_TIER_LAYOUT = ("1f1b", 2)
+MESH_LAYOUTS = [
+    pytest.param(
+        schedule, accumulation, marks=() if (schedule, accumulation) == DEFAULT_TIER_LAYOUT else pytest.mark.integration
+    )
+    for schedule, accumulation in [
+        ("1f1b", 2),
+        ("1f1b", 3),
+        ("1f1b", 4),
+        ("gpipe", 1),
+        ("gpipe", 2),
+        ("gpipe", 3),
+        ("gpipe", 4),
+    ]
+]
+
+
+@pytest.fixture(scope="module")
+def mesh_reference(tmp_path_factory):
+    """One process, the whole global batch in one micro-batch, the same 3 steps: (tmp_path, corpus, run folder)."""
+    tmp_path = tmp_path_factory.mktemp("mesh_runs")
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**MESH_RUN, "batch.micro_batch_size": 24, "run.name": "one"}
+    status, _, stderr = train_forked(tiny_settings(tmp_path, corpus, **settings), 1)
+    assert status == 0, stderr
+    return tmp_path, corpus, tmp_path / "runs" / "one"
+
+
+@pytest.mark.parametrize("schedule, accumulation", MESH_LAYOUTS)
+def test_every_two_by_two_mesh_layout_trains_several_steps_as_one_process(mesh_reference, schedule, accumulation):
+    tmp_path, corpus, one = mesh_reference
+    name = f"mesh_{schedule}_A{accumulation}"
+    layout = {
+        **STAGES,
+        "dist.pipeline_schedule": schedule,
+        "batch.micro_batch_size": 24 // (2 * accumulation),
+        "run.name": name,
+    }
+    arguments = tiny_settings(tmp_path, corpus, **MESH_RUN, **layout)
+    if (schedule, accumulation) == DEFAULT_TIER_LAYOUT:
+        status, stdout, stderr = train_forked(arguments, 4, timeout_s=300)
+    else:
+        piped = run_train(arguments, ranks=4, timeout_s=300)
+        status, stdout, stderr = piped.returncode, piped.stdout, piped.stderr
+    assert status == 0, stderr[-3000:]
+    assert f"x accum {accumulation} x replicas 2 examples per update; 2 pipeline stages ({schedule}), 4 ranks" in stdout
+    ours, reference = read_metrics(tmp_path / "runs" / name), read_metrics(one)
+    assert [line["steps"] for line in ours] == [1, 2, 3]
+    for got, expected in zip(ours, reference, strict=True):
+        assert got["tokens"] == expected["tokens"] and got["micro_batches"] == expected["micro_batches"] * accumulation
+        assert abs(got["loss"] - expected["loss"]) <= FP32_RTOL * expected["loss"]
+    initial = checkpoint(one, 0)["model"]
+    assert_close_updates(checkpoint(tmp_path / "runs" / name, 3)["model"], checkpoint(one, 3)["model"], initial)
+
+
+@pytest.mark.integration
+def test_pipeline_stages_of_a_model_built_in_eval_mode_train_with_dropout_after_a_resume(tmp_path, monkeypatch):
+    """The loop puts this rank's stage in train mode before every step: without that, the stages of a model
+    built in eval mode (as from_pretrained returns one) trained without dropout after a resume."""
+    (tmp_path / "eval_mode_fork.py").write_text(EVAL_MODE_FORK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**PIPELINE_RUN, **STAGES, "model.name": "eval_mode_fork:eval-mode-gpt", "model.dropout": 0.1}
+    straight = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "straight"}), ranks=2)
+    assert straight.returncode == 0, straight.stderr
+    resumed_from_step_2(tmp_path / "runs" / "straight", tmp_path / "runs" / "resumed")
+    resumed = run_train(tiny_settings(tmp_path, corpus, **settings, **{"run.name": "resumed"}), ranks=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    expected, got = (checkpoint(tmp_path / "runs" / name, 3)["model"] for name in ("straight", "resumed"))
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key

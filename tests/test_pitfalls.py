@@ -1,4 +1,5 @@
-"""The pitfall gallery, run once as a user runs it (`python scripts/teaching/pitfalls.py --json --png PATH`).
+"""The pitfall gallery, run once as a user runs it (`python scripts/teaching/pitfalls.py --json --png PATH`): the
+integration tier, since the gallery's own runs take minutes on 2 cores.
 
 The script judges itself (exit status 1 when a twin misbehaves); these tests also judge its JSON with
 thresholds of their own, one pair per metric: how close the correct twin must be to its reference, and how
@@ -59,6 +60,7 @@ def rows_of(gallery) -> list[dict]:
     return json.loads(completed.stdout)
 
 
+@pytest.mark.integration
 def test_the_gallery_passes_its_own_checks_and_draws_the_figure(gallery):
     completed, png_path = gallery
     assert completed.returncode == 0, completed.stdout + completed.stderr
@@ -66,6 +68,7 @@ def test_the_gallery_passes_its_own_checks_and_draws_the_figure(gallery):
     assert png_path.stat().st_size > 10_000  # a drawn chart, not an empty canvas
 
 
+@pytest.mark.integration
 def test_json_is_a_list_of_pitfall_metric_buggy_correct(gallery):
     rows = rows_of(gallery)
     assert isinstance(rows, list) and len(rows) >= 20
@@ -84,6 +87,7 @@ def row_named(rows: list[dict], start: str) -> dict:
     return row
 
 
+@pytest.mark.integration
 def test_the_issue_pitfalls_are_all_there(gallery):
     rows = rows_of(gallery)
     for start in (
@@ -101,6 +105,7 @@ def test_the_issue_pitfalls_are_all_there(gallery):
         row_named(rows, start)
 
 
+@pytest.mark.integration
 def test_scale_only_bugs_keep_the_direction_and_have_the_predicted_length(gallery):
     """Four bugs multiply the true gradient by one number, worked out from the set-up, not read off the run:
     dividing by A again (1/A), forgetting ×D (1/D), a 2-of-4 partial group divided by A (2/4), and clipping
@@ -119,6 +124,7 @@ def test_scale_only_bugs_keep_the_direction_and_have_the_predicted_length(galler
         assert row["norm_ratio"] == pytest.approx(ratio, rel=1e-5), row
 
 
+@pytest.mark.integration
 def test_pipeline_bugs_have_the_predicted_size(gallery):
     """The pipeline rows (2 ranks as P = 2 stages, one replica, the gallery's A = 4 micro-batches holding N
     supervised tokens), predicted from the set-up: the schedule's default scale_grads divides the right
@@ -140,6 +146,7 @@ def test_pipeline_bugs_have_the_predicted_size(gallery):
     assert row["cosine"] < 0.99, row
 
 
+@pytest.mark.integration
 def test_direction_bugs_turn_the_gradient(gallery):
     """Weighting tokens differently (mean of means, per-rank means) or dropping micro-batches turns the
     vector: the cosine is measurably below 1."""
@@ -148,12 +155,14 @@ def test_direction_bugs_turn_the_gradient(gallery):
         assert row_named(rows, start)["cosine"] < 0.99
 
 
+@pytest.mark.integration
 def test_every_correct_twin_agrees_with_its_reference(gallery):
     for row in rows_of(gallery):
         correct_agrees, _ = RULES[row["metric"]]
         assert correct_agrees(row), row
 
 
+@pytest.mark.integration
 def test_every_buggy_twin_shows_its_bug(gallery):
     for row in rows_of(gallery):
         _, bug_shown = RULES[row["metric"]]
@@ -186,6 +195,7 @@ def test_a_failed_check_is_named_in_the_table():
     assert lines[3].endswith("FAIL: bug not shown") and "1,000" in lines[3]
 
 
+@pytest.mark.integration
 def test_the_guide_quotes_the_gallery_as_measured(gallery):
     """docs/accumulation.md holds the gallery's table: each pitfall's row with the buggy and the correct value,
     the cosine and the norm ratio as printed now. A correct twin's rounding-level residue is printed as its
@@ -208,6 +218,7 @@ def test_the_guide_quotes_the_gallery_as_measured(gallery):
         assert cells[-4:] == printed, (row["pitfall"], cells, printed)
 
 
+@pytest.mark.integration
 def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(gallery, tmp_path):
     from matplotlib.colors import to_rgb
     from matplotlib.text import Text
@@ -226,9 +237,14 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
         )
         for row in rows_of(gallery)
     ]
-    figure = pitfalls.draw(measurements, str(tmp_path / "pitfalls.png"))
+    png_path = tmp_path / "pitfalls.png"
+    figure = pitfalls.draw(measurements, str(png_path))
     texts = [t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip()]
     assert all(t.get_fontsize() >= pitfalls.FONT_PT for t in texts), "a text below the projector's size"
+    # Points are pixels at 72 dpi: no wider than the guide's column, the page never shrinks them below FONT_PT.
+    from PIL import Image
+
+    assert Image.open(png_path).width <= pitfalls.GUIDE_WIDTH_PX
     error_axes, cosine_axes, scale_axes = figure.axes[:3]
     row_labels = [label.get_text() for label in error_axes.get_yticklabels()]
     vector_rows = [m for m in measurements if m.metric in pitfalls.RELATIVE_ERRORS]
@@ -241,3 +257,12 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
             assert bar.get_x() == 1.0 and bar.get_x() + bar.get_width() == pytest.approx(value)  # from 1 to the value
             # Red only where the buggy twin deviates from the ideal 1.
             assert (to_rgb(bar.get_facecolor()) == to_rgb("tab:red")) == (abs(value - 1) >= 5e-4), (field, value)
+    # A correct twin at rounding level or 0 is a marker and its text, never a bar from the axis's floor.
+    exact = [m for m in vector_rows if pitfalls.exact_marker_text(m.metric, m.correct) is not None]
+    assert exact, "the gallery's correct twins are exact: at least one must be drawn as a marker"
+    green_bars = [p for p in error_axes.patches if to_rgb(p.get_facecolor()) == to_rgb("tab:green")]
+    assert len(green_bars) == len(vector_rows) - len(exact)
+    error_texts = [t.get_text() for t in error_axes.texts]
+    for m in exact:
+        assert pitfalls.exact_marker_text(m.metric, m.correct) in error_texts
+    assert any(text.startswith("< 1e-14") and text.endswith("(exact)") for text in error_texts)

@@ -11,9 +11,11 @@ import pytest
 import torch
 
 from accumulation.config.config import load_config
-from accumulation.data import sources as data
 from accumulation.data import token_files
+from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data
+from accumulation.data.splits import validation_keys
+from accumulation.data.tokenizer import load_tokenizer, sample_decoder
 from scripts.operations import prepare_data
 from testkit.disk import read_only_view, small_disk
 from tests.test_jsonl import jsonl
@@ -37,7 +39,7 @@ def corpus(folder: Path) -> Path:
 
 
 def split_of(name: str, val_fraction: float) -> str:
-    return "val" if name in data.validation_keys([*DOCUMENTS, "image.bin"], val_fraction) else "train"
+    return "val" if name in validation_keys([*DOCUMENTS, "image.bin"], val_fraction) else "train"
 
 
 def test_bytes_in_both_formats_hold_the_documents_and_load_as_the_same_rows(tmp_path, capsys):
@@ -182,7 +184,7 @@ def test_a_bpe_trained_here_encodes_the_corpus_and_decodes_it_back(tmp_path, cap
     assert prepare_data.main([*arguments, "--val-fraction", "0.5"]) == 0
     out = tmp_path / "out"
     meta = json.loads((out / "meta.json").read_text())
-    tokenizer = token_files.load_tokenizer(str(out / "tokenizer.json"))
+    tokenizer = load_tokenizer(str(out / "tokenizer.json"))
     assert meta["vocab_size"] == tokenizer.get_vocab_size() <= 300
     end = meta["end_of_text_token"]
     assert end == tokenizer.token_to_id("<|endoftext|>")
@@ -192,7 +194,7 @@ def test_a_bpe_trained_here_encodes_the_corpus_and_decodes_it_back(tmp_path, cap
     decoded = tokenizer.decode(train_ids.tolist(), skip_special_tokens=False)
     assert decoded == "".join("<|endoftext|>" + DOCUMENTS[name] for name in training_names)
     # train.py decodes its sample with the tokenizer.json beside the shards.
-    decode, _ = token_files.sample_decoder(load_config([f"data.source={out}"]))
+    decode, _ = sample_decoder(load_config([f"data.source={out}"]))
     assert decode(train_ids[:20].tolist()) == decoded[: len(decode(train_ids[:20].tolist()))]
 
 
@@ -200,7 +202,7 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
     pytest.importorskip("tokenizers")
     assert prepare_data.main([str(corpus(tmp_path / "c")), str(tmp_path / "bpe"), "--tokenizer", "bpe"]) == 0
     tokenizer_path = tmp_path / "bpe" / "tokenizer.json"
-    tokenizer = token_files.load_tokenizer(str(tokenizer_path))
+    tokenizer = load_tokenizer(str(tokenizer_path))
     end = tokenizer.token_to_id("<|endoftext|>")
     lines = [{"prompt": "The first", "response": " document."}, {"text": "third\nthird\n"}]
     source = jsonl(tmp_path / "sft.jsonl", *lines)
@@ -225,6 +227,6 @@ def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, ca
 
 def test_a_missing_tokenizer_file_is_a_data_error(tmp_path):
     pytest.importorskip("tokenizers")
-    with pytest.raises(data.DataError, match="cannot load it as a tokenizer.json"):
+    with pytest.raises(DataError, match="cannot load it as a tokenizer.json"):
         config = load_config([f"data.tokenizer={tmp_path / 'nope.json'}"])
         build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)

@@ -106,3 +106,10 @@ def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(t
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: step 0: the loss is a mean, not a sum over its targets")
     assert not (tmp_path / "runs" / "default" / "checkpoints").exists()
+
+
+def test_batch_norm_of_a_model_built_in_eval_mode_is_named_too():
+    """The loop trains the model in train mode whatever mode it arrives in (from_pretrained returns eval mode),
+    so BatchNorm will normalise by each micro-batch's statistics: the probe must see it in that mode."""
+    [line] = probe(cnn(nn.BatchNorm2d(8)).eval(), token_cross_entropy_sum)
+    assert line.startswith("1 (BatchNorm2d) normalise each row with the statistics of its micro-batch")

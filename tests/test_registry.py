@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import train
-from accumulation.config.config import ConfigError, config_to_toml, help_text, load_config
+from accumulation.config.config import ConfigError, config_to_toml, load_config
+from accumulation.config.help import help_text
 from accumulation.models.factory import build_model, loss_sum_fn_for
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.resume import seed_dropout
@@ -56,7 +57,8 @@ register_loss("doubled", doubled_sum)
 
 
 def five_token_rows(data_config, *, model_vocab_size, seed):
-    from accumulation.data.rows import data_from_custom_rows, make_rows, row_fingerprint
+    from accumulation.data.rows import make_rows
+    from accumulation.data.splits import data_from_custom_rows, row_fingerprint
 
     rows = make_rows([bytes(range(40, 80))] * 4, seq_len=5)
     return data_from_custom_rows(data_config.source, rows, rows, fingerprint=row_fingerprint(rows), vocab_size=256)
@@ -146,7 +148,8 @@ def test_every_built_in_model_is_registered_with_its_rules():
 
 
 def test_a_registered_source_is_checked_against_data_seq_len_and_keeps_data_val_rows(fork):
-    from accumulation.data.sources import DataError, build_data
+    from accumulation.data.rows import DataError
+    from accumulation.data.sources import build_data
 
     config = load_config(["data.source=registry_fork:five-token-rows", "data.seq_len=5", "data.val_rows=3"])
     data = build_data(config.data, model_vocab_size=0, seed=1)

@@ -308,6 +308,7 @@ def start_train(arguments: list[str]) -> subprocess.Popen:
     )
 
 
+@pytest.mark.integration
 def test_two_jobs_started_together_one_is_refused_and_a_killed_holder_blocks_nobody(tmp_path, corpus, capsys):
     """Both start at once on one run directory. Before the lock, one resumed the other's step-0 checkpoint,
     rewrote metrics.jsonl under it and lost 500 of its lines. Now one trains, the other exits 2 at once with
@@ -355,6 +356,7 @@ def test_every_rank_prints_a_start_up_error(tmp_path, corpus, capsys, monkeypatc
     assert status == 2 and error.startswith("error: optim.lr: ") and error.count("\n") == 1, error
 
 
+@pytest.mark.integration
 def test_the_error_line_survives_torchrun_when_rank_0_starts_last(tmp_path, corpus):
     """The race made certain: rank 0 sleeps 30 s before it starts, so rank 1 finds the bad setting first and
     exits 2, and torchrun's agent stops rank 0 before it has read its config. The line is still there,
@@ -396,3 +398,49 @@ def test_a_full_disk_at_the_start_is_one_line(tmp_path, corpus, capsys):
     # config.toml need one: the first is skipped, the second is the run's one line (exit 1, a machine fault).
     assert status == 1 and error.count("\n") == 1, error
     assert "config.toml could not be written: the disk is full" in error
+
+
+def processes_naming(text: str) -> list[int]:
+    """The pids whose command line holds `text` (here: a run's unique out_dir)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:
+            pass  # ended while we looked
+    return pids
+
+
+@pytest.mark.integration
+def test_workers_orphaned_by_killing_the_agents_group_keep_the_run_directory_locked(tmp_path, corpus):
+    """torchrun starts its workers in sessions of their own, so SIGKILL to the agent's process group (what a
+    terminal's job control or a naive `kill -9 -PGID` does) leaves both ranks training. While they live, rank 0
+    still holds run.lock, so a second launch on the same run directory is refused, naming rank 0's pid: it
+    cannot write beside them. docs/faults.md says how to stop a job without orphaning its workers."""
+    out_dir = tmp_path / "orphans"
+    arguments = tiny_settings(tmp_path, corpus, **{"run.out_dir": out_dir, "run.max_steps": 10_000})
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [*launcher, *arguments], cwd=REPO, env=environment, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    metrics = out_dir / "default" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert time.monotonic() < deadline and agent.poll() is None, "the 2-rank run did not start training"
+            time.sleep(0.5)
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait(timeout=30)
+        workers = [pid for pid in processes_naming(str(out_dir)) if pid != agent.pid]
+        assert len(workers) == 2, workers  # both ranks outlived their agent
+        lines_before = metrics.read_text().count("\n")
+        second = run_train(arguments, timeout_s=120)
+        assert second.returncode == 2
+        assert "is in use by another training job" in second.stderr and "pid" in second.stderr, second.stderr
+        assert metrics.read_text().count("\n") >= lines_before  # the second launch wrote nothing over them
+    finally:
+        for pid in processes_naming(str(out_dir)):
+            os.kill(pid, signal.SIGKILL)

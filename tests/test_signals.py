@@ -23,7 +23,7 @@ from accumulation.run.signals import StopRequest
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import REPO, assert_same_run, read_fault_log
-from tests.test_train import read_metrics, run_train, tiny_settings, uneven_corpus
+from tests.test_train import read_metrics, run_train, tiny_settings, train_forked, uneven_corpus
 
 # Dropout on: the restart must also continue each rank's random stream exactly.
 SETTINGS = {
@@ -79,6 +79,47 @@ def test_every_rank_learns_of_a_stop_request_at_the_same_step():
     assert run_on_ranks(one_step, 2, (None,)) == [False, False]
 
 
+@pytest.fixture(scope="module")
+def reference_in_process(tmp_path_factory, corpus) -> Path:
+    """SETTINGS straight through, train.main in a process forked as `python train.py` (tests/test_train.py)."""
+    out = tmp_path_factory.mktemp("reference_in_process")
+    status, _, stderr = train_forked(tiny_settings(out, corpus, **SETTINGS), 1)
+    assert status == 0, stderr
+    return out / "runs" / "default"
+
+
+@pytest.mark.parametrize("name, status", [("SIGTERM", 143), ("SIGUSR1", 143), ("SIGINT", 130), ("SIGHUP", 129)])
+def test_a_stop_signal_in_process_stops_at_the_step_boundary_and_the_restart_is_bit_identical(
+    tmp_path, corpus, reference_in_process, capsys, monkeypatch, name, status
+):
+    """In-process form of the signalled runs below (which run train.py in a process of its own, in the
+    integration tier): the signal to this process as step 3 begins. The handler only raises the flag, step 3's
+    boundary reads it: the step ends, the step-3 checkpoint (off the 2-step cadence) is written, main returns
+    the status a shell shows; called again, the run ends with the bits of the run never stopped."""
+    import train
+
+    real_optimizer_step, calls = train.optimizer_step, []
+
+    def optimizer_step_signalled_at_step_3(*args, **options):
+        calls.append(len(calls) + 1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), getattr(signal, name))  # the handler runs here, before step 3's micro-batches
+        return real_optimizer_step(*args, **options)
+
+    monkeypatch.setattr(train, "optimizer_step", optimizer_step_signalled_at_step_3)
+    assert train.main(tiny_settings(tmp_path, corpus, **SETTINGS)) == status
+    stderr = capsys.readouterr().err
+    assert f"stopped at step 3: {name} received" in stderr and f"exit status {status};" in stderr, stderr
+    run_dir = tmp_path / "runs" / "default"
+    assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["latest.pt", "step_000000.pt", "step_000002.pt", "step_000003.pt"]
+    monkeypatch.setattr(train, "optimizer_step", real_optimizer_step)
+    assert train.main(tiny_settings(tmp_path, corpus, **SETTINGS)) == 0
+    assert "at step 3" in capsys.readouterr().out
+    assert_same_run(run_dir, reference_in_process)
+
+
 def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -> subprocess.CompletedProcess:
     """tests/faulty_train.py on one process (no torchrun: attempt 0, rank 0)."""
     environment = {
@@ -97,6 +138,7 @@ def run_with_faults(arguments: list[str], faults: list[dict], fault_log: Path) -
     )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "faults, status",
     [
@@ -142,6 +184,7 @@ def test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical(
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.integration
 def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, corpus):
     """The first Ctrl-C asks for the checkpoint at step 3's boundary; a second one, while that checkpoint is
     written, ends the process there and then (killed by SIGINT: a shell shows 130). The unfinished checkpoint

@@ -53,7 +53,7 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     monkeypatch.setattr(
         sweep_microbatch,
         "training_forward_and_loss",
-        lambda model_config, dist_config, model, device_type, compile=False: (model, micro_batch_mean),
+        lambda model_config, model, compile=False: (model, micro_batch_mean),
     )
     rows = swept_rows(tmp_path, [1, 8])
     assert rows[1]["grad_max_relative_difference"] > 1e-2

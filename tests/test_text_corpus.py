@@ -10,7 +10,8 @@ import torch
 from accumulation.batching import IGNORE_INDEX
 from accumulation.data import sources as data
 from accumulation.data import text_corpus
-from accumulation.data.sources import DataError
+from accumulation.data.rows import DataError
+from accumulation.data.splits import Data, key_hash, row_fingerprint, validation_keys
 from tests.test_rows import build, supervised_targets, write
 
 # ---------------------------------------------------------------------------------------------------
@@ -89,7 +90,7 @@ def test_summary_numbers_are_consistent(tmp_path):
     assert summary.padding_fraction == pytest.approx(1 - supervised / label_positions)
     assert (summary.prompt_fraction, summary.truncated_documents) == (0, 0)
     assert summary.vocab_size == corpus.vocab_size == 256
-    assert summary.fingerprint == data.row_fingerprint(corpus.train)
+    assert summary.fingerprint == row_fingerprint(corpus.train)
     assert "5 documents (2 without a target dropped)" in summary.describe()
 
 
@@ -98,9 +99,9 @@ def test_validation_split_is_by_file_deterministic_and_disjoint(tmp_path):
     for name in names:
         write(tmp_path / name, f"the contents of {name}\n".encode())
 
-    chosen = data.validation_keys(names, val_fraction=0.25)
-    assert chosen == data.validation_keys(list(reversed(names)), val_fraction=0.25)  # not by position
-    assert chosen == {name for name in names if data.key_hash(name) < 0.25}
+    chosen = validation_keys(names, val_fraction=0.25)
+    assert chosen == validation_keys(list(reversed(names)), val_fraction=0.25)  # not by position
+    assert chosen == {name for name in names if key_hash(name) < 0.25}
     assert 0 < len(chosen) < len(names)
 
     corpus = build(str(tmp_path), seq_len=16, val_fraction=0.25)
@@ -116,10 +117,10 @@ def test_validation_split_is_by_file_deterministic_and_disjoint(tmp_path):
 
 def test_an_empty_validation_split_takes_the_file_with_the_smallest_hash():
     names = ["a.txt", "b.txt", "c.txt"]
-    tiny_fraction = min(data.key_hash(name) for name in names) / 2
-    assert data.validation_keys(names, tiny_fraction) == {min(names, key=data.key_hash)}
-    assert data.validation_keys(names, 0) == set()
-    assert data.validation_keys(["only.txt"], tiny_fraction) == set()
+    tiny_fraction = min(key_hash(name) for name in names) / 2
+    assert validation_keys(names, tiny_fraction) == {min(names, key=key_hash)}
+    assert validation_keys(names, 0) == set()
+    assert validation_keys(["only.txt"], tiny_fraction) == set()
 
 
 def test_a_single_file_is_split_at_the_newline_nearest_the_cut(tmp_path):
@@ -224,7 +225,7 @@ def test_a_missing_standard_library_or_a_special_file_is_an_error(tmp_path, monk
 
 
 @pytest.fixture(scope="module")
-def stdlib_corpus() -> data.Data:
+def stdlib_corpus() -> Data:
     return build("stdlib", seq_len=64, val_fraction=0.05)
 
 
@@ -242,7 +243,7 @@ def test_stdlib_corpus_is_the_standard_library_without_tests_or_packages(stdlib_
 
 def test_stdlib_rows_reproduce_its_top_level_blocks(stdlib_corpus):
     root, files, _ = text_corpus.read_text_files("stdlib")
-    chosen = data.validation_keys([file.relative_path for file in files], 0.05)
+    chosen = validation_keys([file.relative_path for file in files], 0.05)
     train_blocks, val_blocks = [], []
     for file in files:
         blocks = text_corpus.split_top_level_blocks(file.data)

@@ -15,13 +15,25 @@ from accumulation import checker as check_equivalence
 from accumulation.config.config import load_config
 from accumulation.data import sources as data
 from accumulation.data import token_files
-from accumulation.data.sources import DataError, build_data, build_micro_batches, step_row_ids
+from accumulation.data.rows import DataError
+from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.splits import Data
+from accumulation.data.tokenizer import sample_decoder
 from accumulation.models.factory import build_model
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_jsonl import jsonl
 from tests.test_rows import assert_rows_match_their_raw_examples, window_of
-from tests.test_train import ONE_PLAIN_SGD_STEP, comparable, final_weights, read_metrics, run_train, tiny_settings
+from tests.test_train import (
+    LAUNCHES,
+    ONE_PLAIN_SGD_STEP,
+    comparable,
+    final_weights,
+    read_metrics,
+    tiny_settings,
+    train_as,
+    train_forked,
+)
 
 VOCAB = 64  # the vocabulary of the generated token files
 
@@ -63,7 +75,7 @@ def llmc_folder(folder: Path, shard_tokens=(1200, 900, 700), val_tokens=400, ver
     return folder
 
 
-def build(source, *settings) -> data.Data:
+def build(source, *settings) -> Data:
     config = load_config([f"data.source={source}", "data.seq_len=16", *settings])
     return build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
 
@@ -440,18 +452,19 @@ def tiny_token_run(tmp_path: Path, source: Path, **overrides) -> list[str]:
     return tiny_settings(tmp_path, source, **{"run.max_steps": 3, "run.log_every": 1, "run.eval_every": 3, **overrides})
 
 
+@pytest.mark.parametrize("launch", LAUNCHES)
 @pytest.mark.parametrize("token_format", ["nanoGPT", "llm.c"])
 @pytest.mark.parametrize("ranks", [1, 2])
-def test_token_files_train_through_the_entry_point(tmp_path, token_format, ranks):
+def test_token_files_train_through_the_entry_point(tmp_path, capsys, launch, token_format, ranks):
     make = nanogpt_folder if token_format == "nanoGPT" else llmc_folder
-    completed = run_train(tiny_token_run(tmp_path, make(tmp_path / "tokens")), ranks=ranks)
-    assert completed.returncode == 0, completed.stderr
+    status, stdout, stderr = train_as(launch, tiny_token_run(tmp_path, make(tmp_path / "tokens")), ranks, capsys)
+    assert status == 0, stderr
     metrics = read_metrics(tmp_path / "runs" / "default")
     assert [line["steps"] for line in metrics] == [1, 2, 3]
     assert [line["tokens"] for line in metrics] == [8 * 16 * steps for steps in (1, 2, 3)]  # no padding, no prompt
     assert "val_loss" in metrics[2]
-    assert f"{token_format} token files" in completed.stdout and "layout packed" in completed.stdout
-    assert "sample:" in completed.stdout  # meta.json says the tokens are bytes, so the sample decodes
+    assert f"{token_format} token files" in stdout and "layout packed" in stdout
+    assert "sample:" in stdout  # meta.json says the tokens are bytes, so the sample decodes
 
 
 ONE_PLAIN_SGD_STEP_WITHOUT_VALIDATION = {**ONE_PLAIN_SGD_STEP, "data.val_fraction": 0}
@@ -483,8 +496,8 @@ def test_one_step_equals_the_float64_reference_for_every_split(tmp_path, source_
         if ranks == 1:
             assert train.main(arguments) == 0  # in this process: no interpreter start
         else:
-            completed = run_train(arguments, ranks=ranks)
-            assert completed.returncode == 0, completed.stderr
+            status, _, stderr = train_forked(arguments, ranks)  # ranks forked from the forkserver: no torchrun
+            assert status == 0, stderr
         weights[name] = final_weights(tmp_path / "runs" / name)
 
     # The reference: the initial weights, minus lr (1.0) times the float64 gradient of the mean loss over
@@ -544,8 +557,8 @@ def test_the_equivalence_checker_passes_on_packed_token_files(tmp_path, capsys):
 
 def test_the_sample_is_decoded_with_what_the_tokens_are(tmp_path):
     folder = nanogpt_folder(tmp_path / "n")
-    decode, _ = token_files.sample_decoder(load_config([f"data.source={folder}"]))
+    decode, _ = sample_decoder(load_config([f"data.source={folder}"]))
     assert decode([104, 105]) == "hi"  # meta.json: "tokenizer": "bytes"
     (folder / "meta.json").write_text(json.dumps({"vocab_size": 50304}))
-    decode, why_not = token_files.sample_decoder(load_config([f"data.source={folder}"]))
+    decode, why_not = sample_decoder(load_config([f"data.source={folder}"]))
     assert decode is None and "no tokenizer.json beside the token files" in why_not

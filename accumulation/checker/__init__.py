@@ -13,7 +13,9 @@ step 0 sees them, this rank's A micro-batches of m rows), and `optimizer_step` w
 precision and with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it.
 The gradient is read when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce and
 unscaling. Two settings are switched off, because no reference could reproduce them: gradient clipping
-(it rescales the gradient by the step's own norm) and dropout (its random masks).
+(it rescales the gradient by the step's own norm) and dropout (its random masks): model.dropout, and after
+every build each Dropout-family module's p, float attributes named like a dropout and a Hugging Face config's
+*_pdrop / *_dropout (reference.switch_off_dropout); the model line says what was switched off.
 
 The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (each
 row's input tokens and its targets, position by position: accumulation/data/rows.py, RawExample) with the
@@ -30,9 +32,13 @@ The checks, one line each, each named when it fails and each independent of m, A
                     shift: labels shifted twice (label j holds token j + 2) or not at all (label j = input j)
     supervised_counts vs the raw examples' targets, and vs the labels of examples() on every rank (the check
                     train.py makes every step), row by row
+    forward deterministic
+                    two identical forwards of the step's rows agree (train mode, float64): randomness left in
+                    the forward (not a Dropout module) fails it, "not deterministic between two identical forwards"
     rows independent
                     in train mode, the step's rows at once and in two halves give the same outputs (float64);
-                    names the BatchNorm-like modules when they do not
+                    names the BatchNorm-like modules when they do not, the randomness when two identical
+                    forwards already differ
     loss_sum_fn is a sum
                     on fixed outputs (the model's, computed once): its value over the step's rows equals the sum of
                     its values over two halves; when it does not, says whether it is a mean (return the SUM) or
@@ -44,7 +50,8 @@ The checks, one line each, each named when it fails and each independent of m, A
     examples, supervised targets, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
-                    floor is the model's rounding, one above it the accumulation's
+                    floor is the model's rounding, one above it the accumulation's; the floor widens the
+                    allowed error to 4 times itself, never past run.ROUNDING_FLOOR_CAP
 The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
 
 What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and
@@ -57,7 +64,10 @@ loop weights and masks it).
 --inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
 (count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
 model (batch-norm), or with dist.pipeline_stages > 1 in the schedule (scale-grads: PyTorch's default
-scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it.
+scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it. A bug the data cannot show is refused
+(exit 2, one line) rather than passed: mean-of-means where every micro-batch holds the same number of targets
+(one label per row, packed rows, A·D = 1), mask without prompts, rank-mask on rows that do not change with the
+step.
 
 Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
 torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.reference import map_tensors
-from accumulation.data.sources import DataError, Rows, StepBatch, check_supervised_counts
+from accumulation.data.rows import DataError, Rows
+from accumulation.data.sources import StepBatch, check_supervised_counts
 from accumulation.parallel.distributed import DistributedContext
 
 
@@ -153,6 +154,8 @@ def first_tensor(inputs):
 # Row independence: float64 outputs of a row computed with and without the rows beside it differ by rounding
 # only, about 1e-15 relative (another batch size may pick other kernels); 1e-9 is far above that and far below
 # what batch statistics do to a row (BatchNorm over 4 rows instead of 8 moves each output by about 1e-2).
+# The same bound serves two identical forwards, which differ by nothing or (atomic adds on a GPU) by
+# rounding, while a dropout of p = 0.1 moves outputs by about 1e-1.
 ROW_INDEPENDENCE_TOLERANCE = 1e-9
 
 
@@ -162,22 +165,59 @@ def rows_coupling_modules(model: torch.nn.Module) -> list[str]:
     return [f"{type(m).__name__} at '{name}'" for name, m in modules if name and "BatchNorm" in type(m).__name__]
 
 
+def relative_difference(outputs: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |outputs - reference| relative to the largest |reference|."""
+    return float((outputs - reference).abs().max() / reference.abs().max().clamp(min=1e-300))
+
+
+def repeat_difference(model: torch.nn.Module, inputs) -> float:
+    """How far two identical forwards of the same rows land apart (train mode, float64, no gradient): rounding
+    only, or nothing, for a model that draws nothing at random."""
+    model.train()
+    with torch.no_grad():
+        return relative_difference(model(inputs), model(inputs))
+
+
+def determinism_message(model: torch.nn.Module, inputs, dropout_off: list[str]) -> str | None:
+    """Whether two identical forwards give the same outputs, once the checker switched every dropout it knows
+    off (dropout_off: what it switched off, in words); None when they do. Randomness left in the forward
+    differs between the loop, the reference and the A = 1, D = 1 baseline, so no comparison of them means
+    anything: it would hide an accumulation error, or blame one that is not there."""
+    difference = repeat_difference(model, inputs)
+    if difference <= ROW_INDEPENDENCE_TOLERANCE:
+        return None
+    switched = f"after switching off {', '.join(dropout_off)}" if dropout_off else "with no dropout left on"
+    return (
+        f"this model is not deterministic between two identical forwards (relative {difference:.2e}, train mode, "
+        f"float64, {switched}): randomness in its forward that is not a torch.nn Dropout module (torch.rand, a "
+        "sampled mask, functional dropout with a fixed p); no reference draws the same. Make it a Dropout module, "
+        "give it a probability the checker can set to 0, or draw it from the data as a pure function of "
+        "(seed, step, row id)"
+    )
+
+
 def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
     """Whether a row's outputs depend on the other rows of its batch, in train mode (as the loop runs the
     model): the outputs of the whole step's rows against those of each half on its own (float64, no
     gradient). Micro-batches of m rows cannot reproduce a model whose rows see one another (BatchNorm
-    normalises each micro-batch by its own statistics), whatever the weighting."""
+    normalises each micro-batch by its own statistics), whatever the weighting. A model whose two identical
+    forwards differ already cannot be judged this way: the line then names the randomness, not the rows."""
     rows = len(first_tensor(inputs))
     if rows < 2:
         return None
     half = rows // 2
-    model.train()
+    repeated = repeat_difference(model, inputs)
+    if repeated > ROW_INDEPENDENCE_TOLERANCE:
+        return (
+            f"cannot tell: two identical forwards of the step's rows already differ (relative {repeated:.2e}): "
+            "dropout left on or other randomness in the forward, not necessarily an operation across rows"
+        )
     with torch.no_grad():
         whole = model(inputs)
         halves = torch.cat(
             [model(map_tensors(lambda t: t[:half], inputs)), model(map_tensors(lambda t: t[half:], inputs))]
         )
-    difference = float((whole - halves).abs().max() / whole.abs().max().clamp(min=1e-300))
+    difference = relative_difference(halves, whole)
     if difference <= ROW_INDEPENDENCE_TOLERANCE:
         return None
     found = rows_coupling_modules(model)

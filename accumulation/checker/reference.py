@@ -6,14 +6,16 @@ Nothing here uses the loop's batching, masking or weighting: the reference is th
 objective (the mean loss over every supervised target of the global batch), computed the simplest way.
 """
 
+import collections
 import dataclasses
+import re
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import Config
-from accumulation.data.sources import Rows
+from accumulation.data.rows import Rows
 from accumulation.step import count_supervised_tokens
 
 
@@ -106,6 +108,58 @@ def max_relative_error(gradient: list[torch.Tensor], reference: list[torch.Tenso
 def without_dropout(config: Config) -> Config:
     """The config with dropout off: its masks are random, and no reference (or second run) draws the same."""
     return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+
+
+DROPOUT_MODULES = (
+    torch.nn.Dropout,
+    torch.nn.Dropout1d,
+    torch.nn.Dropout2d,
+    torch.nn.Dropout3d,
+    torch.nn.AlphaDropout,
+    torch.nn.FeatureAlphaDropout,
+)
+# A float attribute by one of these names is a dropout probability read at forward time: MultiheadAttention's
+# and a GRU's `dropout`, a Hugging Face attention's `attention_dropout`, a Hugging Face config's `resid_pdrop`,
+# `hidden_dropout_prob` or `layerdrop` (whole layers skipped at random).
+DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop")
+
+
+def switch_off_dropout(model: torch.nn.Module) -> list[str]:
+    """Every dropout of a built model set to probability 0, in place, whatever its config said (model.dropout
+    reaches the built-in models only; a fork's or a Hugging Face model keeps its own). The model stays in train
+    mode, so the forward is still the training one in everything else. Returns what was switched off, in words
+    ("13 Dropout modules (p 0.1 -> 0)"), empty when nothing was on.
+
+    Three places hold a probability: a Dropout-family module's p; a float attribute of a module named like a
+    dropout (a Hugging Face attention calls the functional dropout with `self.attention_dropout`); and a
+    Hugging Face config shared by the model's modules (`config.resid_pdrop`), which code may read at forward
+    time."""
+    classes = collections.Counter()  # (Dropout class, its p): how many modules
+    attributes = collections.Counter()  # (attribute name, its value): how many modules
+    configs = {}
+    for module in model.modules():
+        if isinstance(module, DROPOUT_MODULES) and module.p > 0:
+            classes[(type(module).__name__, module.p)] += 1
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if DROPOUT_NAME.search(name) and type(value) is float and value > 0:
+                attributes[(name, value)] += 1
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "to_dict"):  # a Hugging Face PretrainedConfig
+            configs[id(config)] = config
+    switched = [f"{count} {name} module{plural(count)} (p {p:g} -> 0)" for (name, p), count in classes.items()]
+    switched += [f"{name} of {count} module{plural(count)} ({v:g} -> 0)" for (name, v), count in attributes.items()]
+    for config in configs.values():
+        for name, value in list(vars(config).items()):
+            if DROPOUT_NAME.search(name) and type(value) is float and value > 0:
+                switched.append(f"config.{name} ({value:g} -> 0)")
+                setattr(config, name, 0.0)
+    return switched
+
+
+def plural(count: int) -> str:
+    return "" if count == 1 else "s"
 
 
 def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:

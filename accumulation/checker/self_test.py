@@ -7,8 +7,9 @@ them.
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX
-from accumulation.data.sources import DataError, RawExample, Rows, RowSet
+from accumulation.batching import IGNORE_INDEX, micro_batch_slices
+from accumulation.data.rows import DataError, RawExample, Rows, RowSet
+from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import all_reduce_ints, count_supervised_tokens
 
@@ -40,8 +41,19 @@ PIPELINE_BUGS = {
 INJECTABLE_BUGS = {**LOOP_BUGS, **FORK_BUGS, **PIPELINE_BUGS}
 
 
-def refuse_a_bug_this_data_cannot_show(bug: str | None, rows: Rows, row_ids: torch.Tensor, step: int) -> None:
-    """A DataError when the self-test's bug would change nothing on this data (so a PASS would mean nothing)."""
+def refuse_a_bug_this_data_cannot_show(
+    bug: str | None, rows: Rows, row_ids: torch.Tensor, step: int, micro_batch_targets: list[int]
+) -> None:
+    """A DataError when the self-test's bug would change nothing on this data (so a PASS would mean nothing).
+    micro_batch_targets: the supervised targets of each of the step's A·D micro-batches, every replica's."""
+    if bug == "mean-of-means" and len(set(micro_batch_targets)) == 1:
+        # Each micro-batch's mean times the average count is its sum when every count is the average.
+        raise DataError(
+            f"--inject-bug mean-of-means: n/a: every micro-batch holds the same number of targets "
+            f"({micro_batch_targets[0]} in each of {len(micro_batch_targets)}), so the mean of means equals the "
+            "global mean on these rows and no check can see the bug; run it on rows whose target counts differ "
+            "(documents of different lengths, e.g. --config configs/sft.toml) with A·D > 1"
+        )
     if bug == "mask":
         if not isinstance(rows, RowSet):
             raise DataError("--inject-bug mask rewrites a RowSet's prompt mask; this data's rows are not a RowSet")
@@ -61,6 +73,18 @@ def refuse_a_bug_this_data_cannot_show(bug: str | None, rows: Rows, row_ids: tor
                 "--inject-bug rank-mask needs rows that change with the step, and this data's do not; "
                 "run it on masked-LM data, e.g. --config configs/mlm.toml"
             )
+
+
+def targets_per_micro_batch(
+    batch: StepBatch, global_batch_size: int, micro_batch_size: int, replicas: int
+) -> list[int]:
+    """The supervised targets of each micro-batch of the step, every replica's, from supervised_counts and the
+    loop's layout (micro_batch_slices; a partial step's padding rows hold none)."""
+    return [
+        int(batch.supervised_counts[positions].sum())
+        for replica in range(replicas)
+        for positions in micro_batch_slices(global_batch_size, micro_batch_size, replicas, replica)
+    ]
 
 
 def every_real_target(rows: RowSet) -> torch.Tensor:

@@ -14,11 +14,14 @@ nothing is guessed, and nothing is ever silently rounded.
 """
 
 import dataclasses
+import json
 import math
 import os
 import re
 import tomllib
 from dataclasses import dataclass, field, fields
+
+import tomli_w
 
 from accumulation.config.config_keys import (
     BatchConfig,
@@ -31,7 +34,7 @@ from accumulation.config.config_keys import (
     ScheduleConfig,
     setting,
 )
-from accumulation.config.registry import Piece, RegistryError, config_name, is_piece_name, lookup, registered
+from accumulation.config.registry import Piece, RegistryError, is_piece_name, lookup
 
 
 class ConfigError(ValueError):
@@ -57,8 +60,8 @@ class Config:
     device: str = setting("auto", "auto: cuda when a GPU is present, else cpu", choices=("auto", "cpu", "cuda"))
 
     def __post_init__(self):
-        _attach_own_settings(self)
-        for key, declaration, value in _settings(self):
+        _attach_ownsettings_of(self)
+        for key, declaration, value in settings_of(self):
             _check_value(key, value, declaration)
         _check_combinations(self)
 
@@ -94,7 +97,7 @@ def _section_fields(section) -> list[tuple[dataclasses.Field, object]]:
     return found
 
 
-def _settings(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
+def settings_of(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
     """Every (key, declaration, value) of a config, e.g. ("run.max_steps", <field>, 600), top level first."""
     found = [(name, declaration, getattr(config, name)) for name, declaration in _top_level_fields().items()]
     for section_name in _section_types():
@@ -130,7 +133,7 @@ def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
     return owns
 
 
-def _attach_own_settings(config: Config) -> None:
+def _attach_ownsettings_of(config: Config) -> None:
     """Check that model.name (and data.source, when it names a source) names a registered piece, and give its
     section the piece's own settings: the defaults when none were given, refused when they are another piece's."""
     for section_name, choosing_key in OWNED_SECTIONS.items():
@@ -221,11 +224,11 @@ def _within_bounds(value, metadata) -> bool:
     )
 
 
-def _allowed_text(declaration: dataclasses.Field) -> str:
+def allowed_text(declaration: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
     choices = declaration.metadata["choices"]
     if choices is not None:
-        return "one of " + ", ".join(_toml_value(choice) for choice in choices)
+        return "one of " + ", ".join(value_text(choice) for choice in choices)
     bounds = _bounds_text(declaration.metadata)
     words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
     words = words or _TYPE_WORDS[declaration.type]
@@ -249,7 +252,7 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
         if declaration.type is str and value == "":
             allowed = declaration.default == ""  # "" means none only where it is the declared default
     if not allowed:
-        raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {_describe(value)}")
+        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {value_text(value)}")
 
 
 def _is_utf8(text: str) -> bool:
@@ -340,7 +343,7 @@ def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
         return _unquoted(text)
     else:  # str | bool, i.e. precision.grad_scaler: "auto", true or false
         return text == "true" if text in ("true", "false") else _unquoted(text)
-    raise ConfigError(f"{key}: expected {_allowed_text(declaration)}, got {text}")
+    raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
 
 
 def _split_argument(argument: str) -> tuple[str, str]:
@@ -362,7 +365,7 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
     for name, value in tree.items():
         if name in section_types:
             if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {_describe(value)}")
+                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {value_text(value)}")
             for key, inner_value in value.items():
                 pairs[f"{name}.{key}"] = inner_value
         elif isinstance(value, dict):
@@ -470,93 +473,22 @@ def resolved_grad_scaler(config: Config) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Writing: TOML for the run directory, and --help
+# Writing: TOML for the run directory (--help is accumulation/config/help.py)
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _toml_string(text: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    escaped = []
-    for character in text:
-        if character in '"\\':
-            escaped.append("\\" + character)
-        elif character < " " or character == "\x7f":
-            escaped.append(f"\\u{ord(character):04x}")
-        else:
-            escaped.append(character)
-    return '"' + "".join(escaped) + '"'
+def value_text(value) -> str:
+    """A value as error messages and --help show it, in TOML's spelling: "adamw", true, 0.003, inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # inf, -inf, nan: TOML's words (JSON has none)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (str, int, float)) else repr(value)
 
 
-def _toml_value(value: str | int | float | bool) -> str:
-    if isinstance(value, bool):  # before int: bool is a subclass of int
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, float):
-        return repr(value)  # the shortest text that reads back as exactly this float, e.g. 0.003, 1e-05
-    return str(value)
-
-
-def _describe(value) -> str:
-    """A value as it appears in an error message: in TOML spelling when it has one."""
-    return _toml_value(value) if isinstance(value, (str, int, float)) else repr(value)
+# The first line of every config.toml this program writes: how a run directory's own file is recognised.
+CONFIG_FIRST_LINE = "# The resolved configuration of this run: defaults, file and command line combined."
 
 
 def config_to_toml(config: Config) -> str:
     """The resolved config as a TOML file that `--config` reads back to an equal Config."""
-    lines = [
-        "# The resolved configuration of this run: defaults, file and command line combined.",
-        "# Run it again with: python train.py --config <this file>",
-        "",
-    ]
-    for name in _top_level_fields():
-        lines.append(f"{name} = {_toml_value(getattr(config, name))}")
-    for section_name in _section_types():
-        lines += ["", f"[{section_name}]"]
-        for declaration, value in _section_fields(getattr(config, section_name)):
-            lines.append(f"{declaration.name} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
-
-
-def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
-    unit = declaration.metadata["unit"]
-    unit_text = f"; unit: {unit}" if unit else ""
-    return [
-        f"  {key} = {_toml_value(default)}    ({_allowed_text(declaration)}{unit_text})",
-        f"      {declaration.metadata['help']}",
-    ]
-
-
-def help_text(argv: list[str] = ()) -> str:
-    """Usage and every key, grouped by section, with its default, allowed values, unit and meaning; then the own
-    keys of every registered model and data source, those of a fork that `argv` names (--config FILE, model.name=
-    module:name) included."""
-    lines = [
-        "usage: python train.py [--config FILE] [section.key=value ...]",
-        "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
-        "",
-        "Settings come from the defaults below, then the TOML file given by --config, then the command",
-        "line in order; a key given twice takes its last value. Example:",
-        "  python train.py --config configs/default.toml run.max_steps=100 optim.lr=1e-3",
-    ]
-    try:
-        load_config([argument for argument in argv if argument not in ("--help", "-h")])  # imports a fork's module
-    except ConfigError:
-        pass  # --help lists what it can; the run itself reports the error
-    defaults = Config()
-    current_section = None
-    for key, declaration, default in _settings(defaults):
-        section_name, dot, _ = key.partition(".")
-        heading = f"[{section_name}]" if dot else "top level"
-        if heading != current_section:
-            lines += ["", heading]
-            current_section = heading
-        lines += _key_help(key, declaration, default)
-    for section_name, choosing_key in OWNED_SECTIONS.items():
-        for piece in registered(section_name).values():
-            if piece.settings is None:
-                continue
-            lines += ["", f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"']
-            for declaration in fields(piece.settings):
-                lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
-    return "\n".join(lines) + "\n"
+    header = f"{CONFIG_FIRST_LINE}\n# Run it again with: python train.py --config <this file>\n\n"
+    return header + tomli_w.dumps(config_to_dict(config))

@@ -8,8 +8,9 @@
 A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
 (`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
 module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
-plus a config; no list of names elsewhere is edited. The built-in pieces (BUILT_IN_MODULES) go through the same
-path: they are imported, and register themselves, before the first lookup.
+plus a config; no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps
+each name to the module that registers it, imported when a config first names it, so a run imports only the
+pieces it uses (`registered`, for --help and error messages, imports them all).
 
 A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config/config_keys.py): they become
 keys of the piece's section (`model.path` for a model's `path`), checked like every key, listed by --help, written
@@ -27,8 +28,16 @@ from dataclasses import dataclass
 
 KINDS = ("model", "loss", "data")
 
-# The modules that define the built-in pieces, imported before the first lookup (they register themselves).
-BUILT_IN_MODULES = ("accumulation.models.gpt", "accumulation.models.gru", "accumulation.models.encoder")
+# The built-in pieces: name -> the module that registers it, imported when a config names it.
+BUILT_IN = {
+    "model": {
+        "gpt": "accumulation.models.gpt",
+        "gru": "accumulation.models.gru",
+        "encoder": "accumulation.models.encoder",
+    },
+    "loss": {},
+    "data": {},
+}
 
 # "package.module:name": a piece named by import path.
 IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z0-9_.-]+")
@@ -94,14 +103,14 @@ def register_data(name, build, *, settings=None, check=None) -> Piece:
 
 
 def is_piece_name(kind: str, name: str) -> bool:
-    """Whether `name` names a piece of this kind (registered, or an import path), not e.g. a data file."""
-    _import_built_ins()
-    return name in _REGISTERED[kind] or IMPORT_PATH.fullmatch(name) is not None
+    """Whether `name` names a piece of this kind (registered, built in, or an import path), not e.g. a data file."""
+    return name in _REGISTERED[kind] or name in BUILT_IN[kind] or IMPORT_PATH.fullmatch(name) is not None
 
 
 def lookup(kind: str, name: str) -> Piece:
-    """The piece `name` names: a registered name, or "module:name" (the module imported first)."""
-    _import_built_ins()
+    """The piece `name` names: a registered name, a built-in (its module imported first), or "module:name"."""
+    if name in BUILT_IN[kind]:
+        importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
     if name in _REGISTERED[kind]:
         return _REGISTERED[kind][name]
     if IMPORT_PATH.fullmatch(name) is None:
@@ -123,22 +132,19 @@ def lookup(kind: str, name: str) -> Piece:
 
 
 def registered(kind: str) -> dict[str, Piece]:
-    """The pieces of this kind registered so far (the built-ins, and those of every module imported)."""
-    _import_built_ins()
+    """The built-in pieces of this kind (their modules imported) and those of every fork module imported so far."""
+    for module_name in BUILT_IN[kind].values():
+        importlib.import_module(module_name)
     return dict(_REGISTERED[kind])
 
 
 def config_name(piece: Piece) -> str:
     """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
     module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
-    return piece.name if module_name in BUILT_IN_MODULES else f"{module_name}:{piece.name}"
+    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
 
 
 def names_text(kind: str) -> str:
-    """The registered names as a config writes them: the built-ins, then those of fork modules imported so far."""
-    return ", ".join(f'"{config_name(piece)}"' for piece in _REGISTERED[kind].values()) or "none"
-
-
-def _import_built_ins() -> None:
-    for module_name in BUILT_IN_MODULES:
-        importlib.import_module(module_name)  # cached after the first time
+    """The names a config may write: the built-ins, then those of fork modules imported so far."""
+    forks = [config_name(piece) for name, piece in _REGISTERED[kind].items() if name not in BUILT_IN[kind]]
+    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"

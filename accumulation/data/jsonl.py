@@ -25,7 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data.rows import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_example_rows, validation_keys
+from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_example_rows
+from accumulation.data.splits import Data, data_from_rows, validation_keys
 
 LINE_FORMAT = 'each line must be a JSON object {"prompt": "...", "response": "..."} or {"text": "..."}'
 
@@ -59,6 +60,8 @@ def parse_example(source: str, line_number: int, line: str) -> tuple[bytes, byte
         example = json.loads(line)
     except json.JSONDecodeError as error:
         raise DataError(f"{where}: not valid JSON ({error.msg} at column {error.colno}); {LINE_FORMAT}") from None
+    except RecursionError:  # json's parser recurses once per level of nesting
+        raise DataError(f"{where}: nested too deeply to parse; {LINE_FORMAT}") from None
     if not isinstance(example, dict):
         raise DataError(f"{where}: {json_type_name(example)}, not an object; {LINE_FORMAT}")
     has_text = "text" in example
@@ -98,7 +101,7 @@ def read_examples(source: str) -> tuple[bytes, list[tuple[bytes, bytes]], list[s
 
 def tokenized(examples: list[tuple[bytes, bytes]], tokenizer) -> list[tuple[np.ndarray, np.ndarray]]:
     """(prompt ids, response ids + the end-of-text token if the vocabulary has one) of every example."""
-    from accumulation.data.token_files import end_of_text_token
+    from accumulation.data.tokenizer import end_of_text_token
 
     end = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]
 

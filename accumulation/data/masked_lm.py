@@ -20,7 +20,8 @@ import hashlib
 import numpy as np
 import torch
 
-from accumulation.data.rows import Data, DataError, RawExample, labels_from_mask, step_uniforms
+from accumulation.data.rows import DataError, RawExample, labels_from_mask, step_uniforms
+from accumulation.data.splits import Data
 from accumulation.data.token_files import PackedTokenRows, TokenSource, load_token_files
 
 MASK_FRACTION = 0.15  # of the positions of each row, on average: masked and supervised

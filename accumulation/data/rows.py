@@ -1,5 +1,7 @@
-"""The types every data source shares, in one module that imports no source: a source imports this, and
-accumulation/data/sources.py (the factory, the data order and the micro-batches) imports the sources.
+"""What a row is, for every data source: the `Rows` interface and the containers that implement it, in one module
+that imports no source. What a source hands back (`Data`: the splits, their summary and fingerprint) is
+accumulation/data/splits.py; accumulation/data/sources.py (the factory, the data order, the micro-batches) imports
+a source only when data.source names it.
 
 The interface
 -------------
@@ -30,11 +32,11 @@ sources here give the same rows at every step; a fresh mask per step (accumulati
 RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/data/token_files.py) for
 memory-mapped token files; MaskedTokenRows (accumulation/data/masked_lm.py) on top of those, with a fresh mask
 every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows and
-make_example_rows build RowSets) and adds a branch to build_data in accumulation/data/sources.py.
+make_example_rows build RowSets) and registers it (`register_data`, accumulation/config/registry.py); a config
+names it in data.source (docs/forking.md).
 """
 
 import hashlib
-import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -45,9 +47,6 @@ from accumulation.batching import IGNORE_INDEX
 
 # Text and JSONL are tokenized as their UTF-8 bytes, one token per byte, unless data.tokenizer names another.
 BYTE_VOCAB_SIZE = 256
-
-# Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
-FINGERPRINT_CHUNK_ROWS = 65_536
 
 
 class DataError(ValueError):
@@ -336,134 +335,6 @@ def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYT
     return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
 
 
-def row_fingerprint(rows: RowSet) -> str:
-    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask.
-
-    A checkpoint stores it so that resuming on different data (another source, seq_len, split or prompt
-    mask) is noticed. Tokens are hashed as little-endian uint32 whatever their storage type, so the
-    fingerprint is a function of the token values alone and does not move when token_dtype picks another width.
-    """
-    digest = hashlib.sha256()
-    digest.update(f"{tuple(rows.tokens.shape)}".encode())
-    tokens = rows.tokens.numpy()
-    for first in range(0, rows.num_rows, FINGERPRINT_CHUNK_ROWS):
-        digest.update(tokens[first : first + FINGERPRINT_CHUNK_ROWS].astype("<u4").tobytes())
-    digest.update(rows.lengths.numpy().astype("<i4").tobytes())
-    digest.update(rows.supervised.numpy().tobytes())  # one byte, 0 or 1, per position
-    return digest.hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Validation split
-# ---------------------------------------------------------------------------------------------------
-
-
-def key_hash(key: str) -> float:
-    """A stable hash of a string in [0, 1): crc32 is the same on every machine and Python version."""
-    return zlib.crc32(key.encode("utf-8")) / 2**32
-
-
-def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
-    """The keys (file paths, example lines) whose hash falls below val_fraction.
-
-    Hashing the key (not its position) keeps an item on its side of the split when other items are added
-    or removed, and puts identical items on the same side. When nothing falls below val_fraction but there
-    are at least two distinct keys, the key with the smallest hash is used, so that a small source still
-    has a validation set.
-    """
-    if val_fraction == 0:
-        return set()
-    chosen = {key for key in keys if key_hash(key) < val_fraction}
-    if not chosen and len(set(keys)) >= 2:
-        chosen = {min(keys, key=key_hash)}
-    return chosen
-
-
-# ---------------------------------------------------------------------------------------------------
-# The data of a run
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class DataSummary:
-    """What the run header prints about the data and what resume compares (the fingerprint, the file stamps).
-    Every source gives the first group; the language-model fields after it only where they mean something
-    (a custom source of images leaves them at their defaults: data_from_custom_rows)."""
-
-    source: str  # data.source as given
-    train_rows: int
-    val_rows: int  # rows in the validation split
-    fingerprint: str  # what resume compares: row_fingerprint of the training rows, or token_fingerprint
-    min_supervised_tokens: int  # supervised targets per training row
-    median_supervised_tokens: float
-    max_supervised_tokens: int
-    targets: str = "tokens"  # what a supervised target is, in the header and the speed lines: "tokens", "targets"
-    root: str = ""  # the file or folder it resolved to ("" = the source itself)
-    seq_len: int = 0
-    vocab_size: int = 0
-    files: int = 0  # files used, training and validation
-    val_files: int = 0  # of those, files in the validation split (0 or 1 for a single file split within itself)
-    skipped_files: int = 0  # non-text files left out
-    bytes: int = 0  # bytes of the files used
-    documents: int = 0  # documents (text) or examples (JSONL lines) read; 0 for token files, which do not say
-    dropped_documents: int = 0  # of those, with no target to predict: no rows
-    truncated_documents: int = 0  # of those, cut short to one row of seq_len + 1 tokens
-    padding_fraction: float = 0.0  # label positions past a row's last target / all label positions, training rows
-    prompt_fraction: float = 0.0  # label positions whose target is prompt, not response / all, training rows
-    layout: str = "documents"  # data.layout as resolved: "documents" or "packed"
-    format: str = "text"  # "text", "JSONL", "nanoGPT token files", "llm.c token files", or a custom source's own
-    tokens: int = 0  # token files: tokens in the files used
-    vocab_from: str = "bytes"  # where the vocabulary size came from
-    val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
-    # Token files: per training file, its path, size, modification time and a hash of its sampled blocks
-    # (token_files.file_stamps), which resume compares to catch a file changed in place. Empty for text and
-    # JSONL, whose fingerprint hashes every row.
-    file_stamps: tuple = ()
-    language_model: bool = True  # False for a custom source: the header leaves out files, layout and vocabulary
-
-    def describe(self) -> str:
-        if not self.language_model:
-            return (
-                f"data {self.source}: {self.format}, {self.train_rows:,} training rows and {self.validation_text()}; "
-                f"supervised {self.targets} per training row min {self.min_supervised_tokens} / median "
-                f"{self.median_supervised_tokens:g} / max {self.max_supervised_tokens}; fingerprint {self.fingerprint}"
-            )
-        skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
-        losses = [
-            f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
-            f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
-        ]
-        losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
-        contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
-        validation = self.validation_text()
-        location = self.source if self.source == self.root else f"{self.source} ({self.root})"
-        prompt = f", {100 * self.prompt_fraction:.1f}% prompt" if self.prompt_fraction else ""
-        kind = "" if self.format == "text" else f"{self.format}, "
-        return (
-            f"data {location}: {kind}{self.files:,} files{skipped}, {self.bytes / 1e6:.1f} MB, "
-            f"{contents}; layout {self.layout}: {self.train_rows:,} training rows and {validation} "
-            f"of seq_len {self.seq_len}, vocabulary {self.vocab_size} ({self.vocab_from}), supervised tokens per "
-            f"training row min {self.min_supervised_tokens} / median {self.median_supervised_tokens:g} "
-            f"/ max {self.max_supervised_tokens}, "
-            f"{100 * self.padding_fraction:.1f}% padding{prompt}; fingerprint {self.fingerprint}"
-        )
-
-    def validation_text(self) -> str:
-        if not self.val_rows:
-            return "no validation set"
-        if self.val_rows_read < self.val_rows:
-            return f"{self.val_rows:,} validation rows (validation reads {self.val_rows_read:,} of them)"
-        return f"{self.val_rows:,} validation rows"
-
-
-@dataclass
-class Data:
-    train: Rows
-    val: Rows | None  # None when val_fraction == 0
-    summary: DataSummary
-    vocab_size: int  # the data's vocabulary: 256 for byte tokens
-
-
 class RowSubset:
     """Some rows of another Rows object, renumbered 0..len(row_ids) - 1 (the Rows interface)."""
 
@@ -486,122 +357,6 @@ class RowSubset:
 
     def raw_example(self, row_id: int, step: int) -> RawExample:
         return self.rows.raw_example(int(self.row_ids[row_id]), step)
-
-
-def tensor_fingerprint(*parts) -> str:
-    """First 16 hex digits of sha256 over tensors (their shape, dtype and bytes) and strings, in order: the
-    fingerprint of a custom source's rows, for resume to compare (it must change whenever a row would)."""
-    digest = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, torch.Tensor):
-            tensor = part.detach().cpu().contiguous()
-            digest.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-        else:
-            digest.update(str(part).encode())
-    return digest.hexdigest()[:16]
-
-
-def data_from_custom_rows(
-    source: str,
-    train: Rows,
-    val: Rows | None,
-    *,
-    fingerprint: str,
-    vocab_size: int,
-    format: str = "custom rows",
-    targets: str = "targets",
-) -> Data:
-    """A custom source's Data with the minimal summary: its name, rows, fingerprint and supervised targets per
-    row (from supervised_counts at step 0), and none of the language-model fields (files, layout, vocabulary,
-    padding). `vocab_size` is the number of classes the labels index (the model's output size when
-    model.vocab_size = 0); `targets` names what a target is in the header and the speed lines."""
-    if train.num_rows == 0:
-        raise DataError(f"data.source {source!r}: the training split has no rows")
-    counts = train.supervised_counts(torch.arange(train.num_rows), 0).numpy()
-    summary = DataSummary(
-        source=source,
-        train_rows=train.num_rows,
-        val_rows=val.num_rows if val is not None else 0,
-        fingerprint=fingerprint,
-        min_supervised_tokens=int(counts.min()),
-        median_supervised_tokens=float(np.median(counts)),
-        max_supervised_tokens=int(counts.max()),
-        targets=targets,
-        root=source,
-        seq_len=train.seq_len or 0,
-        vocab_size=vocab_size,
-        format=format,
-        val_rows_read=val.num_rows if val is not None else 0,
-        language_model=False,
-    )
-    return Data(train=train, val=val, summary=summary, vocab_size=vocab_size)
-
-
-def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
-    """A DataError when the split left training without rows, or a requested validation set empty.
-    (Each source first reports a source without any usable row in its own words.)"""
-    if train.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
-            f"lower data.val_fraction or add more data"
-        )
-    if val_fraction > 0 and val.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to predict; "
-            f"raise data.val_fraction, add more data, or set data.val_fraction=0"
-        )
-
-
-def data_from_rows(
-    source: str,
-    train: RowSet,
-    val: RowSet,
-    val_fraction: float,
-    *,
-    root: str,
-    files: int,
-    val_files: int,
-    skipped_files: int,
-    bytes: int,
-    documents: int,
-    dropped_documents: int,
-    truncated_documents: int,
-    layout: str = "documents",
-    format: str = "text",
-    vocab_from: str = "bytes",
-) -> Data:
-    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
-    check_split_sizes(source, train, val, val_fraction)
-    supervised = train.supervised_tokens()
-    label_positions = train.num_rows * train.seq_len
-    targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
-    summary = DataSummary(
-        source=source,
-        root=root,
-        seq_len=train.seq_len,
-        vocab_size=train.vocab_size,
-        files=files,
-        val_files=val_files,
-        skipped_files=skipped_files,
-        bytes=bytes,
-        documents=documents,
-        dropped_documents=dropped_documents,
-        truncated_documents=truncated_documents,
-        train_rows=train.num_rows,
-        val_rows=val.num_rows,
-        min_supervised_tokens=int(supervised.min()),
-        median_supervised_tokens=float(np.median(supervised.numpy())),
-        max_supervised_tokens=int(supervised.max()),
-        padding_fraction=1 - targets / label_positions,
-        prompt_fraction=(targets - int(supervised.sum())) / label_positions,
-        fingerprint=row_fingerprint(train),
-        layout=layout,
-        format=format,
-        vocab_from=vocab_from,
-        val_rows_read=val.num_rows,
-    )
-    return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches.
 
-The types every source shares (the `Rows` interface, RowSet, RawExample, Data, DataError) live in
-accumulation/data/rows.py, which imports no source; the sources import it, and this module imports the sources.
-They are imported here too, so `from accumulation.data.sources import RowSet` keeps working.
+What a row is (the `Rows` interface, RowSet, DataError) is accumulation/data/rows.py, what a source returns
+(`Data`) accumulation/data/splits.py. A source's module is imported here only when data.source names it, so a run
+of text never imports the JSONL, token-file or masked-LM code.
 
 The pipeline:
     config.data  ->  build_data  ->  a source  ->  train and validation Rows
@@ -26,31 +26,10 @@ import torch
 from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name, lookup
-from accumulation.data import jsonl, masked_lm, text_corpus, token_files
-from accumulation.data.rows import (  # noqa: F401 (re-exported: the names forks and tests import from here)
-    BYTE_VOCAB_SIZE,
-    Data,
-    DataError,
-    DataSummary,
-    ExampleRows,
-    RawExample,
-    Rows,
-    RowSet,
-    RowSubset,
-    data_from_custom_rows,
-    data_from_rows,
-    key_hash,
-    labels_from_mask,
-    make_example_rows,
-    make_rows,
-    mix64,
-    next_token_example,
-    row_fingerprint,
-    rows_from_raw_examples,
-    tensor_fingerprint,
-    token_dtype,
-    validation_keys,
-)
+from accumulation.data import text_corpus
+from accumulation.data.locate import find_token_files
+from accumulation.data.rows import DataError, Rows, RowSubset, mix64
+from accumulation.data.splits import Data
 from accumulation.step import GlobalCounts
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
@@ -105,38 +84,43 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
 def load_files(settings: DataConfig, model_vocab_size: int, seed: int) -> Data:
     """The built-in sources, chosen by what data.source is: token files, a .jsonl file, or text."""
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
-    found_token_files = token_files.open_token_files(source, with_validation=val_fraction > 0)
+    found_token_files = find_token_files(source)
     # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
     # but it is loaded here for them too, so that a bad path is reported before training, not after.
-    tokenizer = None if settings.tokenizer == "bytes" else token_files.load_tokenizer(settings.tokenizer)
+    tokenizer = None
+    if settings.tokenizer != "bytes":
+        from accumulation.data.tokenizer import load_tokenizer  # the optional Hugging Face tokenizers package
+
+        tokenizer = load_tokenizer(settings.tokenizer)
     if found_token_files is not None:
         if layout == "documents":
             raise DataError(
-                f'data.layout="documents": {source!r} holds {found_token_files.format} token files, whose documents '
+                f'data.layout="documents": {source!r} holds {found_token_files[0]} token files, whose documents '
                 f'are already concatenated; use data.layout="packed" (or "auto")'
             )
+        from accumulation.data import token_files  # this source's code, imported only for it (as below)
+
+        opened = token_files.open_token_files(found_token_files, source, with_validation=val_fraction > 0)
         if settings.task == "masked":
-            built = masked_lm.load_masked_token_files(
-                found_token_files, source, seq_len, val_fraction, model_vocab_size, seed
-            )
-        else:
-            vocab = model_vocab_size
-            built = token_files.load_token_files(found_token_files, source, seq_len, val_fraction, vocab)
-    elif settings.task == "masked":
+            from accumulation.data.masked_lm import load_masked_token_files
+
+            return load_masked_token_files(opened, source, seq_len, val_fraction, model_vocab_size, seed)
+        return token_files.load_token_files(opened, source, seq_len, val_fraction, model_vocab_size)
+    if settings.task == "masked":
         raise DataError(
             f'data.task="masked": {source!r} is not a folder of token files; masking is implemented for token files '
             f"(make them with scripts/operations/prepare_data.py)"
         )
-    elif source.endswith(".jsonl"):
+    if source.endswith(".jsonl"):
         if layout == "packed":
             raise DataError(
                 f'data.layout="packed": {source!r} is a JSONL file of examples, one example per row so that each '
                 f'keeps its own prompt mask; use data.layout="documents" (or "auto")'
             )
-        built = jsonl.load_jsonl(source, seq_len, val_fraction, tokenizer)
-    else:
-        built = text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
-    return built
+        from accumulation.data.jsonl import load_jsonl
+
+        return load_jsonl(source, seq_len, val_fraction, tokenizer)
+    return text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import numpy as np
 
+from accumulation.data.locate import find_token_files
 from accumulation.data.memory import memory_limit_bytes
-from accumulation.data.rows import BYTE_VOCAB_SIZE, Data, DataError, data_from_rows, make_rows, validation_keys
-from accumulation.data.token_files import find_token_files
+from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_rows
+from accumulation.data.splits import Data, data_from_rows, validation_keys
 
 # Memory the text path takes per byte of text, its peak while the rows are built (the bytes, their copies
-# as documents and packed, and the row tables): 13.5 measured (peak RSS over the one before, a 24.5 MB
-# text file, both layouts, bytes as tokens, 2026-12-01), rounded up. Text is read whole; token files are not.
+# as documents and packed, and the row tables), rounded up from the figure docs/data.md gives. Text is read
+# whole; token files are not.
 TEXT_MEMORY_BYTES_PER_BYTE = 16
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
@@ -258,7 +259,7 @@ def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: boo
     all_documents = train_documents + val_documents  # bytes, counted below
     vocab_size, separator = BYTE_VOCAB_SIZE, []
     if tokenizer is not None:
-        from accumulation.data.token_files import end_of_text_token
+        from accumulation.data.tokenizer import end_of_text_token
 
         vocab_size = tokenizer.get_vocab_size()
         separator = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]

@@ -23,8 +23,6 @@ lists, strings, numbers) and refuses any class, so a hostile pickle cannot run c
 is used when neither is there.
 """
 
-import functools
-import glob
 import hashlib
 import io
 import json
@@ -35,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from accumulation.data.rows import Data, DataError, DataSummary, RawExample, next_token_example
+from accumulation.data.rows import DataError, RawExample, next_token_example
+from accumulation.data.splits import Data, DataSummary
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER_INT32 = 256
@@ -48,9 +47,7 @@ NANOGPT_TOKEN_TYPE = np.dtype("<u2")
 SAMPLED_BLOCKS_PER_FILE = 4
 SAMPLED_BLOCK_TOKENS = 4096
 # Training token files totalling at most this many bytes are hashed whole at start-up, so that a resume can tell
-# an edit in place from a copy that only lost its modification time. The cost, on this project's 2-core CPU
-# (2026-12-01): sha256 over 256 MiB in memory 0.7 s per GiB when idle; 2.6 s per GiB read from the page
-# cache in HASH_READ_BYTES blocks while the machine was shared (load average 5). A cold disk adds its reading.
+# an edit in place from a copy that only lost its modification time (its cost: docs/data.md).
 WHOLE_FILE_HASH_MAX_BYTES = 2**30
 HASH_READ_BYTES = 2**24
 
@@ -73,41 +70,6 @@ class TokenSource:
 # ---------------------------------------------------------------------------------------------------
 # Finding and opening the files
 # ---------------------------------------------------------------------------------------------------
-
-
-def is_llmc_shard_name(name: str) -> bool:
-    return name.endswith(".bin") and ("_train_" in name or "_val_" in name)
-
-
-def find_token_files(source: str) -> tuple[str, Path, list[Path], list[Path]] | None:
-    """(format, folder, training paths, validation paths) when `source` names token files, else None.
-
-    A folder with train.bin is nanoGPT's; a folder with *_train_*.bin / *_val_*.bin shards, or a glob
-    (a path with * ? or [) of such shards, is llm.c's. Anything else is left to the text sources.
-    """
-    path = Path(source)
-    if path.is_dir() and (path / "train.bin").is_file():
-        return "nanoGPT", path, [path / "train.bin"], [path / "val.bin"] if (path / "val.bin").exists() else []
-    if path.is_dir():
-        shards = sorted(p for p in path.iterdir() if p.is_file() and is_llmc_shard_name(p.name))
-        if not shards:
-            return None
-        folder = path
-    elif not path.exists() and any(character in source for character in "*?["):  # an existing file is text
-        shards = sorted(Path(p) for p in glob.glob(source) if Path(p).is_file())
-        if not shards:
-            raise DataError(f"data.source {source!r}: the glob matches no file; point it at llm.c shards (*.bin)")
-        not_shards = [p for p in shards if not is_llmc_shard_name(p.name)]
-        if not_shards:
-            raise DataError(
-                f"{not_shards[0]}: not an llm.c shard name (*_train_*.bin or *_val_*.bin); narrow data.source's glob"
-            )
-        folder = shards[0].parent
-    else:
-        return None
-    train = [p for p in shards if "_train_" in p.name]
-    val = [p for p in shards if "_val_" in p.name and "_train_" not in p.name]
-    return "llm.c", folder, train, val
 
 
 def open_nanogpt_file(path: Path) -> TokenFile:
@@ -155,12 +117,10 @@ def open_llmc_shard(path: Path) -> TokenFile:
     return TokenFile(path, tokens, header)
 
 
-def open_token_files(source: str, with_validation: bool) -> TokenSource | None:
-    """The token files `source` names, opened and checked (headers and sizes only), or None for text. Without
-    validation (data.val_fraction = 0) the validation files are left alone: neither opened nor checked."""
-    found = find_token_files(source)
-    if found is None:
-        return None
+def open_token_files(found: tuple, source: str, with_validation: bool) -> TokenSource:
+    """The token files that find_token_files (accumulation/data/locate.py) `found` for data.source `source`, opened
+    and checked (headers and sizes only). Without validation (data.val_fraction = 0) the validation files are left
+    alone: neither opened nor checked."""
     token_format, folder, train_paths, val_paths = found
     if not train_paths:
         raise DataError(
@@ -399,67 +359,3 @@ def load_token_files(source: TokenSource, config_source: str, seq_len: int, val_
         file_stamps=file_stamps(source.train),
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=vocab_size)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizers: reading text in (JSONL, text with data.tokenizer) and showing tokens as text
-# ---------------------------------------------------------------------------------------------------
-
-END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # the end-of-document tokens looked for, in order
-
-
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from its tokenizer.json; a DataError when the optional package or the file is
-    missing or unreadable."""
-    try:
-        from tokenizers import Tokenizer
-    except ImportError:
-        raise DataError(
-            f"data.tokenizer {path!r} needs the optional Hugging Face tokenizers package: "
-            f'pip install -r requirements-bpe.txt (or set data.tokenizer="bytes")'
-        ) from None
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as error:  # tokenizers raises its own Exception types, e.g. for a missing file or bad JSON
-        raise DataError(f"data.tokenizer {path!r}: cannot load it as a tokenizer.json ({error})") from None
-
-
-def end_of_text_token(tokenizer) -> int | None:
-    """The id of the vocabulary's end-of-document token, if it has one of END_OF_TEXT_TOKENS."""
-    for token in END_OF_TEXT_TOKENS:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    return None
-
-
-def decode_bytes(ids: list[int]) -> str:
-    """Byte tokens as UTF-8 text. A model whose vocabulary was padded past 256 (model.vocab_size) can sample an
-    id that is no byte: it shows as U+FFFD, like any byte sequence that is not UTF-8."""
-    replacement = "\ufffd".encode()
-    return b"".join(bytes([i]) if i < 256 else replacement for i in ids).decode("utf-8", errors="replace")
-
-
-def tokenizer_decoder(tokenizer):
-    """A Hugging Face tokenizer's decode, special tokens kept (the sample shows what the model produced)."""
-    return functools.partial(tokenizer.decode, skip_special_tokens=False)
-
-
-def sample_decoder(config) -> tuple[object, str]:
-    """(decode, "") where decode turns token ids into text for the end-of-run sample, or (None, why not).
-
-    data.tokenizer when it names a tokenizer.json; for token files, the tokenizer.json beside them, or
-    bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
-    """
-    if config.data.tokenizer != "bytes":
-        return tokenizer_decoder(load_tokenizer(config.data.tokenizer)), ""
-    found = find_token_files(config.data.source)
-    if found is None:
-        return decode_bytes, ""
-    folder = found[1]
-    if (folder / "tokenizer.json").is_file():
-        return tokenizer_decoder(load_tokenizer(str(folder / "tokenizer.json"))), ""
-    meta = read_meta(folder)
-    if meta is not None and meta[0].get("tokenizer") == "bytes":
-        return decode_bytes, ""
-    return None, f"no tokenizer.json beside the token files in {folder} to decode it with (or set data.tokenizer)"

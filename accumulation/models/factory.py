@@ -5,8 +5,10 @@ chooses the architecture among the registered ones (accumulation/config/registry
 the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
 module is
 named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the models.
-`loss_sum_fn_for(config.model)` is the loss train.py, validation and the equivalence checker use: model.objective's
-registered loss, or the model's own (its registration's loss_sum_fn), or the token cross-entropy.
+`loss_sum_fn_for(config.model)` is the configured loss: model.objective's registered loss, or the model's own (its
+registration's loss_sum_fn), or the token cross-entropy. `decided_model_config` decides model.loss ("auto": plain or
+chunked) once, and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
+the step-0 probe, the equivalence checker and the benchmarks all take the model and the loss from these functions.
 
 The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
 
@@ -20,7 +22,7 @@ The contract. The training loop, the checkpoints and the scripts rely on this an
     the same initial weights on every rank
         drawn from a generator seeded with config.run.seed, never from the global RNG (which dropout uses and
         which differs by rank), so that DDP starts every replica equal. Building under
-        `with torch.device("meta"):` must work too: count_parameters does that, allocating nothing.
+        `with torch.device("meta"):` must work too: build_model_on_meta does that, allocating nothing.
     describe() -> str
         the one-line banner for this model, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads,
         vocab 256)": it comes from the model, so no caller reads architecture-specific keys.
@@ -41,15 +43,15 @@ The vocabulary size comes from the data (256 for bytes) unless model.vocab_size 
 resolved_vocab_size decides, and build_model takes the result.
 """
 
+import dataclasses
 import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
-from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
-from accumulation.config.config import ConfigError, DistConfig, ModelConfig
+from accumulation.config.config import Config, ConfigError, DistConfig, ModelConfig
 from accumulation.config.registry import lookup
-from accumulation.models.gpt import gpt_config  # noqa: F401 (re-exported: scripts build the GPT's shape from config.model)
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -82,11 +84,14 @@ def model_fingerprint(model_config: ModelConfig) -> str:
     return fingerprint(model_config) if fingerprint is not None else ""
 
 
-def count_parameters(model_config: ModelConfig, vocab_size: int, seq_len: int) -> int:
-    """The configured model's parameter count, from a build on PyTorch's "meta" device: every shape, no
-    memory and no values, so any depth or width is counted exactly and at once."""
+def build_model_on_meta(model_config: ModelConfig, vocab_size: int, seq_len: int) -> torch.nn.Module:
+    """The configured model on PyTorch's "meta" device: every shape, no memory and no values, so any depth or
+    width is built at once. The start-up checks read it (parameter count, state dict shapes, the output head)."""
     with torch.device("meta"):
-        model = build_model(model_config, vocab_size, seq_len=seq_len, seed=0)  # no values: any seed
+        return build_model(model_config, vocab_size, seq_len=seq_len, seed=0)  # no values: any seed
+
+
+def count_parameters(model: torch.nn.Module) -> int:
     return sum(param.numel() for param in model.parameters())
 
 
@@ -142,16 +147,13 @@ def free_memory_bytes(device_type: str) -> int:
 
 
 def uses_chunked_loss(
-    model_config: ModelConfig,
-    dist_config: DistConfig,
-    model: torch.nn.Module,
-    device_type: str,
-    positions: int = 0,
-    free_bytes: int | None = None,
+    model_config: ModelConfig, dist_config: DistConfig, model: torch.nn.Module, positions: int = 0, free_bytes: int = 0
 ) -> bool:
-    """model.loss resolved. "auto" is chunked under DDP for a model with an output head and the token cross-entropy
-    as its loss when chunked_loss_pays: the plain loss's logits at `positions` = m·T positions per micro-batch
-    (0: not known, plain) against `free_bytes` of free memory (default: free_memory_bytes(device_type) now)."""
+    """model.loss decided: the one rule. "plain" is plain; "chunked" is chunked, refused (ConfigError) for a model
+    without an output head or with another loss than the token cross-entropy; "auto" is chunked under DDP, on one
+    pipeline stage, for a model with an output head and the token cross-entropy as its loss, when chunked_loss_pays
+    for the plain loss's logits at `positions` = m·T positions per micro-batch against `free_bytes` of free
+    memory (0 and 0: not measured yet, plain)."""
     if model_config.loss == "plain":
         return False
     # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
@@ -172,26 +174,40 @@ def uses_chunked_loss(
     eligible = dist_config.strategy == "ddp" and single_stage and token_cross_entropy and has_output_head(model)
     if positions == 0 or not eligible:
         return False
-    free_bytes = free_memory_bytes(device_type) if free_bytes is None else free_bytes
     return chunked_loss_pays(positions, model.output_head.out_features, free_bytes)
 
 
+def decided_model_config(config: Config, model: torch.nn.Module, device: torch.device) -> ModelConfig:
+    """config.model with model.loss decided, "plain" or "chunked", by the memory free now (uses_chunked_loss at the
+    configured m). Under torch.distributed every rank calls it and decides on the least free memory of all ranks,
+    so all run the same loss."""
+    free_bytes = 0
+    if config.model.loss == "auto":
+        free = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)
+        if dist.is_initialized():
+            free = free.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL reduces device tensors only
+            dist.all_reduce(free, op=dist.ReduceOp.MIN)
+        free_bytes = int(free)
+    positions = config.batch.micro_batch_size * config.data.seq_len
+    chunked = uses_chunked_loss(config.model, config.dist, model, positions, free_bytes)
+    return dataclasses.replace(config.model, loss="chunked" if chunked else "plain")
+
+
 def training_forward_and_loss(
-    model_config: ModelConfig,
-    dist_config: DistConfig,
-    model: torch.nn.Module,
-    device_type: str,
-    compile: bool = False,
-    positions: int = 0,
+    model_config: ModelConfig, model: torch.nn.Module, compile: bool = False
 ) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
-    """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels).
+    """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels), for
+    `model_config` = decided_model_config(...) (model.loss "plain" or "chunked").
 
     Plain: the model itself (logits) and loss_sum_fn_for(model_config). Chunked: FinalHiddenStates(model) (the same
     parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
     `compile` (model.compile resolved): both in one module, ForwardAndLoss, and None for the loss (the step then
-    calls module(inputs, labels)), so that wrap_for_training compiles the forward and the loss as one region.
-    `positions` (m·T) feeds model.loss = "auto"'s rule (uses_chunked_loss)."""
-    if uses_chunked_loss(model_config, dist_config, model, device_type, positions):
+    calls module(inputs, labels)), so that wrap_for_training compiles the forward and the loss as one region."""
+    if model_config.loss not in ("plain", "chunked"):
+        raise ValueError(f'model.loss must be decided (decided_model_config), got "{model_config.loss}"')
+    if model_config.loss == "chunked":
+        from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates  # only when chosen
+
         forward_module, loss_sum_fn = FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)
     else:
         forward_module, loss_sum_fn = model, loss_sum_fn_for(model_config)

@@ -28,6 +28,7 @@ N is counted on the host from the step's row ids (train.py's global_counts), no 
 import itertools
 import math
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -186,7 +187,9 @@ def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: 
     labels = torch.cat([mb.labels for mb in micro_batches]).to(device) if layout.is_last_stage else None
     args = (inputs,) if layout.is_first_stage else ()
     if train:
-        pipeline.schedule.step(*args, target=labels, return_outputs=False)
+        # no_sync: the shape inference's forward must not arm DDP's reducer; the last micro-batch's backward arms it.
+        with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) else nullcontext():
+            pipeline.schedule.step(*args, target=labels, return_outputs=False)
     else:
         pipeline.schedule.eval(*args, target=labels)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

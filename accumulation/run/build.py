@@ -1,18 +1,7 @@
 """What train.py and the scripts derive from a Config in the same way: the checks that need the world size
-or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs. The model
-itself is built by accumulation/models/factory.py.
-
-torch.compile and DDP: the model is compiled first and wrapped in DDP after (wrap_for_training), as the
-PyTorch manual's "Where to apply torch.compile?" advises (compile the module passed to the wrapper). The
-gradient all-reduce still overlaps the backward: while DDP's forward runs the compiled module, Dynamo finds
-the active DDP module and its DDPOptimizer cuts the graph at DDP's bucket boundaries (torch/_dynamo/
-convert_frame.py, DistributedDataParallel._get_active_ddp_module), so each bucket's all-reduce starts when
-its part of the backward ends, as in eager mode; DDP's forward stays eager, so no_sync keeps working. The
-other order, compile(DDP(model)), reaches the same DDPOptimizer but hides DDP behind the compiled wrapper.
-With model.compile on, the module is ForwardAndLoss (training_forward_and_loss in accumulation/models/factory.py): the
-forward and the loss (plain or chunked) in one module, so they compile as one region inside DDP's forward
-(tests/test_compiled_region.py counts 0 graph breaks and no recompiles). Not measured here: the project's
-machines have no GPU (scripts/checks/gpu_check.py --perf times compiled steps against nanoGPT's compiled loop).
+or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs (compiled,
+then wrapped in DDP, as docs/performance.md explains). The model and its loss are built by
+accumulation/models/factory.py.
 """
 
 import os
@@ -23,7 +12,6 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import accumulation_steps
 from accumulation.config.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.data.memory import memory_limit_bytes
-from accumulation.models.factory import count_parameters
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
 from accumulation.parallel.mesh import check_layout
@@ -144,28 +132,23 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = precision
 
 
-def training_memory(device_preference: str) -> tuple[str, int]:
-    """(where the run trains, the most memory it can have there): this rank's GPU, or what the process can get
-    on this machine (accumulation/data/memory.py: physical memory, cgroup, ulimit -v)."""
-    if device_preference != "cpu" and torch.cuda.is_available():
+def training_memory(config: Config) -> tuple[str, int, int]:
+    """(where the run trains, the most memory it can have there, the shards its training state is cut into): this
+    rank's GPU, or what the process can get on this machine (accumulation/data/memory.py: physical memory,
+    cgroup, ulimit -v). Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state."""
+    if config.device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return "the GPU", torch.cuda.get_device_properties(local_rank).total_memory
+        shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1
+        return "the GPU", torch.cuda.get_device_properties(local_rank).total_memory, shards
     limit_bytes, limit = memory_limit_bytes()
-    return limit, limit_bytes
+    return limit, limit_bytes, 1
 
 
-def training_state_shards(config: Config, where: str) -> int:
-    """Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state (accumulation/parallel/fsdp.py)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" and where == "the GPU" else 1
-
-
-def check_model_fits_in_memory(config: Config, vocab_size: int) -> None:
-    """Refuse a model that cannot possibly train on this machine: allocating it would fail half-way with a
-    traceback, or get the process killed. Only a lower bound, 16 bytes per parameter; activations come on top
-    (check_micro_batch_fits_in_memory, once the vocabulary is known)."""
-    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
-    where, memory_bytes = training_memory(config.device)
-    shards = training_state_shards(config, where)
+def check_model_fits_in_memory(config: Config, parameters: int) -> None:
+    """Refuse a model of `parameters` weights that cannot possibly train on this machine: allocating it would fail
+    half-way with a traceback, or get the process killed. Only a lower bound, 16 bytes per parameter;
+    activations come on top (check_micro_batch_fits_in_memory, once the vocabulary is known)."""
+    where, memory_bytes, shards = training_memory(config)
     needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     if needed_bytes > memory_bytes:
         raise ConfigError(
@@ -190,13 +173,13 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
     return tokens * per_token
 
 
-def check_micro_batch_fits_in_memory(config: Config, vocab_size: int, chunked_loss: bool) -> None:
-    """Refuse a micro-batch whose activations, with the model's weights, gradients and optimizer state, cannot
-    fit: the first forward would end in an allocator's traceback (or the kernel's OOM killer, silently)
-    after the step-0 checkpoint was written. Under shrink-on-OOM (GPU only) the step would only fail later."""
-    where, memory_bytes = training_memory(config.device)
-    parameters = count_parameters(config.model, vocab_size, config.data.seq_len)
-    weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // training_state_shards(config, where)
+def check_micro_batch_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
+    """Refuse a micro-batch whose activations, with the weights, gradients and optimizer state of a model of
+    `parameters` weights, cannot fit: the first forward would end in an allocator's traceback (or the kernel's OOM
+    killer, silently) after the step-0 checkpoint was written. Under shrink-on-OOM (GPU only) the step would
+    only fail later."""
+    where, memory_bytes, shards = training_memory(config)
+    weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     activations = activation_bytes_at_least(config, vocab_size, chunked_loss)
     if weights_bytes + activations > memory_bytes:
         raise ConfigError(

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import warnings
 import zipfile
 from pathlib import Path
@@ -362,8 +363,21 @@ def check_optimizer_state(
         if not (isinstance(number, int) and 0 <= number < len(shapes) and isinstance(values, dict)):
             raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {number!r}; it is damaged")
         for key, value in values.items():
-            if not isinstance(value, torch.Tensor) or key == "step":
+            if key == "step":  # the updates this parameter has taken: a whole number, as a number or a 1-element tensor
+                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+                if isinstance(count, bool) or not isinstance(count, int | float) or not 0 <= count < math.inf:
+                    raise CheckpointError(
+                        f"checkpoint {path}: optimizer state step of parameter {number} is {count!r}, not a count of "
+                        f"updates; the file is damaged: {OLDER_CHECKPOINT}"
+                    )
                 continue
+            if value is None or isinstance(value, int | float):  # e.g. an optimizer's scalar settings per parameter
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise CheckpointError(
+                    f"checkpoint {path}: optimizer state {key} of parameter {number} is {value!r}, not a tensor; the "
+                    f"file is damaged: {OLDER_CHECKPOINT}"
+                )
             if value.shape != shapes[number]:
                 raise CheckpointError(
                     f"checkpoint {path}: optimizer state {key} of parameter {number} has shape {list(value.shape)}, "
@@ -476,14 +490,43 @@ def few(names: list[str]) -> str:
     return ", ".join(names[:3]) + more
 
 
+# What a checkpoint name may be besides a regular file, as os.stat reports it.
+FILE_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_regular_file(path: Path) -> None:
+    """Refuse a checkpoint name that is not a regular file, before anything opens it: a FIFO blocks its reader
+    forever, and a device such as /dev/zero never ends, so reading it fills the memory. A symbolic link is
+    followed: one to a regular file (a checkpoint kept elsewhere) is read like the file itself."""
+    mode = path.stat().st_mode
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for is_kind, name in FILE_KINDS if is_kind(mode)), "not a regular file")
+    if path.is_symlink():
+        kind = f"a symbolic link to {os.readlink(path)}, which is {kind}"
+    raise CheckpointError(
+        f"checkpoint {path} is {kind}, not a file this program wrote; remove it (or put a checkpoint file in "
+        f"its place) and run again"
+    )
+
+
 def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
     """latest.pt if it reads, else the newest step file that does (each bad one passed over is reported
     through `warn`). None when the folder holds no checkpoint at all; CheckpointError when it holds only
-    unreadable ones: then that one line says it all, without the warnings."""
+    unreadable ones: then that one line says it all, without the warnings. A checkpoint name that is not a
+    regular file (check_regular_file) is a CheckpointError before any checkpoint is read."""
     candidates = [checkpoint_dir / "latest.pt"] + list(reversed(step_checkpoints(checkpoint_dir)))
     candidates = [path for path in candidates if path.exists()]
     if not candidates:
         return None
+    for path in candidates:
+        check_regular_file(path)
     problems = []
     for path in candidates:
         try:

@@ -15,7 +15,8 @@ import torch
 from accumulation.batching import describe_batch
 from accumulation.config.config import Config
 from accumulation.counters import Counters
-from accumulation.data.sources import Data, rows_dropped_per_epoch
+from accumulation.data.sources import rows_dropped_per_epoch
+from accumulation.data.splits import Data
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import describe_sharding
 from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
@@ -233,7 +234,7 @@ def print_sample(config, model, prompt_source) -> None:
     if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models/factory.py)
         print(f"sample: skipped, the {config.model.name} model has no generate()")
         return
-    from accumulation.data.token_files import sample_decoder  # imported here: the sample is this function's alone
+    from accumulation.data.tokenizer import sample_decoder  # imported here: the sample is this function's alone
 
     decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
     if decode is None:
@@ -256,7 +257,7 @@ def print_run_header(
     config: Config, data: Data, run_dir: Path, context: DistributedContext, training, counters, say
 ) -> None:
     """The session's first lines: the batch, the model and its precision, the data, the run directory.
-    `training` is train.py's Training (the model, its forward module, the scaler, whether compiled)."""
+    `training` is train.py's Training (the model, model.loss as decided, the scaler, whether compiled)."""
     stages = config.dist.pipeline_stages
     batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
     pipeline = (
@@ -271,11 +272,10 @@ def print_run_header(
         f" examples per update{pipeline}; {per_row}"
         f"device {context.device} ({context.backend or 'single process'})"
     )
-    loss = "chunked" if training.forward_module is not training.model else "plain"
     say(
         f"model: {training.model.describe()}; precision {config.precision.dtype}, "
         f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
-        f"loss {loss}; compile {'on' if training.compiled else 'off'}"
+        f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
     )
     if config.dist.strategy == "fsdp2":
         say(describe_sharding(training.model))

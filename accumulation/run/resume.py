@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from accumulation.config.config import Config, ConfigError, config_from_dict, config_to_dict
-from accumulation.data.sources import DATA_ORDER, DataSummary
+from accumulation.data.sources import DATA_ORDER
+from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict

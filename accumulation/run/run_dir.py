@@ -25,7 +25,7 @@ import socket
 import sys
 from pathlib import Path
 
-from accumulation.config.config import Config, ConfigError, config_to_toml
+from accumulation.config.config import CONFIG_FIRST_LINE, Config, ConfigError
 from accumulation.run.checkpoint import STEP_FILE, disk_full, few, why_not_written
 
 LOCK_FILE = "run.lock"
@@ -44,8 +44,6 @@ RUN_ENTRIES = {
 # Left by a write that was killed before its rename (metrics.jsonl and config.toml are rewritten atomically).
 TEMPORARY_FILES = (".metrics.jsonl.tmp", ".config.toml.tmp")
 CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp")
-# The first line of every config.toml this program writes: a config.toml without it is the user's own.
-CONFIG_FIRST_LINE = config_to_toml(Config()).partition("\n")[0]
 
 
 class RunDirectoryBusy(ConfigError):

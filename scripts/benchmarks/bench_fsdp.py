@@ -41,7 +41,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from accumulation.config.config import Config, load_config, resolved_compile
-from accumulation.data.sources import BYTE_VOCAB_SIZE, RowSet, build_micro_batches, make_rows, step_row_ids
+from accumulation.data.rows import BYTE_VOCAB_SIZE, RowSet, make_rows
+from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.build import autocast_dtype_for, build_optimizer, wrap_for_training

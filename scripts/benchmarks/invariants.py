@@ -20,9 +20,10 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import resolved_grad_scaler
 from accumulation.counters import Counters
-from accumulation.data.sources import BYTE_VOCAB_SIZE, build_data
-from accumulation.models.factory import gpt_config, loss_sum_fn_for
-from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.data.rows import BYTE_VOCAB_SIZE
+from accumulation.data.sources import build_data
+from accumulation.models.factory import build_model, count_parameters, loss_sum_fn_for
+from accumulation.models.gpt import GPTConfig, gpt_config
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
 from accumulation.step import StepResult, optimizer_step
@@ -75,6 +76,11 @@ COLLECTIVES = (
 
 def default_model_config() -> GPTConfig:
     return gpt_config(DEFAULTS.model, BYTE_VOCAB_SIZE, DEFAULTS.data.seq_len)
+
+
+def default_model() -> torch.nn.Module:
+    """The default config's model, built as train.py builds it (build_model), on the CPU."""
+    return build_model(DEFAULTS.model, BYTE_VOCAB_SIZE, seq_len=DEFAULTS.data.seq_len, seed=DEFAULTS.run.seed)
 
 
 @dataclass
@@ -143,15 +149,15 @@ def bare_step(model, micro_batches, optimizer, device, autocast_dtype=None) -> N
 # ---------------------------------------------------------------------------------------------------
 
 
-def overhead(model_config, batches_of_steps, device, autocast_dtype, warmup_pairs: int, timed_pairs: int) -> dict:
+def overhead(batches_of_steps, device, autocast_dtype, warmup_pairs: int, timed_pairs: int) -> dict:
     """Seconds per step of optimizer_step and of the bare loop, measured in alternating pairs.
 
     Each loop trains its own copy of the same model on the same micro-batches. A pair runs one step of each,
     back to back, and which one goes first alternates, so a slow moment of the machine (other processes,
     frequency changes) lands on both alike. The ratio is the median of the per-pair ratios.
     """
-    ours_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
-    bare_model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
+    ours_model = default_model().to(device)
+    bare_model = default_model().to(device)
     ours_loop = default_loop_state(ours_model, device)
     bare_optimizer = build_optimizer(DEFAULTS.optim, bare_model, device)
     ours_seconds, bare_seconds = [], []
@@ -197,9 +203,9 @@ def tokens_per_second(
     return statistics.median(rates)
 
 
-def throughput_worker(rank, world_size, model_config, batches_of_steps_by_rank, warmup_steps) -> float:
+def throughput_worker(rank, world_size, batches_of_steps_by_rank, warmup_steps) -> float:
     """tokens_per_second on one of the gloo ranks (run_on_ranks gives each rank one thread)."""
-    model = DistributedDataParallel(GPT(model_config, seed=DEFAULTS.run.seed))
+    model = DistributedDataParallel(default_model())
     counts = [global_counts_of(list(step)) for step in zip(*batches_of_steps_by_rank, strict=True)]
     return tokens_per_second(model, batches_of_steps_by_rank[rank], torch.device("cpu"), None, warmup_steps, counts)
 
@@ -286,15 +292,15 @@ def counting_calls(traffic: Traffic):
         yield
 
 
-def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypass_no_sync) -> dict:
-    """On each gloo rank: DDP around build_model(), then one optimizer_step per list of micro-batches, each
+def traffic_worker(rank, world_size, make_model, batches_of_steps_by_rank, bypass_no_sync) -> dict:
+    """On each gloo rank: DDP around make_model(), then one optimizer_step per list of micro-batches, each
     step's traffic counted. The phases of a step, as seen from outside it: "count" (the token count, before
     the first forward), "micro-batches" (from the first forward until the step unscales its gradients) and
     "boundary" (unscale, clip, update)."""
     if bypass_no_sync:
         # The mistake, for contrast: every micro-batch synchronises. This spawned process ends with the run.
         DistributedDataParallel.no_sync = lambda self: contextlib.nullcontext()
-    model = DistributedDataParallel(build_model())
+    model = DistributedDataParallel(make_model())
     traffic = Traffic()
     model.register_comm_hook(traffic, counting_allreduce_hook)
     model.register_forward_pre_hook(lambda module, args: setattr(traffic, "phase", "micro-batches"))
@@ -328,13 +334,13 @@ def traffic_worker(rank, world_size, build_model, batches_of_steps_by_rank, bypa
 
 
 def step_traffic(
-    build_model, batches_of_steps_by_rank, bypass_no_sync: bool = False, timeout_s: float = 120.0
+    make_model, batches_of_steps_by_rank, bypass_no_sync: bool = False, timeout_s: float = 120.0
 ) -> list[dict]:
     """traffic_worker on as many gloo ranks as there are lists of steps; the per-rank results in rank order."""
     return run_on_ranks(
         traffic_worker,
         len(batches_of_steps_by_rank),
-        args=(build_model, batches_of_steps_by_rank, bypass_no_sync),
+        args=(make_model, batches_of_steps_by_rank, bypass_no_sync),
         timeout_s=timeout_s,
     )
 
@@ -346,7 +352,6 @@ def step_traffic(
 
 def measure_time(rows, args, device, autocast_dtype) -> dict:
     """overhead_ratio, seconds_per_step, tokens_per_s and, on CUDA, mfu."""
-    model_config = default_model_config()
     m = args.micro_batch_size
     timed_pairs, warmup_pairs = (4, 1) if args.quick else (100, 3)
     timed_steps, warmup_steps = (2, 1) if args.quick else (10, 2)
@@ -356,9 +361,9 @@ def measure_time(rows, args, device, autocast_dtype) -> dict:
     one_rank_steps = pinned(
         [step_micro_batches(rows, step, m, ACCUMULATION_STEPS, 1, 0) for step in range(distinct_steps)], device
     )
-    results = overhead(model_config, one_rank_steps, device, autocast_dtype, warmup_pairs, timed_pairs)
+    results = overhead(one_rank_steps, device, autocast_dtype, warmup_pairs, timed_pairs)
     throughput_steps = [one_rank_steps[step % distinct_steps] for step in range(warmup_steps + timed_steps)]
-    model = GPT(model_config, seed=DEFAULTS.run.seed).to(device)
+    model = default_model().to(device)
     tokens_per_s_one_rank = tokens_per_second(model, throughput_steps, device, autocast_dtype, warmup_steps)
 
     # The same global batch on two gloo ranks, A = 4 each, one thread per rank: the cores the single
@@ -373,14 +378,13 @@ def measure_time(rows, args, device, autocast_dtype) -> dict:
             ]
             for rank in range(RANKS)
         ]
-        tokens_per_s_two_ranks = run_on_ranks(
-            throughput_worker, RANKS, args=(model_config, per_rank_steps, warmup_steps)
-        )[0]
+        tokens_per_s_two_ranks = run_on_ranks(throughput_worker, RANKS, args=(per_rank_steps, warmup_steps))[0]
     results["tokens_per_s"] = {"ranks1": tokens_per_s_one_rank, "ranks2": tokens_per_s_two_ranks}
 
     if device.type == "cuda":
         # Every position of every row costs FLOPs, padding included, so the rate here is positions per second.
-        positions_per_s = ACCUMULATION_STEPS * m * model_config.seq_len / results["seconds_per_step"]["optimizer_step"]
+        positions = ACCUMULATION_STEPS * m * DEFAULTS.data.seq_len
+        positions_per_s = positions / results["seconds_per_step"]["optimizer_step"]
         peak = args.peak_tflops or peak_tflops(torch.cuda.get_device_name(device), "bf16")
         results["mfu"] = None if peak is None else positions_per_s * flops_per_token(model) / (peak * 1e12)
         results["peak_tflops"] = peak
@@ -402,7 +406,7 @@ def measure_memory(rows, args, device, autocast_dtype) -> dict:
     shapes = {"m_A1": (m, 1), "m_A2": (m, 2), "m_A8": (m, ACCUMULATION_STEPS), "8m_A1": (ACCUMULATION_STEPS * m, 1)}
     peak_bytes = {}
     for name, (micro_batch_size, accumulation_steps) in shapes.items():
-        model = GPT(default_model_config(), seed=DEFAULTS.run.seed).to(device)
+        model = default_model().to(device)
         micro_batches = step_micro_batches(rows, 0, micro_batch_size, accumulation_steps, 1, 0)
         peak_bytes[name] = peak_update_memory_bytes(model, micro_batches, device, autocast_dtype)
     return {"peak_mem_bytes": peak_bytes}
@@ -421,9 +425,8 @@ def measure_counts(rows, args) -> dict:
         ]
         for rank in range(RANKS)
     ]
-    build_model = functools.partial(GPT, default_model_config(), seed=DEFAULTS.run.seed)
-    synced = step_traffic(build_model, per_rank_steps)[0]
-    synced_every_micro_batch = step_traffic(build_model, per_rank_steps, bypass_no_sync=True)[0]
+    synced = step_traffic(default_model, per_rank_steps)[0]
+    synced_every_micro_batch = step_traffic(default_model, per_rank_steps, bypass_no_sync=True)[0]
     steps = synced["steps"]
     return {
         "grad_bytes": synced["grad_bytes"],
@@ -450,5 +453,5 @@ def measure(args: argparse.Namespace) -> dict:
         "machine": machine_description(device, args.threads),
         "device": device.type,
         "threads": {"ranks1": args.threads, "ranks2": 1},
-        "model_parameters": GPT(default_model_config(), seed=DEFAULTS.run.seed).num_parameters(),
+        "model_parameters": count_parameters(default_model()),
     }

@@ -11,7 +11,8 @@ import torch
 
 from accumulation.batching import MicroBatch
 from accumulation.config.config import Config
-from accumulation.data.sources import RowSet, step_batch
+from accumulation.data.rows import RowSet
+from accumulation.data.sources import step_batch
 from accumulation.models.gpt import GPT
 from accumulation.step import GlobalCounts, count_supervised_tokens
 

@@ -16,7 +16,12 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config.config import Config, resolved_compile, resolved_grad_scaler
 from accumulation.data.sources import build_data
-from accumulation.models.factory import build_model, resolved_vocab_size, training_forward_and_loss, uses_chunked_loss
+from accumulation.models.factory import (
+    build_model,
+    decided_model_config,
+    resolved_vocab_size,
+    training_forward_and_loss,
+)
 from accumulation.run.build import autocast_dtype_for, build_optimizer, set_tf32
 from accumulation.step import GlobalCounts, optimizer_step
 from scripts.benchmarks.measuring import (
@@ -67,15 +72,16 @@ class PeerLoop:
     model: torch.nn.Module  # the unwrapped model, whose parameters the optimizer updates
     optimizer: torch.optim.Optimizer
     step: Callable[[list[MicroBatch], GlobalCounts], None]
+    loss: str = "plain"  # the loss it runs: model.loss as train.py decides it, or nanoGPT's plain one
 
 
 def project_loop(config: Config, vocab_size: int, device: torch.device, compiled: bool) -> PeerLoop:
-    """This project's step as train.py runs it: training_forward_and_loss (model.loss), compiled when `compiled`,
-    optimizer_step with the config's scaler, clipping and autocast, and the step's counts given."""
+    """This project's step as train.py runs it: model.loss decided (decided_model_config) and built
+    (training_forward_and_loss), compiled when `compiled`, optimizer_step with the config's scaler, clipping and
+    autocast, and the step's counts given."""
     model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
-    forward_module, loss_sum_fn = training_forward_and_loss(
-        config.model, config.dist, model, device.type, compile=compiled
-    )
+    model_config = decided_model_config(config, model, device)
+    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
     wrapped = torch.compile(forward_module) if compiled else forward_module
     optimizer = build_optimizer(config.optim, model, device)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
@@ -93,7 +99,7 @@ def project_loop(config: Config, vocab_size: int, device: torch.device, compiled
             global_counts=global_counts,
         )
 
-    return PeerLoop("optimizer_step", model, optimizer, step)
+    return PeerLoop("optimizer_step", model, optimizer, step, model_config.loss)
 
 
 def nanogpt_loop(config: Config, vocab_size: int, device: torch.device, compiled: bool) -> PeerLoop:
@@ -192,7 +198,7 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         del loops
         if use_cuda:
             torch.cuda.empty_cache()
-    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    model = our_loop.model
     positions_per_s = accumulation * m * config.data.seq_len / ours["seconds_per_step"]
     supervised = statistics.median(global_counts_of([micro_batches]).tokens for micro_batches in steps)
     results = {
@@ -205,7 +211,7 @@ def measure_config(config: Config, args: argparse.Namespace) -> dict:
         "seq_len": config.data.seq_len,
         "precision": precision,
         "compile": compiled,
-        "loss": "chunked" if uses_chunked_loss(config.model, config.dist, model, device.type) else "plain",
+        "loss": our_loop.loss,
         "seconds_per_step": ours["seconds_per_step"],
         "positions_per_s": positions_per_s,
         "tokens_per_s": supervised / ours["seconds_per_step"],

@@ -26,6 +26,7 @@ to every row.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -38,8 +39,15 @@ import torch.distributed as dist
 
 from accumulation.batching import accumulation_steps
 from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
-from accumulation.data.sources import Data, DataError, build_data, build_micro_batches, step_row_ids
-from accumulation.models.factory import build_model, resolved_vocab_size, training_forward_and_loss
+from accumulation.data.rows import DataError
+from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.splits import Data
+from accumulation.models.factory import (
+    build_model,
+    decided_model_config,
+    resolved_vocab_size,
+    training_forward_and_loss,
+)
 from accumulation.parallel.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
 from accumulation.run.build import autocast_dtype_for, check_device_available, wrap_for_training
 from accumulation.step import optimizer_step
@@ -229,11 +237,11 @@ def measure_one_update(
     device = context.device
     plain = without_dropout(config)  # the same initial weights for every m
     model = build_model(plain.model, vocab_size, seq_len=plain.data.seq_len, seed=plain.run.seed).to(device)
-    # model.loss and model.compile as train.py resolves them (the chunked loss lets m grow further on a GPU).
+    # model.loss and model.compile as train.py decides them with this m (the chunked loss lets m grow further on a GPU).
     compiled = resolved_compile(config, device.type)
-    forward_module, loss_sum_fn = training_forward_and_loss(
-        config.model, config.dist, model, device.type, compile=compiled
-    )
+    at_this_m = dataclasses.replace(config, batch=dataclasses.replace(config.batch, micro_batch_size=micro_batch_size))
+    model_config = decided_model_config(at_this_m, model, device)
+    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
     param_dtype = autocast_dtype_for(config.precision)
     wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
     optimizer, handed = first_update_probe(model)

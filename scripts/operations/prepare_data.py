@@ -44,7 +44,8 @@ from pathlib import Path
 import numpy as np
 
 from accumulation.data.jsonl import parse_example
-from accumulation.data.sources import DataError, key_hash, validation_keys
+from accumulation.data.rows import DataError
+from accumulation.data.splits import key_hash, validation_keys
 from accumulation.data.text_corpus import folder_file_paths, is_text, split_at_newline
 from accumulation.data.token_files import LLMC_HEADER_INT32, LLMC_MAGIC
 

@@ -125,7 +125,7 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
     """6. scheduler.step() inside the micro-batch loop: the schedule advances A times per update, so an 8-update
     warm-up is over after 2 updates. Expected after k updates of a linear warm-up over W: lr·(k + 1)/(W + 1).
     Accelerate's scheduler wrapper stepped on accumulation steps that applied no update
-    (https://github.com/huggingface/accelerate/issues/963)."""
+    (https://github.com/huggingface/accelerate/issues/963, fixed in 2023)."""
     warmup_updates, updates = 8, 2
     expected_lr = LR * (updates + 1) / (warmup_updates + 1)
     groups = [step_batches(STEP_IDS), step_batches(NEXT_STEP_IDS)]
@@ -474,7 +474,9 @@ def micro_batch_means_summed() -> Measurement:
     """21. Each micro-batch's mean loss backpropagated as it is, neither divided by A nor weighted by tokens:
     the gradient is about A times too large, and short micro-batches still weigh too much (both errors at
     once). Reported against nanoGPT in https://github.com/karpathy/nanoGPT/issues/206 (a false alarm there:
-    nanoGPT does divide by A)."""
+    nanoGPT does divide by A); met for real inside the Hugging Face Trainer by heads that take **kwargs but drop
+    num_items_in_batch, so that the Trainer skips its division by A and the head its division by the count
+    (https://github.com/huggingface/transformers/issues/47688)."""
     batches = step_batches(STEP_IDS)
     model = gpt()
     for mb in batches:

@@ -126,6 +126,11 @@ COUNTS = (ROWS_NOT_ONCE,)
 # Figures are read on a projector: every text at least FONT_PT points at the saved size (the figure's inches
 # at its dpi), titles TITLE_PT. tests/test_teaching_figures.py checks every text of the drawn figures.
 FONT_PT, TITLE_PT = 11, 12
+# The guide shows a figure at most as wide as its column: GitHub's file view sets markdown in a column of about
+# 900 px and shrinks a wider image to fit. Drawn at 72 dpi and at most this wide, a point of the figure is a
+# pixel on the page, so FONT_PT points stay FONT_PT pixels where the guide shows them.
+GUIDE_WIDTH_PX, DPI = 900, 72
+ERROR_FLOOR, ERROR_CEILING = 1e-18, 1e4  # the error panel's log axis
 
 
 def matplotlib_defaults() -> None:
@@ -135,82 +140,107 @@ def matplotlib_defaults() -> None:
     matplotlib.rcParams.update({"font.size": FONT_PT, "axes.titlesize": TITLE_PT, "legend.fontsize": FONT_PT})
 
 
+def exact_marker_text(metric: str, value: float) -> str | None:
+    """What a correct twin at rounding level or exactly 0 is drawn as: a marker and this text, never a bar, since
+    a bar from the axis's floor would give its length a meaning it does not have. None for any other value."""
+    if value == 0:
+        return "0 (exact)"
+    bound = ROUNDING_BOUND.get(metric)
+    if bound is not None and value < bound:
+        return f"< {bound:.0e} (exact)"
+    return None
+
+
 def draw(measurements: list[Measurement], png_path: str):
-    """Five panels. Top row, one line per pitfall measured as a relative error, named with its metric: the
-    error of each twin (log scale; exactly 0 drawn at the floor and marked "0"), then for the rows with
-    vectors the buggy twin's direction (cosine with the correct vector) and scale (norm ratio, log scale),
-    each drawn as a bar from the ideal 1 to the value, so that 0.000977 and 5.94 read as deviations to
-    opposite sides. Red only where the buggy twin deviates; grey where it equals the ideal. Bottom row: the
-    rows measured in bytes, and in rows of data. Returns the figure."""
+    """Five panels, stacked to fit the guide's column. On top, one line per pitfall measured as a relative error,
+    named with its metric: the buggy twin as a bar (log scale), the correct twin as a bar too unless it is
+    exact (rounding level or 0), which is a marker at its bound with the text "< 1e-14 (exact)" or "0 (exact)".
+    Below, for the rows with vectors, the buggy twin's direction (cosine with the correct vector) and scale
+    (norm ratio, log scale), each a bar from the ideal 1 to the value, so that 0.000977 and 5.94 read as
+    deviations to opposite sides; red only where the buggy twin deviates, grey where it equals the ideal. At
+    the bottom the rows measured in bytes, and in rows of data. Returns the figure."""
     from matplotlib.figure import Figure  # imported here: only drawing needs matplotlib
 
     matplotlib_defaults()
 
     errors = [m for m in measurements if m.metric in RELATIVE_ERRORS]
+    vectors = [m for m in errors if m.cosine is not None]
     byte_rows = [m for m in measurements if m.metric in BYTES]
     count_rows = [m for m in measurements if m.metric in COUNTS]
-    figure = Figure(figsize=(18, 0.58 * len(errors) + 4.2), layout="constrained")
-    panels = figure.subplot_mosaic(
-        [["error", "cosine", "scale"], ["bytes", "bytes", "counts"]],
-        height_ratios=[len(errors), 2.2],
-        width_ratios=[1.5, 1, 1],
+    figure = Figure(
+        figsize=(GUIDE_WIDTH_PX / DPI, 0.62 * len(errors) + 0.36 * len(vectors) + 4.6), layout="constrained"
     )
-    floor = 1e-18
-    positions = list(range(len(errors)))
-    labels = [f"{m.pitfall}\n({m.metric})" for m in errors]
+    panels = figure.subplot_mosaic(
+        [["error", "error"], ["cosine", "scale"], ["bytes", "counts"]],
+        height_ratios=[0.62 * len(errors), 0.36 * len(vectors) + 0.8, 2.6],
+        width_ratios=[1.6, 1],
+    )
 
-    def twin_bars(axes, rows, scale_floor=None):
-        for offset, twin, colour in ((-0.2, "buggy", "tab:red"), (0.2, "correct", "tab:green")):
-            values = [getattr(m, twin) for m in rows]
-            drawn = [max(v, scale_floor) for v in values] if scale_floor else values
-            bars = axes.barh([p + offset for p in range(len(rows))], drawn, height=0.4, color=colour, label=twin)
-            printed = [number(m.buggy) if twin == "buggy" else correct_cell(m.metric, m.correct) for m in rows]
-            axes.bar_label(bars, labels=printed, padding=3, fontsize=FONT_PT)
+    def twin_bars(axes, rows, floor=None):
+        """Each row's buggy twin (red, above) and correct twin (green, below): bars, or a marker and text where
+        the correct twin is exact."""
+        positions = range(len(rows))
+        buggy = [max(m.buggy, floor) if floor else m.buggy for m in rows]
+        bars = axes.barh([p - 0.2 for p in positions], buggy, height=0.4, color="tab:red")
+        axes.bar_label(bars, labels=[number(m.buggy) for m in rows], padding=3, fontsize=FONT_PT)
+        exact = {p: exact_marker_text(m.metric, m.correct) for p, m in zip(positions, rows, strict=True)}
+        barred = [p for p in positions if exact[p] is None]
+        if barred:
+            bars = axes.barh(
+                [p + 0.2 for p in barred], [rows[p].correct for p in barred], height=0.4, color="tab:green"
+            )
+            axes.bar_label(bars, labels=[number(rows[p].correct) for p in barred], padding=3, fontsize=FONT_PT)
+        marked = [p for p in positions if exact[p] is not None]
+        if marked:
+            # The marker sits at the bound (for 0: at the floor of a log axis); the text says what it stands for.
+            at = [ROUNDING_BOUND[rows[p].metric] if rows[p].correct else (floor or 0) for p in marked]
+            axes.plot(at, [p + 0.2 for p in marked], "<", color="tab:green", markersize=9, linestyle="none")
+            for x, p in zip(at, marked, strict=True):
+                axes.annotate(
+                    exact[p], (x, p + 0.2), xytext=(8, 0), textcoords="offset points", va="center", fontsize=FONT_PT
+                )
 
     axes = panels["error"]
-    twin_bars(axes, errors, floor)
+    twin_bars(axes, errors, ERROR_FLOOR)
     axes.set_xscale("log")
-    axes.set_xlim(floor, 1e8)  # room on the right for the legend
-    axes.set_yticks(positions, labels, fontsize=FONT_PT)
-    axes.set_ylim(len(errors) - 0.5, -0.5)  # the first pitfall on top, in every panel of this row
-    axes.set_title("relative error against the reference (log)", fontsize=TITLE_PT)
-    axes.legend(fontsize=FONT_PT, loc="upper right")
+    axes.set_xlim(ERROR_FLOOR, ERROR_CEILING)
+    axes.set_yticks(range(len(errors)), [f"{m.pitfall}\n({m.metric})" for m in errors], fontsize=FONT_PT)
+    axes.set_ylim(len(errors) - 0.5, -0.5)  # the first pitfall on top
+    axes.set_title("relative error against the reference (log): buggy twin red, correct twin green", fontsize=TITLE_PT)
 
     for key, field, title in (
         ("cosine", "cosine", "direction: cos(buggy, correct)"),
         ("scale", "norm_ratio", "scale: |buggy| / |correct| (log)"),
     ):
         axes = panels[key]
-        values = [getattr(m, field) for m in errors]
-        shown = [p for p, v in zip(positions, values, strict=True) if v is not None]
-        drawn = [v for v in values if v is not None]
+        values = [getattr(m, field) for m in vectors]
         # A bar from the ideal 1 to the value (left of 1 below it, right above it); "1" where it is 1.
-        colours = ["lightgrey" if abs(v - 1) < 5e-4 else "tab:red" for v in drawn]
-        bars = axes.barh(shown, [v - 1 for v in drawn], left=1, height=0.5, color=colours)
-        axes.bar_label(bars, labels=[f"{v:.3g}" for v in drawn], padding=3, fontsize=FONT_PT)
-        axes.set_yticks(positions, [""] * len(positions))
+        colours = ["lightgrey" if abs(v - 1) < 5e-4 else "tab:red" for v in values]
+        bars = axes.barh(range(len(values)), [v - 1 for v in values], left=1, height=0.6, color=colours)
+        axes.bar_label(bars, labels=[f"{v:.3g}" for v in values], padding=3, fontsize=FONT_PT)
+        axes.set_yticks(range(len(vectors)), [str(pitfall_number(m)) for m in vectors])
+        axes.set_ylim(len(vectors) - 0.5, -0.5)
+        axes.set_ylabel("gallery row", fontsize=FONT_PT)
         axes.set_title(title, fontsize=TITLE_PT)
-    panels["cosine"].set_xlim(0.2, 1.15)
+    panels["cosine"].set_xlim(0.2, 1.3)
     panels["cosine"].axvline(1.0, color="grey", linewidth=0.8)
     panels["scale"].set_xscale("log")
-    panels["scale"].set_xlim(1e-5, 1e3)
+    panels["scale"].set_xlim(1e-7, 1e4)
     panels["scale"].axvline(1.0, color="grey", linewidth=0.8)
 
     for key, rows, unit in (("bytes", byte_rows, "bytes"), ("counts", count_rows, "rows")):
         axes = panels[key]
         twin_bars(axes, rows)
-        axes.set_xlim(0, 1.3 * max(max(m.buggy, m.correct) for m in rows))
+        axes.set_xlim(0, 1.45 * max(max(m.buggy, m.correct) for m in rows))
         axes.set_xlabel(unit, fontsize=FONT_PT)
         axes.invert_yaxis()
     panels["bytes"].set_yticks(range(len(byte_rows)), [f"{m.pitfall}\n{m.metric}" for m in byte_rows], fontsize=FONT_PT)
-    panels["counts"].set_yticks([])  # one row: named in the title, so the column keeps the width of the others
+    panels["counts"].set_yticks([])  # one row: named in the title
     panels["counts"].set_title("\n".join(f"{m.pitfall}\n{m.metric}" for m in count_rows), fontsize=FONT_PT)
-    for key in ("cosine", "scale"):
-        panels[key].set_ylim(panels["error"].get_ylim())
     for axes in panels.values():
         axes.tick_params(labelsize=FONT_PT)
     figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=TITLE_PT)
-    figure.savefig(png_path, dpi=72)  # 72 dots per inch: a point is a pixel
+    figure.savefig(png_path, dpi=DPI)  # 72 dots per inch: a point is a pixel
     # The figure has a handful of flat colours: a 64-colour palette keeps them all and the file small.
     from PIL import Image  # matplotlib's own dependency
 

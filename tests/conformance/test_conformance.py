@@ -20,8 +20,16 @@ import train
 from accumulation import checker as check_equivalence
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import load_config
-from accumulation.data.sources import build_data, rows_from_raw_examples, step_batch, step_row_ids
-from accumulation.models.factory import build_model, count_parameters, loss_sum_fn_for, resolved_vocab_size
+from accumulation.data.rows import rows_from_raw_examples
+from accumulation.data.sources import build_data, step_batch, step_row_ids
+from accumulation.models.factory import (
+    build_model,
+    build_model_on_meta,
+    count_parameters,
+    loss_sum_fn_for,
+    resolved_vocab_size,
+)
+from testkit.ranks import run_main_on_ranks
 from tests.conformance.conftest import REPO
 
 STEPS = (0, 1)  # two steps: rows that change with the step must change consistently
@@ -59,7 +67,8 @@ def test_model_contract(fork_argv):
     for (name, a), (_, b) in zip(first.state_dict().items(), second.state_dict().items(), strict=True):
         assert torch.equal(a, b), f"{name}: two builds from the same seed differ; initialise from config.run.seed"
     # meta build
-    assert count_parameters(config.model, vocab_size, config.data.seq_len) == sum(p.numel() for p in first.parameters())
+    on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
+    assert count_parameters(on_meta) == sum(p.numel() for p in first.parameters())
     batch = step_batch(
         data.train, 0, seed=config.run.seed, global_batch_size=8, tail="drop", micro_batch_size=8, world_size=1, rank=0
     )
@@ -117,9 +126,16 @@ def test_data_contract(fork_argv, step):
     )
 
 
-def run_checker(fork_argv: list[str], ranks: int, capsys, tmp_path) -> tuple[int, str]:
+def run_checker(fork_argv: list[str], ranks: int, capsys, tmp_path, launched: bool = False) -> tuple[int, str]:
+    """(exit status, stdout): one rank in this process; more forked with torchrun's environment
+    (testkit/ranks.py), or with `launched` under torchrun itself."""
     if ranks == 1:
         return check_equivalence.main(fork_argv), capsys.readouterr().out
+    if not launched:
+        per_rank = run_main_on_ranks("accumulation.checker:main", fork_argv, world_size=ranks)
+        status = next((status for status, _, _ in per_rank if status != 0), 0)
+        assert status in (0, 1), per_rank  # anything else is a crash
+        return status, per_rank[0][1]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     script = str(REPO / "scripts" / "checks" / "check_equivalence.py")
@@ -136,8 +152,9 @@ def test_the_step_equals_the_float64_reference_on_1_rank(fork_argv, capsys, tmp_
 
 
 @pytest.mark.expensive
-def test_the_step_equals_the_float64_reference_on_2_ranks(fork_argv, capsys, tmp_path):
-    status, stdout = run_checker(fork_argv, 2, capsys, tmp_path)
+@pytest.mark.parametrize("launched", [False, pytest.param(True, marks=pytest.mark.integration)])
+def test_the_step_equals_the_float64_reference_on_2_ranks(fork_argv, capsys, tmp_path, launched):
+    status, stdout = run_checker(fork_argv, 2, capsys, tmp_path, launched)
     assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
     assert "x ranks 2;" in stdout
 

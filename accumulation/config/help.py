@@ -1,0 +1,62 @@
+"""`python train.py --help`: usage, then every key grouped by section with its default, the values it allows, its
+unit and its meaning, then the own keys of every registered model and data source (their modules imported here:
+--help is the one place that lists them all). Imported only for --help.
+"""
+
+import dataclasses
+from dataclasses import fields
+
+from accumulation.config.config import (
+    OWNED_SECTIONS,
+    Config,
+    ConfigError,
+    allowed_text,
+    load_config,
+    settings_of,
+    value_text,
+)
+from accumulation.config.registry import config_name, registered
+
+
+def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
+    unit = declaration.metadata["unit"]
+    unit_text = f"; unit: {unit}" if unit else ""
+    return [
+        f"  {key} = {value_text(default)}    ({allowed_text(declaration)}{unit_text})",
+        f"      {declaration.metadata['help']}",
+    ]
+
+
+def help_text(argv: list[str] = ()) -> str:
+    """Usage and every key, grouped by section, with its default, allowed values, unit and meaning; then the own
+    keys of every registered model and data source, those of a fork that `argv` names (--config FILE, model.name=
+    module:name) included."""
+    lines = [
+        "usage: python train.py [--config FILE] [section.key=value ...]",
+        "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
+        "",
+        "Settings come from the defaults below, then the TOML file given by --config, then the command",
+        "line in order; a key given twice takes its last value. Example:",
+        "  python train.py --config configs/default.toml run.max_steps=100 optim.lr=1e-3",
+    ]
+    try:
+        load_config([argument for argument in argv if argument not in ("--help", "-h")])  # imports a fork's module
+    except ConfigError:
+        pass  # --help lists what it can; the run itself reports the error
+    defaults = Config()
+    current_section = None
+    for key, declaration, default in settings_of(defaults):
+        section_name, dot, _ = key.partition(".")
+        heading = f"[{section_name}]" if dot else "top level"
+        if heading != current_section:
+            lines += ["", heading]
+            current_section = heading
+        lines += _key_help(key, declaration, default)
+    for section_name, choosing_key in OWNED_SECTIONS.items():
+        for piece in registered(section_name).values():
+            if piece.settings is None:
+                continue
+            lines += ["", f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"']
+            for declaration in fields(piece.settings):
+                lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
+    return "\n".join(lines) + "\n"
