@@ -1,8 +1,8 @@
 """The package's imports go one way, by folder: the maths at the top of accumulation/ imports nothing else of
 the package; config/ only the maths; models/ and data/ the two above (and not each other); parallel/ those;
-rl/ (the GRPO fork's library) the maths and data/; run/ all of them; checker/ everything. Within a folder there is no cycle: the shared data types (data/rows.py,
-data/splits.py) are imported by the sources, and the factory (data/sources.py) imports the sources, never the other
-way."""
+rl/ (the GRPO fork's library) the maths and data/; run/ all of them; checker/ everything. Within a folder there
+is no cycle: the shared data types (data/rows.py, data/splits.py) are imported by the sources, and the factory
+(data/sources.py) imports the sources, never the other way."""
 
 import ast
 import subprocess

@@ -109,6 +109,8 @@ def test_a_round_logs_rl_units_and_a_continued_run_is_the_uninterrupted_one(tmp_
     for key in ("mean_reward", "clip_fraction", "held_out_reward"):
         assert 0.0 <= last[key] <= 1.0, key
     assert last["approx_kl"] > 0  # the policy moved away from the one that sampled
+    before = json.loads((tmp_path / "whole" / "sft.json").read_text())
+    assert before["sft_steps"] == 4 and 0.0 <= before["held_out_reward"] <= 1.0
 
 
 def run_on_this_rank(rank: int, ranks: int, tmp_path, runs: list[tuple[str, int]]) -> dict:

@@ -5,7 +5,7 @@
 
 Two phases in one run directory, <run.out_dir>/<run.name>/:
 1. SFT: the policy first learns the answers of the training prompts by supervised fine-tuning (cross-entropy on
-   the response bytes), written to sft.pt; a restart reuses it.
+   the response bytes), written to sft.pt (and its greedy held-out reward to sft.json); a restart reuses it.
 2. GRPO rounds: sample batch_size × group_size completions from the current policy (accumulation/rl/rollout.py),
    score them, compute group-relative advantages, and take rollout / (mini-batch · D) optimizer steps of the
    clipped surrogate, each aggregated and normalised as rl.loss_aggregation says (accumulation/rl/objectives.py).
@@ -271,7 +271,11 @@ def main(argv: list[str]) -> int:
         if rank == 0:
             save_atomically(policy.state_dict(), sft_path)
         sft_seconds = time.perf_counter() - started
-        say(f"sft: {sft_seconds:.0f} s, held-out reward {held_out_reward(policy, held_out, settings):.3f}")
+        if rank == 0:  # the starting point GRPO is measured against
+            before = {"sft_steps": settings["sft"].steps, "seconds": sft_seconds}
+            before["held_out_reward"] = held_out_reward(policy, held_out, settings)
+            (run_dir / "sft.json").write_text(json.dumps(before) + "\n")
+            say(f"sft: {sft_seconds:.0f} s, held-out reward {before['held_out_reward']:.3f}")
     metrics_path = run_dir / "metrics.jsonl"
     if rank == 0:  # the lines of the rounds the checkpoint holds, and no more
         kept = metrics_path.read_text().splitlines()[: counters["rounds"]] if metrics_path.exists() else []
