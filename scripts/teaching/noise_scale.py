@@ -8,10 +8,11 @@ optimizer_step for the first --steps steps of that run. accumulation/noise_scale
 own gradient and the step's off `.grad` as the step accumulates them, and estimates B_simple = tr(Σ) / |G|²
 (McCandlish et al. 2018, appendix A) from the 8 pairs (micro-batch, step) of every step, in supervised tokens.
 
-It prints, for each window of --window steps, the mean loss and B_simple estimated from that window alone (the
-noise scale grows as the loss falls), then B_simple over the last half of the steps in tokens and in examples
-(tokens / the run's mean supervised tokens per example) against G. It also checks that the step's gradient it
-reads off `.grad` has the norm optimizer_step reports.
+It prints, for each window of --window steps, the mean loss, the estimates of |G|² and tr(Σ) and B_simple from
+that window alone (the noise scale grows as the loss falls), in tokens (and from the window's even and its odd
+steps apart, to show how settled it is) and in examples (tokens / the window's supervised tokens per example),
+and the ratio G / B_simple. It also checks that the step's gradient it reads off `.grad` has the norm
+optimizer_step reports. The windows do not depend on --steps: the schedule is the default run's either way.
 """
 
 import argparse
@@ -31,7 +32,7 @@ CPU = torch.device("cpu")
 
 
 def measure(steps: int, window: int) -> dict:
-    """Train the default config for `steps` steps; B_simple per window and over the last half of the steps."""
+    """Train the default config for `steps` steps; B_simple estimated from each window of `window` steps alone."""
     config = load_config([])  # the built-in defaults: configs/default.toml
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
@@ -42,11 +43,15 @@ def measure(steps: int, window: int) -> dict:
     scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)
     gradients = MicroBatchGradients(model)
 
-    last_half, in_window = NoiseScale(), NoiseScale()
-    windows, window_losses = [], []
-    tokens_seen = examples_seen = 0
+    windows = []
+    tokens_seen = 0
     largest_norm_mismatch = 0.0  # relative, between √|g|² read off .grad and optimizer_step's grad_norm
     for step in range(steps):
+        if step % window == 0:
+            # The window's estimate, and one from its even and one from its odd steps: how far those two differ
+            # shows how settled the window's estimate is.
+            in_window, by_parity = NoiseScale(), (NoiseScale(), NoiseScale())
+            losses, window_tokens, window_examples = [], 0, 0
         batch = step_batch(
             data.train,
             step,
@@ -70,35 +75,33 @@ def measure(steps: int, window: int) -> dict:
         micro_batch_tokens = [count_supervised_tokens(micro_batch.labels) for micro_batch in batch.micro_batches]
         micro_batch_squared_norms, step_squared_norm = gradients.finish_step(micro_batch_tokens)
         largest_norm_mismatch = max(largest_norm_mismatch, abs(step_squared_norm**0.5 / result.grad_norm - 1))
-        tokens_seen += result.tokens
-        examples_seen += result.examples
 
         measured = (micro_batch_squared_norms, micro_batch_tokens, step_squared_norm, result.tokens)
         in_window.add_step(*measured)
-        window_losses.append(result.loss)
-        if step >= steps // 2:
-            last_half.add_step(*measured)
+        by_parity[step % 2].add_step(*measured)
+        losses.append(result.loss)
+        tokens_seen += result.tokens
+        window_tokens += result.tokens
+        window_examples += result.examples
         if (step + 1) % window == 0 or step + 1 == steps:
+            tokens_per_example = window_tokens / window_examples
             windows.append(
                 {
-                    "steps": (step + 1 - len(window_losses), step + 1),
-                    "loss": sum(window_losses) / len(window_losses),
+                    "steps": (step + 1 - len(losses), step + 1),
+                    "loss": sum(losses) / len(losses),
+                    "gradient_squared": in_window.gradient_squared,
+                    "trace": in_window.trace,
                     "b_simple_tokens": in_window.b_simple,
+                    "b_simple_tokens_even_odd": (by_parity[0].b_simple, by_parity[1].b_simple),
+                    "b_simple_examples": in_window.b_simple / tokens_per_example,
+                    "tokens_per_example": tokens_per_example,
                 }
             )
-            in_window, window_losses = NoiseScale(), []
     gradients.remove()
-
-    tokens_per_example = tokens_seen / examples_seen
     return {
         "windows": windows,
         "global_batch_examples": config.batch.global_batch_size,
         "global_batch_tokens": tokens_seen / steps,  # mean supervised tokens per step
-        "tokens_per_example": tokens_per_example,
-        "gradient_squared": last_half.gradient_squared,
-        "trace": last_half.trace,
-        "b_simple_tokens": last_half.b_simple,
-        "b_simple_examples": last_half.b_simple / tokens_per_example,
         "largest_norm_mismatch": largest_norm_mismatch,
     }
 
@@ -111,22 +114,20 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(1)  # a small share of a shared machine
     results = measure(args.steps, args.window)
-    print("steps      mean loss   B_simple (tokens, this window alone)")
+    global_batch_tokens = results["global_batch_tokens"]
+    print(
+        f"G = {results['global_batch_examples']} examples = {global_batch_tokens:.0f} supervised tokens per step "
+        "(mean); B_simple from each window of steps alone:"
+    )
+    print("steps      mean loss   |G|²       tr(Σ)      B_simple: tokens (even, odd steps)  examples   G / B_simple")
     for window in results["windows"]:
         first, last = window["steps"]
-        print(f"{first:>4}-{last:<4}  {window['loss']:>9.4f}   {window['b_simple_tokens']:>10.0f}")
-    half = args.steps // 2
-    print(
-        f"steps {half}-{args.steps}: |G|² ≈ {results['gradient_squared']:.3e}, tr(Σ) ≈ {results['trace']:.3e} per token"
-    )
-    print(
-        f"B_simple ≈ {results['b_simple_tokens']:.0f} supervised tokens "
-        f"≈ {results['b_simple_examples']:.1f} examples ({results['tokens_per_example']:.1f} tokens per example)"
-    )
-    print(
-        f"G = {results['global_batch_examples']} examples ≈ {results['global_batch_tokens']:.0f} supervised tokens: "
-        f"G / B_simple ≈ {results['global_batch_tokens'] / results['b_simple_tokens']:.2f}"
-    )
+        even, odd = window["b_simple_tokens_even_odd"]
+        print(
+            f"{first:>4}-{last:<4}  {window['loss']:>9.4f}   {window['gradient_squared']:<9.3g}  "
+            f"{window['trace']:<9.4g}  {window['b_simple_tokens']:>18.0f} ({even:>5.0f}, {odd:>5.0f})  "
+            f"{window['b_simple_examples']:>8.1f}   {global_batch_tokens / window['b_simple_tokens']:>12.2f}"
+        )
     print(f"the step's gradient norm read off .grad against optimizer_step's: {results['largest_norm_mismatch']:.1e}")
     return 0
 
