@@ -18,13 +18,17 @@ def test_the_script_measures_a_finite_noise_scale_from_the_run_s_own_gradients()
     # gradient: the summation order differs, about 1e-6 relative; a gradient missing a micro-batch's
     # contribution or read after clipping would be off by far more than 1e-4.
     assert results["largest_norm_mismatch"] < 1e-4
-    assert [window["steps"] for window in results["windows"]] == [(0, 10), (10, 20)]
+    windows = results["windows"]
+    assert [window["steps"] for window in windows] == [(0, 10), (10, 20)]
     # Early in training the gradient is large against its noise: both averages are positive and their ratio
-    # is a finite number of tokens, far below the tokens of one step (the script prints about 250 at 20 steps).
-    assert results["gradient_squared"] > 0 and results["trace"] > 0
-    assert 0 < results["b_simple_tokens"] < results["global_batch_tokens"]
-    assert math.isclose(
-        results["b_simple_examples"], results["b_simple_tokens"] / results["tokens_per_example"], rel_tol=1e-12
-    )
-    # Documents of the embedded corpus, one per row of 128 positions: at most 128 supervised tokens per row.
-    assert 1 < results["tokens_per_example"] <= 128
+    # is a finite number of tokens, far below the tokens of one step (the script prints about 250 at steps
+    # 10-20), as are the ratios from the window's even and odd steps apart.
+    for window in windows:
+        assert window["gradient_squared"] > 0 and window["trace"] > 0
+        for b_simple in (window["b_simple_tokens"], *window["b_simple_tokens_even_odd"]):
+            assert 0 < b_simple < results["global_batch_tokens"]
+        assert math.isclose(
+            window["b_simple_examples"], window["b_simple_tokens"] / window["tokens_per_example"], rel_tol=1e-12
+        )
+        # Documents of the embedded corpus, one per row of 128 positions: at most 128 supervised tokens per row.
+        assert 1 < window["tokens_per_example"] <= 128
