@@ -84,7 +84,8 @@ class MicroBatchGradients:
     A hook on each parameter runs after every backward has added into `.grad`. optimizer_step backpropagates
     S_k / N for micro-batch k (D = 1), so the hook's `.grad` minus the `.grad` it saw after the previous
     backward is ∇S_k / N, and N / N_k times that is the micro-batch's own mean gradient ∇S_k / N_k. After the
-    last backward `.grad` is the step's gradient ∇(Σ_k S_k) / N, before clipping.
+    last backward `.grad` is the step's gradient ∇(Σ_k S_k) / N, before clipping. The first backward of a step
+    must find `.grad` cleared (None or zeros), as optimizer_step leaves it after each step.
 
     Cost: one copy of the gradients (each parameter's `.grad` after the previous backward), and per micro-batch
     and parameter one subtraction and one squared norm, kept on the device until finish_step reads them back.
