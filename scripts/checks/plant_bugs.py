@@ -37,6 +37,7 @@ VALIDATION_TEST = "tests/test_reference_checks.py::test_validation_loss_on_1_and
 TENSORBOARD_TEST = "tests/test_logs.py::test_tensorboard_after_a_kill_and_a_resume_equals_metrics"
 TOKEN_FILES_TEST = "tests/test_token_files.py"
 RUN_DIR_TEST = "tests/test_run_dir.py"
+CHECKER_VERDICTS_TEST = "tests/test_checker_verdicts.py"
 
 BUGS = [
     Bug(
@@ -228,6 +229,43 @@ BUGS = [
         [
             "tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical[sigint-mid-step]"
         ],
+    ),
+    # Issue 35: the checker's detectors one at a time.
+    Bug(
+        "checker-n-one-way",
+        "the checker's N line fails only a loop N above the reference: a loop that drops targets passes",
+        "accumulation/checker/run.py",
+        "None if result.tokens == reference_tokens else",
+        "None if result.tokens <= reference_tokens else",
+        [
+            f"{CHECKER_VERDICTS_TEST}::test_the_loop_s_n_is_compared_with_the_raw_examples_count_and_an_n_off_by_one_fails_that_line"
+        ],
+    ),
+    Bug(
+        "checker-n-from-the-promise",
+        "the checker's reference N taken from supervised_counts, the very promise it checks: a wrong N passes",
+        "accumulation/checker/run.py",
+        "reference_tokens = count_supervised_tokens(labels)",
+        "reference_tokens = int(batch.supervised_counts.sum())",
+        [f"{CHECKER_VERDICTS_TEST}::test_a_count_bug_that_scales_every_update_fails_the_supervised_targets_line"],
+    ),
+    Bug(
+        "checker-weights-per-rank-only",
+        "the checker compares two builds on each rank but not the ranks' weights: a rank-dependent init passes",
+        "accumulation/checker/promises.py",
+        "return all(agree for agree, _ in everyone) and len({digest for _, digest in everyone}) == 1",
+        "return all(agree for agree, _ in everyone)",
+        [
+            f"{CHECKER_VERDICTS_TEST}::test_a_model_whose_init_depends_on_the_rank_fails_the_initial_weights_line_on_every_rank"
+        ],
+    ),
+    Bug(
+        "checker-verdict-rank-0-only",
+        "the checker's verdict not broadcast: on a FAIL rank 0 exits 1 and the other ranks 0",
+        "accumulation/checker/run.py",
+        "        dist.broadcast_object_list(verdict, src=0)\n",
+        "",
+        [f"{CHECKER_VERDICTS_TEST}::test_every_rank_exits_with_the_verdict"],
     ),
 ]
 
