@@ -38,6 +38,7 @@ TENSORBOARD_TEST = "tests/test_logs.py::test_tensorboard_after_a_kill_and_a_resu
 TOKEN_FILES_TEST = "tests/test_token_files.py"
 RUN_DIR_TEST = "tests/test_run_dir.py"
 CHECKER_VERDICTS_TEST = "tests/test_checker_verdicts.py"
+MEMORY_LIMIT_TEST = "tests/test_memory_limit.py"
 
 BUGS = [
     Bug(
@@ -266,6 +267,47 @@ BUGS = [
         "        dist.broadcast_object_list(verdict, src=0)\n",
         "",
         [f"{CHECKER_VERDICTS_TEST}::test_every_rank_exits_with_the_verdict"],
+    ),
+    # Issue 35: the memory limit a cgroup sets.
+    Bug(
+        "cgroup-v2-path-absolute",
+        "the cgroup's path joined with its leading '/': memory.max looked up outside the cgroup tree, no limit seen",
+        "accumulation/data/memory.py",
+        'limit_file = CGROUP_ROOT / group.lstrip("/") / "memory.max"',
+        'limit_file = CGROUP_ROOT / group / "memory.max"',
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-v1-file-name",
+        "cgroup v1's limit read from memory.max, a v2 name: a v1 job's limit is never seen",
+        "accumulation/data/memory.py",
+        '/ "memory.limit_in_bytes"',
+        '/ "memory.max"',
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-max-not-handled",
+        "memory.max = 'max' read as a number: every run in an unlimited cgroup v2 dies with a traceback",
+        "accumulation/data/memory.py",
+        "if limit.isdigit() and int(limit) < 2**60:",
+        "if int(limit) < 2**60:",
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-v1-unlimited-is-a-limit",
+        "cgroup v1's 'no limit' (2^63 rounded to a page) taken as a limit: the message names 8 EiB",
+        "accumulation/data/memory.py",
+        "if limit.isdigit() and int(limit) < 2**60:",
+        "if limit.isdigit():",
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "memory-limit-largest",
+        "the start-up check compares with the largest of the limits, not the smallest: a job over its cgroup starts",
+        "accumulation/data/memory.py",
+        "    return min(limits)",
+        "    return max(limits)",
+        [MEMORY_LIMIT_TEST],
     ),
 ]
 
