@@ -39,6 +39,10 @@ TOKEN_FILES_TEST = "tests/test_token_files.py"
 RUN_DIR_TEST = "tests/test_run_dir.py"
 CHECKER_VERDICTS_TEST = "tests/test_checker_verdicts.py"
 MEMORY_LIMIT_TEST = "tests/test_memory_limit.py"
+CHUNKED_BF16_TEST = (
+    "tests/test_chunked_loss.py::"
+    "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
+)
 
 BUGS = [
     Bug(
@@ -308,6 +312,31 @@ BUGS = [
         "    return min(limits)",
         "    return max(limits)",
         [MEMORY_LIMIT_TEST],
+    ),
+    # Issue 35: the chunked loss under CPU autocast.
+    Bug(
+        "chunked-softmax-in-bf16",
+        "the chunked loss's logsumexp and softmax in the autocast dtype: the loss off by bf16's rounding",
+        "accumulation/chunked_loss.py",
+        "softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)",
+        "softmax_dtype = hidden.dtype",
+        [CHUNKED_BF16_TEST],
+    ),
+    Bug(
+        "chunked-loss-sum-in-bf16",
+        "the chunked loss adds its chunks' sums in the autocast dtype: the logged loss rounded to bf16",
+        "accumulation/chunked_loss.py",
+        "loss_sum = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)",
+        "loss_sum = torch.zeros((), dtype=compute_dtype, device=hidden.device)",
+        [CHUNKED_BF16_TEST],
+    ),
+    Bug(
+        "chunked-autocast-cuda-only",
+        "the chunked loss asks whether CUDA's autocast is on: under CPU bf16 autocast its products stay fp32",
+        "accumulation/chunked_loss.py",
+        "if torch.is_autocast_enabled(device_type) and",
+        "if torch.is_autocast_enabled() and",
+        [CHUNKED_BF16_TEST],
     ),
 ]
 
