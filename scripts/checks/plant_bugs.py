@@ -39,6 +39,9 @@ TOKEN_FILES_TEST = "tests/test_token_files.py"
 RUN_DIR_TEST = "tests/test_run_dir.py"
 CHECKER_VERDICTS_TEST = "tests/test_checker_verdicts.py"
 MEMORY_LIMIT_TEST = "tests/test_memory_limit.py"
+HANG_UP_TEST = (
+    "tests/test_signals.py::test_a_terminal_that_really_hangs_up_stops_the_run_with_a_checkpoint_and_exit_129"
+)
 CHUNKED_BF16_TEST = (
     "tests/test_chunked_loss.py::"
     "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
@@ -337,6 +340,23 @@ BUGS = [
         "if torch.is_autocast_enabled(device_type) and",
         "if torch.is_autocast_enabled() and",
         [CHUNKED_BF16_TEST],
+    ),
+    # Issue 35: a terminal that really hangs up (the piped SIGHUP tests cannot see these).
+    Bug(
+        "sighup-output-kept",
+        "SIGHUP leaves stdout and stderr on the dead terminal: the 'stopped' line fails with EIO, no clean exit",
+        "accumulation/run/signals.py",
+        "        if signum == signal.SIGHUP:\n            detach_from_closed_terminal()\n",
+        "",
+        [HANG_UP_TEST],
+    ),
+    Bug(
+        "sighup-isatty",
+        "the hung-up terminal recognised with isatty, which fails on it: stdout stays on the dead terminal",
+        "accumulation/run/signals.py",
+        "if stat.S_ISCHR(os.fstat(descriptor).st_mode):",
+        "if os.isatty(descriptor):",
+        [HANG_UP_TEST],
     ),
 ]
 
