@@ -179,3 +179,40 @@ def test_validation_reads_the_images_un_augmented_and_training_augments_them():
     )
     stored = data.train.images[batch.row_ids]
     assert not torch.equal(batch.micro_batches[0].inputs, stored)  # step 0's rows are cropped and flipped
+
+
+# A fork's module that cannot be imported, and the fault each one shows: (module text, what the line must name).
+BROKEN_MODULES = {
+    "raises": ("import os\n\nraise RuntimeError('no weights here')\n", "RuntimeError: no weights here (at "),
+    "syntax": ("def build(:\n    pass\n", "SyntaxError: "),
+    "missing-dependency": ("import no_such_package_here\n", "ModuleNotFoundError: No module named 'no_such_package_"),
+    "exits": ("import sys\n\nsys.exit(0)\n", "broken_fork exited (sys.exit(0)) while being imported"),
+}
+
+
+@pytest.mark.parametrize("help_asked", [False, True], ids=["train", "help"])
+@pytest.mark.parametrize("kind", BROKEN_MODULES)
+def test_a_fork_module_that_cannot_be_imported_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, kind, help_asked):
+    text, named = BROKEN_MODULES[kind]
+    (tmp_path / "broken_fork.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    arguments = ["model.name=broken_fork:mine", f"run.out_dir={tmp_path / 'runs'}", *TINY]
+    try:
+        status = train.main(["--help", *arguments] if help_asked else arguments)
+    finally:
+        sys.modules.pop("broken_fork", None)
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.startswith("error: model.name: ") and captured.err.count("\n") == 1, captured.err
+    assert "broken_fork" in captured.err and named in captured.err, captured.err
+    if kind in ("raises", "syntax"):  # the file and line of the fault
+        line = 3 if kind == "raises" else 1
+        assert f"broken_fork.py:{line})" in captured.err, captured.err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_help_naming_a_module_that_does_not_exist_is_one_line_and_exit_2(capsys):
+    status = train.main(["--help", "model.name=nosuchmodule:x"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and "cannot import nosuchmodule" in captured.err, captured.err

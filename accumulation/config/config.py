@@ -41,6 +41,11 @@ class ConfigError(ValueError):
     """A configuration problem. The message is one line that names the key and what it allows."""
 
 
+class PieceError(ConfigError):
+    """model.name, data.source or model.objective names no piece, or names a fork's module that cannot be imported:
+    --help stops on it too, since it could not list that piece's keys."""
+
+
 @dataclass(frozen=True)
 class Config:
     """The whole configuration: one read-only section per TOML table, plus the top-level `device`.
@@ -119,7 +124,7 @@ def _piece_of(section_name: str, name) -> Piece | None:
     try:
         return lookup(kind, name)
     except RegistryError as error:
-        raise ConfigError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
+        raise PieceError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
 
 
 def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
@@ -154,7 +159,7 @@ def _attach_ownsettings_of(config: Config) -> None:
         try:
             lookup("loss", objective)
         except RegistryError as error:
-            raise ConfigError(f"model.objective: {error}") from None
+            raise PieceError(f"model.objective: {error}") from None
 
 
 def _declaration(key: str, owns: dict[str, type | None] | None = None) -> dataclasses.Field:

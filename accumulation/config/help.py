@@ -10,6 +10,7 @@ from accumulation.config.config import (
     OWNED_SECTIONS,
     Config,
     ConfigError,
+    PieceError,
     allowed_text,
     load_config,
     settings_of,
@@ -30,7 +31,7 @@ def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
 def help_text(argv: list[str] = ()) -> str:
     """Usage and every key, grouped by section, with its default, allowed values, unit and meaning; then the own
     keys of every registered model and data source, those of a fork that `argv` names (--config FILE, model.name=
-    module:name) included."""
+    module:name) included. Raises PieceError when argv names a piece that cannot be found or imported."""
     lines = [
         "usage: python train.py [--config FILE] [section.key=value ...]",
         "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
@@ -41,6 +42,8 @@ def help_text(argv: list[str] = ()) -> str:
     ]
     try:
         load_config([argument for argument in argv if argument not in ("--help", "-h")])  # imports a fork's module
+    except PieceError:
+        raise  # a piece that cannot be found or imported: its keys cannot be listed, so say so instead
     except ConfigError:
         pass  # --help lists what it can; the run itself reports the error
     defaults = Config()

@@ -23,6 +23,7 @@ This module imports nothing of the project: accumulation/config/config.py reads 
 import dataclasses
 import importlib
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -116,19 +117,48 @@ def lookup(kind: str, name: str) -> Piece:
     if IMPORT_PATH.fullmatch(name) is None:
         raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
     module_name, _, short_name = name.partition(":")
-    try:
-        importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        raise RegistryError(
-            f"cannot import {module_name} ({error}); the module must be importable: install it, or run from the "
-            f"folder that holds it, or add that folder to PYTHONPATH"
-        ) from None
+    _import_fork(module_name)
     if short_name not in _REGISTERED[kind]:
         raise RegistryError(
             f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
             f"call register_{kind}({short_name!r}, ...) in it"
         )
     return _REGISTERED[kind][short_name]
+
+
+def _import_fork(module_name: str) -> None:
+    """Import a fork's module; whatever stops it (not found, a syntax error, an exception, sys.exit) is one line."""
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # The module itself (or its package) not found; a module IT imports not found is a fault in the fork.
+        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise RegistryError(
+                f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
+                f"the folder that holds it, or add that folder to PYTHONPATH"
+            ) from None
+        raise RegistryError(f"cannot import {module_name}: {_fault_text(error)}") from None
+    except SystemExit as error:
+        raise RegistryError(
+            f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
+            f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
+        ) from None
+    except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
+        raise RegistryError(f"cannot import {module_name}: {_fault_text(error)}") from None
+
+
+def _fault_text(error: BaseException) -> str:
+    """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
+    where the parser stopped."""
+    if isinstance(error, SyntaxError):
+        message, where = error.msg, f"{error.filename}:{error.lineno}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
+        message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return (
+        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
+    )
 
 
 def registered(kind: str) -> dict[str, Piece]:
