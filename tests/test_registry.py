@@ -216,3 +216,70 @@ def test_help_naming_a_module_that_does_not_exist_is_one_line_and_exit_2(capsys)
     captured = capsys.readouterr()
     assert status == 2 and captured.out == ""
     assert captured.err.count("\n") == 1 and "cannot import nosuchmodule" in captured.err, captured.err
+
+
+# Builds that break the model contract, and a model that keeps it without the optional describe().
+CONTRACT_MODULE = """
+import torch
+
+from accumulation.config.registry import register_model
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, vocab_size, width):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+
+    def forward(self, inputs):
+        return self.embed(inputs)
+
+
+register_model("str", lambda model_config, vocab_size, *, seq_len, seed: "a model")
+register_model("none", lambda model_config, vocab_size, *, seq_len, seed: None)
+register_model("tensor", lambda model_config, vocab_size, *, seq_len, seed: torch.zeros(3))
+# logits [rows, seq, 7] for a vocabulary of 256: the token cross-entropy finds labels beyond them
+register_model("seven-logits", lambda model_config, vocab_size, *, seq_len, seed: Embedding(vocab_size, 7))
+register_model("no-describe", lambda model_config, vocab_size, *, seq_len, seed: Embedding(vocab_size, vocab_size))
+"""
+
+
+@pytest.fixture
+def contract_fork(tmp_path, monkeypatch):
+    (tmp_path / "contract_fork.py").write_text(CONTRACT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("contract_fork", None)
+
+
+FAILING_PIECES = {
+    "returns-str": (["model.name=contract_fork:str"], "build (<lambda>) returned str, not a torch.nn.Module"),
+    "returns-none": (["model.name=contract_fork:none"], "returned NoneType, not a torch.nn.Module"),
+    "returns-tensor": (["model.name=contract_fork:tensor"], "returned Tensor, not a torch.nn.Module"),
+    "outputs-unfit-for-the-loss": (
+        ["model.name=contract_fork:seven-logits"],
+        "step 0: the loss raised on the model's outputs float32 [2, 16, 7] and the labels int64 [2, 16]: IndexError",
+    ),
+    "images-into-the-gpt": (
+        ["data.source=forks.image_classifier:synthetic-images", "model.n_head=2", "data.image_size=4"],
+        "step 0: the model's forward raised on the first micro-batch (inputs float32 [2, 3, 4, 4]): ",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", FAILING_PIECES)
+def test_a_piece_that_breaks_the_model_contract_is_one_line_and_nothing_written(contract_fork, capsys, kind):
+    settings, named = FAILING_PIECES[kind]
+    out_dir = contract_fork / "runs"
+    status = train.main([f"run.out_dir={out_dir}", "run.max_steps=1", "data.seq_len=16", *TINY, *settings])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and named in captured.err, captured.err
+    assert not out_dir.exists()  # neither the run directory nor the lock file
+
+
+def test_a_model_without_describe_trains_and_the_banner_counts_its_parameters(contract_fork, capsys):
+    arguments = [f"run.out_dir={contract_fork / 'runs'}", "run.max_steps=1", *TINY, "data.seq_len=16"]
+    status = train.main([*arguments, "model.name=contract_fork:no-describe"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "model: contract_fork:no-describe: 65,536 parameters;" in captured.out  # 256 x 256 embedding weights

@@ -137,17 +137,17 @@ def _import_fork(module_name: str) -> None:
                 f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
                 f"the folder that holds it, or add that folder to PYTHONPATH"
             ) from None
-        raise RegistryError(f"cannot import {module_name}: {_fault_text(error)}") from None
+        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
     except SystemExit as error:
         raise RegistryError(
             f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
             f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
         ) from None
     except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
-        raise RegistryError(f"cannot import {module_name}: {_fault_text(error)}") from None
+        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
 
 
-def _fault_text(error: BaseException) -> str:
+def fault_text(error: BaseException) -> str:
     """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
     where the parser stopped."""
     if isinstance(error, SyntaxError):
