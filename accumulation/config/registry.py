@@ -40,6 +40,10 @@ BUILT_IN = {
     "data": {},
 }
 
+# The generic model keys a registered model may leave unused (register_model(generic_keys=...)): one whose size comes
+# from elsewhere (a Hugging Face config.json) declares the ones it reads; setting another one is refused.
+GENERIC_MODEL_KEYS = ("n_layer", "n_head", "d_model", "dropout")
+
 # "package.module:name": a piece named by import path.
 IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z0-9_.-]+")
 
@@ -59,6 +63,10 @@ class Piece:
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
     check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
+    generic_keys  a model's: which of GENERIC_MODEL_KEYS its build reads (all of them by default); the others are
+                  refused when a config sets them, not listed by --help for it, not written, not compared on resume
+    generic_keys_note
+                  why the others do not apply, for that one line (e.g. "its size comes from config.json")
     """
 
     kind: str
@@ -68,6 +76,8 @@ class Piece:
     loss_sum_fn: Callable | None = None
     fingerprint: Callable | None = None
     check: Callable | None = None
+    generic_keys: tuple[str, ...] = GENERIC_MODEL_KEYS
+    generic_keys_note: str = ""
 
 
 _REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
@@ -88,9 +98,25 @@ def _function_name(piece: Piece) -> str:
     return getattr(piece.build or piece.loss_sum_fn, "__qualname__", "")
 
 
-def register_model(name, build, *, settings=None, loss_sum_fn=None, fingerprint=None, check=None) -> Piece:
+def register_model(
+    name,
+    build,
+    *,
+    settings=None,
+    loss_sum_fn=None,
+    fingerprint=None,
+    check=None,
+    generic_keys=GENERIC_MODEL_KEYS,
+    generic_keys_note="",
+) -> Piece:
     """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=)."""
-    return _register(Piece("model", name, build, settings, loss_sum_fn, fingerprint, check))
+    unknown = set(generic_keys) - set(GENERIC_MODEL_KEYS)
+    if unknown:
+        raise RegistryError(f"model {name!r}: generic_keys must be among {GENERIC_MODEL_KEYS}, got {sorted(unknown)}")
+    piece = Piece(
+        "model", name, build, settings, loss_sum_fn, fingerprint, check, tuple(generic_keys), generic_keys_note
+    )
+    return _register(piece)
 
 
 def register_loss(name, loss_sum_fn) -> Piece:
