@@ -5,8 +5,13 @@ import runpy
 import sys
 
 import pytest
+import torch
 
+from accumulation import checker
+from accumulation.checker.promises import NotApplicable, loss_alignment_message
+from accumulation.checker.self_test import shifted_again_loss
 from accumulation.parallel import distributed
+from accumulation.step import token_cross_entropy_sum
 from tests.test_disrupted_runs import REPO
 
 CWD_FORK = """
@@ -35,3 +40,23 @@ def test_the_checker_imports_a_fork_from_the_folder_it_is_launched_in(tmp_path, 
         sys.modules.pop("cwd_fork", None)
     captured = capsys.readouterr()
     assert exit.value.code == 0 and captured.out.splitlines()[-1] == "PASS", captured.err
+
+
+def test_the_label_pairing_check_says_n_a_for_one_label_per_example(capsys):
+    """The image classifier's labels are [rows], one class per example: there is no position j to pair, so the
+    check cannot apply; it says so with the reason instead of ok, and the verdict does not count it."""
+    status = checker.main(["--config", str(REPO / "configs" / "image_classifier.toml")])
+    lines = capsys.readouterr().out.splitlines()
+    pairing = [line for line in lines if line.startswith("loss pairs label j with output j: ")]
+    assert pairing == [
+        "loss pairs label j with output j: n/a: one label per example (labels [32]), no positions to pair"
+    ]
+    assert status == 0 and lines[-1] == "PASS"
+
+
+def test_the_label_pairing_check_still_fails_a_loss_that_shifts_the_labels_again():
+    outputs = torch.randn(2, 6, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 6))
+    message = loss_alignment_message(shifted_again_loss(token_cross_entropy_sum), outputs, labels)
+    assert not isinstance(message, NotApplicable) and "reads output" in message
+    assert loss_alignment_message(token_cross_entropy_sum, outputs, labels) is None
