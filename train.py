@@ -153,7 +153,11 @@ def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         from accumulation.config.help import help_text  # only --help lists every piece's keys
 
-        print(help_text(argv))
+        try:
+            print(help_text(argv))
+        except ConfigError as error:  # a fork's module named in argv that cannot be imported: its keys are unknown
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         return 0
     # Everything a user can get wrong is checked before anything is written: a bad launch environment,
     # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the

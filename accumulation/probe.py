@@ -9,6 +9,9 @@ the full batch's mean loss only if
 - the loss is additive over rows: the loss of the whole micro-batch must be the sum of the losses of its two
   halves of rows. One that is additive over targets but not over rows couples the examples it sees together
   (in-batch negatives, InfoNCE): no accumulation can reproduce the full batch's, whatever the split;
+- the model's outputs fit the loss at all: a forward or a loss that raises on the first micro-batch (images into
+  a language model, outputs of the wrong shape) is refused with one line and exit status 2, before anything is
+  written;
 - the model treats each row alone: BatchNorm in train mode normalises each row with the statistics of the
   micro-batch (and, under DDP, of this rank's micro-batch only), so the gradient depends on m and D.
 The last two are not bugs of the fork, only no longer exact: a warning line says so, or, with
@@ -22,6 +25,7 @@ CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
 import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs
+from accumulation.config.registry import fault_text
 
 # Relative difference between the loss of the whole and the sum of its parts above which they differ. The probe
 # runs in float32 without autocast: a sum of a few thousand float32 terms is exact to about 1e-6 relative; a
@@ -31,6 +35,46 @@ ADDITIVE_TOLERANCE = 1e-4
 
 class InexactStep(ValueError):
     """What the probe refuses: one line naming the cause and the fix."""
+
+
+class StepZeroFailed(InexactStep):
+    """The model's forward, or the loss on its outputs, raised on the first micro-batch: a model that does not fit
+    the data (images into a language model) or outputs that do not fit the loss. Refused like an InexactStep."""
+
+
+def _shapes_text(value) -> str:
+    """ "float32 [2, 3, 16, 16]" for a tensor, each one's for a tuple, the type's name for anything else."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, tuple):
+        return f"({', '.join(_shapes_text(item) for item in value)})"
+    return type(value).__name__
+
+
+def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels):
+    """One forward without gradient and the loss of the whole micro-batch, or StepZeroFailed saying which of the two
+    raised, with the shapes it was given and where the fault is."""
+    with torch.no_grad():
+        try:
+            outputs = forward_module(inputs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise StepZeroFailed(
+                f"step 0: the model's forward raised on the first micro-batch (inputs {_shapes_text(inputs)}): "
+                f"{fault_text(error)}; the model does not fit this data (model.name, data.source)"
+            ) from None
+        try:
+            whole = float(loss_sum_fn(outputs, labels))
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as error:
+            raise StepZeroFailed(
+                f"step 0: the loss raised on the model's outputs {_shapes_text(outputs)} and the labels "
+                f"{_shapes_text(labels)}: {fault_text(error)}; the model's outputs do not fit the loss "
+                f"(model.name, model.objective)"
+            ) from None
+    return outputs, whole
 
 
 def coupling_modules(model: torch.nn.Module) -> list[str]:
@@ -60,16 +104,16 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
             f"of this rank's only), so the step's gradient depends on batch.micro_batch_size and the ranks and is no "
             f"longer the full batch's; use GroupNorm or LayerNorm, or evaluation-mode statistics, to make it exact"
         )
-    if len(supervised) >= 2:
-        inputs = map_inputs(lambda tensor: tensor.to(device), micro_batch.inputs)
-        model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
-        with torch.no_grad():
-            outputs = forward_module(inputs)
+    inputs = map_inputs(lambda tensor: tensor.to(device), micro_batch.inputs)
+    model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
+    try:
+        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels)
+    finally:
         model.train()
+    if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)
             first_targets[tuple(supervised[: len(supervised) // 2].T)] = True  # the first half of the targets
-            whole = float(loss_sum_fn(outputs, labels))
             first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX)))
             second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX)))
             rows, half = len(labels), len(labels) // 2

@@ -138,4 +138,14 @@ def fingerprint(model_config) -> str:
     return digest.hexdigest()[:16]
 
 
-register_model("hf-causal-lm", build, settings=HFSettings, fingerprint=fingerprint, check=check_folder)
+# Its size and its dropout come from the folder's config.json: it reads none of model.n_layer, n_head, d_model, dropout.
+register_model(
+    "hf-causal-lm",
+    build,
+    settings=HFSettings,
+    fingerprint=fingerprint,
+    check=check_folder,
+    generic_keys=(),
+    generic_keys_note="its size comes from config.json in model.path, and its dropout from that file's *_pdrop / "
+    "*_dropout entries",
+)

@@ -5,6 +5,7 @@ this process (fast); a few go through the real entry point."""
 import math
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import numpy as np
 import pytest
 import torch
 
+from accumulation.config.config import load_config
+from accumulation.data.tokenizer import sample_decoder
 from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import garbage, run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, free_port
@@ -529,3 +532,16 @@ def test_a_micro_batch_too_large_for_memory_is_refused_before_anything_is_writte
     assert error.startswith("error: batch.micro_batch_size: a micro-batch of 2048 rows of 1024 tokens keeps at least")
     assert error.count("\n") == 1 and "choose a smaller batch.micro_batch_size" in error, error
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_data_source_and_tokenizer_under_the_home_directory_are_found(tmp_path, corpus, capsys, monkeypatch):
+    """`~` in data.source and data.tokenizer is the home directory, as in run.out_dir and in a shell."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(corpus, tmp_path / "corpus")
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **{"data.source": "~/corpus"}), capsys)
+    assert status == 0, error
+    tokenizers = pytest.importorskip("tokenizers")
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    word_level.save(str(tmp_path / "tokenizer.json"))
+    decode, _ = sample_decoder(load_config(["data.tokenizer=~/tokenizer.json"]))
+    assert decode([0]) == "a"

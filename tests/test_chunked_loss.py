@@ -2,6 +2,7 @@
 computed in the forward. The same SUM and the same gradients as the plain loss, and through optimizer_step the
 same update as the independent float64 reference (testkit/reference.py), on one process and on 2 gloo ranks."""
 
+import copy
 import dataclasses
 import re
 
@@ -10,6 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 import train
+from accumulation import chunked_loss as chunked_loss_module
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
 from accumulation.config.config import ConfigError, load_config
@@ -24,7 +26,12 @@ from accumulation.models.factory import (
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
-from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
+from testkit.reference import (
+    capture_gradients,
+    float64_reference_gradient,
+    full_batch_mean_loss,
+    max_relative_error,
+)
 
 CPU = torch.device("cpu")
 MODEL = GPTConfig(seq_len=8, n_layer=1, n_head=2, d_model=16, vocab_size=64)
@@ -122,6 +129,55 @@ def test_one_process_step_with_the_chunked_loss_equals_the_float64_reference(dty
     batches = micro_batches_of(seed=1, count=3)
     reference = float64_reference_gradient(model, batches)
     assert max_relative_error(chunked_step_gradient(model.to(dtype), batches), reference) < rtol
+
+
+def bf16_step(model, micro_batches, chunked: bool) -> tuple[float, list[torch.Tensor]]:
+    """(the logged loss, the gradient applied) of one optimizer_step under CPU bf16 autocast (precision.dtype =
+    "bf16"), with the chunked pair (model.loss = "chunked") or the plain one."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    forward_module = FinalHiddenStates(model) if chunked else model
+    loss_sum_fn = ChunkedCrossEntropySum(model.output_head, CHUNK_POSITIONS) if chunked else token_cross_entropy_sum
+    result = optimizer_step(
+        forward_module, micro_batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, autocast_dtype=torch.bfloat16
+    )
+    return result.loss, captured[0]
+
+
+def test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference(monkeypatch):
+    """Under CPU bf16 autocast both pairs run the same body in bf16 and the output product in bf16; the loss is
+    fp32 in both. The loss: the same bf16 logits summed in fp32 in another order, about 1e-7 relative (a bf16
+    product blocked differently flips a logit of about 0.1 by 2^-9, 2e-4, about 1e-6 of a mean loss of
+    log 64 = 4.2 over ~40 targets); 1e-5 against the plain loss. Against float64 every logit carries bf16's
+    rounding, ~2e-4 absolute, about 5e-5 of one target's loss, averaged over the targets: 1e-4. A softmax or a
+    loss sum kept in bf16 is off by 2^-9 per chunk sum of ~20: 1e-4..1e-3. The gradient: each entry rounds to
+    bf16 (2^-9 ≈ 2e-3) in both pairs, a few roundings apart: 2e-2 of the largest entry against the plain pair,
+    and against float64 the checker's bf16 tolerance, 5e-2 (accumulation/checker/run.py). The chunks' products
+    must run in bf16 as the plain head's do: fp32 products would be closer to float64 than bf16's rounding, so no
+    tolerance sees them; the dtypes the chunks are handed do."""
+    model = GPT(MODEL, seed=3)
+    batches = micro_batches_of(seed=1, count=3)
+    chunk_dtypes = set()
+    real_chunk = chunked_loss_module.chunk_loss_and_gradients
+
+    def chunk_noting_dtypes(hidden, weight, *args):
+        chunk_dtypes.update((hidden.dtype, weight.dtype))
+        return real_chunk(hidden, weight, *args)
+
+    monkeypatch.setattr(chunked_loss_module, "chunk_loss_and_gradients", chunk_noting_dtypes)
+    chunked_loss, chunked = bf16_step(model, batches, chunked=True)
+    assert chunk_dtypes == {torch.bfloat16}
+    plain_loss, plain = bf16_step(model, batches, chunked=False)
+    reference = float64_reference_gradient(model, batches)
+    with torch.no_grad():
+        inputs, labels = (torch.cat([getattr(mb, name) for mb in batches]) for name in ("inputs", "labels"))
+        reference_loss = float(full_batch_mean_loss(copy.deepcopy(model).double()(inputs), labels))
+    assert abs(chunked_loss - plain_loss) <= 1e-5 * abs(plain_loss)
+    assert abs(chunked_loss - reference_loss) <= 1e-4 * abs(reference_loss)
+    assert max_relative_error(chunked, plain) < 2e-2
+    assert max_relative_error(chunked, reference) < 5e-2
+    assert max_relative_error(plain, reference) < 5e-2  # the plain pair itself: the reference is the right one
 
 
 def two_rank_chunked_worker(rank: int, world_size: int) -> list[torch.Tensor]:

@@ -12,8 +12,10 @@ transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (pip install -r requirements-hf.txt)"
 )
 
+import train  # noqa: E402
 from accumulation import checker  # noqa: E402
 from accumulation.config.config import ConfigError, load_config  # noqa: E402
+from accumulation.config.help import help_text  # noqa: E402
 from accumulation.models.factory import build_model, has_output_head, model_fingerprint  # noqa: E402
 from scripts.checks import check_equivalence  # noqa: E402
 
@@ -117,3 +119,29 @@ def test_the_checker_switches_off_a_gpt2_configs_dropout_and_passes(tmp_path, ca
     assert status == 0 and out.splitlines()[-1] == "PASS", out
     assert re.search(r"dropout off: \d+ Dropout modules \(p 0.1 -> 0\); config.resid_pdrop \(0.1 -> 0\)", out), out
     assert float(re.search(r"max relative error ([0-9.e+-]+)", out).group(1)) < checker.RELATIVE_TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize("key", ["n_layer", "n_head", "d_model", "dropout"])
+def test_a_generic_size_key_is_refused_for_it_and_left_out_of_help(folders, key):
+    """Its size and dropout come from config.json: model.n_layer and kin would be silently ignored."""
+    value = "0.1" if key == "dropout" else "2"
+    with pytest.raises(
+        ConfigError, match=rf"^model.{key} does not apply to forks.hf_causal_lm:hf-causal-lm: its size "
+    ):
+        load_config(argv(folders / "config_only", f"model.{key}={value}"))
+    assert f"  model.{key} = " not in help_text(argv(folders / "config_only"))
+    assert f"  model.{key} = " in help_text([])  # the GPT's
+
+
+def test_a_resume_does_not_compare_the_keys_it_does_not_read(folders, tmp_path, capsys):
+    """A checkpoint whose config holds model.n_layer = 8 (as this program wrote one before it left them out)
+    resumes: the key means nothing for this model."""
+    settings = argv(folders / "config_only", f"run.out_dir={tmp_path}", "run.log_every=1", "run.sample_bytes=0")
+    assert train.main([*settings, "run.max_steps=0"]) == 0, capsys.readouterr().err
+    files = {path.stat().st_ino: path for path in (tmp_path / "hf-causal-lm" / "checkpoints").glob("*.pt")}
+    for path in files.values():  # latest.pt and the step's file: one file, two names
+        payload = torch.load(path, weights_only=True)
+        assert "n_layer" not in payload["config"]["model"]
+        payload["config"]["model"]["n_layer"] = 8
+        torch.save(payload, path)
+    assert train.main([*settings, "run.max_steps=1"]) == 0, capsys.readouterr().err

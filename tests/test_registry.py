@@ -179,3 +179,107 @@ def test_validation_reads_the_images_un_augmented_and_training_augments_them():
     )
     stored = data.train.images[batch.row_ids]
     assert not torch.equal(batch.micro_batches[0].inputs, stored)  # step 0's rows are cropped and flipped
+
+
+# A fork's module that cannot be imported, and the fault each one shows: (module text, what the line must name).
+BROKEN_MODULES = {
+    "raises": ("import os\n\nraise RuntimeError('no weights here')\n", "RuntimeError: no weights here (at "),
+    "syntax": ("def build(:\n    pass\n", "SyntaxError: "),
+    "missing-dependency": ("import no_such_package_here\n", "ModuleNotFoundError: No module named 'no_such_package_"),
+    "exits": ("import sys\n\nsys.exit(0)\n", "broken_fork exited (sys.exit(0)) while being imported"),
+}
+
+
+@pytest.mark.parametrize("help_asked", [False, True], ids=["train", "help"])
+@pytest.mark.parametrize("kind", BROKEN_MODULES)
+def test_a_fork_module_that_cannot_be_imported_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, kind, help_asked):
+    text, named = BROKEN_MODULES[kind]
+    (tmp_path / "broken_fork.py").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    arguments = ["model.name=broken_fork:mine", f"run.out_dir={tmp_path / 'runs'}", *TINY]
+    try:
+        status = train.main(["--help", *arguments] if help_asked else arguments)
+    finally:
+        sys.modules.pop("broken_fork", None)
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.startswith("error: model.name: ") and captured.err.count("\n") == 1, captured.err
+    assert "broken_fork" in captured.err and named in captured.err, captured.err
+    if kind in ("raises", "syntax"):  # the file and line of the fault
+        line = 3 if kind == "raises" else 1
+        assert f"broken_fork.py:{line})" in captured.err, captured.err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_help_naming_a_module_that_does_not_exist_is_one_line_and_exit_2(capsys):
+    status = train.main(["--help", "model.name=nosuchmodule:x"])
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err.count("\n") == 1 and "cannot import nosuchmodule" in captured.err, captured.err
+
+
+# Builds that break the model contract, and a model that keeps it without the optional describe().
+CONTRACT_MODULE = """
+import torch
+
+from accumulation.config.registry import register_model
+
+
+class Embedding(torch.nn.Module):
+    def __init__(self, vocab_size, width):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, width)
+
+    def forward(self, inputs):
+        return self.embed(inputs)
+
+
+register_model("str", lambda model_config, vocab_size, *, seq_len, seed: "a model")
+register_model("none", lambda model_config, vocab_size, *, seq_len, seed: None)
+register_model("tensor", lambda model_config, vocab_size, *, seq_len, seed: torch.zeros(3))
+# logits [rows, seq, 7] for a vocabulary of 256: the token cross-entropy finds labels beyond them
+register_model("seven-logits", lambda model_config, vocab_size, *, seq_len, seed: Embedding(vocab_size, 7))
+register_model("no-describe", lambda model_config, vocab_size, *, seq_len, seed: Embedding(vocab_size, vocab_size))
+"""
+
+
+@pytest.fixture
+def contract_fork(tmp_path, monkeypatch):
+    (tmp_path / "contract_fork.py").write_text(CONTRACT_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    sys.modules.pop("contract_fork", None)
+
+
+FAILING_PIECES = {
+    "returns-str": (["model.name=contract_fork:str"], "build (<lambda>) returned str, not a torch.nn.Module"),
+    "returns-none": (["model.name=contract_fork:none"], "returned NoneType, not a torch.nn.Module"),
+    "returns-tensor": (["model.name=contract_fork:tensor"], "returned Tensor, not a torch.nn.Module"),
+    "outputs-unfit-for-the-loss": (
+        ["model.name=contract_fork:seven-logits"],
+        "step 0: the loss raised on the model's outputs float32 [2, 16, 7] and the labels int64 [2, 16]: IndexError",
+    ),
+    "images-into-the-gpt": (
+        ["data.source=forks.image_classifier:synthetic-images", "model.n_head=2", "data.image_size=4"],
+        "step 0: the model's forward raised on the first micro-batch (inputs float32 [2, 3, 4, 4]): ",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", FAILING_PIECES)
+def test_a_piece_that_breaks_the_model_contract_is_one_line_and_nothing_written(contract_fork, capsys, kind):
+    settings, named = FAILING_PIECES[kind]
+    out_dir = contract_fork / "runs"
+    status = train.main([f"run.out_dir={out_dir}", "run.max_steps=1", "data.seq_len=16", *TINY, *settings])
+    captured = capsys.readouterr()
+    assert status == 2
+    assert captured.err.startswith("error: ") and captured.err.count("\n") == 1 and named in captured.err, captured.err
+    assert not out_dir.exists()  # neither the run directory nor the lock file
+
+
+def test_a_model_without_describe_trains_and_the_banner_counts_its_parameters(contract_fork, capsys):
+    arguments = [f"run.out_dir={contract_fork / 'runs'}", "run.max_steps=1", *TINY, "data.seq_len=16"]
+    status = train.main([*arguments, "model.name=contract_fork:no-describe"])
+    captured = capsys.readouterr()
+    assert status == 0, captured.err
+    assert "model: contract_fork:no-describe: 65,536 parameters;" in captured.out  # 256 x 256 embedding weights

@@ -9,6 +9,7 @@ next to the 2-rank reference run they are compared with.
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -199,3 +200,56 @@ def test_a_second_ctrl_c_ends_the_run_at_once(tmp_path, corpus):
     assert "stopped at step 3" not in stopped.stderr  # it never got as far as saying so
     checkpoints = tmp_path / "runs" / "default" / "checkpoints"
     assert torch.load(checkpoints / "latest.pt", weights_only=True)["counters"]["steps"] == 2
+
+
+# Run as the child's program: make the terminal on standard input the controlling terminal of the new session
+# (start_new_session made the child a session leader without one), then become train.py, same process.
+TAKE_THE_TERMINAL = (
+    "import fcntl, os, sys, termios; fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
+def read_until(master: int, text: bytes, timeout_s: float) -> bytes:
+    """What the terminal shows, read from its master side until `text` appears."""
+    shown, deadline = b"", time.monotonic() + timeout_s
+    while text not in shown:
+        assert time.monotonic() < deadline, shown.decode(errors="replace")
+        ready, _, _ = select.select([master], [], [], 1.0)
+        if ready:
+            shown += os.read(master, 4096)
+    return shown
+
+
+def test_a_terminal_that_really_hangs_up_stops_the_run_with_a_checkpoint_and_exit_129(tmp_path, corpus, capsys):
+    """train.py on a pseudo-terminal it holds as its controlling terminal, as under ssh: closing the master side
+    hangs the terminal up, and the kernel sends SIGHUP to the session's leader, train.py. It finishes the step,
+    checkpoints and exits 129, though its stdout and stderr are that dead terminal (a write there fails with
+    EIO: the handler points them at /dev/null first). Started again, it resumes at that step."""
+    import train
+
+    # Steps without end, 8 ms each: the hang-up comes mid-run; the resume below sets the end.
+    settings = tiny_settings(tmp_path, corpus, **{**SETTINGS, "run.max_steps": 100_000, "run.log_every": 1})
+    master, slave = os.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", TAKE_THE_TERMINAL, str(REPO / "train.py"), *settings],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO,
+    )
+    os.close(slave)  # the child's copies stay: the terminal is the child's alone
+    try:
+        read_until(master, b"step 3/", timeout_s=120)
+    finally:
+        os.close(master)  # the hang-up
+    assert child.wait(timeout=120) == 129
+    run_dir = tmp_path / "runs" / "default"
+    stopped_at = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["counters"]["steps"]
+    assert 3 <= stopped_at < 1000
+    assert [line["steps"] for line in read_metrics(run_dir)] == list(range(1, stopped_at + 1))
+    assert train.main([*settings, f"run.max_steps={stopped_at + 2}"]) == 0  # the last value of a key wins
+    assert f"at step {stopped_at}" in capsys.readouterr().out
+    assert [line["steps"] for line in read_metrics(run_dir)] == list(range(1, stopped_at + 3))

@@ -46,7 +46,8 @@ The checks, one line each, each named when it fails and each independent of m, A
                     in float32 whatever its inputs gets a precision note, not a failure
     loss pairs label j with output j
                     one label kept, the gradient of the loss must land on output j: a loss that shifts labels
-                    that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees
+                    that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees;
+                    "n/a" and why where there is no position to pair (one label per example: labels [rows])
     examples, supervised targets, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that

@@ -100,18 +100,27 @@ def labels_message(
     return found
 
 
+class NotApplicable(str):
+    """Why a check cannot apply to this fork's data: the checker prints "n/a: <why>", neither ok nor a failure."""
+
+
 def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> str | None:
     """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
-    when it does. On fixed outputs, one supervised label is kept (the others -100) and the gradient of the loss
-    says which output positions it reads. A loss that shifts the labels itself (HF's loss_function does) pairs
-    label j with output j - 1: together with labels that arrive shifted, every target is two tokens ahead, and
-    loop and reference agree on it, so no comparison of gradients can see it."""
-    if labels.dim() != 2 or outputs.dim() < 3 or outputs.shape[:2] != labels.shape or labels.shape[1] < 3:
-        return None
+    when it does, NotApplicable(why) when the labels have no positions to pair. On fixed outputs, one supervised
+    label is kept (the others -100) and the gradient of the loss says which output positions it reads. A loss that
+    shifts the labels itself (HF's loss_function does) pairs label j with output j - 1: together with labels that
+    arrive shifted, every target is two tokens ahead, and loop and reference agree on it, so no comparison of
+    gradients can see it."""
+    if labels.dim() != 2:
+        return NotApplicable(f"one label per example (labels {list(labels.shape)}), no positions to pair")
+    if outputs.dim() < 3 or outputs.shape[:2] != labels.shape:
+        return NotApplicable(f"outputs {list(outputs.shape)} are not one per label position {list(labels.shape)}")
+    if labels.shape[1] < 3:
+        return NotApplicable(f"rows of {labels.shape[1]} positions, too short to tell output j from j - 1 and j + 1")
     supervised = (labels != IGNORE_INDEX).nonzero()
     inner = supervised[(supervised[:, 1] > 0) & (supervised[:, 1] < labels.shape[1] - 1)]
     if len(inner) == 0:
-        return None
+        return NotApplicable("no supervised label between a row's first and last position")
     row, position = inner[len(inner) // 2].tolist()
     one_label = torch.full_like(labels, IGNORE_INDEX)
     one_label[row, position] = labels[row, position]

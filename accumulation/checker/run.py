@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, describe_batch
 from accumulation.checker.promises import (
+    NotApplicable,
     additivity_message,
     counts_message,
     determinism_message,
@@ -350,15 +351,26 @@ def allowed_error(tolerance: float, baseline_error: float) -> tuple[float, str |
 
 
 def report(checks: dict, notes: dict | None = None, figures: dict | None = None) -> str | None:
-    """Print one line per check (its figure, then ok or FAIL and why), then PASS or FAIL; returns the first
-    failing check as '<name>: <why>', or None. The verdict is the conjunction of every check printed."""
+    """Print one line per check (its figure, then ok, n/a and why (a NotApplicable), or FAIL and why), then PASS
+    or FAIL; returns the first failing check as '<name>: <why>', or None. The verdict is the conjunction of every
+    check printed."""
     notes, figures = notes or {}, figures or {}
     for name, failure in checks.items():
         figure = f"{figures[name]}: " if name in figures else ""
-        print(f"{name}: {figure}{'ok' if failure is None else 'FAIL: ' + failure}")
+        if failure is None:
+            verdict = "ok"
+        elif isinstance(failure, NotApplicable):  # a check this fork's data gives nothing to test
+            verdict = f"n/a: {failure}"
+        else:
+            verdict = f"FAIL: {failure}"
+        print(f"{name}: {figure}{verdict}")
         if notes.get(name):
             print(f"  note: {notes[name]}")
-    failures = [f"{name}: {failure}" for name, failure in checks.items() if failure is not None]
+    failures = [
+        f"{name}: {failure}"
+        for name, failure in checks.items()
+        if failure is not None and not isinstance(failure, NotApplicable)
+    ]
     print("FAIL" if failures else "PASS")
     return failures[0] if failures else None
 

@@ -34,11 +34,16 @@ from accumulation.config.config_keys import (
     ScheduleConfig,
     setting,
 )
-from accumulation.config.registry import Piece, RegistryError, is_piece_name, lookup
+from accumulation.config.registry import GENERIC_MODEL_KEYS, Piece, RegistryError, is_piece_name, lookup
 
 
 class ConfigError(ValueError):
     """A configuration problem. The message is one line that names the key and what it allows."""
+
+
+class PieceError(ConfigError):
+    """model.name, data.source or model.objective names no piece, or names a fork's module that cannot be imported:
+    --help stops on it too, since it could not list that piece's keys."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,23 @@ def _piece_of(section_name: str, name) -> Piece | None:
     try:
         return lookup(kind, name)
     except RegistryError as error:
-        raise ConfigError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
+        raise PieceError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
+
+
+def unused_model_keys(model_name) -> list[str]:
+    """The generic model keys ("model.n_layer", ...) the model `model_name` names does not read (its registration's
+    generic_keys): refused when set, left out of --help, of config.toml and checkpoints, and of the resume check."""
+    piece = _piece_of("model", model_name)
+    return [f"model.{key}" for key in GENERIC_MODEL_KEYS if piece is not None and key not in piece.generic_keys]
+
+
+def _refuse_unused_model_keys(pairs: dict[str, object]) -> None:
+    """A generic model key set (in the file or on the command line) for a model that does not read it."""
+    model_name = pairs.get("model.name", ModelConfig().name)
+    for key in unused_model_keys(model_name):
+        if key in pairs:
+            note = _piece_of("model", model_name).generic_keys_note or "its registration does not read it"
+            raise ConfigError(f"{key} does not apply to {model_name}: {note}; remove {key}")
 
 
 def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
@@ -154,7 +175,7 @@ def _attach_ownsettings_of(config: Config) -> None:
         try:
             lookup("loss", objective)
         except RegistryError as error:
-            raise ConfigError(f"model.objective: {error}") from None
+            raise PieceError(f"model.objective: {error}") from None
 
 
 def _declaration(key: str, owns: dict[str, type | None] | None = None) -> dataclasses.Field:
@@ -440,7 +461,9 @@ def load_config(argv: list[str]) -> Config:
 
     pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
     texts = [_split_argument(argument) for argument in arguments]
-    return _config_from_pairs(*_checked_pairs(pairs, texts))
+    checked, owns = _checked_pairs(pairs, texts)
+    _refuse_unused_model_keys(checked)
+    return _config_from_pairs(checked, owns)
 
 
 def config_from_dict(tree: dict) -> Config:
@@ -450,11 +473,17 @@ def config_from_dict(tree: dict) -> Config:
 
 def config_to_dict(config: Config) -> dict:
     """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values, the chosen pieces'
-    own keys in their sections (model.path beside model.name), as a TOML file writes them."""
+    own keys in their sections (model.path beside model.name), as a TOML file writes them; without the generic
+    model keys the chosen model does not read (unused_model_keys), which load_config would refuse."""
     tree = {name: getattr(config, name) for name in _top_level_fields()}
+    unused = unused_model_keys(config.model.name)
     for section_name in _section_types():
         section = getattr(config, section_name)
-        tree[section_name] = {declaration.name: value for declaration, value in _section_fields(section)}
+        tree[section_name] = {
+            declaration.name: value
+            for declaration, value in _section_fields(section)
+            if f"{section_name}.{declaration.name}" not in unused
+        }
     return tree
 
 

@@ -10,9 +10,11 @@ from accumulation.config.config import (
     OWNED_SECTIONS,
     Config,
     ConfigError,
+    PieceError,
     allowed_text,
     load_config,
     settings_of,
+    unused_model_keys,
     value_text,
 )
 from accumulation.config.registry import config_name, registered
@@ -30,7 +32,7 @@ def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
 def help_text(argv: list[str] = ()) -> str:
     """Usage and every key, grouped by section, with its default, allowed values, unit and meaning; then the own
     keys of every registered model and data source, those of a fork that `argv` names (--config FILE, model.name=
-    module:name) included."""
+    module:name) included. Raises PieceError when argv names a piece that cannot be found or imported."""
     lines = [
         "usage: python train.py [--config FILE] [section.key=value ...]",
         "       torchrun --standalone --nproc_per_node=N train.py [--config FILE] [section.key=value ...]",
@@ -39,13 +41,19 @@ def help_text(argv: list[str] = ()) -> str:
         "line in order; a key given twice takes its last value. Example:",
         "  python train.py --config configs/default.toml run.max_steps=100 optim.lr=1e-3",
     ]
+    model_name = Config().model.name
     try:
-        load_config([argument for argument in argv if argument not in ("--help", "-h")])  # imports a fork's module
+        model_name = load_config([argument for argument in argv if argument not in ("--help", "-h")]).model.name
+    except PieceError:
+        raise  # a piece that cannot be found or imported: its keys cannot be listed, so say so instead
     except ConfigError:
         pass  # --help lists what it can; the run itself reports the error
     defaults = Config()
+    unused = unused_model_keys(model_name)  # model.n_layer and kin, for a model that does not read them
     current_section = None
     for key, declaration, default in settings_of(defaults):
+        if key in unused:
+            continue
         section_name, dot, _ = key.partition(".")
         heading = f"[{section_name}]" if dot else "top level"
         if heading != current_section:

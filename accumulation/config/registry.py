@@ -23,6 +23,7 @@ This module imports nothing of the project: accumulation/config/config.py reads 
 import dataclasses
 import importlib
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -38,6 +39,10 @@ BUILT_IN = {
     "loss": {},
     "data": {},
 }
+
+# The generic model keys a registered model may leave unused (register_model(generic_keys=...)): one whose size comes
+# from elsewhere (a Hugging Face config.json) declares the ones it reads; setting another one is refused.
+GENERIC_MODEL_KEYS = ("n_layer", "n_head", "d_model", "dropout")
 
 # "package.module:name": a piece named by import path.
 IMPORT_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z0-9_.-]+")
@@ -58,6 +63,10 @@ class Piece:
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
     check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
+    generic_keys  a model's: which of GENERIC_MODEL_KEYS its build reads (all of them by default); the others are
+                  refused when a config sets them, not listed by --help for it, not written, not compared on resume
+    generic_keys_note
+                  why the others do not apply, for that one line (e.g. "its size comes from config.json")
     """
 
     kind: str
@@ -67,6 +76,8 @@ class Piece:
     loss_sum_fn: Callable | None = None
     fingerprint: Callable | None = None
     check: Callable | None = None
+    generic_keys: tuple[str, ...] = GENERIC_MODEL_KEYS
+    generic_keys_note: str = ""
 
 
 _REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
@@ -87,9 +98,25 @@ def _function_name(piece: Piece) -> str:
     return getattr(piece.build or piece.loss_sum_fn, "__qualname__", "")
 
 
-def register_model(name, build, *, settings=None, loss_sum_fn=None, fingerprint=None, check=None) -> Piece:
+def register_model(
+    name,
+    build,
+    *,
+    settings=None,
+    loss_sum_fn=None,
+    fingerprint=None,
+    check=None,
+    generic_keys=GENERIC_MODEL_KEYS,
+    generic_keys_note="",
+) -> Piece:
     """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=)."""
-    return _register(Piece("model", name, build, settings, loss_sum_fn, fingerprint, check))
+    unknown = set(generic_keys) - set(GENERIC_MODEL_KEYS)
+    if unknown:
+        raise RegistryError(f"model {name!r}: generic_keys must be among {GENERIC_MODEL_KEYS}, got {sorted(unknown)}")
+    piece = Piece(
+        "model", name, build, settings, loss_sum_fn, fingerprint, check, tuple(generic_keys), generic_keys_note
+    )
+    return _register(piece)
 
 
 def register_loss(name, loss_sum_fn) -> Piece:
@@ -116,19 +143,48 @@ def lookup(kind: str, name: str) -> Piece:
     if IMPORT_PATH.fullmatch(name) is None:
         raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
     module_name, _, short_name = name.partition(":")
-    try:
-        importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        raise RegistryError(
-            f"cannot import {module_name} ({error}); the module must be importable: install it, or run from the "
-            f"folder that holds it, or add that folder to PYTHONPATH"
-        ) from None
+    _import_fork(module_name)
     if short_name not in _REGISTERED[kind]:
         raise RegistryError(
             f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
             f"call register_{kind}({short_name!r}, ...) in it"
         )
     return _REGISTERED[kind][short_name]
+
+
+def _import_fork(module_name: str) -> None:
+    """Import a fork's module; whatever stops it (not found, a syntax error, an exception, sys.exit) is one line."""
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # The module itself (or its package) not found; a module IT imports not found is a fault in the fork.
+        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise RegistryError(
+                f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
+                f"the folder that holds it, or add that folder to PYTHONPATH"
+            ) from None
+        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
+    except SystemExit as error:
+        raise RegistryError(
+            f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
+            f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
+        ) from None
+    except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
+        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
+
+
+def fault_text(error: BaseException) -> str:
+    """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
+    where the parser stopped."""
+    if isinstance(error, SyntaxError):
+        message, where = error.msg, f"{error.filename}:{error.lineno}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
+        message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return (
+        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
+    )
 
 
 def registered(kind: str) -> dict[str, Piece]:

@@ -1,11 +1,21 @@
 """Whether data.source names token files (a nanoGPT folder, llm.c shards), found by their names alone: what
-accumulation/data/sources.py reads to choose a source, before any source's module is imported.
+accumulation/data/sources.py reads to choose a source, before any source's module is imported. And the paths of
+data.source and data.tokenizer as every reader takes them (expanded_paths).
 """
 
+import dataclasses
 import glob
+import os
 from pathlib import Path
 
 from accumulation.data.rows import DataError
+
+
+def expanded_paths(settings):
+    """config.data (a DataConfig) with data.source and data.tokenizer's leading `~` read as the home directory, as
+    in a shell and as run.out_dir: a TOML file's "~/data" is no folder named "~"."""
+    tokenizer = settings.tokenizer if settings.tokenizer == "bytes" else os.path.expanduser(settings.tokenizer)
+    return dataclasses.replace(settings, source=os.path.expanduser(settings.source), tokenizer=tokenizer)
 
 
 def is_llmc_shard_name(name: str) -> bool:

@@ -10,19 +10,24 @@ import os
 import resource
 from pathlib import Path
 
+# Where the kernel says which cgroup this process is in ("hierarchy:controllers:/path" lines), and where the
+# cgroup file system is mounted (v2: one tree; v1: a tree per controller, memory/ among them).
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
 
 def cgroup_memory_limit_bytes() -> int | None:
     """The memory limit of this process's cgroup (v2: memory.max; v1: memory.limit_in_bytes), or None."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, group = line.split(":", 2)
         if controllers == "":  # cgroup v2, one hierarchy
-            limit_file = Path("/sys/fs/cgroup", group.lstrip("/"), "memory.max")
+            limit_file = CGROUP_ROOT / group.lstrip("/") / "memory.max"
         elif "memory" in controllers.split(","):  # cgroup v1, the memory hierarchy
-            limit_file = Path("/sys/fs/cgroup/memory", group.lstrip("/"), "memory.limit_in_bytes")
+            limit_file = CGROUP_ROOT / "memory" / group.lstrip("/") / "memory.limit_in_bytes"
         else:
             continue
         try:

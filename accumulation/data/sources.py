@@ -27,7 +27,7 @@ from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_ba
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name, lookup
 from accumulation.data import text_corpus
-from accumulation.data.locate import find_token_files
+from accumulation.data.locate import expanded_paths, find_token_files
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64
 from accumulation.data.splits import Data
 from accumulation.step import GlobalCounts
@@ -68,7 +68,7 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
         built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
     else:
-        built = load_files(settings, model_vocab_size, seed)
+        built = load_files(expanded_paths(settings), model_vocab_size, seed)
     rows_seq_len = built.train.seq_len
     if rows_seq_len is not None and rows_seq_len != seq_len:
         raise DataError(

@@ -5,7 +5,7 @@ sample). Text and JSONL are bytes unless data.tokenizer names a Hugging Face tok
 
 import functools
 
-from accumulation.data.locate import find_token_files
+from accumulation.data.locate import expanded_paths, find_token_files
 from accumulation.data.rows import DataError
 
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # the end-of-document tokens looked for, in order
@@ -54,9 +54,10 @@ def sample_decoder(config) -> tuple[object, str]:
     data.tokenizer when it names a tokenizer.json; for token files, the tokenizer.json beside them, or
     bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
     """
-    if config.data.tokenizer != "bytes":
-        return tokenizer_decoder(load_tokenizer(config.data.tokenizer)), ""
-    found = find_token_files(config.data.source)
+    settings = expanded_paths(config.data)
+    if settings.tokenizer != "bytes":
+        return tokenizer_decoder(load_tokenizer(settings.tokenizer)), ""
+    found = find_token_files(settings.source)
     if found is None:
         return decode_bytes, ""
     folder = found[1]

@@ -23,9 +23,10 @@ The contract. The training loop, the checkpoints and the scripts rely on this an
         drawn from a generator seeded with config.run.seed, never from the global RNG (which dropout uses and
         which differs by rank), so that DDP starts every replica equal. Building under
         `with torch.device("meta"):` must work too: build_model_on_meta does that, allocating nothing.
-    describe() -> str
+    describe() -> str (optional)
         the one-line banner for this model, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads,
-        vocab 256)": it comes from the model, so no caller reads architecture-specific keys.
+        vocab 256)": it comes from the model, so no caller reads architecture-specific keys. Without it the
+        banner says the model's name and parameter count (model_description).
     generate(prompt, num_new_tokens, generator) -> token ids (optional)
         prompt: 1-D int64 token ids; returns them followed by num_new_tokens sampled ones, drawn with the
         given torch.Generator. A model without it (the GRU here) gets no end-of-run sample.
@@ -72,9 +73,23 @@ def resolved_vocab_size(model_config: ModelConfig, data_vocab_size: int) -> int:
 def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, seed: int) -> torch.nn.Module:
     """The model model_config.name names (config.model), with vocab_size tokens (see resolved_vocab_size), rows
     of seq_len tokens (config.data.seq_len), initialised from `seed` (config.run.seed). Built on the current
-    default device: call `.to(device)` afterwards. The Config already checked that the name is registered."""
+    default device: call `.to(device)` afterwards. The Config already checked that the name is registered; a build
+    that returns anything but an nn.Module is a ConfigError."""
     piece = lookup("model", model_config.name)
-    return piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
+    model = piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
+    if not isinstance(model, torch.nn.Module):
+        build = getattr(piece.build, "__qualname__", "its build")
+        raise ConfigError(
+            f"model.name: {model_config.name}'s build ({build}) returned {type(model).__name__}, not a "
+            f"torch.nn.Module; return the model (the model contract, accumulation/models/factory.py)"
+        )
+    return model
+
+
+def model_description(model: torch.nn.Module, name: str) -> str:
+    """The banner's line for the model: its describe() when it has one, else its name and parameter count."""
+    describe = getattr(model, "describe", None)
+    return describe() if callable(describe) else f"{name}: {count_parameters(model):,} parameters"
 
 
 def model_fingerprint(model_config: ModelConfig) -> str:

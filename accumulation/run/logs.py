@@ -17,6 +17,7 @@ from accumulation.config.config import Config
 from accumulation.counters import Counters
 from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
+from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import describe_sharding
 from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
@@ -273,7 +274,7 @@ def print_run_header(
         f"device {context.device} ({context.backend or 'single process'})"
     )
     say(
-        f"model: {training.model.describe()}; precision {config.precision.dtype}, "
+        f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
         f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
         f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
     )

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accumulation.config.config import Config, ConfigError, config_from_dict, config_to_dict
+from accumulation.config.config import Config, ConfigError, config_from_dict, config_to_dict, unused_model_keys
 from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
@@ -146,11 +146,15 @@ def find_resume_point(
             )
         return None
     path, payload = found
+    # The generic model keys this run's model does not read (model.n_layer for a Hugging Face model) are neither
+    # written to its checkpoints nor compared.
+    unused = unused_model_keys(config.model.name)
+    must_match = [(section, key) for section, key in MUST_MATCH_ON_RESUME if f"{section}.{key}" not in unused]
     # config_from_dict fills in a missing key with its default, and the comparison below would then compare
     # this run's value with that default: every key it compares must be in the file.
     missing = [
         f"{section}.{key}"
-        for section, key in MUST_MATCH_ON_RESUME
+        for section, key in must_match
         if not (isinstance(payload["config"].get(section), dict) and key in payload["config"][section])
     ]
     if missing:
@@ -165,7 +169,7 @@ def find_resume_point(
         raise CheckpointError(f"checkpoint {path} holds a config this program does not accept ({error})") from None
     differences = [
         f"{section}.{key} {getattr(getattr(stored, section), key)!r} -> {getattr(getattr(config, section), key)!r}"
-        for section, key in MUST_MATCH_ON_RESUME
+        for section, key in must_match
         if getattr(getattr(stored, section), key) != getattr(getattr(config, section), key)
     ]
     differences += own_differences(stored, config)

@@ -37,6 +37,15 @@ VALIDATION_TEST = "tests/test_reference_checks.py::test_validation_loss_on_1_and
 TENSORBOARD_TEST = "tests/test_logs.py::test_tensorboard_after_a_kill_and_a_resume_equals_metrics"
 TOKEN_FILES_TEST = "tests/test_token_files.py"
 RUN_DIR_TEST = "tests/test_run_dir.py"
+CHECKER_VERDICTS_TEST = "tests/test_checker_verdicts.py"
+MEMORY_LIMIT_TEST = "tests/test_memory_limit.py"
+HANG_UP_TEST = (
+    "tests/test_signals.py::test_a_terminal_that_really_hangs_up_stops_the_run_with_a_checkpoint_and_exit_129"
+)
+CHUNKED_BF16_TEST = (
+    "tests/test_chunked_loss.py::"
+    "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
+)
 
 BUGS = [
     Bug(
@@ -228,6 +237,126 @@ BUGS = [
         [
             "tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical[sigint-mid-step]"
         ],
+    ),
+    # Issue 35: the checker's detectors one at a time.
+    Bug(
+        "checker-n-one-way",
+        "the checker's N line fails only a loop N above the reference: a loop that drops targets passes",
+        "accumulation/checker/run.py",
+        "None if result.tokens == reference_tokens else",
+        "None if result.tokens <= reference_tokens else",
+        [
+            f"{CHECKER_VERDICTS_TEST}::test_the_loop_s_n_is_compared_with_the_raw_examples_count_and_an_n_off_by_one_fails_that_line"
+        ],
+    ),
+    Bug(
+        "checker-n-from-the-promise",
+        "the checker's reference N taken from supervised_counts, the very promise it checks: a wrong N passes",
+        "accumulation/checker/run.py",
+        "reference_tokens = count_supervised_tokens(labels)",
+        "reference_tokens = int(batch.supervised_counts.sum())",
+        [f"{CHECKER_VERDICTS_TEST}::test_a_count_bug_that_scales_every_update_fails_the_supervised_targets_line"],
+    ),
+    Bug(
+        "checker-weights-per-rank-only",
+        "the checker compares two builds on each rank but not the ranks' weights: a rank-dependent init passes",
+        "accumulation/checker/promises.py",
+        "return all(agree for agree, _ in everyone) and len({digest for _, digest in everyone}) == 1",
+        "return all(agree for agree, _ in everyone)",
+        [
+            f"{CHECKER_VERDICTS_TEST}::test_a_model_whose_init_depends_on_the_rank_fails_the_initial_weights_line_on_every_rank"
+        ],
+    ),
+    Bug(
+        "checker-verdict-rank-0-only",
+        "the checker's verdict not broadcast: on a FAIL rank 0 exits 1 and the other ranks 0",
+        "accumulation/checker/run.py",
+        "        dist.broadcast_object_list(verdict, src=0)\n",
+        "",
+        [f"{CHECKER_VERDICTS_TEST}::test_every_rank_exits_with_the_verdict"],
+    ),
+    # Issue 35: the memory limit a cgroup sets.
+    Bug(
+        "cgroup-v2-path-absolute",
+        "the cgroup's path joined with its leading '/': memory.max looked up outside the cgroup tree, no limit seen",
+        "accumulation/data/memory.py",
+        'limit_file = CGROUP_ROOT / group.lstrip("/") / "memory.max"',
+        'limit_file = CGROUP_ROOT / group / "memory.max"',
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-v1-file-name",
+        "cgroup v1's limit read from memory.max, a v2 name: a v1 job's limit is never seen",
+        "accumulation/data/memory.py",
+        '/ "memory.limit_in_bytes"',
+        '/ "memory.max"',
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-max-not-handled",
+        "memory.max = 'max' read as a number: every run in an unlimited cgroup v2 dies with a traceback",
+        "accumulation/data/memory.py",
+        "if limit.isdigit() and int(limit) < 2**60:",
+        "if int(limit) < 2**60:",
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "cgroup-v1-unlimited-is-a-limit",
+        "cgroup v1's 'no limit' (2^63 rounded to a page) taken as a limit: the message names 8 EiB",
+        "accumulation/data/memory.py",
+        "if limit.isdigit() and int(limit) < 2**60:",
+        "if limit.isdigit():",
+        [MEMORY_LIMIT_TEST],
+    ),
+    Bug(
+        "memory-limit-largest",
+        "the start-up check compares with the largest of the limits, not the smallest: a job over its cgroup starts",
+        "accumulation/data/memory.py",
+        "    return min(limits)",
+        "    return max(limits)",
+        [MEMORY_LIMIT_TEST],
+    ),
+    # Issue 35: the chunked loss under CPU autocast.
+    Bug(
+        "chunked-softmax-in-bf16",
+        "the chunked loss's logsumexp and softmax in the autocast dtype: the loss off by bf16's rounding",
+        "accumulation/chunked_loss.py",
+        "softmax_dtype = torch.promote_types(hidden.dtype, torch.float32)",
+        "softmax_dtype = hidden.dtype",
+        [CHUNKED_BF16_TEST],
+    ),
+    Bug(
+        "chunked-loss-sum-in-bf16",
+        "the chunked loss adds its chunks' sums in the autocast dtype: the logged loss rounded to bf16",
+        "accumulation/chunked_loss.py",
+        "loss_sum = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)",
+        "loss_sum = torch.zeros((), dtype=compute_dtype, device=hidden.device)",
+        [CHUNKED_BF16_TEST],
+    ),
+    Bug(
+        "chunked-autocast-cuda-only",
+        "the chunked loss asks whether CUDA's autocast is on: under CPU bf16 autocast its products stay fp32",
+        "accumulation/chunked_loss.py",
+        "if torch.is_autocast_enabled(device_type) and",
+        "if torch.is_autocast_enabled() and",
+        [CHUNKED_BF16_TEST],
+    ),
+    # Issue 35: a terminal that really hangs up (the piped SIGHUP tests cannot see these).
+    Bug(
+        "sighup-output-kept",
+        "SIGHUP leaves stdout and stderr on the dead terminal: the 'stopped' line fails with EIO, no clean exit",
+        "accumulation/run/signals.py",
+        "        if signum == signal.SIGHUP:\n            detach_from_closed_terminal()\n",
+        "",
+        [HANG_UP_TEST],
+    ),
+    Bug(
+        "sighup-isatty",
+        "the hung-up terminal recognised with isatty, which fails on it: stdout stays on the dead terminal",
+        "accumulation/run/signals.py",
+        "if stat.S_ISCHR(os.fstat(descriptor).st_mode):",
+        "if os.isatty(descriptor):",
+        [HANG_UP_TEST],
     ),
 ]
 

@@ -6,10 +6,12 @@ promises it checks do not depend on the model's size. The project's configs/mlm.
 from the same text, so that CI needs nothing prepared.
 """
 
+import tomllib
 from pathlib import Path
 
 import pytest
 
+from accumulation.config.config import ModelConfig, unused_model_keys
 from tests.conformance.tokens import REPO, write_token_folder
 
 # Small enough for two gloo ranks on a 2-core CPU in seconds: G = 8 = m 2 x A 4 x D 1 = m 2 x A 2 x D 2.
@@ -48,8 +50,16 @@ def mlm_tokens(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def fork_argv(fork_config: str, request) -> list[str]:
-    """The arguments train.py and the checker take for this config, cut down to TINY."""
-    argv = ["--config", str(REPO / fork_config), *TINY]
+    """The arguments train.py and the checker take for this config, cut down to TINY (less the generic model keys
+    its model does not read, such as a Hugging Face model's: load_config refuses them)."""
+    with open(REPO / fork_config, "rb") as file:
+        model_name = tomllib.load(file).get("model", {}).get("name", ModelConfig().name)
+    unused = unused_model_keys(model_name)
+    argv = [
+        "--config",
+        str(REPO / fork_config),
+        *[argument for argument in TINY if argument.split("=")[0] not in unused],
+    ]
     if not request.config.getoption("--fork-config") and fork_config == "configs/mlm.toml":
         argv.append(f"data.source={request.getfixturevalue('mlm_tokens')}")
     return argv
