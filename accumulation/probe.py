@@ -21,7 +21,7 @@ CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs
+from accumulation.batching import IGNORE_INDEX, MicroBatch
 
 # Relative difference between the loss of the whole and the sum of its parts above which they differ. The probe
 # runs in float32 without autocast: a sum of a few thousand float32 terms is exact to about 1e-6 relative; a
@@ -49,7 +49,8 @@ def _relative_difference(whole: float, parts: float) -> float:
 def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroBatch, device, on_inexact: str) -> list:
     """The warnings for what is no longer exact (a list of lines); raises InexactStep for a mean, and for the
     warnings too when on_inexact is "error". `micro_batch` is this rank's first of step 0."""
-    labels = micro_batch.labels.to(device)
+    batch = micro_batch.to(device)
+    labels, extras = batch.labels, batch.extras
     supervised = (labels != IGNORE_INDEX).nonzero()
     warnings = []
     coupled = coupling_modules(model)
@@ -60,23 +61,23 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
             f"longer the full batch's; use GroupNorm or LayerNorm, or evaluation-mode statistics, to make it exact"
         )
     if len(supervised) >= 2:
-        inputs = map_inputs(lambda tensor: tensor.to(device), micro_batch.inputs)
         model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
         with torch.no_grad():
-            outputs = forward_module(inputs)
+            outputs = forward_module(batch.inputs)
         model.train()
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)
             first_targets[tuple(supervised[: len(supervised) // 2].T)] = True  # the first half of the targets
-            whole = float(loss_sum_fn(outputs, labels))
-            first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX)))
-            second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX)))
+            whole = float(loss_sum_fn(outputs, labels, **extras))
+            first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX), **extras))
+            second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX), **extras))
             rows, half = len(labels), len(labels) // 2
             by_rows = None
             if rows >= 2 and isinstance(outputs, torch.Tensor) and outputs.shape[0] == rows:
-                by_rows = float(loss_sum_fn(outputs[:half], labels[:half])) + float(
-                    loss_sum_fn(outputs[half:], labels[half:])
-                )
+                by_rows = 0.0
+                for piece in (slice(0, half), slice(half, rows)):  # each half of the rows with its own extras
+                    part = batch.rows(piece)
+                    by_rows += float(loss_sum_fn(outputs[piece], part.labels, **part.extras))
         count, count_first = len(supervised), len(supervised) // 2
         if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE:
             # A mean of per-target losses: whole = (S_1 + S_2) / n with first = S_1 / n_1, second = S_2 / n_2.

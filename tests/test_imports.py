@@ -4,9 +4,13 @@ run/ all of them; checker/ everything. Within a folder there is no cycle: the sh
 are imported by the sources, and the factory (data/sources.py) imports the sources, never the other way."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "accumulation"
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "accumulation"
 
 # Each folder's layer ("" = the package's top level, the maths of one step): a module imports its own folder
 # or a lower layer only. The same order as the folders' __init__ docstrings.
@@ -88,3 +92,29 @@ def test_the_package_has_no_import_cycle():
 def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"data": {"rows", "jsonl"}, "jsonl": {"data"}, "rows": set()}) == ["data", "jsonl", "data"]
     assert find_cycle({"data": {"rows", "jsonl"}, "jsonl": {"rows"}, "rows": set()}) is None
+
+
+# The options a default run does not ask for, each a module of its own that only its config key imports.
+NOT_IN_THE_DEFAULT_RUN = (
+    "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
+    "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
+    "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
+    "torch.distributed.pipelining",
+)  # (torch.distributed.fsdp is not listed: torch's own _dynamo imports it, whatever the config)
+
+
+def test_a_default_run_imports_no_option_it_does_not_ask_for(tmp_path):
+    """Two steps of the default config (a small model, so the test is quick) in a fresh interpreter, then the
+    modules it imported: none of the options above."""
+    arguments = [f"run.out_dir={tmp_path}", "run.max_steps=2", "model.n_layer=1", "model.d_model=16", "data.seq_len=16"]
+    code = (
+        "import sys, train\n"
+        f"status = train.main({arguments!r})\n"
+        f"print(status, [name for name in {NOT_IN_THE_DEFAULT_RUN!r} if name in sys.modules])\n"
+    )
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=environment
+    )
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr

@@ -11,10 +11,9 @@ import dataclasses
 import torch
 from torch.distributed.tensor import DTensor
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, count_supervised_tokens
 from accumulation.config.config import Config
 from accumulation.data.sources import Rows
-from accumulation.step import count_supervised_tokens
 
 
 def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple:

@@ -7,10 +7,9 @@ them.
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens
 from accumulation.data.sources import DataError, RawExample, Rows, RowSet
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.step import all_reduce_ints, count_supervised_tokens
 
 # Bugs in the loop only (the reference stays right): the checker must see the loop go wrong.
 LOOP_BUGS = {

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_batch_slices
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name, lookup
 from accumulation.data import jsonl, masked_lm, text_corpus, token_files
@@ -51,7 +51,6 @@ from accumulation.data.rows import (  # noqa: F401 (re-exported: the names forks
     token_dtype,
     validation_keys,
 )
-from accumulation.step import GlobalCounts
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
 # when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
