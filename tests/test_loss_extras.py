@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, split_micro_batches
+from accumulation.data.sources import micro_batch
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, optimizer_order
 from accumulation.probe import probe_loss_and_model
@@ -108,7 +109,44 @@ def two_rank_weighted_worker(rank: int, world_size: int) -> dict:
     optimizer_step(pipeline.stage_module, micro_batches, optimizer, device=CPU, strategy=pipeline)
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
     results["pipeline"] = max_relative_error(captured[0], [reference[name] for name in names])
+    # A dict of inputs through the stages: the schedule cuts each tensor of it along the rows.
+    model = DictInputStages()
+    scale = torch.linspace(0.5, 1.5, 8, dtype=torch.float64)
+    dict_batch = MicroBatch({"tokens": batch.inputs, "scale": scale}, batch.labels, batch.num_examples, batch.extras)
+    reference = dict(zip([n for n, _ in model.named_parameters()], reference_gradient(model, dict_batch), strict=True))
+    pipeline = build_pipeline(model, layout, CPU, weighted_token_sum, accumulation_steps=2, schedule_name="1f1b")
+    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
+    captured = capture_gradients(optimizer)
+    micro_batches = split_micro_batches([dict_batch], 4)
+    optimizer_step(pipeline.stage_module, micro_batches, optimizer, device=CPU, strategy=pipeline)
+    names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
+    results["pipeline, dict inputs"] = max_relative_error(captured[0], [reference[name] for name in names])
     return results
+
+
+class FirstStage(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(256, 16, dtype=torch.float64)
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:  # a dict's tensors as keywords
+        return torch.tanh(self.embedding(tokens)) * scale[:, None, None]
+
+
+class DictInputStages(torch.nn.Module):
+    """A model reading a dict of inputs (token ids and a per-row scale), split into two pipeline stages."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.first = FirstStage()
+        self.head = torch.nn.Linear(16, 256, dtype=torch.float64)
+
+    def forward(self, inputs: dict) -> torch.Tensor:
+        return self.head(self.first(**inputs))
+
+    def pipeline_split(self, stages: int) -> list[torch.nn.Module]:
+        return [self.first, self.head]
 
 
 def test_two_ranks_and_pipeline_stages_with_per_row_weights_equal_the_float64_objective():
@@ -116,7 +154,7 @@ def test_two_ranks_and_pipeline_stages_with_per_row_weights_equal_the_float64_ob
         for micro_batch_size in (4, 2, 1):
             error, tokens, _ = results[micro_batch_size]
             assert error < FLOAT64_RTOL and tokens == sum(ROW_COUNTS)
-        assert results["pipeline"] < FLOAT64_RTOL
+        assert results["pipeline"] < FLOAT64_RTOL and results["pipeline, dict inputs"] < FLOAT64_RTOL
 
 
 def test_the_probe_splits_the_extras_with_the_rows():
@@ -153,3 +191,17 @@ def test_dict_inputs_and_extras_travel_together_through_the_step():
     token_losses = -torch.log_softmax(logits, -1).gather(-1, batch.labels.clamp(min=0)[..., None])[..., 0]
     ((token_losses * supervised * WEIGHTS[:, None]).sum() / supervised.sum()).backward()
     assert max_relative_error(captured[0], [p.grad for p in reference_model.parameters()]) < FLOAT64_RTOL
+
+
+class WeightedRows:
+    """A data source's rows whose examples carry a weight per row, the third item of examples()."""
+
+    def examples(self, row_ids: torch.Tensor, step: int):
+        batch = step_rows()
+        return batch.inputs[row_ids], batch.labels[row_ids], {"weights": WEIGHTS[row_ids]}
+
+
+def test_a_sources_per_row_tensors_become_the_micro_batchs_extras_padded_like_the_rows():
+    built = micro_batch(WeightedRows(), torch.tensor([6, 2, 5]), micro_batch_size=4, step=0)
+    assert torch.equal(built.extras["weights"], torch.cat([WEIGHTS[[6, 2, 5]], torch.zeros(1, dtype=WEIGHTS.dtype)]))
+    assert built.num_examples == 3 and torch.equal(built.labels[3], torch.full_like(built.labels[3], IGNORE_INDEX))

@@ -177,12 +177,10 @@ def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: 
     pipeline.loss.rows = rows
     if not train:
         pipeline.loss.weighted = None
-    args, kwargs = (), {}
-    if layout.is_first_stage:  # a tuple of inputs goes in as the first stage's arguments, a dict as keywords
-        inputs = rows.inputs
-        args, kwargs = (
-            ((), inputs) if isinstance(inputs, dict) else (inputs if isinstance(inputs, tuple) else (inputs,), {})
-        )
+    # PipelineStage takes tensors only: the first stage gets a tuple of inputs as its arguments, a dict as keywords.
+    inputs = rows.inputs if layout.is_first_stage else ()
+    args = () if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else (inputs,)
+    kwargs = inputs if isinstance(inputs, dict) else {}
     positions = torch.arange(rows.labels.shape[0], device=device) if layout.is_last_stage else None
     if train:
         pipeline.schedule.step(*args, target=positions, return_outputs=False, **kwargs)

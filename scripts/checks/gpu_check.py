@@ -68,6 +68,7 @@ from accumulation.models.factory import ForwardAndLoss, build_model, training_fo
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
+from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
@@ -117,11 +118,13 @@ def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
     return [micro_batch.pinned() for micro_batch in micro_batches]
 
 
-def sgd_gradient(model, micro_batches, counts, device, **options):
-    """The gradient an SGD optimizer is handed by one optimizer_step, and the StepResult."""
+def sgd_gradient(model, micro_batches, counts, device, shrink_on_oom=False, **options):
+    """The gradient an SGD optimizer is handed by one optimizer_step (batch.on_oom = "shrink"'s with
+    `shrink_on_oom`), and the StepResult."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # FinalHiddenStates holds the model's parameters
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
+    step = optimizer_step_shrinking_on_oom if shrink_on_oom else optimizer_step
+    result = step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
     return captured[0], result
 
 
