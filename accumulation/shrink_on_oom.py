@@ -33,8 +33,12 @@ class ShrinkOnOutOfMemory:
     """DataParallel's micro-batches, with an out-of-memory error caught, joined and shared (see above)."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.replicas = model, DataParallel(model).replicas
-        self.squared_norm_share = DataParallel(model).squared_norm_share
+        self.model = model
+        self.data_parallel = DataParallel(model)  # D and the norm's shares are DataParallel's
+        self.replicas = self.data_parallel.replicas
+
+    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        return self.data_parallel.squared_norm_share(gradients)
 
     def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor:
         last = len(micro_batches) - 1
@@ -63,10 +67,11 @@ class ShrinkOnOutOfMemory:
                 self.join_the_others(micro_batches[last], loss)
                 break
             loss_sum_local += loss_sum.detach()
+        # Every rank, out of memory or not, reaches this all-reduce after its micro-batches: all learn it together.
         flags = torch.tensor([float(out_of_memory)], device=loss.device)
         if dist.is_initialized():
             dist.all_reduce(flags)
-        if flags.item() > 0:
+        if flags.item() > 0:  # a read-back of the flag: the price of this option, once per step
             raise OutOfMemoryOnSomeRank
         return loss_sum_local
 
