@@ -118,3 +118,15 @@ def test_a_default_run_imports_no_option_it_does_not_ask_for(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=environment
     )
     assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr
+
+
+def test_one_step_function_builds_every_step_result():
+    """StepResult is built in one place, accumulation/step.py's optimizer_step: every layout runs that step, and a
+    second step function (the pipeline's once repeated the boundary, the norm and the skip) would build its own."""
+    builders = [
+        str(path.relative_to(REPO))
+        for path in [REPO / "train.py", *PACKAGE.rglob("*.py")]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "StepResult"
+    ]
+    assert builders == ["accumulation/step.py"]
