@@ -22,10 +22,11 @@ on its outputs, once per fresh run (a resumed run has passed it). Measured on th
 CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
 """
 
+import traceback
+
 import torch
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config.registry import fault_text
 
 # Relative difference between the loss of the whole and the sum of its parts above which they differ. The probe
 # runs in float32 without autocast: a sum of a few thousand float32 terms is exact to about 1e-6 relative; a
@@ -40,6 +41,20 @@ class InexactStep(ValueError):
 class StepZeroFailed(InexactStep):
     """The model's forward, or the loss on its outputs, raised on the first micro-batch: a model that does not fit
     the data (images into a language model) or outputs that do not fit the loss. Refused like an InexactStep."""
+
+
+def fault_text(error: BaseException) -> str:
+    """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
+    where the parser stopped."""
+    if isinstance(error, SyntaxError):
+        message, where = error.msg, f"{error.filename}:{error.lineno}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
+        message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return (
+        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
+    )
 
 
 def _shapes_text(value) -> str:
