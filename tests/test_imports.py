@@ -163,3 +163,15 @@ def test_one_step_function_builds_every_step_result():
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "StepResult"
     ]
     assert builders == ["accumulation/step.py"]
+
+
+def test_importing_train_writes_nothing(tmp_path):
+    """`import train` (a notebook, a test, a fork's own script) leaves the temporary folder as it was: importing
+    torch's pipelining at the top once created an empty torchinductor_<user> there."""
+    environment = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    environment["TMPDIR"] = str(tmp_path)
+    completed = subprocess.run(
+        [sys.executable, "-c", "import train"], capture_output=True, text=True, cwd=REPO, env=environment, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert list(tmp_path.iterdir()) == []
