@@ -1,4 +1,4 @@
-"""Batch arithmetic: global batch = m · A · D, and which examples of a step go where.
+"""Batch arithmetic: global batch = m · A · D, which examples of a step go where, and what a step holds.
 
 Words used throughout the project:
     m  micro_batch_size   examples per forward/backward on one rank
@@ -7,9 +7,10 @@ Words used throughout the project:
     G  global_batch_size  examples per optimizer step over all ranks, G = m · A · D
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 # Label value that marks a position without a target (padding). The loss ignores it, and it is not
 # counted as a supervised token.
@@ -17,12 +18,14 @@ IGNORE_INDEX = -100
 
 
 # What a model reads: one tensor [rows, ...] of any dtype (int64 token ids [rows, seq_len], float images
-# [rows, C, H, W], feature vectors [rows, F]), or a tuple of such tensors (several per example), rows first.
-Inputs = torch.Tensor | tuple[torch.Tensor, ...]
+# [rows, C, H, W], feature vectors [rows, F]), or a tuple or a dict of such tensors (several per example), rows first.
+Inputs = torch.Tensor | tuple[torch.Tensor, ...] | dict[str, torch.Tensor]
 
 
 def map_inputs(function, inputs: Inputs) -> Inputs:
-    """`function` applied to the inputs' tensor, or to each tensor of a tuple of them."""
+    """`function` applied to the inputs' tensor, or to each tensor of a tuple or dict of them."""
+    if isinstance(inputs, dict):
+        return {name: function(tensor) for name, tensor in inputs.items()}
     return tuple(function(tensor) for tensor in inputs) if isinstance(inputs, tuple) else function(inputs)
 
 
@@ -34,11 +37,74 @@ class MicroBatch:
     labels: torch.Tensor  # int64 [rows, seq_len] next-token targets (or [rows], one per example), IGNORE_INDEX
     # where nothing is supervised
     num_examples: int  # real rows in this micro-batch (padding rows excluded)
+    # Per-row or per-position tensors [rows, ...] the loss reads besides the labels (weights, advantages, old
+    # log-probabilities), by name: each reaches the loss as a keyword, loss_sum_fn(outputs, labels, weights=...),
+    # split with the rows wherever the rows are split. Empty for a loss that reads the labels alone.
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def map(self, function) -> "MicroBatch":
+        """`function` applied to every tensor (inputs, labels, extras); the example count kept."""
+        extras = {name: function(tensor) for name, tensor in self.extras.items()}
+        return MicroBatch(map_inputs(function, self.inputs), function(self.labels), self.num_examples, extras)
 
     def pinned(self) -> "MicroBatch":
         """A copy in page-locked host memory, from which a copy to a GPU runs asynchronously (CUDA only)."""
-        inputs = map_inputs(torch.Tensor.pin_memory, self.inputs)
-        return MicroBatch(inputs, self.labels.pin_memory(), self.num_examples)
+        return self.map(torch.Tensor.pin_memory)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """The micro-batch on `device`. From pinned host memory (train.py pins on CUDA) the copy is asynchronous:
+        the host does not wait for it, and the GPU runs it just before the forward."""
+        return self.map(lambda tensor: tensor.to(device, non_blocking=True))
+
+    def rows(self, selected: slice) -> "MicroBatch":
+        """The rows `selected` of every tensor (extras included), and the real examples among them (padding
+        rows come last)."""
+        first, stop, _ = selected.indices(self.labels.shape[0])
+        real = min(max(self.num_examples - first, 0), max(stop - first, 0))
+        return MicroBatch(
+            map_inputs(lambda tensor: tensor[selected], self.inputs),
+            self.labels[selected],
+            real,
+            {name: tensor[selected] for name, tensor in self.extras.items()},
+        )
+
+
+@dataclass(frozen=True)
+class GlobalCounts:
+    """What the whole step holds over all replicas, counted on the host before the first forward."""
+
+    tokens: int  # supervised targets (N)
+    examples: int  # real examples (padding rows excluded)
+
+
+def count_supervised_tokens(labels: torch.Tensor) -> int:
+    """Targets that count, whatever the shape of `labels`. They live on the host: no device read."""
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
+    """Sum a few integers over all ranks with one collective (identity on a single process)."""
+    if not dist.is_initialized():
+        return list(values)
+    # NCCL only reduces device tensors; gloo takes host tensors.
+    collective_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    summed = torch.tensor(values, dtype=torch.int64, device=collective_device)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    return summed.tolist()
+
+
+def concatenate(micro_batches: list[MicroBatch]) -> MicroBatch:
+    """The rows of several micro-batches as one, in order (every tensor concatenated along its rows)."""
+    first = micro_batches[0]
+    if isinstance(first.inputs, dict):
+        inputs = {name: torch.cat([mb.inputs[name] for mb in micro_batches]) for name in first.inputs}
+    elif isinstance(first.inputs, tuple):
+        inputs = tuple(torch.cat(parts) for parts in zip(*(mb.inputs for mb in micro_batches), strict=True))
+    else:
+        inputs = torch.cat([mb.inputs for mb in micro_batches])
+    labels = torch.cat([mb.labels for mb in micro_batches])
+    extras = {name: torch.cat([mb.extras[name] for mb in micro_batches]) for name in first.extras}
+    return MicroBatch(inputs, labels, sum(mb.num_examples for mb in micro_batches), extras)
 
 
 def divisors(value: int) -> list[int]:
@@ -120,9 +186,7 @@ def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) 
         rows = micro_batch.labels.shape[0]
         if rows % micro_batch_size != 0:
             raise ValueError(f"a micro-batch of {rows} rows does not split into pieces of {micro_batch_size}")
-        for first in range(0, rows, micro_batch_size):
-            real = min(max(micro_batch.num_examples - first, 0), micro_batch_size)
-            piece = slice(first, first + micro_batch_size)
-            inputs = map_inputs(lambda tensor, piece=piece: tensor[piece], micro_batch.inputs)
-            pieces.append(MicroBatch(inputs, micro_batch.labels[piece], real))
+        pieces += [
+            micro_batch.rows(slice(first, first + micro_batch_size)) for first in range(0, rows, micro_batch_size)
+        ]
     return pieces

@@ -22,10 +22,11 @@ on its outputs, once per fresh run (a resumed run has passed it). Measured on th
 CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
 """
 
+import traceback
+
 import torch
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs
-from accumulation.config.registry import fault_text
+from accumulation.batching import IGNORE_INDEX, MicroBatch
 
 # Relative difference between the loss of the whole and the sum of its parts above which they differ. The probe
 # runs in float32 without autocast: a sum of a few thousand float32 terms is exact to about 1e-6 relative; a
@@ -42,6 +43,20 @@ class StepZeroFailed(InexactStep):
     the data (images into a language model) or outputs that do not fit the loss. Refused like an InexactStep."""
 
 
+def fault_text(error: BaseException) -> str:
+    """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
+    where the parser stopped."""
+    if isinstance(error, SyntaxError):
+        message, where = error.msg, f"{error.filename}:{error.lineno}"
+    else:
+        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
+        message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
+    first_line = message.strip().splitlines()[0] if message.strip() else ""
+    return (
+        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
+    )
+
+
 def _shapes_text(value) -> str:
     """ "float32 [2, 3, 16, 16]" for a tensor, each one's for a tuple, the type's name for anything else."""
     if isinstance(value, torch.Tensor):
@@ -51,7 +66,7 @@ def _shapes_text(value) -> str:
     return type(value).__name__
 
 
-def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels):
+def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
     """One forward without gradient and the loss of the whole micro-batch, or StepZeroFailed saying which of the two
     raised, with the shapes it was given and where the fault is."""
     with torch.no_grad():
@@ -65,7 +80,7 @@ def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels):
                 f"{fault_text(error)}; the model does not fit this data (model.name, data.source)"
             ) from None
         try:
-            whole = float(loss_sum_fn(outputs, labels))
+            whole = float(loss_sum_fn(outputs, labels, **extras))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
@@ -93,7 +108,8 @@ def _relative_difference(whole: float, parts: float) -> float:
 def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroBatch, device, on_inexact: str) -> list:
     """The warnings for what is no longer exact (a list of lines); raises InexactStep for a mean, and for the
     warnings too when on_inexact is "error". `micro_batch` is this rank's first of step 0."""
-    labels = micro_batch.labels.to(device)
+    batch = micro_batch.to(device)
+    labels, extras = batch.labels, batch.extras
     supervised = (labels != IGNORE_INDEX).nonzero()
     warnings = []
     model.train()  # the mode every step runs it in (train.py's loop), whatever mode the build left it in
@@ -104,24 +120,24 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
             f"of this rank's only), so the step's gradient depends on batch.micro_batch_size and the ranks and is no "
             f"longer the full batch's; use GroupNorm or LayerNorm, or evaluation-mode statistics, to make it exact"
         )
-    inputs = map_inputs(lambda tensor: tensor.to(device), micro_batch.inputs)
     model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
     try:
-        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels)
+        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)
             first_targets[tuple(supervised[: len(supervised) // 2].T)] = True  # the first half of the targets
-            first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX)))
-            second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX)))
+            first = float(loss_sum_fn(outputs, labels.masked_fill(~first_targets, IGNORE_INDEX), **extras))
+            second = float(loss_sum_fn(outputs, labels.masked_fill(first_targets, IGNORE_INDEX), **extras))
             rows, half = len(labels), len(labels) // 2
             by_rows = None
             if rows >= 2 and isinstance(outputs, torch.Tensor) and outputs.shape[0] == rows:
-                by_rows = float(loss_sum_fn(outputs[:half], labels[:half])) + float(
-                    loss_sum_fn(outputs[half:], labels[half:])
-                )
+                by_rows = 0.0
+                for piece in (slice(0, half), slice(half, rows)):  # each half of the rows with its own extras
+                    part = batch.rows(piece)
+                    by_rows += float(loss_sum_fn(outputs[piece], part.labels, **part.extras))
         count, count_first = len(supervised), len(supervised) // 2
         if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE:
             # A mean of per-target losses: whole = (S_1 + S_2) / n with first = S_1 / n_1, second = S_2 / n_2.

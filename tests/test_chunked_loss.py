@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import train
 from accumulation import chunked_loss as chunked_loss_module
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, count_supervised_tokens
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
 from accumulation.config.config import ConfigError, load_config
 from accumulation.models import factory
@@ -24,7 +24,7 @@ from accumulation.models.factory import (
     uses_chunked_loss,
 )
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
     capture_gradients,

@@ -15,11 +15,11 @@ import torch
 from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, count_supervised_tokens
 from accumulation.config.config import load_config
 from accumulation.models.factory import ForwardAndLoss, training_forward_and_loss
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step
+from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 

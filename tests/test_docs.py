@@ -74,3 +74,25 @@ def test_readme_stays_an_overview():
     # lives in docs/. 220 lines leaves room to grow without turning back into a manual.
     lines = (REPO / "README.md").read_text().count("\n")
     assert lines <= 220, f"README.md has {lines} lines; move reference material to a docs/ page"
+
+
+def test_the_reading_path_of_one_step_matches_the_code_and_fits_in_one_sitting():
+    """docs/forking.md's "Reading one step" table: each range lies in its file, train.py's holds both fences of the
+    training section and step.py's the whole step (optimizer_step, update_or_skip, StepResult), at most 3 files
+    and 400 lines in all, and the total the page states is the sum of the ranges."""
+    page = (REPO / "docs" / "forking.md").read_text()
+    section = page.split("## Reading one step", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([\w./]+\.py)` \| (\d+)–(\d+) \|", section, flags=re.MULTILINE)
+    assert [path for path, _, _ in rows] == ["train.py", "accumulation/batching.py", "accumulation/step.py"]
+    read = {}
+    for path, first, last in rows:
+        lines = (REPO / path).read_text().splitlines()
+        assert 1 <= int(first) <= int(last) <= len(lines), path
+        read[path] = "\n".join(lines[int(first) - 1 : int(last)])
+    assert "TRAINING SECTION BEGIN" in read["train.py"] and "TRAINING SECTION END" in read["train.py"]
+    assert "batches.take(" in read["train.py"] and "result = step_function(" in read["train.py"]
+    for name in ("def optimizer_step(", "def update_or_skip(", "class StepResult", "class DataParallel"):
+        assert name in read["accumulation/step.py"], name
+    assert "class MicroBatch" in read["accumulation/batching.py"]
+    total = sum(int(last) - int(first) + 1 for _, first, last in rows)
+    assert total <= 400 and f"{total} lines in {len(rows)} files" in section

@@ -14,8 +14,14 @@ from accumulation.config.config import load_config, resolved_compile
 from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
 from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
-from accumulation.run.build import autocast_dtype_for, build_optimizer, load_optimizer_state, wrap_for_training
+from accumulation.parallel.fsdp import FullyShardedDataParallel, full_model_state_dict, full_optimizer_state_dict
+from accumulation.run.build import (
+    autocast_dtype_for,
+    build_optimizer,
+    load_optimizer_state,
+    step_strategy,
+    wrap_for_training,
+)
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
 from testkit.ranks import pretend_launched, run_on_ranks
@@ -77,7 +83,14 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
             data.train, row_ids, GLOBAL_BATCH_SIZE, config.batch.micro_batch_size, world_size, rank, step=0
         )
         autocast_dtype = torch.bfloat16 if config.precision.dtype == "bf16" else None
-        optimizer_step(wrapped, micro_batches, optimizer, device=CPU, autocast_dtype=autocast_dtype)
+        optimizer_step(
+            wrapped,
+            micro_batches,
+            optimizer,
+            device=CPU,
+            autocast_dtype=autocast_dtype,
+            strategy=step_strategy(config.dist, wrapped),
+        )
         weights[name] = full_model_state_dict(model)
         weights[f"{name} optimizer"] = full_optimizer_state_dict(optimizer)
         if name == "fsdp2 adamw":
@@ -93,7 +106,7 @@ def reloaded_optimizer_state(config, model, optimizer, whole_state: dict) -> dic
     box = [whole_state]
     dist.broadcast_object_list(box, src=0)
     reloaded = build_optimizer(config.optim, model, CPU)
-    load_optimizer_state(reloaded, box[0])
+    load_optimizer_state(reloaded, box[0], sharded=True)
     found = {"parameters": len(list(model.parameters())), "moments": 0, "misplaced": [], "different": []}
     for parameter in model.parameters():
         for key, value in reloaded.state[parameter].items():
@@ -194,11 +207,11 @@ def communication_worker(rank: int, world_size: int, arguments: list[str]) -> di
     counts, seen_at_forward = {}, []
     hook = wrapped.register_forward_pre_hook(lambda module, args: seen_at_forward.append(counts["reduce_scatters"]))
     with counting_fsdp_collectives(counts):
-        optimizer_step(wrapped, micro_batches, optimizer, device=CPU)
+        optimizer_step(wrapped, micro_batches, optimizer, device=CPU, strategy=FullyShardedDataParallel(wrapped))
     found["synced"] = dict(counts, seen_at_forward=seen_at_forward)
     hook.remove()
     with counting_fsdp_collectives(counts), sync_in_every_micro_batch():
-        optimizer_step(wrapped, micro_batches, optimizer, device=CPU)
+        optimizer_step(wrapped, micro_batches, optimizer, device=CPU, strategy=FullyShardedDataParallel(wrapped))
     found["sync_every"] = dict(counts)
 
     # GradScaler: the inf check runs on each rank's shards; FSDP2's DTensor gradients reduce the found-inf flag

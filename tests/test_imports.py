@@ -5,6 +5,7 @@ is no cycle: the shared data types (data/rows.py, data/splits.py) are imported b
 (data/sources.py) imports the sources, never the other way."""
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,21 +96,26 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"data": {"rows", "jsonl"}, "jsonl": {"rows"}, "rows": set()}) is None
 
 
-# What a config must ask for before it is imported (CONTRACT, "The step, for forkers"): the other data sources,
-# the other models, the chunked loss and the checker.
+# What a config must ask for before it is imported (CONTRACT, "The step, for forkers"), each a module of its own
+# that only its config key imports. (torch.distributed.fsdp is not listed: torch's own _dynamo imports it.)
 OPTION_MODULES = {
-    "accumulation.data.token_files",
-    "accumulation.data.jsonl",
-    "accumulation.data.masked_lm",
-    "accumulation.models.gru",
-    "accumulation.models.encoder",
-    "accumulation.chunked_loss",
-    "accumulation.checker",
+    "accumulation.data.token_files",  # data.source: a folder of token files
+    "accumulation.data.jsonl",  # data.source: a .jsonl file
+    "accumulation.data.masked_lm",  # data.task = "masked"
+    "accumulation.models.gru",  # model.name = "gru"
+    "accumulation.models.encoder",  # model.name = "encoder"
+    "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it)
+    "accumulation.checker",  # scripts/checks/check_equivalence.py
+    "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
+    "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
+    "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
+    "torch.distributed.pipelining",
 }
 
 
 def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
-    """The accumulation modules in sys.modules after train.main(arguments), in a fresh interpreter."""
+    """The modules in sys.modules after train.main(arguments), in a fresh interpreter."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for index in range(8):
@@ -117,20 +123,26 @@ def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
     program = (
         "import sys, train\n"
         "assert train.main(sys.argv[1:]) == 0\n"
-        "print(' '.join(name for name in sys.modules if name.startswith('accumulation')))\n"
+        "print(' '.join(name for name in sys.modules if name.startswith(('accumulation', 'torch.distributed'))))\n"
     )
     arguments = [f"data.source={corpus}", f"run.out_dir={tmp_path / 'runs'}", "data.seq_len=32", *arguments]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
-        [sys.executable, "-c", program, *arguments], capture_output=True, text=True, cwd=REPO, timeout=300
+        [sys.executable, "-c", program, *arguments],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env=environment,
     )
     assert completed.returncode == 0, completed.stderr
     return set(completed.stdout.splitlines()[-1].split())
 
 
 def test_a_default_run_imports_none_of_the_option_modules(tmp_path):
-    """One step of the default config (its validation and sample included) on a small text corpus: the modules of
-    what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
-    imported = modules_a_run_imports(tmp_path, ["run.max_steps=1"])
+    """Two steps of the default config (its validation and sample included) on a small text corpus: the modules
+    of what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
+    imported = modules_a_run_imports(tmp_path, ["run.max_steps=2", "run.eval_every=1"])
     assert "accumulation.models.gpt" in imported and "accumulation.data.text_corpus" in imported
     options = {name for name in imported if name in OPTION_MODULES or name.startswith("accumulation.checker")}
     assert not options, f"the default run imported {sorted(options)}"
@@ -139,3 +151,27 @@ def test_a_default_run_imports_none_of_the_option_modules(tmp_path):
 def test_a_config_that_asks_for_an_option_imports_it(tmp_path):
     imported = modules_a_run_imports(tmp_path, ["run.max_steps=0", "model.name=gru", "model.loss=plain"])
     assert "accumulation.models.gru" in imported and "accumulation.models.gpt" not in imported
+
+
+def test_one_step_function_builds_every_step_result():
+    """StepResult is built in one place, accumulation/step.py's optimizer_step: every layout runs that step, and a
+    second step function (the pipeline's once repeated the boundary, the norm and the skip) would build its own."""
+    builders = [
+        str(path.relative_to(REPO))
+        for path in [REPO / "train.py", *PACKAGE.rglob("*.py")]
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "StepResult"
+    ]
+    assert builders == ["accumulation/step.py"]
+
+
+def test_importing_train_writes_nothing(tmp_path):
+    """`import train` (a notebook, a test, a fork's own script) leaves the temporary folder as it was: importing
+    torch's pipelining at the top once created an empty torchinductor_<user> there."""
+    environment = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_CACHE_DIR"}
+    environment["TMPDIR"] = str(tmp_path)
+    completed = subprocess.run(
+        [sys.executable, "-c", "import train"], capture_output=True, text=True, cwd=REPO, env=environment, timeout=120
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -217,3 +217,31 @@ def test_the_last_line_is_the_steady_state_speed_with_the_warm_up_apart():
     # Too short for a steady state: all steps together, and said so.
     short = logs.speed_line([(1000, 2.0), (1000, 0.5)], wall_seconds=3.0)
     assert short.startswith("speed: 0.8k supervised tokens/s over all 2 steps, warm-up included (too few steps")
+
+
+def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
+    """With model.compile on, the step runs the forward and the plain loss as one module (ForwardAndLoss): the
+    header must still say "loss plain", the loss training decided, not guess it from which module runs."""
+    from types import SimpleNamespace
+
+    from accumulation.config.config import load_config
+    from accumulation.data.sources import build_data
+    from accumulation.models.factory import ForwardAndLoss, build_model
+    from accumulation.step import token_cross_entropy_sum
+
+    config = load_config(["model.n_layer=1", "model.d_model=16", "data.seq_len=16"])
+    data = build_data(config.data, model_vocab_size=0, seed=0)
+    model = build_model(config.model, 256, seq_len=16, seed=0)
+    compiled_module = ForwardAndLoss(model, token_cross_entropy_sum)
+    training = SimpleNamespace(  # the module the step runs is not the model; the loss is the plain one
+        model=model,
+        model_config=config.model.__class__(**{**vars(config.model), "loss": "plain"}),
+        module=compiled_module,
+        forward_module=compiled_module,
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        compiled=True,
+    )
+    context = DistributedContext(0, 0, 1, torch.device("cpu"), None)
+    logs.print_run_header(config, data, Path("runs"), context, training, Counters(), print)
+    [model_line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model:")]
+    assert "loss plain; compile on" in model_line

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import train
+from accumulation.run import batches
 from tests.test_checkpoints import run_in_process
 from tests.test_train import final_weights, read_metrics, tiny_settings, uneven_corpus
 
@@ -24,7 +25,7 @@ def corpus(tmp_path_factory) -> Path:
 
 def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
     """The loss of each step in bad_steps (counted from 1) is multiplied by nan, and so is every gradient."""
-    real_optimizer_step, real_step_batch = train.optimizer_step, train.step_batch
+    real_optimizer_step, real_step_batch = train.optimizer_step, batches.step_batch
     step_running = []  # the step whose examples were fetched last, counted from 1
 
     def step_batch(rows, step, **layout):
@@ -38,7 +39,7 @@ def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
             )
         return real_optimizer_step(model, micro_batches, optimizer, loss_sum_fn=loss_sum_fn, **options)
 
-    monkeypatch.setattr(train, "step_batch", step_batch)
+    monkeypatch.setattr(batches, "step_batch", step_batch)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
 
 

@@ -19,6 +19,7 @@ from accumulation.batching import smaller_micro_batch_size, split_micro_batches
 from accumulation.data.rows import make_rows
 from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
@@ -58,10 +59,11 @@ def step_batches(rows, global_batch_size, micro_batch_size, world_size=1, rank=0
     return build_micro_batches(rows, row_ids, global_batch_size, micro_batch_size, world_size, rank, step=0)
 
 
-def sgd_step(model, batches, **options):
+def sgd_step(model, batches, shrink_on_oom=False):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, batches, optimizer, device=CPU, **options)
+    step = optimizer_step_shrinking_on_oom if shrink_on_oom else optimizer_step
+    result = step(model, batches, optimizer, device=CPU)
     return captured[0], result
 
 
@@ -133,8 +135,8 @@ def test_a_grad_scaler_step_redone_after_an_oom_leaves_the_scale_as_it_was():
     model = GPT(MODEL, seed=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # grows after every good step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = optimizer_step(
-        RaisesAboveRows(model, max_rows=2), batches, optimizer, device=CPU, scaler=scaler, shrink_on_oom=True
+    result = optimizer_step_shrinking_on_oom(
+        RaisesAboveRows(model, max_rows=2), batches, optimizer, device=CPU, scaler=scaler
     )
     assert result.applied and result.micro_batch_size == 2
     assert scaler.get_scale() == 2.0**9  # one growth, for the one applied update

@@ -8,7 +8,7 @@ import math
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from accumulation.batching import MicroBatch
+from accumulation.batching import GlobalCounts, MicroBatch, count_supervised_tokens
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import (
@@ -17,10 +17,9 @@ from accumulation.parallel.pipeline import (
     gathered_optimizer_state,
     optimizer_order,
     pipelined_loss_sum,
-    pipelined_step,
     stage_optimizer_state,
 )
-from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient
 from tests.test_step import CPU, FLOAT64_RTOL, micro_batches
@@ -67,8 +66,15 @@ def pipelined_gradient(layout, model, replica_batches, all_batches, schedule, gr
     pipeline = build_pipeline(model, layout, CPU, token_cross_entropy_sum, len(replica_batches), schedule)
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = pipelined_step(
-        pipeline, replica_batches, optimizer, global_counts=counts_of(all_batches), grad_clip=grad_clip, **options
+    result = optimizer_step(
+        pipeline.stage_module,
+        replica_batches,
+        optimizer,
+        device=CPU,
+        strategy=pipeline,
+        global_counts=counts_of(all_batches),
+        grad_clip=grad_clip,
+        **options,
     )
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
     handed = dict(zip(names, captured[0], strict=True)) if captured else {}
@@ -120,7 +126,14 @@ def pipeline_worker(rank, world_size):
         per_step = []
         for _ in range(3):
             before = reduced["bytes"]
-            pipelined_step(pipeline, empty_replica[layout.replica], optimizer, global_counts=counts_of(all_rows))
+            optimizer_step(
+                pipeline.stage_module,
+                empty_replica[layout.replica],
+                optimizer,
+                device=CPU,
+                strategy=pipeline,
+                global_counts=counts_of(all_rows),
+            )
             per_step.append(reduced["bytes"] - before)
         stage_bytes = sum(p.numel() * p.element_size() for p in pipeline.stage_module.parameters())
         results["bytes per step"] = (per_step, stage_bytes)
@@ -132,7 +145,14 @@ def pipeline_worker(rank, world_size):
     results["validation"] = (loss_sum.item(), tokens, layout.is_last_stage)
     # Checkpoint state: the whole model's, under its own names, and the optimizer's mapped back.
     optimizer = torch.optim.AdamW(pipeline.stage_module.parameters(), lr=0.01)
-    pipelined_step(pipeline, batches[layout.replica], optimizer, global_counts=counts_of(everything))
+    optimizer_step(
+        pipeline.stage_module,
+        batches[layout.replica],
+        optimizer,
+        device=CPU,
+        strategy=pipeline,
+        global_counts=counts_of(everything),
+    )
     pipeline.whole_order = optimizer_order(torch.optim.AdamW(model.parameters(), lr=0.01), pipeline.names)
     saved = gathered_optimizer_state(pipeline, optimizer)
     results["checkpoint"] = (gathered_model_state(pipeline), saved)

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from accumulation.batching import GlobalCounts
 from accumulation.data.rows import make_rows
 from accumulation.data.sources import build_micro_batches, step_counts, step_row_ids, steps_per_epoch
-from accumulation.step import GlobalCounts, optimizer_step
+from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 from tests.test_step import (

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.step import count_supervised_tokens, token_cross_entropy_sum
+from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
+from accumulation.step import token_cross_entropy_sum
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_step import FLOAT64_RTOL, SEQ_LEN, VOCAB_SIZE, new_model, one_step_gradient
 

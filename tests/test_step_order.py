@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import train
+from accumulation import update_on_device
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.run import batches
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from tests.test_checkpoints import run_in_process
 from tests.test_train import tiny_settings, uneven_corpus
@@ -67,12 +69,15 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("grad_scaler", [False, True])
-def test_the_queued_update_equals_the_host_decided_one_and_a_non_finite_step_changes_nothing(grad_scaler):
+def test_the_queued_update_equals_the_host_decided_one_and_a_non_finite_step_changes_nothing(grad_scaler, monkeypatch):
     """Three steps with fused AdamW, the second with a nan loss (every gradient nan): queued on the device
-    (shrink_on_oom off) and decided on the host after the read-back (shrink_on_oom on, which must read first).
-    Both paths run the same fused kernels, so they agree bit for bit: weights, moments, step counters, scale."""
+    (accumulation/update_on_device.py) and decided on the host after the read-back (that extension declining, as
+    it does for FSDP2's shards). Both paths run the same fused kernels, so they agree bit for bit: weights,
+    moments, step counters, scale."""
 
     def run(queued: bool):
+        if not queued:
+            monkeypatch.setattr(update_on_device, "queue_update_unless_non_finite", lambda *args: False)
         model = GPT(MODEL, seed=3)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, enabled=grad_scaler)
@@ -87,7 +92,6 @@ def test_the_queued_update_equals_the_host_decided_one_and_a_non_finite_step_cha
                 scaler=scaler,
                 loss_sum_fn=lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor,
                 grad_clip=1.0,
-                shrink_on_oom=not queued,
             )
             results.append((result.applied, result.skip_reason, result.loss_scale))
             snapshots.append(([p.detach().clone() for p in model.parameters()], optimizer_state(optimizer)))
@@ -112,7 +116,7 @@ def test_train_builds_the_next_steps_micro_batches_before_the_steps_read_back(tm
     read-back; each step's batch is built once, for its own step, in order."""
     corpus = uneven_corpus(tmp_path / "corpus")
     events = []
-    real_optimizer_step, real_step_batch = train.optimizer_step, train.step_batch
+    real_optimizer_step, real_step_batch = train.optimizer_step, batches.step_batch
 
     def step_batch(rows, step, **layout):
         events.append(("batch", step))
@@ -126,7 +130,7 @@ def test_train_builds_the_next_steps_micro_batches_before_the_steps_read_back(tm
         events.append("step")
         return real_optimizer_step(*args, before_read_back=recorded, **options)
 
-    monkeypatch.setattr(train, "step_batch", step_batch)
+    monkeypatch.setattr(batches, "step_batch", step_batch)
     monkeypatch.setattr(train, "optimizer_step", optimizer_step)
     status, _, err = run_in_process(tiny_settings(tmp_path, corpus, **{"run.max_steps": 3}), capsys)
     assert status == 0, err

@@ -13,10 +13,9 @@ import re
 import torch
 from torch.distributed.tensor import DTensor
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, count_supervised_tokens
 from accumulation.config.config import Config
 from accumulation.data.rows import Rows
-from accumulation.step import count_supervised_tokens
 
 
 def reference_rows(rows: Rows, row_ids: torch.Tensor, step: int, seq_len: int) -> tuple:

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX, describe_batch
+from accumulation.batching import IGNORE_INDEX, count_supervised_tokens, describe_batch
 from accumulation.checker.promises import (
     NotApplicable,
     additivity_message,
@@ -71,9 +71,15 @@ from accumulation.models.factory import (
 )
 from accumulation.parallel.distributed import DistributedContext, setup_distributed, teardown_distributed
 from accumulation.parallel.mesh import layout_of
-from accumulation.parallel.pipeline import build_pipeline, check_model_splits, pipelined_step
-from accumulation.run.build import autocast_dtype_for, check_config_for_world, set_tf32, wrap_for_training
-from accumulation.step import StepResult, count_supervised_tokens, optimizer_step
+from accumulation.parallel.pipeline import build_pipeline, check_model_splits
+from accumulation.run.build import (
+    autocast_dtype_for,
+    check_config_for_world,
+    set_tf32,
+    step_strategy,
+    wrap_for_training,
+)
+from accumulation.step import StepResult, optimizer_step
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -473,6 +479,7 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         loss_sum_fn=loss_sum_fn,
         autocast_dtype=autocast_dtype_for(config.precision),
         global_counts=global_counts,
+        strategy=step_strategy(config.dist, wrapped),
     )
     return (handed[0] if result.applied else None), result, loss_path
 
@@ -508,10 +515,12 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
         handed.update({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
 
     optimizer.register_step_pre_hook(record)
-    result = pipelined_step(
-        pipeline,
+    result = optimizer_step(
+        pipeline.stage_module,
         batch.micro_batches,
         optimizer,
+        device=context.device,
+        strategy=pipeline,
         global_counts=batch.global_counts,
         autocast_dtype=autocast_dtype_for(config.precision),
         scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),

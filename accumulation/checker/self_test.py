@@ -7,11 +7,10 @@ them.
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX, micro_batch_slices
+from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens, micro_batch_slices
 from accumulation.data.rows import DataError, RawExample, Rows, RowSet
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.step import all_reduce_ints, count_supervised_tokens
 
 # Bugs in the loop only (the reference stays right): the checker must see the loop go wrong.
 LOOP_BUGS = {

@@ -23,9 +23,10 @@ This module imports nothing of the project: accumulation/config/config.py reads 
 import dataclasses
 import importlib
 import re
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from accumulation.probe import fault_text
 
 KINDS = ("model", "loss", "data")
 
@@ -171,20 +172,6 @@ def _import_fork(module_name: str) -> None:
         ) from None
     except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
         raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
-
-
-def fault_text(error: BaseException) -> str:
-    """ "ValueError: message (at path/to/fork.py:12)": the error and where it was raised, or for a syntax error
-    where the parser stopped."""
-    if isinstance(error, SyntaxError):
-        message, where = error.msg, f"{error.filename}:{error.lineno}"
-    else:
-        frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
-        message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
-    first_line = message.strip().splitlines()[0] if message.strip() else ""
-    return (
-        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
-    )
 
 
 def registered(kind: str) -> dict[str, Piece]:

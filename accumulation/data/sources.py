@@ -23,14 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, map_inputs, micro_batch_slices
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name, lookup
 from accumulation.data import text_corpus
 from accumulation.data.locate import expanded_paths, find_token_files
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64
 from accumulation.data.splits import Data
-from accumulation.step import GlobalCounts
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
 # when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
@@ -246,7 +245,9 @@ def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int, step: 
     num_examples.
     """
     num_real = len(row_ids)
-    example_inputs, example_labels = rows.examples(row_ids, step)
+    # A source whose loss reads more than the labels returns a third item: a dict of per-row tensors by name
+    # (weights, advantages), padded like the inputs and handed to the loss as keywords (MicroBatch.extras).
+    example_inputs, example_labels, *extras = rows.examples(row_ids, step)
 
     def padded(tensor: torch.Tensor) -> torch.Tensor:
         full = torch.zeros((micro_batch_size, *tensor.shape[1:]), dtype=tensor.dtype)
@@ -255,7 +256,8 @@ def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int, step: 
 
     labels = torch.full((micro_batch_size, *example_labels.shape[1:]), IGNORE_INDEX, dtype=torch.long)
     labels[:num_real] = example_labels
-    return MicroBatch(inputs=map_inputs(padded, example_inputs), labels=labels, num_examples=num_real)
+    extras = {name: padded(tensor) for name, tensor in (extras[0] if extras else {}).items()}
+    return MicroBatch(map_inputs(padded, example_inputs), labels, num_real, extras)
 
 
 def step_counts(rows: Rows, row_ids: torch.Tensor, step: int) -> GlobalCounts:

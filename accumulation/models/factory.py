@@ -217,7 +217,8 @@ def training_forward_and_loss(
     Plain: the model itself (logits) and loss_sum_fn_for(model_config). Chunked: FinalHiddenStates(model) (the same
     parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
     `compile` (model.compile resolved): both in one module, ForwardAndLoss, and None for the loss (the step then
-    calls module(inputs, labels)), so that wrap_for_training compiles the forward and the loss as one region."""
+    calls module(inputs, labels, **extras)), so that wrap_for_training compiles the forward and the loss as one
+    region."""
     if model_config.loss not in ("plain", "chunked"):
         raise ValueError(f'model.loss must be decided (decided_model_config), got "{model_config.loss}"')
     if model_config.loss == "chunked":
@@ -232,7 +233,8 @@ def training_forward_and_loss(
 
 
 class ForwardAndLoss(torch.nn.Module):
-    """forward(inputs, labels) -> S = loss_sum_fn(module(inputs), labels): the forward and the loss as one module.
+    """forward(inputs, labels, **extras) -> S = loss_sum_fn(module(inputs), labels, **extras): the forward and the
+    loss as one module (extras: the micro-batch's per-row tensors, MicroBatch.extras).
 
     torch.compile of this module traces both into one graph, so the loss's kernels fuse with the model's and its
     memory is planned with theirs (the chunked loss's autograd Function and its loop included); DDP wraps it
@@ -244,5 +246,5 @@ class ForwardAndLoss(torch.nn.Module):
         self.module = module
         self.loss_sum_fn = loss_sum_fn
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum_fn(self.module(inputs), labels)
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **extras: torch.Tensor) -> torch.Tensor:
+        return self.loss_sum_fn(self.module(inputs), labels, **extras)

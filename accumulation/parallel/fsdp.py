@@ -13,8 +13,9 @@ What changes against DDP, and where:
   model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
   which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
   (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
-- the step (accumulation/step.py): `set_requires_gradient_sync(False)` for every micro-batch but the last,
-  FSDP2's counterpart of DDP's `no_sync`: one reduce-scatter of the gradient per update.
+- the step's strategy (`FullyShardedDataParallel`, handed to accumulation/step.py's optimizer_step):
+  `set_requires_gradient_sync(False)` for every micro-batch but the last, FSDP2's counterpart of DDP's `no_sync`:
+  one reduce-scatter of the gradient per update; the squared gradient norm from each rank's shards.
 - the optimizer is built after sharding (train.py), so that it updates the shards; clipping and the
   GradScaler's inf check see every shard (the norm and the found-inf flag are reduced over ranks).
 - checkpoints: `full_model_state_dict` and `full_optimizer_state_dict` gather the shards into whole tensors,
@@ -28,8 +29,33 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from accumulation.batching import MicroBatch
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.step import MicroBatchLoss, squared_norm
+
+
+class FullyShardedDataParallel:
+    """optimizer_step's strategy for a fully_shard-ed model: every rank one replica, each holding shards."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model, self.replicas = model, dist.get_world_size()  # D
+
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor:
+        last = len(micro_batches) - 1
+        loss_sum_local = torch.zeros((), dtype=torch.float64, device=loss.device)
+        for k, micro_batch in enumerate(micro_batches):
+            # Gradients accumulate unsharded until the last micro-batch's backward reduce-scatters their sum with
+            # ReduceOp.AVG, so rank r keeps shard r of (1/D)·Σ_q Σ_k ∇(S_qk·D/N) = ∇L: DDP's mean, the same ×D.
+            self.model.set_requires_gradient_sync(k == last)
+            loss_sum = loss.forward(self.model, micro_batch)  # S_rk
+            loss.backward(loss_sum)
+            loss_sum_local += loss_sum.detach()
+        return loss_sum_local
+
+    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        # Each rank holds other shards of the gradient: the squares of its own sum over ranks to ‖g‖².
+        return squared_norm([gradient.to_local() for gradient in gradients])
 
 
 def check_strategy_for_world(config: Config, world_size: int) -> None:

@@ -22,11 +22,12 @@ Where the schedules' defaults go wrong for this sum:
   the stop flag and the squared gradient norm), so every rank logs the same loss.
 - Clipping needs the norm of the whole model: each stage knows only its own gradients, so the squared norms
   of the stages are summed over the ranks before the clip (the norm of one stage clips too little).
-N is counted on the host from the step's row ids (train.py's global_counts), no collective, as in step.py.
+The step itself is accumulation/step.py's optimizer_step with `strategy=pipeline`: a Pipeline runs the
+micro-batches through its schedule and gives its stage's share of the squared gradient norm; the boundary, the
+clip, the update or skip and the result are the step's, the same as for every strategy.
 """
 
 import itertools
-import math
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -36,10 +37,10 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, MicroBatch, concatenate, count_supervised_tokens
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.mesh import Layout
-from accumulation.step import GlobalCounts, StepResult, count_supervised_tokens, update_or_skip
+from accumulation.step import MicroBatchLoss, squared_norm
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -119,27 +120,30 @@ def check_model_splits(model: torch.nn.Module, config: Config) -> None:
 
 
 class LastStageLoss:
-    """The loss the schedule calls on the last stage for each micro-batch: S_mb · D / N, where S_mb is the sum
-    of the token losses (`loss_sum_fn`), D the replicas and N the step's supervised targets over all of them,
-    times the GradScaler's scale when one is on. The sums S_mb are kept, detached, for the log; `multiplier`
-    (D / N) and `scaler` are set before each step."""
+    """The loss the schedule calls on the last stage for each micro-batch. The schedule cuts the step's rows into
+    the micro-batches itself; the target it cuts is the rows' positions, so that the labels and every extra tensor
+    are read at exactly the rows of the outputs: S_mb = loss_sum_fn(outputs, labels, **extras). During a training
+    step it returns `weighted(S_mb)` = S_mb · D / N (times the GradScaler's scale), what the schedule backpropagates.
+    The sums S_mb are kept, detached, for the log."""
 
-    def __init__(self, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    def __init__(self, loss_sum_fn: Callable):
         self.loss_sum_fn = loss_sum_fn
-        self.multiplier = 1.0
-        self.scaler: torch.amp.GradScaler | None = None
+        self.rows: MicroBatch | None = None  # the step's rows on the device (labels and extras read here)
+        self.weighted: Callable[[torch.Tensor], torch.Tensor] | None = None  # None: forward only (validation)
         self.sums: list[torch.Tensor] = []
 
-    def __call__(self, outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss_sum = self.loss_sum_fn(outputs, labels)  # S_mb
+    def __call__(self, outputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        labels = self.rows.labels.index_select(0, positions)
+        extras = {name: tensor.index_select(0, positions) for name, tensor in self.rows.extras.items()}
+        loss_sum = self.loss_sum_fn(outputs, labels, **extras)  # S_mb
         self.sums.append(loss_sum.detach())
-        loss = loss_sum * self.multiplier  # what the schedule backpropagates: ∇(S_mb · D / N)
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        return self.weighted(loss_sum) if self.weighted is not None else loss_sum
 
 
 @dataclass
 class Pipeline:
-    """This rank's part of a pipelined model, and the schedule that runs one step of it."""
+    """This rank's part of a pipelined model, and the schedule that runs one step of it: optimizer_step's strategy
+    (accumulation/step.py) for dist.pipeline_stages > 1."""
 
     layout: Layout
     stage_module: torch.nn.Module  # this rank's stage, unwrapped: the optimizer's parameters
@@ -153,12 +157,31 @@ class Pipeline:
     # dict's numbering: what checkpoints use, so that they load on any layout. Set by whoever builds the optimizer.
     whole_order: list[list[str]] = field(default_factory=list)
 
+    @property
+    def replicas(self) -> int:
+        """D: the replicas, each running the whole pipeline on its own rows."""
+        return self.layout.replicas
+
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor:
+        """The replica's micro-batches through the stages in one schedule step, all of it under DDP's no_sync:
+        PipelineStage arms the last micro-batch's backward for the all-reduce itself (run_schedule). A replica
+        without a supervised token still runs every micro-batch through every stage, so that each send meets its
+        receive; its sums are zero."""
+        self.loss.weighted = loss.weighted
+        with loss.autocast():
+            return run_schedule(self, micro_batches, train=True)
+
+    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor:
+        # Each rank knows only its stage's gradient, and the D ranks of a stage hold the same averaged one: summed
+        # over all ranks, ‖g_stage‖² / D counts each stage once, sqrt(Σ_stages ‖g_stage‖²) is the whole model's norm.
+        return squared_norm(gradients) / self.layout.replicas
+
 
 def build_pipeline(
     model: torch.nn.Module,
     layout: Layout,
     device: torch.device,
-    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    loss_sum_fn: Callable,
     accumulation_steps: int,
     schedule_name: str,
 ) -> Pipeline:
@@ -182,89 +205,30 @@ def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: 
     only); returns the sum of the last stage's S_mb (float64; zero on the other stages). The schedule cuts the
     concatenated rows back into the same micro-batches of m rows each."""
     layout, device = pipeline.layout, pipeline.device
+    rows = concatenate(micro_batches).to(device)
     pipeline.loss.sums.clear()
-    inputs = torch.cat([mb.inputs for mb in micro_batches]).to(device) if layout.is_first_stage else None
-    labels = torch.cat([mb.labels for mb in micro_batches]).to(device) if layout.is_last_stage else None
-    args = (inputs,) if layout.is_first_stage else ()
+    pipeline.loss.rows = rows
+    if not train:
+        pipeline.loss.weighted = None
+    # PipelineStage takes tensors only: the first stage gets a tuple of inputs as its arguments, a dict as keywords.
+    inputs = rows.inputs if layout.is_first_stage else ()
+    args = () if isinstance(inputs, dict) else inputs if isinstance(inputs, tuple) else (inputs,)
+    kwargs = inputs if isinstance(inputs, dict) else {}
+    positions = torch.arange(rows.labels.shape[0], device=device) if layout.is_last_stage else None
     if train:
         # no_sync: the shape inference's forward must not arm DDP's reducer; the last micro-batch's backward arms it.
         with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) else nullcontext():
-            pipeline.schedule.step(*args, target=labels, return_outputs=False)
+            pipeline.schedule.step(*args, target=positions, return_outputs=False, **kwargs)
     else:
-        pipeline.schedule.eval(*args, target=labels)
+        pipeline.schedule.eval(*args, target=positions, **kwargs)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     # A schedule's first step infers the shapes the stages exchange by running the loss once more, before the
     # micro-batches (on placeholder tensors, outside the gradients): the last A sums are the micro-batches'.
     for partial_sum in pipeline.loss.sums[len(pipeline.loss.sums) - len(micro_batches) :]:
         loss_sum += partial_sum.double()
     pipeline.loss.sums.clear()
+    pipeline.loss.rows = None
     return loss_sum
-
-
-def pipelined_step(
-    pipeline: Pipeline,
-    micro_batches: list[MicroBatch],
-    optimizer: torch.optim.Optimizer,
-    *,
-    global_counts: GlobalCounts,
-    grad_clip: float = 0.0,
-    autocast_dtype: torch.dtype | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    stop_requested: Callable[[], bool] | None = None,
-) -> StepResult:
-    """One optimizer step of this rank's stage over its replica's A micro-batches: optimizer_step's contract
-    (the same StepResult, the same token-weighted objective), the micro-batches run by one schedule step.
-    Every rank of the world must call it at the same step; `optimizer` holds this stage's parameters.
-    `scaler`: fp16's GradScaler, or None; every rank makes the same decision to skip and lowers its scale alike."""
-    layout, device = pipeline.layout, pipeline.device
-    tokens_global = global_counts.tokens
-    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
-    # A step (or a replica) without a supervised token still runs every micro-batch through every stage, so
-    # that each send meets its receive and DDP's all-reduce happens on every replica; its sums are zero.
-    pipeline.loss.multiplier = layout.replicas / max(tokens_global, 1)  # D / N
-    pipeline.loss.scaler = scaler
-    with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-        loss_sum_local = run_schedule(pipeline, micro_batches, train=True)
-
-    # The boundary: ONE float64 all-reduce over every rank carries the loss sum (nonzero on last stages only:
-    # their sum over the replicas is Σ S), the stop flag, and this stage's squared gradient norm (of the
-    # gradient times the scale, still). Every rank of a stage holds the same averaged gradients, so the sum
-    # over all ranks counts each stage's D times.
-    parameters = [p for p in pipeline.stage_module.parameters() if p.grad is not None]
-    stage_norm = torch.nn.utils.get_total_norm([p.grad for p in parameters]).double()
-    stop_here = stop_requested is not None and stop_requested()
-    summed = torch.stack([loss_sum_local, loss_sum_local.new_full((), float(stop_here)), stage_norm.square()])
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    scale = scaler.scale(loss_sum_local.new_ones(()))  # 1 without a scaler (public API; get_scale() would sync)
-    # The whole model's norm: sqrt(Σ_stages ‖g_stage‖²), each stage counted once (hence / D), unscaled.
-    grad_norm_tensor = (summed[2] / layout.replicas).sqrt() / scale
-    loss_sum_value, stops, grad_norm, loss_scale = torch.stack([summed[0], summed[1], grad_norm_tensor, scale]).tolist()
-    if scaler.is_enabled():
-        # Each rank's GradScaler sees only its stage's gradients. A non-finite whole-model norm means some stage
-        # overflowed: every other rank marks its own gradient so, and then unscale_ finds it on every rank,
-        # every rank skips the update, and every scaler lowers its scale alike (one decision for all ranks).
-        if not math.isfinite(grad_norm) and parameters:
-            parameters[0].grad.view(-1)[0] = math.inf
-        scaler.unscale_(optimizer)
-    if grad_clip > 0:  # the clip of one process: scale every stage by grad_clip / (norm + 1e-6) when below 1
-        torch.nn.utils.clip_grads_with_norm_(parameters, grad_clip, grad_norm_tensor)
-    lr = optimizer.param_groups[0]["lr"]
-    # Every rank has the same norm, so every rank makes the same decision to update or skip.
-    loss, applied, skip_reason = update_or_skip(optimizer, scaler, loss_sum_value, tokens_global, grad_norm)
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(
-        loss,
-        tokens_global,
-        global_counts.examples,
-        applied,
-        grad_norm,
-        skip_reason,
-        lr,
-        micro_batches=len(micro_batches),
-        micro_batch_size=micro_batches[0].labels.shape[0],
-        stop_requested=stops > 0,
-        loss_scale=loss_scale,
-    )
 
 
 @torch.no_grad()
@@ -281,7 +245,7 @@ def pipelined_loss_sum(
     iterator = iter(micro_batches)  # built one micro-batch at a time, A of them held at once
     while group := list(itertools.islice(iterator, accumulation_steps)):
         tokens += sum(count_supervised_tokens(mb.labels) for mb in group)
-        empty = MicroBatch(group[-1].inputs, torch.full_like(group[-1].labels, IGNORE_INDEX), 0)
+        empty = MicroBatch(group[-1].inputs, torch.full_like(group[-1].labels, IGNORE_INDEX), 0, group[-1].extras)
         group = group + [empty] * (accumulation_steps - len(group))
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             loss_sum += run_schedule(pipeline, group, train=False)

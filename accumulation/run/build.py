@@ -13,9 +13,7 @@ from accumulation.batching import accumulation_steps
 from accumulation.config.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.data.memory import memory_limit_bytes
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.fsdp import check_strategy_for_world, shard_model, shard_optimizer_state
 from accumulation.parallel.mesh import check_layout
-from accumulation.parallel.pipeline import check_pipeline_settings
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -34,9 +32,16 @@ def check_config_for_world(config: Config, world_size: int) -> None:
         accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, replicas)
     except ValueError as error:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
-    check_pipeline_settings(config, accum)
+    # The settings pipeline stages and FSDP2 refuse live with them, imported only when the config asks for them.
+    if config.dist.pipeline_stages > 1:
+        from accumulation.parallel.pipeline import check_pipeline_settings
+
+        check_pipeline_settings(config, accum)
     check_device_available(config)
-    check_strategy_for_world(config, world_size)
+    if config.dist.strategy == "fsdp2":
+        from accumulation.parallel.fsdp import check_strategy_for_world
+
+        check_strategy_for_world(config, world_size)
 
 
 def check_device_available(config: Config) -> None:
@@ -80,6 +85,8 @@ def wrap_for_training(
     with the chunked loss the module returning its hidden states; with `compile`, either with its loss in one
     module (ForwardAndLoss), compiled here as one region."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
+        from accumulation.parallel.fsdp import shard_model
+
         return shard_model(model, context, param_dtype=param_dtype)
     wrapped = torch.compile(model) if compile else model
     if context.world_size == 1:
@@ -88,11 +95,22 @@ def wrap_for_training(
     return DistributedDataParallel(wrapped, device_ids=device_ids)
 
 
+def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
+    """How optimizer_step runs the micro-batches of `module` (wrap_for_training's): FSDP2's strategy under
+    dist.strategy = "fsdp2", else None, the step's default (one process, or DDP). Pipeline stages are their own
+    strategy (accumulation/parallel/pipeline.py's Pipeline)."""
+    if dist_config.strategy != "fsdp2":
+        return None
+    from accumulation.parallel.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(module)
+
+
 # The per-group switches of PyTorch's optimizers that choose an implementation, not the maths.
 IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable")
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict, sharded: bool = False) -> None:
     """optimizer.load_state_dict, keeping this run's implementation and putting the state where it runs.
 
     load_state_dict takes every group setting from the checkpoint, `fused` and `foreach` included, and
@@ -102,9 +120,13 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> 
     each parameter's device and dtype, and the step counters are placed as PyTorch's optimizers expect:
     float32 on the parameter's device for a fused or capturable group, float32 on the CPU otherwise.
     The values themselves are unchanged, so the next update is the same as with the checkpoint's flags.
-    Under dist.strategy = "fsdp2" the checkpoint's whole tensors are first cut into this rank's shards."""
+    `sharded` (dist.strategy = "fsdp2"): the checkpoint's whole tensors are first cut into this rank's shards."""
     configured = [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(shard_optimizer_state(optimizer, state_dict))
+    if sharded:
+        from accumulation.parallel.fsdp import shard_optimizer_state
+
+        state_dict = shard_optimizer_state(optimizer, state_dict)
+    optimizer.load_state_dict(state_dict)
     for group, flags in zip(optimizer.param_groups, configured, strict=True):
         group.update(flags)
         counter_on_device = bool(group.get("fused") or group.get("capturable"))

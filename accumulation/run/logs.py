@@ -8,20 +8,20 @@ import math
 import os
 import resource
 import threading
+import time
 from pathlib import Path
 
 import torch
 
 from accumulation.batching import describe_batch
-from accumulation.config.config import Config
+from accumulation.config.config import Config, config_to_toml
 from accumulation.counters import Counters
 from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.fsdp import describe_sharding
 from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
-from accumulation.run.run_dir import metrics_lines
+from accumulation.run.run_dir import metrics_lines, write_text_atomically
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
 # the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
@@ -279,6 +279,8 @@ def print_run_header(
         f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
     )
     if config.dist.strategy == "fsdp2":
+        from accumulation.parallel.fsdp import describe_sharding
+
         say(describe_sharding(training.model))
     say(data.summary.describe())
     dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
@@ -300,3 +302,82 @@ def peak_memory_bytes(device: torch.device) -> int:
 def finite_or_none(value: float) -> float | None:
     """JSON has no NaN or inf: a non-finite value is written as null."""
     return value if math.isfinite(value) else None
+
+
+class RunLogs:
+    """The run's logs for one session, on every rank (rank 0 writes): config.toml, metrics.jsonl and TensorBoard,
+    the progress lines, and the session's summary. The steps' (supervised tokens, seconds) are kept for this
+    session (the summary's speed) and since the last progress line (its tokens/s)."""
+
+    def __init__(self, config: Config, data: Data, run_dir: Path, context: DistributedContext, say) -> None:
+        self.config, self.data, self.run_dir, self.context, self.say = config, data, run_dir, context, say
+        self.metrics_path = run_dir / "metrics.jsonl"
+        self.metrics_file, self.writers = None, []  # opened by open(), after the step-0 checkpoint
+        self.session_steps, self.window = [], []
+        self.first_loss = self.last_loss = None
+
+    def begin(self, counters: Counters) -> None:
+        """config.toml written, and the metrics of steps after the checkpoint dropped (a resume runs them again)."""
+        if not self.context.is_main:
+            return
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
+        except OSError as error:
+            where = self.run_dir / "config.toml"
+            raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
+        keep_metrics_up_to(self.metrics_path, counters.steps)
+
+    def open(self, counters: Counters, resumed: bool) -> None:
+        self.metrics_file, self.writers = open_logs(self.context, self.run_dir, self.metrics_path, resumed, counters)
+
+    def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
+        """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
+        self.session_steps.append((result.tokens, step_seconds))
+        self.window.append((result.tokens, step_seconds))
+        self.first_loss = result.loss if self.first_loss is None else self.first_loss
+        self.last_loss = result.loss
+        record = {
+            **vars(counters),
+            "loss": finite_or_none(result.loss),
+            "lr": result.lr,
+            "grad_norm": finite_or_none(result.grad_norm),
+            "scale": result.loss_scale,  # the scale of this step's losses: no extra read of the device
+            "tokens_per_s": result.tokens / step_seconds,
+            "peak_mem_bytes": peak_memory_bytes(self.context.device),
+            "time_s": step_seconds,
+        }
+        if not result.applied:
+            record["skip_reason"] = result.skip_reason
+            self.say(f"step {counters.steps}: update skipped: {result.skip_reason}")
+        return record
+
+    def write(self, counters: Counters, record: dict) -> None:
+        """The metrics line, and the progress line every run.log_every steps and at the last step."""
+        write_metrics(self.context, self.metrics_file, self.writers, record)
+        if counters.steps % self.config.run.log_every == 0 or counters.steps == self.config.run.max_steps:
+            self.say(progress_line(counters, self.config, record, self.window, self.data.summary.targets))
+            self.window = []
+
+    def flush(self) -> None:
+        """Every line written so far on the disk (TensorBoard buffers for up to 2 minutes)."""
+        flush_logs(self.metrics_file, self.writers)
+
+    def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
+        if self.context.is_main:
+            wall_seconds = time.perf_counter() - session_start
+            print_summary(
+                self.config,
+                counters,
+                self.first_loss,
+                self.last_loss,
+                final_val_loss,
+                self.session_steps,
+                wall_seconds,
+                model,
+                self.data.train,
+                self.data.summary.targets,
+            )
+
+    def close(self) -> None:
+        close_logs(self.metrics_file, self.writers)

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 
 from accumulation.config.config import Config, ConfigError, config_from_dict, config_to_dict, unused_model_keys
+from accumulation.counters import Counters
 from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
-from accumulation.run.build import build_optimizer
+from accumulation.run.build import build_optimizer, load_optimizer_state
 from accumulation.run.checkpoint import (
     CheckpointError,
     check_model_dtypes,
@@ -31,7 +31,7 @@ from accumulation.run.checkpoint import (
     step_checkpoints,
 )
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import build_scheduler, set_learning_rates
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -321,9 +321,17 @@ def checkpoint_payload(
     """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
     before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
     `model` is the unwrapped module."""
+    if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
+        from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+
+        model_state, optimizer_state = full_model_state_dict(model), full_optimizer_state_dict(optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        if context.is_main:  # the rank that writes the file
+            model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
     return {
-        "model": full_model_state_dict(model),  # whole tensors under fsdp2 too (gathered to rank 0)
-        "optimizer": full_optimizer_state_dict(optimizer),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scheduler": scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "counters": vars(counters).copy(),
@@ -340,3 +348,44 @@ def checkpoint_payload(
             "order": DATA_ORDER,
         },
     }
+
+
+def on_the_host(state: dict) -> dict:
+    """A state dict with every tensor (nested in dicts too, as an optimizer's) copied to the host, so that a
+    checkpoint written on GPUs loads on a machine without one."""
+    return {
+        key: on_the_host(value) if isinstance(value, dict) else value.cpu() if torch.is_tensor(value) else value
+        for key, value in state.items()
+    }
+
+
+def restore_training_state(training, resume: dict | None, config: Config, context: DistributedContext):
+    """A resume's optimizer, scheduler, scaler and random states loaded into train.py's Training; returns the
+    counters and the skipped steps in a row (up to optim.max_consecutive_skips; checkpointed with the counters).
+    A fresh run: zeros."""
+    if resume is None:
+        return Counters(), 0
+    # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
+    # state dicts are checked by their loaders, still before anything is written.
+    try:
+        # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
+        saved_optimizer = resume["optimizer"]
+        if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
+            from accumulation.parallel.pipeline import stage_optimizer_state
+
+            saved_optimizer = stage_optimizer_state(training.pipeline, training.optimizer, saved_optimizer)
+        load_optimizer_state(training.optimizer, saved_optimizer, sharded=config.dist.strategy == "fsdp2")
+        training.scheduler.load_state_dict(resume["scheduler"])
+        if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
+            training.scaler.load_state_dict(resume["scaler"])
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(
+            f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error}); resume "
+            f"from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
+        ) from None
+    set_learning_rates(training.scheduler)  # the new config's schedule governs the very next step
+    counters = Counters(**resume["counters"])
+    skips_in_a_row = resume["skips_in_a_row"]
+    restore_rng_states(resume["rng"], context, config, counters.steps)
+    resume.clear()  # the loaded state lives in the model and optimizer now: the payload's copy is freed
+    return counters, skips_in_a_row

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from accumulation.batching import MicroBatch
+from accumulation.batching import GlobalCounts, MicroBatch, count_supervised_tokens
 from accumulation.config.config import Config
 from accumulation.data.rows import RowSet
 from accumulation.data.sources import step_batch
 from accumulation.models.gpt import GPT
-from accumulation.step import GlobalCounts, count_supervised_tokens
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.config.config import Config, resolved_compile, resolved_grad_scaler
 from accumulation.data.sources import build_data
 from accumulation.models.factory import (
@@ -23,7 +23,7 @@ from accumulation.models.factory import (
     training_forward_and_loss,
 )
 from accumulation.run.build import autocast_dtype_for, build_optimizer, set_tf32
-from accumulation.step import GlobalCounts, optimizer_step
+from accumulation.step import optimizer_step
 from scripts.benchmarks.measuring import (
     cpu_model,
     flops_per_token,

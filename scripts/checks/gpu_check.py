@@ -73,6 +73,7 @@ from accumulation.models.factory import build_model, decided_model_config, train
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
+from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from scripts.checks.gpu_perf import PERF_MODES, PERF_TIMEOUT_S, last_line, run_perf, text_folder
 from testkit.ranks import run_on_ranks
@@ -123,11 +124,13 @@ def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
     return [micro_batch.pinned() for micro_batch in micro_batches]
 
 
-def sgd_gradient(model, micro_batches, counts, device, **options):
-    """The gradient an SGD optimizer is handed by one optimizer_step, and the StepResult."""
+def sgd_gradient(model, micro_batches, counts, device, shrink_on_oom=False, **options):
+    """The gradient an SGD optimizer is handed by one optimizer_step (batch.on_oom = "shrink"'s with
+    `shrink_on_oom`), and the StepResult."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # FinalHiddenStates holds the model's parameters
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
+    step = optimizer_step_shrinking_on_oom if shrink_on_oom else optimizer_step
+    result = step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
     return captured[0], result
 
 

@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from accumulation.batching import all_reduce_ints, count_supervised_tokens
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data, eval_micro_batches, step_batch
 from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
-from accumulation.step import all_reduce_ints, count_supervised_tokens, optimizer_step, token_cross_entropy_sum
+from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 
 # Run as `python scripts/teaching/loss_curves.py`, Python puts only this file's folder on sys.path: the

@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
 from accumulation.data.sources import epoch_permutation, step_row_ids, steps_per_epoch
 from accumulation.schedule import build_scheduler
-from accumulation.step import count_supervised_tokens, optimizer_step
+from accumulation.step import optimizer_step
 from scripts.teaching.pitfall_setup import (
     ACCUMULATION_STEPS,
     ADAM_LR,

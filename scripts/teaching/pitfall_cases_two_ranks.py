@@ -6,7 +6,7 @@ import contextlib
 
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.step import all_reduce_ints
+from accumulation.batching import all_reduce_ints
 from scripts.teaching.pitfall_cases_pipeline import pipeline_pitfalls, pipeline_twins
 from scripts.teaching.pitfall_setup import (
     ACCUMULATION_STEPS,

@@ -1,0 +1,59 @@
+"""Each step's micro-batches, built on the host one step ahead of the device (train.py's StepBatches)."""
+
+from accumulation.batching import GlobalCounts, MicroBatch
+from accumulation.config.config import Config
+from accumulation.data.sources import Data, DataError, check_supervised_counts, step_batch
+from accumulation.parallel.distributed import DistributedContext
+
+
+class StepBatches:
+    """Each step's micro-batches, built one step ahead: optimizer_step calls build(next step) after it has queued
+    the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
+    them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
+    early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
+    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
+
+    def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
+        self.config, self.data, self.context = config, data, context
+        self.built = {}  # (step, m) -> (micro-batches, global counts)
+
+    def take(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        ready = self.built.pop((step, micro_batch_size), None)
+        self.built.clear()
+        return ready if ready is not None else self.micro_batches(step, micro_batch_size)
+
+    def peek(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        """A step's micro-batches without taking them: built now (a DataError raises here) and kept for take()."""
+        if (step, micro_batch_size) not in self.built:
+            self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
+        return self.built[(step, micro_batch_size)]
+
+    def build(self, step: int, micro_batch_size: int) -> None:
+        if step >= self.config.run.max_steps:
+            return
+        try:
+            self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
+        except DataError:
+            pass  # raised again when that step takes its batch, after this step is logged and checkpointed
+
+    def micro_batches(self, step: int, micro_batch_size: int) -> tuple[list[MicroBatch], GlobalCounts]:
+        config, context = self.config, self.context
+        # What each row holds at this step (a fresh mask) comes from the data. Every rank holds the whole step's
+        # row ids and counts N on the host by itself: no collective, and nothing waits, before the forward.
+        batch = step_batch(
+            self.data.train,
+            step,
+            seed=config.run.seed,
+            global_batch_size=config.batch.global_batch_size,
+            tail=config.batch.tail,
+            micro_batch_size=micro_batch_size,
+            world_size=context.replicas,  # D: the stages of one replica run the same rows
+            rank=context.replica,
+        )
+        # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
+        # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
+        check_supervised_counts(batch)
+        micro_batches = batch.micro_batches
+        if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
+            micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
+        return micro_batches, batch.global_counts
