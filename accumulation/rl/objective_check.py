@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.rl.objectives import (
     NORMALISER_UNITS,
     PolicyLoss,
@@ -27,7 +27,7 @@ from accumulation.rl.objectives import (
     completion_lengths,
     target_log_probs,
 )
-from accumulation.step import GlobalCounts, optimizer_step
+from accumulation.step import optimizer_step
 
 # Both sides run in float64 and differ only in the order of their sums (micro-batches, ranks, DDP's mean): a few
 # units of 2**-52 per addition, far below this. Every wrong normaliser tried is off by a factor of order one.

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from accumulation.batching import MicroBatch
+from accumulation.batching import GlobalCounts, MicroBatch
 from accumulation.rl.objectives import PolicyLoss, aggregation
 from accumulation.rl.rollout import Trajectories
 from accumulation.rl.sizes import RoundSizes
-from accumulation.step import GlobalCounts, StepResult, optimizer_step
+from accumulation.step import StepResult, optimizer_step
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, accumulation_steps, count_supervised_tokens
 from accumulation.data.rows import step_uniforms
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import run_and_exit, setup_distributed, teardown_distributed
@@ -37,7 +37,7 @@ from accumulation.rl.objectives import NORMALISER_UNITS, PolicyLoss, completion_
 from accumulation.rl.rollout import addition_problems, read_prompts, reward, round_prompts, sample
 from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.rl.update import RoundTable, policy_updates
-from accumulation.step import GlobalCounts, count_supervised_tokens, optimizer_step
+from accumulation.step import optimizer_step
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT phase's example draws
 
