@@ -1,8 +1,8 @@
 """The package's imports go one way, by folder: the maths at the top of accumulation/ imports nothing else of
 the package; config/ only the maths; models/ and data/ the two above (and not each other); parallel/ those;
-run/ all of them; checker/ everything. Within a folder there is no cycle: the shared data types (data/rows.py,
-data/splits.py) are imported by the sources, and the factory (data/sources.py) imports the sources, never the other
-way."""
+rl/ (the GRPO fork's library) the maths and data/; run/ all of them; checker/ everything. Within a folder there
+is no cycle: the shared data types (data/rows.py, data/splits.py) are imported by the sources, and the factory
+(data/sources.py) imports the sources, never the other way."""
 
 import ast
 import os
@@ -15,7 +15,7 @@ PACKAGE = REPO / "accumulation"
 
 # Each folder's layer ("" = the package's top level, the maths of one step): a module imports its own folder
 # or a lower layer only. The same order as the folders' __init__ docstrings.
-LAYERS = {"": 0, "config": 1, "models": 2, "data": 2, "parallel": 3, "run": 4, "checker": 5}
+LAYERS = {"": 0, "config": 1, "models": 2, "data": 2, "parallel": 3, "rl": 3, "run": 4, "checker": 5}
 
 
 def module_name(path: Path) -> str:

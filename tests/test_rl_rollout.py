@@ -1,0 +1,60 @@
+"""Rollouts (accumulation/rl/rollout.py): the reward is computed from the prompt, and sampling is a pure function
+of (seed, round, row), so a resumed run or another rank layout draws the same completions."""
+
+import torch
+
+from accumulation.batching import IGNORE_INDEX
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.rl.rollout import answer, read_prompts, reward, round_prompts, sample
+
+PROMPTS = ["Q: 12 + 30 =", "Q: 7 * 6 =", "Q: 50 - 8 =", "Q: 365 * 5 ="]
+
+
+def policy() -> torch.nn.Module:
+    return GPT(GPTConfig(seq_len=32, n_layer=1, n_head=2, d_model=32, vocab_size=256), seed=5)
+
+
+def test_the_reward_is_the_true_result_of_the_prompt_after_any_working():
+    assert answer("Q: 885251 - 99505 =") == 785746
+    assert reward("Q: 479 * 58 =", " 479 * 50 + 479 * 8 = 23950 + 3832 = 27782\n") == 1.0
+    assert reward("Q: 479 * 58 =", " 27781\n") == 0.0
+    assert reward("Q: 2 * 0 =", " zero\n") == 0.0
+
+
+def test_the_task_file_reads():
+    prompts = read_prompts("data/sft_arithmetic.jsonl")
+    assert len(prompts) == 2800 and all(p.startswith("Q: ") for p in prompts)
+
+
+def test_a_round_asks_the_same_prompts_whoever_asks():
+    assert round_prompts(1, 3, 8, 2800) == round_prompts(1, 3, 8, 2800)
+    assert round_prompts(1, 3, 8, 2800) != round_prompts(1, 4, 8, 2800)
+
+
+def test_sampling_is_a_function_of_seed_round_and_row_not_of_the_batch():
+    model = policy()
+    rows = torch.arange(len(PROMPTS))
+    together = sample(model, PROMPTS, rows, seed=1, round_index=2, max_new_tokens=8, seq_len=32)
+    again = sample(model, PROMPTS, rows, seed=1, round_index=2, max_new_tokens=8, seq_len=32)
+    assert torch.equal(together.tokens, again.tokens)  # a restart with the same weights: bit for bit
+    assert torch.equal(together.old_log_probs, again.old_log_probs)
+    alone = sample(model, PROMPTS[2:3], rows[2:3], seed=1, round_index=2, max_new_tokens=8, seq_len=32)
+    assert torch.equal(alone.tokens[0], together.tokens[2])  # the same row drawn on another rank, in a smaller batch
+    other_round = sample(model, PROMPTS, rows, seed=1, round_index=3, max_new_tokens=8, seq_len=32)
+    assert not torch.equal(other_round.tokens, together.tokens)
+
+
+def test_labels_and_old_log_probs_cover_exactly_the_completion():
+    model = policy()
+    drawn = sample(model, PROMPTS, torch.arange(4), seed=1, round_index=0, max_new_tokens=6, seq_len=32)
+    for i, prompt in enumerate(PROMPTS):
+        supervised = torch.nonzero(drawn.labels[i] != IGNORE_INDEX).flatten()
+        first = len(prompt) - 1  # the last prompt byte predicts the first completion byte
+        assert supervised.tolist() == list(range(first, first + len(supervised)))
+        assert torch.equal(drawn.labels[i, supervised], drawn.tokens[i, supervised + 1])
+        assert drawn.completions[i] == bytes(drawn.tokens[i, supervised + 1].tolist()).decode(errors="replace")
+        assert (drawn.old_log_probs[i, supervised] < 0).all()
+        # the recorded log-probability is the policy's for the drawn byte (float32 rounding apart)
+        logits = model(drawn.tokens[i : i + 1])[0, supervised].double()
+        recomputed = torch.log_softmax(logits, -1).gather(-1, drawn.labels[i, supervised, None])[:, 0]
+        assert torch.allclose(recomputed.float(), drawn.old_log_probs[i, supervised], atol=1e-5)
