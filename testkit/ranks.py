@@ -76,18 +76,7 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
             )
             for rank in range(world_size)
         ]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-        if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s} s (a hang?)")
+        run_to_the_end(processes, timeout_s)
         failed = {rank: process.exitcode for rank, process in enumerate(processes) if process.exitcode != 0}
         if failed:
             raise RuntimeError(f"ranks exited with non-zero status {failed}; see the traceback above")
@@ -155,20 +144,26 @@ def run_main_on_ranks(
             )
             for rank in range(world_size)
         ]
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
-        for process in processes:
-            if process.is_alive():
-                process.kill()
-                process.join()
-        if hung:
-            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s} s (a hang?)")
+        run_to_the_end(processes, timeout_s)
         outputs = []
         for rank, process in enumerate(processes):
             out, err = ((Path(scratch) / f"rank{rank}.{name}").read_text() for name in ("out", "err"))
             outputs.append((process.exitcode, out, err))
         return outputs
+
+
+def run_to_the_end(processes: list, timeout_s: float) -> None:
+    """Start the ranks' processes and wait for all of them, up to `timeout_s` in all; a rank still running then is
+    killed, and a TimeoutError names the ranks that hung."""
+    for process in processes:
+        process.start()
+    deadline = time.monotonic() + timeout_s
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    hung = [rank for rank, process in enumerate(processes) if process.is_alive()]
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if hung:
+        raise TimeoutError(f"ranks {hung} did not finish within {timeout_s} s (a hang?)")
