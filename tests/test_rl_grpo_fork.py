@@ -46,7 +46,7 @@ def run(tmp_path, name, *overrides) -> int:
     fork = grpo()
     fork.reward = digit_count_reward
     return fork.main(
-        ["--config", "configs/grpo.toml", f'run.out_dir="{tmp_path}"', f'run.name="{name}"', *TOY, *overrides]
+        ["--config", "scripts/rl/grpo.toml", f'run.out_dir="{tmp_path}"', f'run.name="{name}"', *TOY, *overrides]
     )
 
 
@@ -146,7 +146,7 @@ def test_the_forks_objective_check_passes_and_its_wrong_normaliser_fails_naming_
     spec = importlib.util.spec_from_file_location("check_objectives", SCRIPT.with_name("check_objectives.py"))
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
-    settings = ["--config", "configs/grpo.toml", f'run.out_dir="{tmp_path}"', *TOY]
+    settings = ["--config", "scripts/rl/grpo.toml", f'run.out_dir="{tmp_path}"', *TOY]
     assert check.main(settings) == 0
     assert "PASS seq-mean-token-mean" in capsys.readouterr().out
     assert check.main([*settings, "--inject-bug", "wrong-normaliser"]) == 1

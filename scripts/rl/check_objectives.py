@@ -1,7 +1,7 @@
 """The objective-level check of the GRPO fork: its configured loss aggregation, accumulated by optimizer_step over
 several micro-batch sizes, against the float64 gradient of the objective written from its definition.
 
-    python scripts/rl/check_objectives.py [--config configs/grpo.toml] [section.key=value ...] [--inject-bug BUG]
+    python scripts/rl/check_objectives.py [--config scripts/rl/grpo.toml] [section.key=value ...] [--inject-bug BUG]
 
 The rows are one mini-batch of the fork's own rollout at its initial policy (its task, prompts, group size and
 sampler; float64), their old log-probabilities those recorded at sampling. A group whose rewards are all equal

@@ -1,7 +1,7 @@
 """GRPO on arithmetic: the project's GPT learns to answer 'Q: a op b =' from a reward a function computes.
 
-    python scripts/rl/grpo.py --config configs/grpo.toml [section.key=value ...]
-    torchrun --standalone --nproc_per_node=2 scripts/rl/grpo.py --config configs/grpo.toml
+    python scripts/rl/grpo.py --config scripts/rl/grpo.toml [section.key=value ...]
+    torchrun --standalone --nproc_per_node=2 scripts/rl/grpo.py --config scripts/rl/grpo.toml
 
 Two phases in one run directory, <run.out_dir>/<run.name>/:
 1. SFT: the policy first learns the answers of the training prompts by supervised fine-tuning (cross-entropy on
