@@ -192,6 +192,15 @@ def train_in_run_directory(
         print(f"error: {error}", file=sys.stderr)
         return WRITE_ERROR_STATUS
     except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
+        # Out of memory: torch.OutOfMemoryError on CUDA, a plain RuntimeError from the CPU allocator.
+        if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
+            print(
+                f"error: out of memory at batch.micro_batch_size={config.batch.micro_batch_size} "
+                f"({str(error).strip().splitlines()[0]}); lower batch.micro_batch_size (A grows, the global batch "
+                f'and its update stay the same), or on CUDA set batch.on_oom="shrink"',
+                file=sys.stderr,
+            )
+            return 2
         message = lost_rank_message(error, rank, config.dist.timeout_s) if world_size > 1 else None
         if message is None:
             traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message

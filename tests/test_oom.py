@@ -250,3 +250,26 @@ def test_an_oom_in_the_syncing_backward_is_not_retried():
 def test_one_process_retries_an_oom_in_a_backward_down_to_one_row():
     with pytest.raises(torch.OutOfMemoryError):
         sgd_step(OutOfMemoryInEveryBackward(), step_batches(corpus_rows(), 8, 8), shrink_on_oom=True)
+
+
+def test_running_out_of_memory_in_train_py_is_one_line(tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure is a plain RuntimeError, CUDA's a torch.OutOfMemoryError: either ends train.py
+    with one line naming m and what to do, exit 2, instead of an allocator traceback."""
+    import train
+    from tests.test_train import tiny_settings, uneven_corpus
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    for error in (
+        RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: 4e13 bytes"),
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    ):
+
+        def out_of_memory(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(train, "optimizer_step", out_of_memory)
+        out_dir = tmp_path / type(error).__name__
+        assert train.main(tiny_settings(tmp_path, corpus, **{"run.out_dir": out_dir})) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: out of memory at batch.micro_batch_size=2 ("), lines
+        assert "lower batch.micro_batch_size" in lines[0] and "Traceback" not in lines[0]
