@@ -172,33 +172,56 @@ def check_schedule_clock(train) -> None:
     )
 
 
-RANKS = 2  # D for exercise 14
+RANKS = 2  # two gloo ranks: D of exercise 14, the pipeline's two stages or FSDP2's two shards (checks_frontier)
 
 
-def two_rank_worker(rank: int, scratch: str, accumulate, micro_batches_per_rank: list, tokens: int) -> None:
+def on_two_ranks(worker, *arguments) -> list:
+    """Runs worker(rank, *arguments) on 2 forked gloo ranks and returns what each returned; a rank that raised
+    fails the check with its traceback, and a rank that hangs fails it after 120 s."""
+    with tempfile.TemporaryDirectory(prefix="exercise-ranks-") as scratch:
+
+        def run(rank: int) -> None:
+            torch.set_num_threads(1)  # the ranks share the machine's cores
+            try:
+                store = f"file://{os.path.join(scratch, 'store')}"
+                dist.init_process_group("gloo", init_method=store, rank=rank, world_size=RANKS)
+                result = {"value": worker(rank, *arguments)}
+                dist.destroy_process_group()
+            except Exception:
+                result = {"error": traceback.format_exc(limit=4)}
+            torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
+            os._exit(0)  # skips the interpreter's exit, which can abort a finished gloo rank
+
+        # fork: the student's function reaches the ranks as it is, without pickling (it may come from exec).
+        ranks = [mp.get_context("fork").Process(target=run, args=(rank,)) for rank in range(RANKS)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        assert not hung, f"ranks {hung} did not finish in 120 s: does every rank run the same collectives?"
+        results = [torch.load(os.path.join(scratch, f"rank{r}.pt"), weights_only=False) for r in range(RANKS)]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
+    return [result["value"] for result in results]
+
+
+def two_rank_worker(rank: int, accumulate, micro_batches_per_rank: list, tokens: int) -> dict:
     """One of exercise 14's ranks: a DDP model, a communication hook that counts the gradient entries each
-    all-reduce sends, the student's accumulate(); saves (.grad, entries sent, or the error) for the parent."""
-    torch.set_num_threads(1)  # the ranks share the machine's cores
-    result = {}
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{os.path.join(scratch, 'store')}", rank=rank, world_size=RANKS
-        )
-        model = DistributedDataParallel(make_model())
-        entries_sent = []
+    all-reduce sends, the student's accumulate(); returns .grad and the entries sent."""
+    model = DistributedDataParallel(make_model())
+    entries_sent = []
 
-        def counting_allreduce(process_group, bucket):
-            entries_sent.append(bucket.buffer().numel())
-            return default_hooks.allreduce_hook(process_group, bucket)  # DDP's own: the mean over ranks
+    def counting_allreduce(process_group, bucket):
+        entries_sent.append(bucket.buffer().numel())
+        return default_hooks.allreduce_hook(process_group, bucket)  # DDP's own: the mean over ranks
 
-        model.register_comm_hook(None, counting_allreduce)
-        accumulate(model, micro_batches_per_rank[rank], tokens, RANKS)
-        result = {"grads": [p.grad.clone() for p in model.parameters()], "entries_sent": sum(entries_sent)}
-        dist.destroy_process_group()
-    except Exception:
-        result = {"error": traceback.format_exc(limit=3)}
-    torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
-    os._exit(0)  # skips the interpreter's exit, which can abort a finished gloo rank
+    model.register_comm_hook(None, counting_allreduce)
+    accumulate(model, micro_batches_per_rank[rank], tokens, RANKS)
+    return {"grads": [p.grad.clone() for p in model.parameters()], "entries_sent": sum(entries_sent)}
 
 
 def check_two_ranks(accumulate) -> None:
@@ -210,25 +233,7 @@ def check_two_ranks(accumulate) -> None:
     model = make_model()
     reference = reference_gradient(model, micro_batches_per_rank[0] + micro_batches_per_rank[1])
     gradient_entries = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory(prefix="exercise-two-ranks-") as scratch:
-        # fork: the student's function reaches the ranks as it is, without pickling (it may come from exec).
-        context = mp.get_context("fork")
-        ranks = [
-            context.Process(target=two_rank_worker, args=(r, scratch, accumulate, micro_batches_per_rank, tokens))
-            for r in range(RANKS)
-        ]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(120)
-        hung = [r for r, process in enumerate(ranks) if process.is_alive()]
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        assert not hung, f"ranks {hung} did not finish in 120 s: does every rank run the same collectives?"
-        results = [torch.load(os.path.join(scratch, f"rank{r}.pt"), weights_only=False) for r in range(RANKS)]
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
+    results = on_two_ranks(two_rank_worker, accumulate, micro_batches_per_rank, tokens)
     for rank, result in enumerate(results):
         error = relative_error(result["grads"], reference)
         assert error <= RTOL, f"rank {rank}: gradient off by {error:.3g} of its largest entry (allowed {RTOL:g})"

@@ -4,14 +4,9 @@ function on the tiny float64 model and raises AssertionError, with what went wro
 independent float64 reference of the whole step as one batch (tolerance RTOL = 1e-10; every bug costs 1e-2).
 """
 
-import os
-import tempfile
-import traceback
 import warnings
 
 import torch
-from torch import distributed as dist
-from torch import multiprocessing as mp
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor
@@ -20,52 +15,19 @@ from torch.nn import functional as F
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives
 from scripts.teaching.exercises.checks import (
     IGNORE_INDEX,
+    RANKS,
     RTOL,
     SEQ_LEN,
     VOCAB_SIZE,
     make_model,
     make_step,
+    on_two_ranks,
     reference_gradient,
     relative_error,
 )
 
-RANKS = 2  # two gloo ranks: the pipeline's two stages, or FSDP2's two shards
 REPLICAS = 2  # D of exercise 20: the pipeline's data replicas, run one after the other on the same two stages
 CPU = torch.device("cpu")
-
-
-def on_two_ranks(worker, *arguments) -> list:
-    """Runs worker(rank, *arguments) on 2 forked gloo ranks and returns what each returned; a rank that raised
-    fails the check with its traceback, and a rank that hangs fails it after 120 s."""
-    with tempfile.TemporaryDirectory(prefix="exercise-ranks-") as scratch:
-
-        def run(rank: int) -> None:
-            torch.set_num_threads(1)  # the ranks share the machine's cores
-            try:
-                store = f"file://{os.path.join(scratch, 'store')}"
-                dist.init_process_group("gloo", init_method=store, rank=rank, world_size=RANKS)
-                result = {"value": worker(rank, *arguments)}
-                dist.destroy_process_group()
-            except Exception:
-                result = {"error": traceback.format_exc(limit=4)}
-            torch.save(result, os.path.join(scratch, f"rank{rank}.pt"))
-            os._exit(0)  # skips the interpreter's exit, which can abort a finished gloo rank
-
-        # fork: the student's function reaches the ranks as it is, without pickling (it may come from exec).
-        ranks = [mp.get_context("fork").Process(target=run, args=(rank,)) for rank in range(RANKS)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(120)
-        hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        assert not hung, f"ranks {hung} did not finish in 120 s: does every rank run the same collectives?"
-        results = [torch.load(os.path.join(scratch, f"rank{r}.pt"), weights_only=False) for r in range(RANKS)]
-    for rank, result in enumerate(results):
-        assert "error" not in result, f"rank {rank} raised:\n{result['error']}"
-    return [result["value"] for result in results]
 
 
 def supervised_tokens(micro_batches: list) -> int:
