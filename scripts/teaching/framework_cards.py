@@ -236,26 +236,35 @@ def hf_trainer(accepts_count: bool | None = None, loss_type: str | None = None) 
         input_ids, labels = step_rows()
         rows = [{"input_ids": i, "labels": label} for i, label in zip(input_ids, labels, strict=True)]
         with tempfile.TemporaryDirectory() as output_dir:
-            args = transformers.TrainingArguments(
-                output_dir=output_dir,
-                per_device_train_batch_size=MICRO_BATCH_SIZE,
-                gradient_accumulation_steps=ACCUMULATION_STEPS,
-                max_steps=1,
-                learning_rate=LR,
-                optim="sgd",
-                lr_scheduler_type="constant",
-                weight_decay=0.0,
-                max_grad_norm=0.0,  # 0 turns its clipping off; the reference is unclipped
-                train_sampling_strategy="sequential",
-                report_to="none",
-                save_strategy="no",
-                logging_strategy="no",
-                disable_tqdm=True,
-                use_cpu=True,
-            )
+            args = trainer_arguments(output_dir, ACCUMULATION_STEPS)
             transformers.Trainer(model=model, args=args, train_dataset=rows).train()
 
     return run
+
+
+def trainer_arguments(output_dir: str, accumulation_steps: int, **settings):
+    """The HF Trainer's settings of every card: one plain-SGD step of micro-batches of MICRO_BATCH_SIZE rows taken
+    in order, A = `accumulation_steps`, unclipped (the reference is), nothing logged or saved, on the CPU."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=MICRO_BATCH_SIZE,
+        gradient_accumulation_steps=accumulation_steps,
+        max_steps=1,
+        learning_rate=LR,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,  # 0 turns its clipping off
+        train_sampling_strategy="sequential",
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        **settings,
+    )
 
 
 def model_mean(model, micro_batch, targets_in_step):

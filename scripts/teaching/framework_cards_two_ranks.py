@@ -62,24 +62,8 @@ def rank_main(rank: int, port: int, average_tokens: bool, weights_path: str) -> 
     input_ids, labels = cards.step_rows()
     rows = [{"input_ids": i, "labels": label} for i, label in zip(input_ids, labels, strict=True)]
     with tempfile.TemporaryDirectory() as output_dir, contextlib.redirect_stdout(io.StringIO()):
-        args = transformers.TrainingArguments(
-            output_dir=output_dir,
-            per_device_train_batch_size=cards.MICRO_BATCH_SIZE,
-            gradient_accumulation_steps=ACCUMULATION_STEPS,
-            max_steps=1,
-            learning_rate=cards.LR,
-            optim="sgd",
-            lr_scheduler_type="constant",
-            weight_decay=0.0,
-            max_grad_norm=0.0,
-            train_sampling_strategy="sequential",
-            average_tokens_across_devices=average_tokens,
-            ddp_backend="gloo",
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            use_cpu=True,
+        args = cards.trainer_arguments(
+            output_dir, ACCUMULATION_STEPS, average_tokens_across_devices=average_tokens, ddp_backend="gloo"
         )
         transformers.Trainer(model=model, args=args, train_dataset=rows).train()
     if rank == 0:
