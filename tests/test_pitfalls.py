@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from accumulation.models.gpt import GPT
-from scripts.teaching import pitfall_setup, pitfalls
+from scripts.teaching import pitfall_cases_rl, pitfall_setup, pitfalls
+from testkit import reference as testkit_reference
 
 REPO = Path(__file__).resolve().parent.parent
 ACCUMULATION_STEPS = pitfall_setup.ACCUMULATION_STEPS  # A: micro-batches per rank in every step of the gallery
@@ -24,6 +26,7 @@ GRADIENT_BYTES = sum(p.numel() * 8 for p in GPT(pitfall_setup.MODEL, seed=0).par
 RULES = {
     pitfall_setup.GRADIENT_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
     pitfall_setup.UPDATE_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
+    pitfall_cases_rl.OBJECTIVE_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
     pitfall_setup.LOSS_ERROR: (lambda row: row["correct"] < 1e-10, lambda row: row["buggy"] > 1e-3),
     pitfall_setup.LR_ERROR: (lambda row: row["correct"] < 1e-12, lambda row: row["buggy"] > 1e-3),
     pitfall_setup.RANK_DIVERGENCE: (lambda row: row["correct"] == 0, lambda row: row["buggy"] > 1e-3),
@@ -77,7 +80,11 @@ def test_json_is_a_list_of_pitfall_metric_buggy_correct(gallery):
         assert isinstance(row["pitfall"], str) and isinstance(row["metric"], str) and row["reference"]
         assert isinstance(row["buggy"], float) and isinstance(row["correct"], float)
         # Direction and scale belong to the rows that compare vectors, and to all of them.
-        has_vectors = row["metric"] in (pitfall_setup.GRADIENT_ERROR, pitfall_setup.UPDATE_ERROR)
+        has_vectors = row["metric"] in (
+            pitfall_setup.GRADIENT_ERROR,
+            pitfall_cases_rl.OBJECTIVE_ERROR,
+            pitfall_setup.UPDATE_ERROR,
+        )
         assert (row["cosine"] is not None) == has_vectors == (row["norm_ratio"] is not None), row
     assert len({row["pitfall"] for row in rows}) == len(rows)
 
@@ -266,3 +273,94 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
     for m in exact:
         assert pitfalls.exact_marker_text(m.metric, m.correct) in error_texts
     assert any(text.startswith("< 1e-14") and text.endswith("(exact)") for text in error_texts)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The RL rows (26 to 31): each buggy twin is the gradient its bug's formula implies, and the correct twin is exact.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def rl_step_facts():
+    """Per-row lengths, micro-batch of each row and the counts the bugs divide by, from the rows' set-up."""
+    lengths = torch.tensor(pitfall_cases_rl.COMPLETION_TOKENS, dtype=torch.float64)
+    m = pitfall_cases_rl.MICRO_BATCH_SIZE
+    micro_batch_tokens = lengths.view(-1, m).sum(dim=1).repeat_interleave(m)  # T_k of each row's micro-batch
+    return lengths, micro_batch_tokens, len(lengths) // m  # A on one process
+
+
+def predicted(row_weights, reference, loss="surrogate"):
+    """(relative error, cosine, norm ratio) of ∇ Σ_i c_i Σ_t ℓ_it against the reference: what the bug implies."""
+    implied = pitfall_cases_rl.implied_gradient(row_weights, loss)
+    cosine, norm_ratio = pitfall_setup.direction_and_scale(implied, reference)
+    return testkit_reference.max_relative_error(implied, reference), cosine, norm_ratio
+
+
+def assert_measured_as_predicted(measurement, prediction):
+    # Twin and prediction are float64 gradients of the same weighted sum, summed in other orders (per micro-batch
+    # or at once): they differ by a few ulps of the largest entry, while each prediction differs from the
+    # correct update by 1e-2 or more. 1e-9 relative leaves six orders of magnitude on either side.
+    error, cosine, norm_ratio = prediction
+    assert measurement.buggy == pytest.approx(error, rel=1e-9), measurement
+    assert measurement.cosine == pytest.approx(cosine, abs=1e-9), measurement
+    assert measurement.norm_ratio == pytest.approx(norm_ratio, rel=1e-9), measurement
+    assert measurement.correct_agrees and measurement.bug_shown, measurement  # correct within GRADIENT_RTOL
+
+
+def test_rl_token_mean_per_micro_batch_is_each_micro_batchs_mean_over_a():
+    lengths, micro_batch_tokens, accumulation = rl_step_facts()
+    reference = pitfall_cases_rl.reference_gradient("token-mean")
+    measurement = pitfall_cases_rl.token_mean_per_micro_batch_over_a()
+    assert_measured_as_predicted(measurement, predicted(1 / (accumulation * micro_batch_tokens), reference))
+    assert measurement.cosine < 0.99  # the weights differ by micro-batch: the direction turns
+
+
+def test_rl_token_mean_scaled_by_row_share_weighs_each_micro_batch_by_its_rows():
+    lengths, _, _ = rl_step_facts()
+    weights = torch.empty_like(lengths)
+    for first, last in pitfall_cases_rl.token_budget_bounds():
+        weights[first:last] = (last - first) / len(lengths) / lengths[first:last].sum()
+    assert len({last - first for first, last in pitfall_cases_rl.token_budget_bounds()}) > 1  # rows differ
+    reference = pitfall_cases_rl.reference_gradient("token-mean")
+    measurement = pitfall_cases_rl.token_mean_scaled_by_row_share()
+    assert_measured_as_predicted(measurement, predicted(weights, reference))
+    assert measurement.cosine < 0.99
+
+
+def test_rl_dr_grpo_summed_per_micro_batch_is_m_times_the_objective():
+    """Σ_i s_i / (C·A) against Σ_i s_i / (C·|B|): the factor |B|/A = m exactly, the direction unchanged."""
+    measurement = pitfall_cases_rl.dr_grpo_sum_over_c_per_micro_batch()
+    assert measurement.norm_ratio == pytest.approx(pitfall_cases_rl.MICRO_BATCH_SIZE, rel=1e-12)
+    assert measurement.cosine == pytest.approx(1.0, abs=1e-12)  # float64 keeps a parallel pair within 1e-12
+    assert measurement.correct_agrees
+
+
+def test_rl_token_mean_over_the_generation_batch_is_scaled_by_the_steps_share_of_its_tokens():
+    lengths, _, _ = rl_step_facts()
+    step_tokens = lengths[: pitfall_cases_rl.STEP_ROWS].sum()
+    measurement = pitfall_cases_rl.token_mean_over_generation_batch()
+    assert measurement.norm_ratio == pytest.approx(float(step_tokens / lengths.sum()), rel=1e-12)  # 26 / 50
+    assert measurement.cosine == pytest.approx(1.0, abs=1e-12)
+    assert measurement.correct_agrees
+
+
+def test_rl_prompt_mean_without_1_over_a_is_a_times_the_objective():
+    _, _, accumulation = rl_step_facts()
+    measurement = pitfall_cases_rl.prompt_mean_without_accumulation_normaliser()
+    assert measurement.norm_ratio == pytest.approx(accumulation, rel=1e-12)
+    assert measurement.cosine == pytest.approx(1.0, abs=1e-12)
+    assert measurement.correct_agrees
+
+
+@pytest.mark.integration
+def test_rl_distillation_per_micro_batch_summed_on_2_ranks_is_the_sum_of_micro_batch_means(gallery):
+    """Each rank sums its micro-batches' token means, DDP averages the D ranks: c_i = 1 / (D · T_k(i))."""
+    _, micro_batch_tokens, _ = rl_step_facts()
+    reference = pitfall_cases_rl.reference_gradient("token-mean", "distillation")
+    error, cosine, norm_ratio = predicted(
+        1 / (pitfall_setup.WORLD_SIZE * micro_batch_tokens), reference, "distillation"
+    )
+    row = row_named(rows_of(gallery), "distillation token-mean per micro-batch")
+    assert row["buggy"] == pytest.approx(error, rel=1e-9)  # the tolerance of assert_measured_as_predicted
+    assert row["cosine"] == pytest.approx(cosine, abs=1e-9)
+    assert row["norm_ratio"] == pytest.approx(norm_ratio, rel=1e-9)
+    assert row["correct"] < pitfall_setup.GRADIENT_RTOL

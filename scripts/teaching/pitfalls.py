@@ -6,6 +6,8 @@ Every pitfall is a pair of twins. The buggy twin is the mistake written out plai
 correct twin is this project's `optimizer_step` (or its data order), so the gallery tests our loop as well.
 Most pairs are judged against an independent reference: PyTorch's own token-mean cross-entropy
 (`reduction="mean"`, `ignore_index=-100`) over one big float64 batch made of every micro-batch of the step.
+Rows 26 to 31 (pitfall_cases_rl.py) are RL aggregation bugs of GRPO-family losses, judged against the float64
+gradient of the objective written from its definition.
 
 The table on stdout (or, with --json, a list of {"pitfall", "metric", "buggy", "correct", "cosine",
 "norm_ratio", "reference"}) shows one number per twin. Where the twins are gradients or updates, two more
@@ -18,7 +20,8 @@ the rows in panels by kind of metric: relative errors, cosines, norm ratios, byt
 axis of their own. The exit status is 1 when a correct twin disagrees with its reference or a buggy twin
 fails to show its bug, so the gallery doubles as a test. It took 47 s wall on this project's 2-core CPU
 shared with other jobs (load average 0.5 to 3.9; measured once, 2026-12-01, before rows 23 to 25 joined);
-nine pitfalls need 2 gloo ranks (three of them as 2 pipeline stages), which it spawns once.
+nine pitfalls need 2 gloo ranks (three of them as 2 pipeline stages), which it spawns once, and row 31 spawns
+2 more.
 """
 
 import argparse
@@ -33,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from scripts.teaching.pitfall_cases_one_process import SINGLE_PROCESS_PITFALLS
+from scripts.teaching.pitfall_cases_rl import OBJECTIVE_ERROR, RL_PITFALLS
 from scripts.teaching.pitfall_cases_two_ranks import two_rank_pitfalls
 from scripts.teaching.pitfall_setup import (
     ALLREDUCE_BYTES,
@@ -52,7 +56,13 @@ from scripts.teaching.pitfall_setup import (
 # measured, and 1e-14 leaves a factor of 20. Adam's update divides by sqrt(v) + eps, which magnifies the
 # same residue for small-gradient entries: 1.1e-12 and 3.1e-13 on two machines, bound 1e-11. The checks
 # (pitfall_setup.py) keep their wider tolerances; these bounds only decide what the table and the guide print.
-ROUNDING_BOUND = {GRADIENT_ERROR: 1e-14, LR_ERROR: 1e-14, LOSS_ERROR: 1e-14, UPDATE_ERROR: 1e-11}
+ROUNDING_BOUND = {
+    GRADIENT_ERROR: 1e-14,
+    OBJECTIVE_ERROR: 1e-14,
+    LR_ERROR: 1e-14,
+    LOSS_ERROR: 1e-14,
+    UPDATE_ERROR: 1e-11,
+}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -65,7 +75,7 @@ def pitfall_number(measurement: Measurement) -> int:
 
 
 def run_gallery() -> list[Measurement]:
-    measurements = two_rank_pitfalls() + [pitfall() for pitfall in SINGLE_PROCESS_PITFALLS]
+    measurements = two_rank_pitfalls() + [pitfall() for pitfall in SINGLE_PROCESS_PITFALLS + RL_PITFALLS]
     return sorted(measurements, key=pitfall_number)
 
 
@@ -118,7 +128,7 @@ def table(measurements: list[Measurement]) -> str:
 
 
 # The figure's panels: each kind of metric on an axis of its own, so bytes, rows and ratios never share a scale.
-RELATIVE_ERRORS = (GRADIENT_ERROR, UPDATE_ERROR, LR_ERROR, LOSS_ERROR, RANK_DIVERGENCE)
+RELATIVE_ERRORS = (GRADIENT_ERROR, OBJECTIVE_ERROR, UPDATE_ERROR, LR_ERROR, LOSS_ERROR, RANK_DIVERGENCE)
 BYTES = (ALLREDUCE_BYTES, SAVED_BYTES)
 COUNTS = (ROWS_NOT_ONCE,)
 
