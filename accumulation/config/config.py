@@ -16,8 +16,8 @@ nothing is guessed, and nothing is ever silently rounded.
 import dataclasses
 import json
 import math
+import operator
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, fields
 
@@ -209,79 +209,51 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
 # ---------------------------------------------------------------------------------------------------------
 
 _TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
-_EMPTY_ALLOWED_WORDS = 'a string ("" = none)'
-
-
-def _has_type(value, type_) -> bool:
-    if type_ is int:
-        return type(value) is int  # not isinstance: bool is a subclass of int, and true is not a count
-    if type_ is float:
-        return type(value) is float and math.isfinite(value)
-    if type_ is str:
-        return type(value) is str
-    return type(value) is type_
-
-
-def _is_one_of(value, choices) -> bool:
-    # Compare types too: 1 == True in Python, but 1 is not an allowed value of precision.grad_scaler.
-    return any(type(value) is type(choice) and value == choice for choice in choices)
-
-
-def _bounds_text(metadata) -> str:
-    """E.g. ">= 0 and < 1"; empty when the key has no bounds."""
-    parts = []
-    for symbol, rule in ((">=", "at_least"), (">", "above"), ("<=", "at_most"), ("<", "below")):
-        if metadata[rule] is not None:
-            parts.append(f"{symbol} {metadata[rule]}")
-    return " and ".join(parts)
-
-
-def _within_bounds(value, metadata) -> bool:
-    return (
-        (metadata["at_least"] is None or value >= metadata["at_least"])
-        and (metadata["above"] is None or value > metadata["above"])
-        and (metadata["at_most"] is None or value <= metadata["at_most"])
-        and (metadata["below"] is None or value < metadata["below"])
-    )
+# The bounds setting() declares: each one's symbol in messages, and the comparison a value must pass.
+_BOUNDS = {
+    "at_least": (">=", operator.ge),
+    "above": (">", operator.gt),
+    "at_most": ("<=", operator.le),
+    "below": ("<", operator.lt),
+}
 
 
 def allowed_text(declaration: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
-    choices = declaration.metadata["choices"]
-    if choices is not None:
-        return "one of " + ", ".join(value_text(choice) for choice in choices)
-    bounds = _bounds_text(declaration.metadata)
-    words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
-    words = words or _TYPE_WORDS[declaration.type]
-    return f"{words} {bounds}" if bounds else words
+    metadata = declaration.metadata
+    if metadata["choices"] is not None:
+        return "one of " + ", ".join(value_text(choice) for choice in metadata["choices"])
+    words = _TYPE_WORDS[declaration.type]
+    if declaration.type is str and declaration.default == "":
+        words = 'a string ("" = none)'
+    bounds = [f"{symbol} {metadata[name]}" for name, (symbol, _) in _BOUNDS.items() if metadata[name] is not None]
+    return f"{words} {' and '.join(bounds)}" if bounds else words
+
+
+def _is_allowed(value, declaration: dataclasses.Field) -> bool:
+    metadata = declaration.metadata
+    if metadata["choices"] is not None:
+        # Compare types too: 1 == True in Python, but 1 is not an allowed value of precision.grad_scaler.
+        return any(type(value) is type(choice) and value == choice for choice in metadata["choices"])
+    # type(), not isinstance: bool is a subclass of int, and true is not a count
+    if type(value) is not declaration.type or (type(value) is float and not math.isfinite(value)):
+        return False
+    if value == "":
+        return declaration.default == ""  # "" means none only where it is the declared default
+    return all(test(value, metadata[name]) for name, (_, test) in _BOUNDS.items() if metadata[name] is not None)
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
-    if isinstance(value, str) and not _is_utf8(value):
-        # A command-line argument of bytes that are not UTF-8 arrives with them escaped (os.fsdecode); the
-        # run's config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+    # Lone surrogates: a command-line argument's bytes that are not UTF-8 arrive so (os.fsdecode). The run's
+    # config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+    if isinstance(value, str) and any("\ud800" <= character <= "\udfff" for character in value):
         shown = os.fsencode(value).decode("utf-8", errors="backslashreplace")
         raise ConfigError(
             f"{key}: {shown!r} holds bytes that are not UTF-8, which the run's config.toml cannot record; use a "
             f"UTF-8 name (for a file or folder: rename it, or link to it under a UTF-8 name)"
         )
-    choices = declaration.metadata["choices"]
-    if choices is not None:
-        allowed = _is_one_of(value, choices)
-    else:
-        allowed = _has_type(value, declaration.type) and _within_bounds(value, declaration.metadata)
-        if declaration.type is str and value == "":
-            allowed = declaration.default == ""  # "" means none only where it is the declared default
-    if not allowed:
+    if not _is_allowed(value, declaration):
         raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {value_text(value)}")
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_combinations(config: Config) -> None:
@@ -337,9 +309,6 @@ def run_name_problem(name: str) -> str | None:
 # Reading: TOML files, command-line overrides and plain dicts all become {"section.key": value}
 # ---------------------------------------------------------------------------------------------------------
 
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
-
 
 def _unquoted(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
@@ -348,23 +317,20 @@ def _unquoted(text: str) -> str:
 
 
 def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
-    """Convert the text of a command-line override by the key's type. Integers must be integer literals:
-    "2.5", "1e3" and "true" are errors, never rounded."""
-    type_ = declaration.type
-    if type_ is int:
-        if _INTEGER.fullmatch(text):
-            return int(text)
-    elif type_ is float:
-        if _NUMBER.fullmatch(text):
-            return float(text)
-    elif type_ is bool:
-        if text in ("true", "false"):
-            return text == "true"
-    elif type_ is str:
+    """The value of a command-line override's text. A string key takes the text itself, quotes removed; any other
+    key reads it as a TOML value, as a file would (3e-4, 1_000, true), and a word that is none ("auto") as that
+    word. A value of another type than the key's is refused here, quoting the text: "2.5" or "1e3" for an
+    integer is an error, never rounded."""
+    if declaration.type is str:
         return _unquoted(text)
-    else:  # str | bool, i.e. precision.grad_scaler: "auto", true or false
-        return text == "true" if text in ("true", "false") else _unquoted(text)
-    raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = _unquoted(text)
+    types = (int, float) if declaration.type is float else (declaration.type,)  # `lr=1` means 1.0
+    if declaration.type in _TYPE_WORDS and type(value) not in types:
+        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
+    return value
 
 
 def _split_argument(argument: str) -> tuple[str, str]:
