@@ -143,7 +143,7 @@ class ChunkedCrossEntropySum:
 
     `output_head` is the model's bias-free nn.Linear from hidden states to logits (the GPT's lm_head); its weight
     gets its gradient from this loss. `chunk_positions` defaults to positions_per_chunk(vocab). Under
-    model.compile it is compiled with the model, in one region (accumulation/models/factory.py, ForwardAndLoss)."""
+    model.compile it is compiled with the model, in one region (accumulation/models/forward_and_loss.py)."""
 
     def __init__(self, output_head: torch.nn.Linear, chunk_positions: int | None = None):
         if output_head.bias is not None:

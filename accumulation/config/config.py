@@ -346,7 +346,7 @@ def _split_argument(argument: str) -> tuple[str, str]:
 
 def _pairs_from_tree(tree: dict) -> dict[str, object]:
     """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
-    keys are checked by _checked_pairs, once the chosen pieces, whose own keys they may be, are known)."""
+    keys are checked by _config_from_pairs, once the chosen pieces, whose own keys they may be, are known)."""
     section_types = _section_types()
     pairs = {}
     for name, value in tree.items():
@@ -362,32 +362,19 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
     return pairs
 
 
-def _checked_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> tuple[dict, dict]:
-    """`pairs` (typed values) then `texts` (command-line text, converted by each key's type) merged, every key
-    checked, with the own settings types of the pieces they choose (_own_types). The choosing keys (model.name,
-    data.source) are read first, because they decide which other keys exist."""
+def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> Config:
+    """Build and validate a Config from `pairs` (typed values, from a file or a dict) then `texts` (command-line
+    text, converted by each key's type); keys given in neither keep their defaults. The choosing keys (model.name,
+    data.source) are read first, because they decide which other keys exist: the chosen pieces' own keys."""
     choosing = {**pairs, **{key: _unquoted(text) for key, text in texts if key in _CHOOSING_KEYS}}
     owns = _own_types(choosing)
-    checked = {}
-    for key, value in pairs.items():
-        _declaration(key, owns)
-        checked[key] = value
-    for key, text in texts:
-        checked[key] = _value_from_text(key, text, _declaration(key, owns))
-    return checked, owns
-
-
-_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
-
-
-def _config_from_pairs(pairs: dict[str, object], owns: dict[str, type | None]) -> Config:
-    """Build and validate a Config; keys not in `pairs` keep their defaults."""
+    pairs = {**pairs, **{key: _value_from_text(key, text, _declaration(key, owns)) for key, text in texts}}
+    _refuse_unused_model_keys(pairs)
     section_values = {section_name: {} for section_name in _section_types()}
     own_values = {section_name: {} for section_name in owns}
     top_level_values = {}
     for key, value in pairs.items():
-        declaration = _declaration(key, owns)
-        if declaration.type is float and type(value) is int:
+        if _declaration(key, owns).type is float and type(value) is int:  # an unknown key is a ConfigError here
             value = float(value)  # `lr = 1` means 1.0; the reverse (a float for an integer) is an error
         section_name, dot, name = key.partition(".")
         if not dot:
@@ -401,6 +388,9 @@ def _config_from_pairs(pairs: dict[str, object], owns: dict[str, type | None]) -
             section_values[section_name]["own"] = own_type(**own_values[section_name])
     sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
     return Config(**sections, **top_level_values)
+
+
+_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
 
 
 def _read_toml_file(path: str) -> dict:
@@ -426,15 +416,12 @@ def load_config(argv: list[str]) -> Config:
         config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
 
     pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
-    texts = [_split_argument(argument) for argument in arguments]
-    checked, owns = _checked_pairs(pairs, texts)
-    _refuse_unused_model_keys(checked)
-    return _config_from_pairs(checked, owns)
+    return _config_from_pairs(pairs, [_split_argument(argument) for argument in arguments])
 
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    return _config_from_pairs(*_checked_pairs(_pairs_from_tree(tree)))
+    return _config_from_pairs(_pairs_from_tree(tree))
 
 
 def config_to_dict(config: Config) -> dict:

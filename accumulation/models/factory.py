@@ -177,23 +177,7 @@ def training_forward_and_loss(
     else:
         forward_module, loss_sum_fn = model, loss_sum_fn_for(model_config)
     if compile:
+        from accumulation.models.forward_and_loss import ForwardAndLoss  # only with model.compile
+
         return ForwardAndLoss(forward_module, loss_sum_fn), None
     return forward_module, loss_sum_fn
-
-
-class ForwardAndLoss(torch.nn.Module):
-    """forward(inputs, labels, **extras) -> S = loss_sum_fn(module(inputs), labels, **extras): the forward and the
-    loss as one module (extras: the micro-batch's per-row tensors, MicroBatch.extras).
-
-    torch.compile of this module traces both into one graph, so the loss's kernels fuse with the model's and its
-    memory is planned with theirs (the chunked loss's autograd Function and its loop included); DDP wraps it
-    as it wraps the model (its no_sync and its bucketed all-reduce are unchanged). It holds `module` (the same
-    parameters), so checkpoints of the model are unchanged."""
-
-    def __init__(self, module: torch.nn.Module, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        super().__init__()
-        self.module = module
-        self.loss_sum_fn = loss_sum_fn
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **extras: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum_fn(self.module(inputs), labels, **extras)
