@@ -86,15 +86,11 @@ def _top_level_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(Config) if not dataclasses.is_dataclass(f.type)}
 
 
-def _is_own(declaration: dataclasses.Field) -> bool:
-    return bool(declaration.metadata.get("own"))
-
-
 def _section_fields(section) -> list[tuple[dataclasses.Field, object]]:
     """A section's (declaration, value) pairs: its declared keys, then the chosen piece's own keys in their place."""
     found = []
     for declaration in fields(section):
-        if _is_own(declaration):
+        if declaration.metadata.get("own"):  # the chosen piece's own keys (config_keys.own_settings)
             own = getattr(section, declaration.name)
             found += [(inner, getattr(own, inner.name)) for inner in fields(own)] if own is not None else []
         else:
@@ -192,7 +188,7 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
         return top_level[key]
     if section_name not in section_types:
         raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
-    declarations = {f.name: f for f in fields(section_types[section_name]) if not _is_own(f)}
+    declarations = {f.name: f for f in fields(section_types[section_name]) if not f.metadata.get("own")}
     own_type = (owns or {}).get(section_name)
     if own_type is not None:
         for declaration in fields(own_type):
@@ -369,7 +365,6 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
     choosing = {**pairs, **{key: _unquoted(text) for key, text in texts if key in _CHOOSING_KEYS}}
     owns = _own_types(choosing)
     pairs = {**pairs, **{key: _value_from_text(key, text, _declaration(key, owns)) for key, text in texts}}
-    _refuse_unused_model_keys(pairs)
     section_values = {section_name: {} for section_name in _section_types()}
     own_values = {section_name: {} for section_name in owns}
     top_level_values = {}
@@ -416,7 +411,10 @@ def load_config(argv: list[str]) -> Config:
         config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
 
     pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
-    return _config_from_pairs(pairs, [_split_argument(argument) for argument in arguments])
+    texts = [_split_argument(argument) for argument in arguments]
+    # Refused where a user sets them; a checkpoint's config may hold them still (config_from_dict).
+    _refuse_unused_model_keys({**pairs, **{key: _unquoted(text) for key, text in texts}})
+    return _config_from_pairs(pairs, texts)
 
 
 def config_from_dict(tree: dict) -> Config:
