@@ -3,8 +3,8 @@
 `build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
 chooses the architecture among the registered ones (accumulation/config/registry.py): a model registers itself in
 the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
-module is
-named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the models.
+module is named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the
+models.
 `loss_sum_fn_for(config.model)` is the configured loss: model.objective's registered loss, or the model's own (its
 registration's loss_sum_fn), or the token cross-entropy. `decided_model_config` decides model.loss ("auto": plain or
 chunked), and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
@@ -126,11 +126,9 @@ def has_output_head(model: torch.nn.Module) -> bool:
 def decided_model_config(config: Config, model: torch.nn.Module, device: torch.device) -> ModelConfig:
     """config.model with model.loss decided, "plain" or "chunked": the one decision, which train.py, validation, the
     step-0 probe and the equivalence checker share. "chunked" is refused (ConfigError) for a model without an output
-    head or with another loss than the token cross-entropy. "auto" is plain on the CPU (and on the meta device, where
-    train.py checks the config before the run's device is set up); on CUDA it is chunked when the plain loss's logits
-    would take too much of the GPU's free memory (accumulation/chunked_loss.py, chunked_loss_pays_on_cuda), for a
-    model that allows it, under DDP on one pipeline stage. Under torch.distributed every rank calls it and decides
-    alike."""
+    head or with another loss than the token cross-entropy. "auto" is plain on the CPU and on the meta device
+    (train.py's check before the run's device is set up); on CUDA, for a model that allows it, under DDP on one
+    pipeline stage, accumulation/chunked_loss.py decides by the GPU's free memory, alike on every rank."""
     # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
     token_cross_entropy = loss_sum_fn_for(config.model) is token_cross_entropy_sum
     loss = config.model.loss
