@@ -314,8 +314,8 @@ def _unquoted(text: str) -> str:
 
 def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
     """The value of a command-line override's text. A string key takes the text itself, quotes removed; any other
-    key reads it as a TOML value, as a file would (3e-4, 1_000, true), and a word that is none ("auto") as that
-    word. A value of another type than the key's is refused here, quoting the text: "2.5" or "1e3" for an
+    key reads it as a TOML value, as a file would (3e-4, 1_000, true), and text that is no TOML value ("auto") as
+    a string. A value of another type than the key's is refused here, quoting the text: "2.5" or "1e3" for an
     integer is an error, never rounded."""
     if declaration.type is str:
         return _unquoted(text)
