@@ -59,7 +59,6 @@ from accumulation.models.factory import (
     loss_sum_fn_for,
     resolved_vocab_size,
     training_forward_and_loss,
-    uses_chunked_loss,
 )
 from accumulation.parallel.distributed import (
     DistributedContext,
@@ -135,7 +134,8 @@ def main(argv: list[str]) -> int:
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
         shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
-        chunked_loss = uses_chunked_loss(config.model, config.dist, model_on_meta)
+        # (on the meta device "auto" is plain; build_training decides it on the run's device)
+        chunked_loss = decided_model_config(config, model_on_meta, torch.device("meta")).loss == "chunked"
         if config.dist.pipeline_stages > 1:  # the model's pipeline_split, P <= layers
             from accumulation.parallel.pipeline import check_model_splits
 
@@ -244,7 +244,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type)
     pipeline = None
-    # model.loss = "auto" decided once, by the memory the plain loss's logits would take at the configured m
+    # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
     # (accumulation/models/factory.py); the probe and validation use the same loss.
     model_config = decided_model_config(config, model, device)
     if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss

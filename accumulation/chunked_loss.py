@@ -25,6 +25,7 @@ backward there; the softmax and the sums are fp32 (float64 stays float64), as au
 """
 
 import torch
+import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
 
@@ -142,7 +143,7 @@ class ChunkedCrossEntropySum:
 
     `output_head` is the model's bias-free nn.Linear from hidden states to logits (the GPT's lm_head); its weight
     gets its gradient from this loss. `chunk_positions` defaults to positions_per_chunk(vocab). Under
-    model.compile it is compiled with the model, in one region (accumulation/models/factory.py, ForwardAndLoss)."""
+    model.compile it is compiled with the model, in one region (accumulation/models/forward_and_loss.py)."""
 
     def __init__(self, output_head: torch.nn.Linear, chunk_positions: int | None = None):
         if output_head.bias is not None:
@@ -170,3 +171,36 @@ class FinalHiddenStates(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         return self.model.hidden_states(inputs)
+
+
+# model.loss = "auto"'s rule on CUDA (accumulation/models/factory.py, decided_model_config; on the CPU auto is plain).
+# At its peak the plain loss holds about three fp32 copies of the logits [m·T, V]: the fp32 logits cross-entropy
+# reads, the log-softmax it keeps for the backward, and their gradient (plus bf16 copies under autocast). The chunked
+# loss holds one chunk's (CHUNK_LOGIT_BYTES).
+PLAIN_LOSS_FP32_LOGIT_COPIES = 3
+# When those copies would take more than this share of the memory free at start-up, auto chooses the chunked loss:
+# the rest is left for the weights' gradients, the optimizer's moments and the activations of m rows. Below it the
+# plain loss is kept (the chunks' smaller products cost time, scripts/benchmarks/bench_loss.py, and the plain loss
+# is the one a reader knows).
+PLAIN_LOSS_SHARE_OF_FREE_MEMORY = 0.25
+
+
+def plain_loss_bytes(positions: int, vocab_size: int) -> int:
+    """The plain loss's logit buffers at its peak, in bytes: 3 fp32 copies of [positions, vocab]."""
+    return PLAIN_LOSS_FP32_LOGIT_COPIES * 4 * positions * vocab_size
+
+
+def chunked_loss_pays(positions: int, vocab_size: int, free_bytes: int) -> bool:
+    """Chunked when the plain loss's logit buffers at m·T = `positions` would take more than a quarter of
+    `free_bytes`."""
+    return plain_loss_bytes(positions, vocab_size) > PLAIN_LOSS_SHARE_OF_FREE_MEMORY * free_bytes
+
+
+def chunked_loss_pays_on_cuda(positions: int, vocab_size: int, device: torch.device) -> bool:
+    """chunked_loss_pays against the GPU's free memory now (torch.cuda.mem_get_info); under torch.distributed the
+    least free memory of all ranks, so that every rank runs the same loss."""
+    free = torch.tensor(torch.cuda.mem_get_info(device)[0], dtype=torch.int64)
+    if dist.is_initialized():
+        free = free.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL reduces device tensors only
+        dist.all_reduce(free, op=dist.ReduceOp.MIN)
+    return chunked_loss_pays(positions, vocab_size, int(free))

@@ -23,7 +23,7 @@ off but for the last; returns this rank's Σ_k S_rk) and `squared_norm_share(gra
 
 The loss: `loss_sum_fn(outputs, labels, **extras)` returns the SUM of the supervised targets' losses; the extras are
 the micro-batch's per-row tensors (MicroBatch.extras; none for most losses). None: `module(inputs, labels, **extras)`
-returns S itself (the forward and the loss compiled as one region, models/factory.py's ForwardAndLoss).
+returns S itself (the forward and the loss compiled as one region, models/forward_and_loss.py).
 """
 
 import contextlib

@@ -2,6 +2,7 @@
 two gloo ranks: forked from the forkserver, and under torchrun in the integration tier) on a corpus whose rows
 hold very different token counts; FAIL on a wrong normalization; exit status 2 on a bad config."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -23,7 +24,6 @@ from accumulation.checker.promises import (
 )
 from accumulation.data.rows import RawExample
 from accumulation.data.sources import StepBatch
-from accumulation.models import factory
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import run_main_on_ranks
@@ -191,17 +191,21 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
 
 
 def test_under_model_loss_auto_the_checker_checks_the_loss_train_py_chooses(tmp_path, capsys, monkeypatch):
-    """model.loss = "auto" (the default) is decided by the free memory: with less than 4 x the plain loss's logit
-    buffers free (3 fp32 copies of [m·T, V] = 3 · 4 · 64 · 256 = 196,608 bytes at TINY_CONFIG's m = 2, T = 32),
-    train.py runs the chunked loss, and the checker must check that loss, not the plain one."""
-    monkeypatch.setattr(factory, "free_memory_bytes", lambda device_type: 10**5)
+    """model.loss = "auto" (the default) is decided by decided_model_config, the decision train.py takes too: plain
+    on the CPU. Where it decides chunked (a GPU whose free memory is short), the checker must check that loss, not
+    the plain one: here the decision is made to say chunked."""
     status, stdout = run_checker(tmp_path, [], 1, capsys)
+    assert status == 0 and "loss path: the loop ran model.loss = auto as plain: the model's outputs" in stdout
+    decide = checker_run.decided_model_config
+
+    def decide_chunked(config, model, device):
+        return dataclasses.replace(decide(config, model, device), loss="chunked")
+
+    monkeypatch.setattr(checker_run, "decided_model_config", decide_chunked)
+    (tmp_path / "chunked").mkdir()
+    status, stdout = run_checker(tmp_path / "chunked", [], 1, capsys)
     assert status == 0 and reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"], stdout
     assert "loss path: the loop ran model.loss = auto as chunked: the final hidden states" in stdout
-    monkeypatch.setattr(factory, "free_memory_bytes", lambda device_type: 10**12)
-    (tmp_path / "more").mkdir()
-    status, stdout = run_checker(tmp_path / "more", [], 1, capsys)
-    assert status == 0 and "loss path: the loop ran model.loss = auto as plain: the model's outputs" in stdout
 
 
 @pytest.mark.parametrize(

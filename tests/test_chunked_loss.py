@@ -3,7 +3,6 @@ computed in the forward. The same SUM and the same gradients as the plain loss, 
 same update as the independent float64 reference (testkit/reference.py), on one process and on 2 gloo ranks."""
 
 import copy
-import dataclasses
 import re
 
 import pytest
@@ -13,16 +12,15 @@ from torch.nn.parallel import DistributedDataParallel
 import train
 from accumulation import chunked_loss as chunked_loss_module
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, count_supervised_tokens
-from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates, chunk_loss_and_gradients
-from accumulation.config.config import ConfigError, load_config
-from accumulation.models import factory
-from accumulation.models.factory import (
-    build_model,
+from accumulation.chunked_loss import (
+    ChunkedCrossEntropySum,
+    FinalHiddenStates,
+    chunk_loss_and_gradients,
     chunked_loss_pays,
     plain_loss_bytes,
-    training_forward_and_loss,
-    uses_chunked_loss,
 )
+from accumulation.config.config import ConfigError, load_config
+from accumulation.models.factory import build_model, decided_model_config, training_forward_and_loss
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
@@ -197,54 +195,55 @@ def test_two_ranks_with_the_chunked_loss_equal_the_float64_reference():
 
 
 def test_model_loss_chooses_the_pair_the_step_runs():
-    def pair(overrides, model, device_type):
-        config = load_config(overrides)  # m·T and the free memory unknown here (0): auto decides plain
-        chunked = uses_chunked_loss(config.model, config.dist, model)
-        return training_forward_and_loss(
-            dataclasses.replace(config.model, loss="chunked" if chunked else "plain"), model
-        )
+    def pair(overrides, model):
+        config = load_config(overrides)
+        return training_forward_and_loss(decided_model_config(config, model, CPU), model)
 
     def build(overrides):
         config = load_config(overrides)
         return build_model(config.model, 256, seq_len=config.data.seq_len, seed=config.run.seed)
 
     gpt = build(["model.loss=chunked"])
-    module, loss_sum_fn = pair(["model.loss=chunked"], gpt, "cpu")
+    module, loss_sum_fn = pair(["model.loss=chunked"], gpt)
     assert isinstance(module, FinalHiddenStates) and isinstance(loss_sum_fn, ChunkedCrossEntropySum)
-    # auto without m·T (positions 0): plain, the model and the token cross-entropy, on any device
-    assert pair([], gpt, "cpu") == (gpt, token_cross_entropy_sum)
-    assert pair([], gpt, "cuda")[0] is gpt
-    assert pair(["model.loss=plain"], gpt, "cuda")[0] is gpt
+    # auto on the CPU: plain, the model and the token cross-entropy
+    assert pair([], gpt) == (gpt, token_cross_entropy_sum)
+    assert pair(["model.loss=plain"], gpt)[0] is gpt
     # A model without hidden_states() and output_head keeps the plain loss under auto, and is refused for chunked.
     with pytest.raises(ConfigError, match='model.loss: "chunked" needs a model with hidden_states'):
-        pair(["model.name=gru", "model.loss=chunked"], build(["model.name=gru", "model.loss=chunked"]), "cpu")
+        pair(["model.name=gru", "model.loss=chunked"], build(["model.name=gru", "model.loss=chunked"]))
     gru = build(["model.name=gru"])
-    assert pair(["model.name=gru"], gru, "cuda")[0] is gru
+    assert pair(["model.name=gru"], gru)[0] is gru
 
 
-def test_model_loss_auto_chooses_chunked_when_the_plain_logits_would_take_over_a_quarter_of_free_memory():
+def test_model_loss_auto_chooses_chunked_on_cuda_when_the_plain_logits_would_take_over_a_quarter_of_free_memory(
+    monkeypatch,
+):
     """The rule docs/performance.md states, with given numbers: 3 fp32 copies of the logits [m·T, V] against a
-    quarter of the free memory; the device type itself does not enter it."""
+    quarter of the GPU's free memory; on the CPU auto is plain whatever the memory."""
     # configs/gpu_8x.toml's shape at m = 16: 16 x 1024 positions, V = 50,304: 9.9 GB of logit buffers.
     positions, vocab = 16 * 1024, 50_304
     assert plain_loss_bytes(positions, vocab) == 3 * 4 * positions * vocab == 9_890_168_832
     assert chunked_loss_pays(positions, vocab, free_bytes=39 * 10**9)  # a 40 GB GPU: over a quarter of it
     assert not chunked_loss_pays(positions, vocab, free_bytes=79 * 10**9)  # an 80 GB one: under a quarter
     assert not chunked_loss_pays(positions, vocab, free_bytes=4 * 9_890_168_832)  # exactly a quarter: plain
-    # The default config on a CPU (m = 4, T = 128, bytes): 1.6 MB, plain with any memory a machine has.
-    assert not chunked_loss_pays(4 * 128, 256, free_bytes=2**30)
 
-    def auto(overrides, model, free_bytes, positions=positions):
-        config = load_config(overrides)
-        return uses_chunked_loss(config.model, config.dist, model, positions, free_bytes)
+    def auto(overrides, model, free_bytes, device_type="cuda"):
+        # The GPU's free memory as given; the decision reads nothing else of the device.
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_bytes, 2 * free_bytes))
+        shape = ["batch.global_batch_size=16", "batch.micro_batch_size=16", "data.seq_len=1024"]  # m·T = positions
+        config = load_config([*shape, *overrides])
+        return decided_model_config(config, model, torch.device(device_type)).loss == "chunked"
 
     gpt = build_model(load_config([]).model, vocab, seq_len=8, seed=0)
     assert auto([], gpt, free_bytes=10**9) is True
     assert auto([], gpt, free_bytes=10**12) is False
-    assert auto([], gpt, free_bytes=10**9, positions=0) is False  # m·T unknown: plain
-    # The other conditions stay: FSDP2 and a model without an output head keep the plain loss; an explicit
-    # choice is never overruled by the memory.
+    assert auto([], gpt, free_bytes=10**9, device_type="cpu") is False
+    assert auto([], gpt, free_bytes=10**9, device_type="meta") is False  # train.py's first check: not decided yet
+    # The other conditions stay: FSDP2, pipeline stages and a model without an output head keep the plain loss; an
+    # explicit choice is never overruled by the memory.
     assert auto(["dist.strategy=fsdp2"], gpt, free_bytes=10**9) is False
+    assert auto(["dist.pipeline_stages=2"], gpt, free_bytes=10**9) is False
     gru = build_model(load_config(["model.name=gru"]).model, vocab, seq_len=8, seed=0)
     assert auto(["model.name=gru"], gru, free_bytes=10**9) is False
     assert auto(["model.loss=plain"], gpt, free_bytes=10**9) is False
@@ -333,17 +332,12 @@ def model_line_of_a_run(tmp_path, capsys, arguments: list[str]) -> str:
     return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("model: "))
 
 
-# The default config at data.seq_len = 32: the plain loss's logit buffers at m·T = 4·32 positions of vocabulary 256
-# are 3 · 4 · 128 · 256 = 393,216 bytes, so with 10**5 bytes free model.loss = "auto" takes the chunked loss.
-LITTLE_FREE_MEMORY_BYTES = 10**5
-
-
 @pytest.mark.parametrize("compiled", ["false", "true"])
-def test_the_run_header_names_the_loss_that_runs_compiled_or_not(tmp_path, capsys, monkeypatch, compiled):
+def test_the_run_header_names_the_loss_that_runs_compiled_or_not(tmp_path, capsys, compiled):
     """With model.compile on, the step runs ForwardAndLoss around the model (the plain loss) or around its hidden
-    states (the chunked one): the header names model.loss as decided, not what the module looks like."""
+    states (the chunked one): the header names model.loss as decided ("auto" is plain on the CPU), not what the
+    module looks like."""
     plain = model_line_of_a_run(tmp_path / "plain", capsys, [f"model.compile={compiled}"])
     assert f"; loss plain; compile {'on' if compiled == 'true' else 'off'}" in plain
-    monkeypatch.setattr(factory, "free_memory_bytes", lambda device_type: LITTLE_FREE_MEMORY_BYTES)
-    chunked = model_line_of_a_run(tmp_path / "chunked", capsys, [f"model.compile={compiled}"])
+    chunked = model_line_of_a_run(tmp_path / "chunked", capsys, [f"model.compile={compiled}", "model.loss=chunked"])
     assert f"; loss chunked; compile {'on' if compiled == 'true' else 'off'}" in chunked

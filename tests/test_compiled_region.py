@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, count_supervised_tokens
 from accumulation.config.config import load_config
-from accumulation.models.factory import ForwardAndLoss, training_forward_and_loss
+from accumulation.models.factory import training_forward_and_loss
+from accumulation.models.forward_and_loss import ForwardAndLoss
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks

@@ -103,8 +103,10 @@ OPTION_MODULES = {
     "accumulation.data.jsonl",  # data.source: a .jsonl file
     "accumulation.data.masked_lm",  # data.task = "masked"
     "accumulation.models.gru",  # model.name = "gru"
+    "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
     "accumulation.models.encoder",  # model.name = "encoder"
-    "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it)
+    "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it, on CUDA)
+    "accumulation.models.forward_and_loss",  # model.compile (on by default on CUDA only)
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1

@@ -226,7 +226,8 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
 
     from accumulation.config.config import load_config
     from accumulation.data.sources import build_data
-    from accumulation.models.factory import ForwardAndLoss, build_model
+    from accumulation.models.factory import build_model
+    from accumulation.models.forward_and_loss import ForwardAndLoss
     from accumulation.step import token_cross_entropy_sum
 
     config = load_config(["model.n_layer=1", "model.d_model=16", "data.seq_len=16"])

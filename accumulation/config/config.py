@@ -16,8 +16,8 @@ nothing is guessed, and nothing is ever silently rounded.
 import dataclasses
 import json
 import math
+import operator
 import os
-import re
 import tomllib
 from dataclasses import dataclass, field, fields
 
@@ -86,15 +86,11 @@ def _top_level_fields() -> dict[str, dataclasses.Field]:
     return {f.name: f for f in fields(Config) if not dataclasses.is_dataclass(f.type)}
 
 
-def _is_own(declaration: dataclasses.Field) -> bool:
-    return bool(declaration.metadata.get("own"))
-
-
 def _section_fields(section) -> list[tuple[dataclasses.Field, object]]:
     """A section's (declaration, value) pairs: its declared keys, then the chosen piece's own keys in their place."""
     found = []
     for declaration in fields(section):
-        if _is_own(declaration):
+        if declaration.metadata.get("own"):  # the chosen piece's own keys (config_keys.own_settings)
             own = getattr(section, declaration.name)
             found += [(inner, getattr(own, inner.name)) for inner in fields(own)] if own is not None else []
         else:
@@ -192,7 +188,7 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
         return top_level[key]
     if section_name not in section_types:
         raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
-    declarations = {f.name: f for f in fields(section_types[section_name]) if not _is_own(f)}
+    declarations = {f.name: f for f in fields(section_types[section_name]) if not f.metadata.get("own")}
     own_type = (owns or {}).get(section_name)
     if own_type is not None:
         for declaration in fields(own_type):
@@ -209,79 +205,51 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
 # ---------------------------------------------------------------------------------------------------------
 
 _TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
-_EMPTY_ALLOWED_WORDS = 'a string ("" = none)'
-
-
-def _has_type(value, type_) -> bool:
-    if type_ is int:
-        return type(value) is int  # not isinstance: bool is a subclass of int, and true is not a count
-    if type_ is float:
-        return type(value) is float and math.isfinite(value)
-    if type_ is str:
-        return type(value) is str
-    return type(value) is type_
-
-
-def _is_one_of(value, choices) -> bool:
-    # Compare types too: 1 == True in Python, but 1 is not an allowed value of precision.grad_scaler.
-    return any(type(value) is type(choice) and value == choice for choice in choices)
-
-
-def _bounds_text(metadata) -> str:
-    """E.g. ">= 0 and < 1"; empty when the key has no bounds."""
-    parts = []
-    for symbol, rule in ((">=", "at_least"), (">", "above"), ("<=", "at_most"), ("<", "below")):
-        if metadata[rule] is not None:
-            parts.append(f"{symbol} {metadata[rule]}")
-    return " and ".join(parts)
-
-
-def _within_bounds(value, metadata) -> bool:
-    return (
-        (metadata["at_least"] is None or value >= metadata["at_least"])
-        and (metadata["above"] is None or value > metadata["above"])
-        and (metadata["at_most"] is None or value <= metadata["at_most"])
-        and (metadata["below"] is None or value < metadata["below"])
-    )
+# The bounds setting() declares: each one's symbol in messages, and the comparison a value must pass.
+_BOUNDS = {
+    "at_least": (">=", operator.ge),
+    "above": (">", operator.gt),
+    "at_most": ("<=", operator.le),
+    "below": ("<", operator.lt),
+}
 
 
 def allowed_text(declaration: dataclasses.Field) -> str:
     """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
-    choices = declaration.metadata["choices"]
-    if choices is not None:
-        return "one of " + ", ".join(value_text(choice) for choice in choices)
-    bounds = _bounds_text(declaration.metadata)
-    words = _EMPTY_ALLOWED_WORDS if declaration.type is str and declaration.default == "" else None
-    words = words or _TYPE_WORDS[declaration.type]
-    return f"{words} {bounds}" if bounds else words
+    metadata = declaration.metadata
+    if metadata["choices"] is not None:
+        return "one of " + ", ".join(value_text(choice) for choice in metadata["choices"])
+    words = _TYPE_WORDS[declaration.type]
+    if declaration.type is str and declaration.default == "":
+        words = 'a string ("" = none)'
+    bounds = [f"{symbol} {metadata[name]}" for name, (symbol, _) in _BOUNDS.items() if metadata[name] is not None]
+    return f"{words} {' and '.join(bounds)}" if bounds else words
+
+
+def _is_allowed(value, declaration: dataclasses.Field) -> bool:
+    metadata = declaration.metadata
+    if metadata["choices"] is not None:
+        # Compare types too: 1 == True in Python, but 1 is not an allowed value of precision.grad_scaler.
+        return any(type(value) is type(choice) and value == choice for choice in metadata["choices"])
+    # type(), not isinstance: bool is a subclass of int, and true is not a count
+    if type(value) is not declaration.type or (type(value) is float and not math.isfinite(value)):
+        return False
+    if value == "":
+        return declaration.default == ""  # "" means none only where it is the declared default
+    return all(test(value, metadata[name]) for name, (_, test) in _BOUNDS.items() if metadata[name] is not None)
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
-    if isinstance(value, str) and not _is_utf8(value):
-        # A command-line argument of bytes that are not UTF-8 arrives with them escaped (os.fsdecode); the
-        # run's config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+    # Lone surrogates: a command-line argument's bytes that are not UTF-8 arrive so (os.fsdecode). The run's
+    # config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+    if isinstance(value, str) and any("\ud800" <= character <= "\udfff" for character in value):
         shown = os.fsencode(value).decode("utf-8", errors="backslashreplace")
         raise ConfigError(
             f"{key}: {shown!r} holds bytes that are not UTF-8, which the run's config.toml cannot record; use a "
             f"UTF-8 name (for a file or folder: rename it, or link to it under a UTF-8 name)"
         )
-    choices = declaration.metadata["choices"]
-    if choices is not None:
-        allowed = _is_one_of(value, choices)
-    else:
-        allowed = _has_type(value, declaration.type) and _within_bounds(value, declaration.metadata)
-        if declaration.type is str and value == "":
-            allowed = declaration.default == ""  # "" means none only where it is the declared default
-    if not allowed:
+    if not _is_allowed(value, declaration):
         raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {value_text(value)}")
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _check_combinations(config: Config) -> None:
@@ -337,9 +305,6 @@ def run_name_problem(name: str) -> str | None:
 # Reading: TOML files, command-line overrides and plain dicts all become {"section.key": value}
 # ---------------------------------------------------------------------------------------------------------
 
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_NUMBER = re.compile(r"[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+)?")
-
 
 def _unquoted(text: str) -> str:
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
@@ -348,23 +313,20 @@ def _unquoted(text: str) -> str:
 
 
 def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
-    """Convert the text of a command-line override by the key's type. Integers must be integer literals:
-    "2.5", "1e3" and "true" are errors, never rounded."""
-    type_ = declaration.type
-    if type_ is int:
-        if _INTEGER.fullmatch(text):
-            return int(text)
-    elif type_ is float:
-        if _NUMBER.fullmatch(text):
-            return float(text)
-    elif type_ is bool:
-        if text in ("true", "false"):
-            return text == "true"
-    elif type_ is str:
+    """The value of a command-line override's text. A string key takes the text itself, quotes removed; any other
+    key reads it as a TOML value, as a file would (3e-4, 1_000, true), and text that is no TOML value ("auto") as
+    a string. A value of another type than the key's is refused here, quoting the text: "2.5" or "1e3" for an
+    integer is an error, never rounded."""
+    if declaration.type is str:
         return _unquoted(text)
-    else:  # str | bool, i.e. precision.grad_scaler: "auto", true or false
-        return text == "true" if text in ("true", "false") else _unquoted(text)
-    raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        value = _unquoted(text)
+    types = (int, float) if declaration.type is float else (declaration.type,)  # `lr=1` means 1.0
+    if declaration.type in _TYPE_WORDS and type(value) not in types:
+        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
+    return value
 
 
 def _split_argument(argument: str) -> tuple[str, str]:
@@ -380,7 +342,7 @@ def _split_argument(argument: str) -> tuple[str, str]:
 
 def _pairs_from_tree(tree: dict) -> dict[str, object]:
     """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
-    keys are checked by _checked_pairs, once the chosen pieces, whose own keys they may be, are known)."""
+    keys are checked by _config_from_pairs, once the chosen pieces, whose own keys they may be, are known)."""
     section_types = _section_types()
     pairs = {}
     for name, value in tree.items():
@@ -396,32 +358,18 @@ def _pairs_from_tree(tree: dict) -> dict[str, object]:
     return pairs
 
 
-def _checked_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> tuple[dict, dict]:
-    """`pairs` (typed values) then `texts` (command-line text, converted by each key's type) merged, every key
-    checked, with the own settings types of the pieces they choose (_own_types). The choosing keys (model.name,
-    data.source) are read first, because they decide which other keys exist."""
+def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> Config:
+    """Build and validate a Config from `pairs` (typed values, from a file or a dict) then `texts` (command-line
+    text, converted by each key's type); keys given in neither keep their defaults. The choosing keys (model.name,
+    data.source) are read first, because they decide which other keys exist: the chosen pieces' own keys."""
     choosing = {**pairs, **{key: _unquoted(text) for key, text in texts if key in _CHOOSING_KEYS}}
     owns = _own_types(choosing)
-    checked = {}
-    for key, value in pairs.items():
-        _declaration(key, owns)
-        checked[key] = value
-    for key, text in texts:
-        checked[key] = _value_from_text(key, text, _declaration(key, owns))
-    return checked, owns
-
-
-_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
-
-
-def _config_from_pairs(pairs: dict[str, object], owns: dict[str, type | None]) -> Config:
-    """Build and validate a Config; keys not in `pairs` keep their defaults."""
+    pairs = {**pairs, **{key: _value_from_text(key, text, _declaration(key, owns)) for key, text in texts}}
     section_values = {section_name: {} for section_name in _section_types()}
     own_values = {section_name: {} for section_name in owns}
     top_level_values = {}
     for key, value in pairs.items():
-        declaration = _declaration(key, owns)
-        if declaration.type is float and type(value) is int:
+        if _declaration(key, owns).type is float and type(value) is int:  # an unknown key is a ConfigError here
             value = float(value)  # `lr = 1` means 1.0; the reverse (a float for an integer) is an error
         section_name, dot, name = key.partition(".")
         if not dot:
@@ -435,6 +383,9 @@ def _config_from_pairs(pairs: dict[str, object], owns: dict[str, type | None]) -
             section_values[section_name]["own"] = own_type(**own_values[section_name])
     sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
     return Config(**sections, **top_level_values)
+
+
+_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
 
 
 def _read_toml_file(path: str) -> dict:
@@ -461,14 +412,14 @@ def load_config(argv: list[str]) -> Config:
 
     pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
     texts = [_split_argument(argument) for argument in arguments]
-    checked, owns = _checked_pairs(pairs, texts)
-    _refuse_unused_model_keys(checked)
-    return _config_from_pairs(checked, owns)
+    # Refused where a user sets them; a checkpoint's config may hold them still (config_from_dict).
+    _refuse_unused_model_keys({**pairs, **{key: _unquoted(text) for key, text in texts}})
+    return _config_from_pairs(pairs, texts)
 
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    return _config_from_pairs(*_checked_pairs(_pairs_from_tree(tree)))
+    return _config_from_pairs(_pairs_from_tree(tree))
 
 
 def config_to_dict(config: Config) -> dict:

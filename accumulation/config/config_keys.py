@@ -188,7 +188,7 @@ class ModelConfig:
         "at a time, gradients included, never the whole [rows, seq_len, vocab] logits (a model with "
         "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked where the model allows "
         "it and the plain loss's logits (3 fp32 copies of [m x seq_len, vocab]) would take over a quarter of the "
-        "device's free memory, plain otherwise",
+        "GPU's free memory, plain otherwise and always on the CPU (where the chunks' smaller products cost time)",
         choices=("auto", "chunked", "plain"),
     )
     objective: str = setting(

@@ -26,8 +26,6 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from accumulation.probe import fault_text
-
 KINDS = ("model", "loss", "data")
 
 # The built-in pieces: name -> the module that registers it, imported when a config names it.
@@ -144,34 +142,17 @@ def lookup(kind: str, name: str) -> Piece:
     if IMPORT_PATH.fullmatch(name) is None:
         raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
     module_name, _, short_name = name.partition(":")
-    _import_fork(module_name)
+    from accumulation.config.fork_import import import_problem  # only for a piece named by import path
+
+    problem = import_problem(module_name)
+    if problem is not None:
+        raise RegistryError(problem)
     if short_name not in _REGISTERED[kind]:
         raise RegistryError(
             f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
             f"call register_{kind}({short_name!r}, ...) in it"
         )
     return _REGISTERED[kind][short_name]
-
-
-def _import_fork(module_name: str) -> None:
-    """Import a fork's module; whatever stops it (not found, a syntax error, an exception, sys.exit) is one line."""
-    try:
-        importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        # The module itself (or its package) not found; a module IT imports not found is a fault in the fork.
-        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise RegistryError(
-                f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
-                f"the folder that holds it, or add that folder to PYTHONPATH"
-            ) from None
-        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
-    except SystemExit as error:
-        raise RegistryError(
-            f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
-            f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
-        ) from None
-    except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
-        raise RegistryError(f"cannot import {module_name}: {fault_text(error)}") from None
 
 
 def registered(kind: str) -> dict[str, Piece]:

@@ -3,11 +3,11 @@
 `build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
 chooses the architecture among the registered ones (accumulation/config/registry.py): a model registers itself in
 the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
-module is
-named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the models.
+module is named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the
+models.
 `loss_sum_fn_for(config.model)` is the configured loss: model.objective's registered loss, or the model's own (its
 registration's loss_sum_fn), or the token cross-entropy. `decided_model_config` decides model.loss ("auto": plain or
-chunked) once, and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
+chunked), and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
 the step-0 probe, the equivalence checker and the benchmarks all take the model and the loss from these functions.
 
 The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
@@ -45,13 +45,11 @@ resolved_vocab_size decides, and build_model takes the result.
 """
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 
-from accumulation.config.config import Config, ConfigError, DistConfig, ModelConfig
+from accumulation.config.config import Config, ConfigError, ModelConfig
 from accumulation.config.registry import lookup
 from accumulation.step import token_cross_entropy_sum
 
@@ -125,87 +123,36 @@ def has_output_head(model: torch.nn.Module) -> bool:
     return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
 
 
-# model.loss = "auto"'s rule. At its peak the plain loss holds about three fp32 copies of the logits [m·T, V]: the
-# fp32 logits cross-entropy reads, the log-softmax it keeps for the backward, and their gradient (plus bf16
-# copies under autocast). The chunked loss holds one chunk's (CHUNK_LOGIT_BYTES in chunked_loss.py).
-PLAIN_LOSS_FP32_LOGIT_COPIES = 3
-# When those copies would take more than this share of the memory free at start-up, auto chooses the chunked loss:
-# the rest is left for the weights' gradients, the optimizer's moments and the activations of m rows. Below it
-# the plain loss is kept (the chunks' smaller products cost time on a CPU, scripts/benchmarks/bench_loss.py,
-# and the plain loss is the one a reader knows).
-PLAIN_LOSS_SHARE_OF_FREE_MEMORY = 0.25
-
-
-def plain_loss_bytes(positions: int, vocab_size: int) -> int:
-    """The plain loss's logit buffers at its peak, in bytes: 3 fp32 copies of [positions, vocab]."""
-    return PLAIN_LOSS_FP32_LOGIT_COPIES * 4 * positions * vocab_size
-
-
-def chunked_loss_pays(positions: int, vocab_size: int, free_bytes: int) -> bool:
-    """model.loss = "auto"'s rule: chunked when the plain loss's logit buffers at m·T = `positions` would take more
-    than a quarter of the `free_bytes` of the device's memory."""
-    return plain_loss_bytes(positions, vocab_size) > PLAIN_LOSS_SHARE_OF_FREE_MEMORY * free_bytes
-
-
-def free_memory_bytes(device_type: str) -> int:
-    """Memory free for this process now: on CUDA the current device's free memory (torch.cuda.mem_get_info), on
-    the CPU the kernel's MemAvailable (free memory plus what page caches would give back), else all of it."""
-    if device_type == "cuda":
-        return torch.cuda.mem_get_info()[0]
-    try:
-        for line in open("/proc/meminfo").read().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024  # the file counts kB
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def uses_chunked_loss(
-    model_config: ModelConfig, dist_config: DistConfig, model: torch.nn.Module, positions: int = 0, free_bytes: int = 0
-) -> bool:
-    """model.loss decided: the one rule. "plain" is plain; "chunked" is chunked, refused (ConfigError) for a model
-    without an output head or with another loss than the token cross-entropy; "auto" is chunked under DDP, on one
-    pipeline stage, for a model with an output head and the token cross-entropy as its loss, when chunked_loss_pays
-    for the plain loss's logits at `positions` = m·T positions per micro-batch against `free_bytes` of free
-    memory (0 and 0: not measured yet, plain)."""
-    if model_config.loss == "plain":
-        return False
-    # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
-    token_cross_entropy = loss_sum_fn_for(model_config) is token_cross_entropy_sum
-    if model_config.loss == "chunked":
-        if not token_cross_entropy:
-            raise ConfigError(
-                'model.loss: "chunked" computes the token cross-entropy, but this model\'s loss (model.objective, '
-                'or the model\'s registration) is another; use "plain" or "auto"'
-            )
-        if not has_output_head(model):
-            raise ConfigError(
-                f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
-                f'{model_config.name} model does not have them; use "plain" or "auto"'
-            )
-        return True
-    single_stage = dist_config.pipeline_stages == 1  # with stages the loss runs on the last one, plain
-    eligible = dist_config.strategy == "ddp" and single_stage and token_cross_entropy and has_output_head(model)
-    if positions == 0 or not eligible:
-        return False
-    return chunked_loss_pays(positions, model.output_head.out_features, free_bytes)
-
-
 def decided_model_config(config: Config, model: torch.nn.Module, device: torch.device) -> ModelConfig:
-    """config.model with model.loss decided, "plain" or "chunked", by the memory free now (uses_chunked_loss at the
-    configured m). Under torch.distributed every rank calls it and decides on the least free memory of all ranks,
-    so all run the same loss."""
-    free_bytes = 0
-    if config.model.loss == "auto":
-        free = torch.tensor(free_memory_bytes(device.type), dtype=torch.int64)
-        if dist.is_initialized():
-            free = free.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL reduces device tensors only
-            dist.all_reduce(free, op=dist.ReduceOp.MIN)
-        free_bytes = int(free)
-    positions = config.batch.micro_batch_size * config.data.seq_len
-    chunked = uses_chunked_loss(config.model, config.dist, model, positions, free_bytes)
-    return dataclasses.replace(config.model, loss="chunked" if chunked else "plain")
+    """config.model with model.loss decided, "plain" or "chunked": the one decision, which train.py, validation, the
+    step-0 probe and the equivalence checker share. "chunked" is refused (ConfigError) for a model without an output
+    head or with another loss than the token cross-entropy. "auto" is plain on the CPU and on the meta device
+    (train.py's check before the run's device is set up); on CUDA, for a model that allows it, under DDP on one
+    pipeline stage, accumulation/chunked_loss.py decides by the GPU's free memory, alike on every rank."""
+    # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
+    token_cross_entropy = loss_sum_fn_for(config.model) is token_cross_entropy_sum
+    loss = config.model.loss
+    if loss == "chunked" and not token_cross_entropy:
+        raise ConfigError(
+            'model.loss: "chunked" computes the token cross-entropy, but this model\'s loss (model.objective, '
+            'or the model\'s registration) is another; use "plain" or "auto"'
+        )
+    if loss == "chunked" and not has_output_head(model):
+        raise ConfigError(
+            f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
+            f'{config.model.name} model does not have them; use "plain" or "auto"'
+        )
+    if loss == "auto":
+        single_stage = config.dist.pipeline_stages == 1  # with stages the loss runs on the last one, plain
+        eligible = config.dist.strategy == "ddp" and single_stage and token_cross_entropy and has_output_head(model)
+        loss = "plain"
+        if device.type == "cuda" and eligible:
+            from accumulation.chunked_loss import chunked_loss_pays_on_cuda  # only on a GPU
+
+            positions = config.batch.micro_batch_size * config.data.seq_len  # m·T at the configured m
+            if chunked_loss_pays_on_cuda(positions, model.output_head.out_features, device):
+                loss = "chunked"
+    return dataclasses.replace(config.model, loss=loss)
 
 
 def training_forward_and_loss(
@@ -228,23 +175,7 @@ def training_forward_and_loss(
     else:
         forward_module, loss_sum_fn = model, loss_sum_fn_for(model_config)
     if compile:
+        from accumulation.models.forward_and_loss import ForwardAndLoss  # only with model.compile
+
         return ForwardAndLoss(forward_module, loss_sum_fn), None
     return forward_module, loss_sum_fn
-
-
-class ForwardAndLoss(torch.nn.Module):
-    """forward(inputs, labels, **extras) -> S = loss_sum_fn(module(inputs), labels, **extras): the forward and the
-    loss as one module (extras: the micro-batch's per-row tensors, MicroBatch.extras).
-
-    torch.compile of this module traces both into one graph, so the loss's kernels fuse with the model's and its
-    memory is planned with theirs (the chunked loss's autograd Function and its loop included); DDP wraps it
-    as it wraps the model (its no_sync and its bucketed all-reduce are unchanged). It holds `module` (the same
-    parameters), so checkpoints of the model are unchanged."""
-
-    def __init__(self, module: torch.nn.Module, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
-        super().__init__()
-        self.module = module
-        self.loss_sum_fn = loss_sum_fn
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **extras: torch.Tensor) -> torch.Tensor:
-        return self.loss_sum_fn(self.module(inputs), labels, **extras)

@@ -1,0 +1,29 @@
+"""Importing a fork's module that a config names by import path ("module:name", accumulation/config/registry.py):
+imported only then. The module registers its pieces as it is imported; whatever stops it is one line."""
+
+import importlib
+
+from accumulation.probe import fault_text
+
+
+def import_problem(module_name: str) -> str | None:
+    """Import a fork's module: None when it imported, else why not (not found, a syntax error, an exception,
+    sys.exit), in one line."""
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # The module itself (or its package) not found; a module IT imports not found is a fault in the fork.
+        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            return (
+                f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
+                f"the folder that holds it, or add that folder to PYTHONPATH"
+            )
+        return f"cannot import {module_name}: {fault_text(error)}"
+    except SystemExit as error:
+        return (
+            f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
+            f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
+        )
+    except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
+        return f"cannot import {module_name}: {fault_text(error)}"
+    return None
