@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.data import path_sources, text_corpus
 from accumulation.data import sources as data
-from accumulation.data import text_corpus
 from accumulation.data.rows import DataError
 from accumulation.data.splits import Data, key_hash, row_fingerprint, validation_keys
 from tests.test_rows import build, supervised_targets, write
@@ -58,7 +58,7 @@ def test_folder_reads_text_files_recursively_in_sorted_order_and_skips_binaries(
     write(tmp_path / "d.txt", b"latin-1 \xe9 is not UTF-8\n")
     write(tmp_path / "e.txt", "UTF-8 is fine: é\n".encode())
 
-    root, files, skipped_files = text_corpus.read_text_files(str(tmp_path))
+    root, files, skipped_files = path_sources.read_text_path(str(tmp_path))
     assert root == tmp_path
     assert [file.relative_path for file in files] == ["a/z.txt", "b.txt", "e.txt"]
     assert skipped_files == 2
@@ -132,10 +132,13 @@ def test_a_single_file_is_split_at_the_newline_nearest_the_cut(tmp_path):
     assert supervised_targets(corpus.val) == text[810:][1:]
     assert corpus.summary.files == 1
 
-    assert text_corpus.split_at_newline(b"aaaa\nbbbbbbbbbbbbb\ncc", 0.5) == (b"aaaa\n", b"bbbbbbbbbbbbb\ncc")
-    assert text_corpus.split_at_newline(b"no newline at all", 0.5) == (b"no newli", b"ne at all")
+    assert path_sources.split_at_newline(b"aaaa\nbbbbbbbbbbbbb\ncc", 0.5) == (b"aaaa\n", b"bbbbbbbbbbbbb\ncc")
+    assert path_sources.split_at_newline(b"no newline at all", 0.5) == (b"no newli", b"ne at all")
     # The final newline would leave an empty tail, so the cut falls at byte round(0.75 * 27) = 20.
-    assert text_corpus.split_at_newline(b"ends with its only newline\n", 0.25) == (b"ends with its only n", b"ewline\n")
+    assert path_sources.split_at_newline(b"ends with its only newline\n", 0.25) == (
+        b"ends with its only n",
+        b"ewline\n",
+    )
 
     no_validation = build(str(path), seq_len=32, val_fraction=0)
     assert no_validation.val is None
@@ -230,7 +233,7 @@ def stdlib_corpus() -> Data:
 
 
 def test_stdlib_corpus_is_the_standard_library_without_tests_or_packages(stdlib_corpus):
-    root, files, skipped_files = text_corpus.read_text_files("stdlib")
+    root, files, skipped_files = text_corpus.read_stdlib()
     paths = [file.relative_path for file in files]
     assert paths == sorted(paths)
     assert "argparse.py" in paths and "json/decoder.py" in paths
@@ -242,7 +245,7 @@ def test_stdlib_corpus_is_the_standard_library_without_tests_or_packages(stdlib_
 
 
 def test_stdlib_rows_reproduce_its_top_level_blocks(stdlib_corpus):
-    root, files, _ = text_corpus.read_text_files("stdlib")
+    root, files, _ = text_corpus.read_stdlib()
     chosen = validation_keys([file.relative_path for file in files], 0.05)
     train_blocks, val_blocks = [], []
     for file in files:
