@@ -70,7 +70,7 @@ class RawExample:
     Every task is an instance: next-token prediction (targets[j] = the token after position j), a prompt
     (its positions absent from targets), masked positions (targets[j] = the original token where position j
     is masked, the inputs holding the mask), one label per example. The checker builds its reference rows
-    from this alone (scripts/checks/check_equivalence.py, reference_rows), never from examples()'s tensors.
+    from this alone (accumulation/checker/reference.py, reference_rows), never from examples()'s tensors.
     """
 
     inputs: list[int] | torch.Tensor | tuple[torch.Tensor, ...]

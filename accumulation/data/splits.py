@@ -154,41 +154,19 @@ def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: flo
         )
 
 
-def data_from_rows(
-    source: str,
-    train: RowSet,
-    val: RowSet,
-    val_fraction: float,
-    *,
-    root: str,
-    files: int,
-    val_files: int,
-    skipped_files: int,
-    bytes: int,
-    documents: int,
-    dropped_documents: int,
-    truncated_documents: int,
-    layout: str = "documents",
-    format: str = "text",
-    vocab_from: str = "bytes",
-) -> Data:
-    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
+def data_from_rows(source: str, train: RowSet, val: RowSet, val_fraction: float, **description) -> Data:
+    """Check the split sizes, then bundle the rows with their summary: `description` gives the DataSummary fields
+    that describe the source (root, files, val_files, skipped_files, bytes, documents, dropped_documents,
+    truncated_documents, and layout, format, vocab_from where they differ from the defaults); the rest is
+    counted from the rows."""
     check_split_sizes(source, train, val, val_fraction)
     supervised = train.supervised_tokens()
     label_positions = train.num_rows * train.seq_len
     targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
     summary = DataSummary(
         source=source,
-        root=root,
         seq_len=train.seq_len,
         vocab_size=train.vocab_size,
-        files=files,
-        val_files=val_files,
-        skipped_files=skipped_files,
-        bytes=bytes,
-        documents=documents,
-        dropped_documents=dropped_documents,
-        truncated_documents=truncated_documents,
         train_rows=train.num_rows,
         val_rows=val.num_rows,
         min_supervised_tokens=int(supervised.min()),
@@ -197,9 +175,7 @@ def data_from_rows(
         padding_fraction=1 - targets / label_positions,
         prompt_fraction=(targets - int(supervised.sum())) / label_positions,
         fingerprint=row_fingerprint(train),
-        layout=layout,
-        format=format,
-        vocab_from=vocab_from,
         val_rows_read=val.num_rows,
+        **description,
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)
