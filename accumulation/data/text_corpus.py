@@ -129,11 +129,6 @@ def split_top_level_blocks(text: bytes) -> list[bytes]:
     return blocks
 
 
-def documents_of(data: bytes, is_python_source: bool) -> list[bytes]:
-    """A Python file of the standard library gives one document per top-level block; any other file is one."""
-    return split_top_level_blocks(data) if is_python_source else [data]
-
-
 def packed(documents: list, seq_len: int, separator: list[int]) -> list:
     """The documents as one, each preceded by `separator`, cut to 1 + k·seq_len tokens so that make_rows
     gives k full rows, no padding; the last, incomplete row's tokens are left out.
@@ -157,7 +152,8 @@ def split_by_file(root: Path, files: list[TextFile], skipped_files: int, val_fra
     chosen = validation_keys([file.relative_path for file in files if len(file.data) >= 2], val_fraction)
     split = TextSplit(root, files, skipped_files, train_documents=[], val_documents=[], val_files=0)
     for file in files:
-        documents = documents_of(file.data, is_python_source)
+        # A Python file of the standard library gives one document per top-level block; any other file is one.
+        documents = split_top_level_blocks(file.data) if is_python_source else [file.data]
         if file.relative_path in chosen:
             split.val_documents += documents
             split.val_files += 1
