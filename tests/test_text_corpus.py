@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.config.config import DataConfig
 from accumulation.data import path_sources, text_corpus
 from accumulation.data import sources as data
 from accumulation.data.rows import DataError
@@ -212,6 +213,16 @@ def test_a_split_that_leaves_training_or_validation_without_rows_is_an_error(tmp
     assert_data_error("all of it fell into the validation split.*lower data.val_fraction", str(tmp_path), 0.9999)
     tiny_tail = write(tmp_path / "one.txt", b"a long first line of text\nx")
     assert_data_error(r"validation split .* has no text to predict.*data.val_fraction=0", str(tiny_tail), 0.01)
+
+
+def test_the_standard_library_asked_for_a_mask_is_an_error_and_a_folder_named_stdlib_is_not_read(tmp_path, monkeypatch):
+    # The default path (build_data's "stdlib" in bytes) is left for path_sources, which refuses masks on text;
+    # "stdlib" names the embedded corpus there too, never a folder of token files of that name.
+    (tmp_path / "stdlib").mkdir()
+    (tmp_path / "stdlib" / "train.bin").write_bytes(b"\0" * 64)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r'data.task="masked": .stdlib. is not a folder of token files'):
+        data.build_data(DataConfig(task="masked"), model_vocab_size=0, seed=0)
 
 
 def test_a_missing_standard_library_or_a_special_file_is_an_error(tmp_path, monkeypatch):

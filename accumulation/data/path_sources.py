@@ -27,7 +27,7 @@ def load_files(data_config: DataConfig, model_vocab_size: int, seed: int) -> Dat
     """The built-in source that data.source names: token files, a .jsonl file, or text."""
     settings = expanded_paths(data_config)
     source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
-    found_token_files = find_token_files(source)
+    found_token_files = None if source == "stdlib" else find_token_files(source)  # "stdlib" is never a folder
     # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
     # but it is loaded here for them too, so that a bad path is reported before training, not after.
     tokenizer = None
