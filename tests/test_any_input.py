@@ -1,6 +1,6 @@
 """Rows whose inputs are not token ids: several tensors per example (float features and int64 ids here), any
 dtype and shape, through step_batch, the micro-batches' padding, splitting and the step, against the float64
-full-batch reference built from the raw examples alone (rows_from_raw_examples)."""
+full-batch reference built from the raw examples alone (the checker's reference_rows)."""
 
 import copy
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 
 from accumulation.batching import IGNORE_INDEX, split_micro_batches
-from accumulation.data.rows import RawExample, rows_from_raw_examples
+from accumulation.checker.reference import reference_rows
+from accumulation.data.rows import RawExample
 from accumulation.data.sources import step_batch
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients
@@ -70,7 +71,7 @@ def test_tuple_inputs_are_padded_split_and_stepped_exactly():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     result = optimizer_step(model, batch.micro_batches, optimizer, device=torch.device("cpu"))
-    (features, ids), labels = rows_from_raw_examples([rows.raw_example(int(r), 0) for r in batch.row_ids], None)
+    (features, ids), labels = reference_rows(rows, batch.row_ids, 0, seq_len=None)
     mean_loss = token_cross_entropy_sum(reference((features.double(), ids)), labels) / (labels != -100).sum()
     mean_loss.backward()
     # float32 against float64 over a few dozen products: ~1e-7 relative; 1e-5 is far below a wrong weighting.

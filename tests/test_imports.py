@@ -2,7 +2,7 @@
 the package; config/ only the maths; models/ and data/ the two above (and not each other); parallel/ those;
 rl/ (the GRPO fork's library) the maths and data/; run/ all of them; checker/ everything. Within a folder there
 is no cycle: the shared data types (data/rows.py, data/splits.py) are imported by the sources, and the factory
-(data/sources.py) imports the sources, never the other way."""
+(data/sources.py) and the sources a path names (data/path_sources.py) import the sources, never the other way."""
 
 import ast
 import os
@@ -84,10 +84,12 @@ def test_every_folder_imports_only_its_own_and_lower_layers():
 
 def test_the_package_has_no_import_cycle():
     graph = package_graph()
-    sources = {"data.rows", "data.splits", "data.locate", "data.jsonl", "data.text_corpus", "data.token_files"}
-    sources |= {"data.masked_lm", "data.tokenizer"}
-    assert sources <= graph["data.sources"]  # the factory
-    assert "data.sources" not in set().union(*(graph[source] for source in sources))
+    # The factory imports the shared types, the default corpus and path_sources, which imports the other sources.
+    assert {"data.rows", "data.splits", "data.text_corpus", "data.path_sources"} <= graph["data.sources"]
+    sources = {"data.locate", "data.jsonl", "data.text_corpus", "data.token_files", "data.masked_lm", "data.tokenizer"}
+    assert sources <= graph["data.path_sources"]
+    imported_by_sources = set().union(*(graph[source] for source in sources | {"data.rows", "data.splits"}))
+    assert not {"data.sources", "data.path_sources"} & imported_by_sources
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
 
@@ -102,6 +104,8 @@ OPTION_MODULES = {
     "accumulation.data.token_files",  # data.source: a folder of token files
     "accumulation.data.jsonl",  # data.source: a .jsonl file
     "accumulation.data.masked_lm",  # data.task = "masked"
+    "accumulation.data.path_sources",  # data.source: a path (text, JSONL, token files)
+    "accumulation.data.custom",  # data.source: a registered source
     "accumulation.models.gru",  # model.name = "gru"
     "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
     "accumulation.models.encoder",  # model.name = "encoder"
@@ -116,18 +120,23 @@ OPTION_MODULES = {
 }
 
 
-def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
-    """The modules in sys.modules after train.main(arguments), in a fresh interpreter."""
+def small_corpus(tmp_path: Path) -> list[str]:
+    """The settings of a small text corpus written under tmp_path: a config quicker to build than the default's."""
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for index in range(8):
         (corpus / f"doc{index}.txt").write_text(f"document {index}: " + "some words to predict " * 20)
+    return [f"data.source={corpus}", "data.seq_len=32"]
+
+
+def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
+    """The modules in sys.modules after train.main(arguments), in a fresh interpreter."""
     program = (
         "import sys, train\n"
         "assert train.main(sys.argv[1:]) == 0\n"
         "print(' '.join(name for name in sys.modules if name.startswith(('accumulation', 'torch.distributed'))))\n"
     )
-    arguments = [f"data.source={corpus}", f"run.out_dir={tmp_path / 'runs'}", "data.seq_len=32", *arguments]
+    arguments = [f"run.out_dir={tmp_path / 'runs'}", *arguments]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     completed = subprocess.run(
         [sys.executable, "-c", program, *arguments],
@@ -142,16 +151,17 @@ def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
 
 
 def test_a_default_run_imports_none_of_the_option_modules(tmp_path):
-    """Two steps of the default config (its validation and sample included) on a small text corpus: the modules
-    of what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
-    imported = modules_a_run_imports(tmp_path, ["run.max_steps=2", "run.eval_every=1"])
+    """Two steps of the default config (its validation and sample included, the embedded corpus): the modules of
+    what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
+    imported = modules_a_run_imports(tmp_path, ["run.max_steps=2", "run.eval_every=1", "data.val_rows=8"])
     assert "accumulation.models.gpt" in imported and "accumulation.data.text_corpus" in imported
     options = {name for name in imported if name in OPTION_MODULES or name.startswith("accumulation.checker")}
     assert not options, f"the default run imported {sorted(options)}"
 
 
 def test_a_config_that_asks_for_an_option_imports_it(tmp_path):
-    imported = modules_a_run_imports(tmp_path, ["run.max_steps=0", "model.name=gru", "model.loss=plain"])
+    arguments = [*small_corpus(tmp_path), "run.max_steps=0", "model.name=gru", "model.loss=plain"]
+    imported = modules_a_run_imports(tmp_path, arguments)
     assert "accumulation.models.gru" in imported and "accumulation.models.gpt" not in imported
 
 

@@ -9,7 +9,8 @@ import torch
 from accumulation.batching import IGNORE_INDEX
 from accumulation.data import rows as rows_module
 from accumulation.data import sources as data
-from accumulation.data.rows import DataError, RawExample, RowSet, labels_from_mask, make_example_rows, make_rows
+from accumulation.data.jsonl import make_example_rows
+from accumulation.data.rows import DataError, RawExample, RowSet, labels_from_mask, make_rows
 from tests.test_rows import assert_rows_match_their_raw_examples, real_examples
 
 # ---------------------------------------------------------------------------------------------------

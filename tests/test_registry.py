@@ -58,7 +58,8 @@ register_loss("doubled", doubled_sum)
 
 def five_token_rows(data_config, *, model_vocab_size, seed):
     from accumulation.data.rows import make_rows
-    from accumulation.data.splits import data_from_custom_rows, row_fingerprint
+    from accumulation.data.custom import data_from_custom_rows
+    from accumulation.data.splits import row_fingerprint
 
     rows = make_rows([bytes(range(40, 80))] * 4, seq_len=5)
     return data_from_custom_rows(data_config.source, rows, rows, fingerprint=row_fingerprint(rows), vocab_size=256)

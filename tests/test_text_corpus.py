@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.config.config import DataConfig
+from accumulation.data import path_sources, text_corpus
 from accumulation.data import sources as data
-from accumulation.data import text_corpus
 from accumulation.data.rows import DataError
 from accumulation.data.splits import Data, key_hash, row_fingerprint, validation_keys
 from tests.test_rows import build, supervised_targets, write
@@ -58,7 +59,7 @@ def test_folder_reads_text_files_recursively_in_sorted_order_and_skips_binaries(
     write(tmp_path / "d.txt", b"latin-1 \xe9 is not UTF-8\n")
     write(tmp_path / "e.txt", "UTF-8 is fine: é\n".encode())
 
-    root, files, skipped_files = text_corpus.read_text_files(str(tmp_path))
+    root, files, skipped_files = path_sources.read_text_path(str(tmp_path))
     assert root == tmp_path
     assert [file.relative_path for file in files] == ["a/z.txt", "b.txt", "e.txt"]
     assert skipped_files == 2
@@ -132,10 +133,13 @@ def test_a_single_file_is_split_at_the_newline_nearest_the_cut(tmp_path):
     assert supervised_targets(corpus.val) == text[810:][1:]
     assert corpus.summary.files == 1
 
-    assert text_corpus.split_at_newline(b"aaaa\nbbbbbbbbbbbbb\ncc", 0.5) == (b"aaaa\n", b"bbbbbbbbbbbbb\ncc")
-    assert text_corpus.split_at_newline(b"no newline at all", 0.5) == (b"no newli", b"ne at all")
+    assert path_sources.split_at_newline(b"aaaa\nbbbbbbbbbbbbb\ncc", 0.5) == (b"aaaa\n", b"bbbbbbbbbbbbb\ncc")
+    assert path_sources.split_at_newline(b"no newline at all", 0.5) == (b"no newli", b"ne at all")
     # The final newline would leave an empty tail, so the cut falls at byte round(0.75 * 27) = 20.
-    assert text_corpus.split_at_newline(b"ends with its only newline\n", 0.25) == (b"ends with its only n", b"ewline\n")
+    assert path_sources.split_at_newline(b"ends with its only newline\n", 0.25) == (
+        b"ends with its only n",
+        b"ewline\n",
+    )
 
     no_validation = build(str(path), seq_len=32, val_fraction=0)
     assert no_validation.val is None
@@ -211,6 +215,16 @@ def test_a_split_that_leaves_training_or_validation_without_rows_is_an_error(tmp
     assert_data_error(r"validation split .* has no text to predict.*data.val_fraction=0", str(tiny_tail), 0.01)
 
 
+def test_the_standard_library_asked_for_a_mask_is_an_error_and_a_folder_named_stdlib_is_not_read(tmp_path, monkeypatch):
+    # The default path (build_data's "stdlib" in bytes) is left for path_sources, which refuses masks on text;
+    # "stdlib" names the embedded corpus there too, never a folder of token files of that name.
+    (tmp_path / "stdlib").mkdir()
+    (tmp_path / "stdlib" / "train.bin").write_bytes(b"\0" * 64)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError, match=r'data.task="masked": .stdlib. is not a folder of token files'):
+        data.build_data(DataConfig(task="masked"), model_vocab_size=0, seed=0)
+
+
 def test_a_missing_standard_library_or_a_special_file_is_an_error(tmp_path, monkeypatch):
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
@@ -230,7 +244,7 @@ def stdlib_corpus() -> Data:
 
 
 def test_stdlib_corpus_is_the_standard_library_without_tests_or_packages(stdlib_corpus):
-    root, files, skipped_files = text_corpus.read_text_files("stdlib")
+    root, files, skipped_files = text_corpus.read_stdlib()
     paths = [file.relative_path for file in files]
     assert paths == sorted(paths)
     assert "argparse.py" in paths and "json/decoder.py" in paths
@@ -242,7 +256,7 @@ def test_stdlib_corpus_is_the_standard_library_without_tests_or_packages(stdlib_
 
 
 def test_stdlib_rows_reproduce_its_top_level_blocks(stdlib_corpus):
-    root, files, _ = text_corpus.read_text_files("stdlib")
+    root, files, _ = text_corpus.read_stdlib()
     chosen = validation_keys([file.relative_path for file in files], 0.05)
     train_blocks, val_blocks = [], []
     for file in files:

@@ -22,10 +22,12 @@ below data.val_fraction (data.validation_keys), so adding lines never moves anot
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
+import torch
 
-from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_example_rows
+from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, RowSet, numpy_token_dtype, token_array
 from accumulation.data.splits import Data, data_from_rows, validation_keys
 
 LINE_FORMAT = 'each line must be a JSON object {"prompt": "...", "response": "..."} or {"text": "..."}'
@@ -113,6 +115,59 @@ def tokenized(examples: list[tuple[bytes, bytes]], tokenizer) -> list[tuple[np.n
     responses = encode([response for _, response in examples])
     pairs = zip(prompts, responses, strict=True)
     return [(np.array(prompt, dtype=np.int64), np.array(response + end, dtype=np.int64)) for prompt, response in pairs]
+
+
+class ExampleRows(NamedTuple):
+    """What make_example_rows returns: the rows, and what became of the examples that do not fit."""
+
+    rows: RowSet
+    dropped: int  # examples without a supervised target within seq_len + 1 tokens: no row
+    truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
+
+
+def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
+    """One row per (prompt, response) example, its tokens those of prompt then response; only the
+    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
+    or numpy arrays of token ids < vocab_size.
+
+    An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
+    With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
+    (index 0 is never a target), so an example with L <= max(P, 1) has nothing to learn and is dropped.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
+    tokens_per_row = seq_len + 1
+    kept = [
+        (prompt, response)
+        for prompt, response in examples
+        if min(len(prompt) + len(response), tokens_per_row) > max(len(prompt), 1)
+    ]
+    prompt_bytes = np.array([len(prompt) for prompt, _ in kept], dtype=np.int64)
+    example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
+    lengths = np.minimum(example_bytes, tokens_per_row)
+
+    texts = [
+        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
+        for prompt, response in kept
+    ]
+    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
+    for row, text in enumerate(texts):
+        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
+    # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
+    targets = np.arange(1, tokens_per_row)
+    supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
+    rows = RowSet(
+        tokens=torch.from_numpy(tokens),
+        lengths=torch.from_numpy(lengths.astype(np.int32)),
+        supervised=torch.from_numpy(supervised),
+        vocab_size=vocab_size,
+        texts=texts,
+        text_ids=np.arange(len(kept), dtype=np.int64),
+        starts=np.zeros(len(kept), dtype=np.int64),
+        ends=example_bytes,
+        prompt_ends=prompt_bytes,
+    )
+    return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
 
 
 def load_jsonl(source: str, seq_len: int, val_fraction: float, tokenizer=None) -> Data:

@@ -1,5 +1,5 @@
 """Whether data.source names token files (a nanoGPT folder, llm.c shards), found by their names alone: what
-accumulation/data/sources.py reads to choose a source, before any source's module is imported. And the paths of
+accumulation/data/path_sources.py reads to choose a source, before any source's module is imported. And the paths of
 data.source and data.tokenizer as every reader takes them (expanded_paths).
 """
 

@@ -1,7 +1,5 @@
 """What a row is, for every data source: the `Rows` interface and the containers that implement it, in one module
-that imports no source. What a source hands back (`Data`: the splits, their summary and fingerprint) is
-accumulation/data/splits.py; accumulation/data/sources.py (the factory, the data order, the micro-batches) imports
-a source only when data.source names it.
+that imports no source.
 
 The interface
 -------------
@@ -31,14 +29,14 @@ sources here give the same rows at every step; a fresh mask per step (accumulati
 
 RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/data/token_files.py) for
 memory-mapped token files; MaskedTokenRows (accumulation/data/masked_lm.py) on top of those, with a fresh mask
-every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows and
-make_example_rows build RowSets) and registers it (`register_data`, accumulation/config/registry.py); a config
-names it in data.source (docs/forking.md).
+every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows builds a RowSet of
+documents, accumulation/data/jsonl.py's make_example_rows one of prompt/response examples) and registers it
+(`register_data`, accumulation/config/registry.py); a config names it in data.source (docs/forking.md).
 """
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -72,36 +70,12 @@ class RawExample:
     Every task is an instance: next-token prediction (targets[j] = the token after position j), a prompt
     (its positions absent from targets), masked positions (targets[j] = the original token where position j
     is masked, the inputs holding the mask), one label per example. The checker builds its reference rows
-    from this alone (scripts/checks/check_equivalence.py, reference_rows), never from examples()'s tensors.
+    from this alone (accumulation/checker/reference.py, reference_rows), never from examples()'s tensors.
     """
 
     inputs: list[int] | torch.Tensor | tuple[torch.Tensor, ...]
     targets: dict[int, int] = field(default_factory=dict)
     label: int | None = None
-
-
-def rows_from_raw_examples(examples: list[RawExample], seq_len: int | None) -> tuple:
-    """(inputs, labels) of these rows rebuilt from their raw examples alone, position by position, with none of a
-    source's batching or masking code: token ids at their positions (0 past an example's end) and each target at
-    its position (-100 where none), or the examples' tensors stacked, and one label per row where they carry one.
-    The checker's reference and the conformance suite compare them with examples()."""
-    first = examples[0].inputs
-    if isinstance(first, list):
-        inputs = torch.zeros(len(examples), seq_len, dtype=torch.long)
-        for row, example in enumerate(examples):
-            for position, token in enumerate(example.inputs):
-                inputs[row, position] = token
-    elif isinstance(first, tuple):
-        inputs = tuple(torch.stack([example.inputs[k] for example in examples]) for k in range(len(first)))
-    else:
-        inputs = torch.stack([example.inputs for example in examples])
-    if all(example.label is not None for example in examples):
-        return inputs, torch.tensor([example.label for example in examples], dtype=torch.long)
-    labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for row, example in enumerate(examples):
-        for position, target in example.targets.items():
-            labels[row, position] = target
-    return inputs, labels
 
 
 def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> RawExample:
@@ -280,59 +254,6 @@ def make_rows(documents: list, seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) 
         ends=offset_in_document + lengths,
         prompt_ends=np.zeros(len(row_document), dtype=np.int64),
     )
-
-
-class ExampleRows(NamedTuple):
-    """What make_example_rows returns: the rows, and what became of the examples that do not fit."""
-
-    rows: RowSet
-    dropped: int  # examples without a supervised target within seq_len + 1 tokens: no row
-    truncated: int  # examples, among those kept, longer than seq_len + 1 tokens: their row is cut short
-
-
-def make_example_rows(examples: list[tuple], seq_len: int, vocab_size: int = BYTE_VOCAB_SIZE) -> ExampleRows:
-    """One row per (prompt, response) example, its tokens those of prompt then response; only the
-    targets that predict response tokens are supervised. Prompt and response are bytes (vocab_size 256)
-    or numpy arrays of token ids < vocab_size.
-
-    An example longer than seq_len + 1 tokens keeps its first seq_len + 1 (the end of its response is lost).
-    With P prompt tokens and L tokens kept, the targets at token indices max(P, 1)..L - 1 are supervised
-    (index 0 is never a target), so an example with L <= max(P, 1) has nothing to learn and is dropped.
-    """
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be a positive integer, got {seq_len}")
-    tokens_per_row = seq_len + 1
-    kept = [
-        (prompt, response)
-        for prompt, response in examples
-        if min(len(prompt) + len(response), tokens_per_row) > max(len(prompt), 1)
-    ]
-    prompt_bytes = np.array([len(prompt) for prompt, _ in kept], dtype=np.int64)
-    example_bytes = np.array([len(prompt) + len(response) for prompt, response in kept], dtype=np.int64)
-    lengths = np.minimum(example_bytes, tokens_per_row)
-
-    texts = [
-        prompt + response if isinstance(prompt, bytes) else np.concatenate([prompt, response])
-        for prompt, response in kept
-    ]
-    tokens = np.zeros((len(kept), tokens_per_row), dtype=numpy_token_dtype(vocab_size))
-    for row, text in enumerate(texts):
-        tokens[row, : lengths[row]] = token_array(text[:tokens_per_row])
-    # Input position j predicts token t = j + 1, supervised when prompt_bytes <= t < length.
-    targets = np.arange(1, tokens_per_row)
-    supervised = (targets >= prompt_bytes[:, None]) & (targets < lengths[:, None])
-    rows = RowSet(
-        tokens=torch.from_numpy(tokens),
-        lengths=torch.from_numpy(lengths.astype(np.int32)),
-        supervised=torch.from_numpy(supervised),
-        vocab_size=vocab_size,
-        texts=texts,
-        text_ids=np.arange(len(kept), dtype=np.int64),
-        starts=np.zeros(len(kept), dtype=np.int64),
-        ends=example_bytes,
-        prompt_ends=prompt_bytes,
-    )
-    return ExampleRows(rows=rows, dropped=len(examples) - len(kept), truncated=int((example_bytes > lengths).sum()))
 
 
 class RowSubset:

@@ -1,15 +1,13 @@
 """The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches.
 
 What a row is (the `Rows` interface, RowSet, DataError) is accumulation/data/rows.py, what a source returns
-(`Data`) accumulation/data/splits.py. A source's module is imported here only when data.source names it, so a run
-of text never imports the JSONL, token-file or masked-LM code.
+(`Data`) accumulation/data/splits.py.
 
 The pipeline:
     config.data  ->  build_data  ->  a source  ->  train and validation Rows
-        "stdlib", a text file or a folder: accumulation/data/text_corpus.py (the embedded demo corpus)
-        a *.jsonl file of {"prompt", "response"} or {"text"} lines: accumulation/data/jsonl.py
-        token files (nanoGPT's train.bin/val.bin, llm.c shards): accumulation/data/token_files.py
-        token files with data.task = "masked": accumulation/data/masked_lm.py (a fresh mask every step)
+        "stdlib", the default: accumulation/data/text_corpus.py (the embedded demo corpus)
+        a path (text, JSONL, token files): accumulation/data/path_sources.py, which imports only the source it names
+        a registered source's name: a fork's own data (accumulation/config/registry.py)
 and, every optimizer step s:
     (seed, s, global_batch_size)  ->  row ids of the step  ->  step_batch: the rows as step s sees them
     (rows.examples(row_ids, s)), N from rows.supervised_counts(row_ids, s), this rank's micro-batches
@@ -27,7 +25,6 @@ from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_in
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name, lookup
 from accumulation.data import text_corpus
-from accumulation.data.locate import expanded_paths, find_token_files
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64
 from accumulation.data.splits import Data
 
@@ -56,18 +53,21 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
     """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it).
 
-    A registered source's name or "module:name" (accumulation/config/registry.py, register_data): that source's build;
-    token files (a nanoGPT folder, llm.c shards): accumulation/data/token_files.py, packed; a path ending in
-    .jsonl: prompt/response examples (accumulation/data/jsonl.py), one per row; anything else: text
-    (accumulation/data/text_corpus.py), one document per row or packed. Then, for every source, data.seq_len is
-    checked against the rows' own, and validation reads at most data.val_rows of its rows (validation_subset).
+    A registered source's name or "module:name" (register_data): that source's build; "stdlib" in bytes: the
+    embedded corpus; a path, or a tokenizer or task asked of "stdlib": the source path_sources.load_files picks.
+    Then, for every source, data.seq_len is checked against the rows' own, and validation reads at most
+    data.val_rows of its rows (validation_subset).
     """
     settings = data_config
     source, seq_len = settings.source, settings.seq_len
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
         built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
-    else:
-        built = load_files(expanded_paths(settings), model_vocab_size, seed)
+    elif source == "stdlib" and settings.tokenizer == "bytes" and settings.task == "next-token":  # the default
+        built = text_corpus.load_stdlib(seq_len, settings.val_fraction, settings.layout == "packed")
+    else:  # a path, a tokenizer or a masked task: path_sources tells token files, JSONL and text apart
+        from accumulation.data.path_sources import load_files
+
+        built = load_files(settings, model_vocab_size, seed)
     rows_seq_len = built.train.seq_len
     if rows_seq_len is not None and rows_seq_len != seq_len:
         raise DataError(
@@ -78,48 +78,6 @@ def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> 
         built.val = validation_subset(built.val, settings.val_rows)
         built.summary.val_rows_read = built.val.num_rows
     return built
-
-
-def load_files(settings: DataConfig, model_vocab_size: int, seed: int) -> Data:
-    """The built-in sources, chosen by what data.source is: token files, a .jsonl file, or text."""
-    source, seq_len, val_fraction, layout = settings.source, settings.seq_len, settings.val_fraction, settings.layout
-    found_token_files = find_token_files(source)
-    # data.tokenizer encodes text and JSONL; token files are encoded already (it only decodes their sample),
-    # but it is loaded here for them too, so that a bad path is reported before training, not after.
-    tokenizer = None
-    if settings.tokenizer != "bytes":
-        from accumulation.data.tokenizer import load_tokenizer  # the optional Hugging Face tokenizers package
-
-        tokenizer = load_tokenizer(settings.tokenizer)
-    if found_token_files is not None:
-        if layout == "documents":
-            raise DataError(
-                f'data.layout="documents": {source!r} holds {found_token_files[0]} token files, whose documents '
-                f'are already concatenated; use data.layout="packed" (or "auto")'
-            )
-        from accumulation.data import token_files  # this source's code, imported only for it (as below)
-
-        opened = token_files.open_token_files(found_token_files, source, with_validation=val_fraction > 0)
-        if settings.task == "masked":
-            from accumulation.data.masked_lm import load_masked_token_files
-
-            return load_masked_token_files(opened, source, seq_len, val_fraction, model_vocab_size, seed)
-        return token_files.load_token_files(opened, source, seq_len, val_fraction, model_vocab_size)
-    if settings.task == "masked":
-        raise DataError(
-            f'data.task="masked": {source!r} is not a folder of token files; masking is implemented for token files '
-            f"(make them with scripts/operations/prepare_data.py)"
-        )
-    if source.endswith(".jsonl"):
-        if layout == "packed":
-            raise DataError(
-                f'data.layout="packed": {source!r} is a JSONL file of examples, one example per row so that each '
-                f'keeps its own prompt mask; use data.layout="documents" (or "auto")'
-            )
-        from accumulation.data.jsonl import load_jsonl
-
-        return load_jsonl(source, seq_len, val_fraction, tokenizer)
-    return text_corpus.load_text(source, seq_len, val_fraction, layout == "packed", tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 and for resume (`DataSummary`, with the fingerprint that notices other data), and the split itself, by a hash of
 each file's or example's key so that an item keeps its side when others are added.
 
-The rows themselves are accumulation/data/rows.py's; the sources (text_corpus.py, jsonl.py, token_files.py, a fork's
-registered source) build them and bundle them here with data_from_rows or data_from_custom_rows.
+The rows themselves are accumulation/data/rows.py's; the built-in sources bundle them here with data_from_rows, a
+fork's registered source with accumulation/data/custom.py's data_from_custom_rows.
 """
 
 import hashlib
@@ -11,7 +11,6 @@ import zlib
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from accumulation.data.rows import DataError, Rows, RowSet
 
@@ -71,7 +70,7 @@ def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
 class DataSummary:
     """What the run header prints about the data and what resume compares (the fingerprint, the file stamps).
     Every source gives the first group; the language-model fields after it only where they mean something
-    (a custom source of images leaves them at their defaults: data_from_custom_rows)."""
+    (a custom source of images leaves them at their defaults: accumulation/data/custom.py)."""
 
     source: str  # data.source as given
     train_rows: int
@@ -102,15 +101,8 @@ class DataSummary:
     # (token_files.file_stamps), which resume compares to catch a file changed in place. Empty for text and
     # JSONL, whose fingerprint hashes every row.
     file_stamps: tuple = ()
-    language_model: bool = True  # False for a custom source: the header leaves out files, layout and vocabulary
 
     def describe(self) -> str:
-        if not self.language_model:
-            return (
-                f"data {self.source}: {self.format}, {self.train_rows:,} training rows and {self.validation_text()}; "
-                f"supervised {self.targets} per training row min {self.min_supervised_tokens} / median "
-                f"{self.median_supervised_tokens:g} / max {self.max_supervised_tokens}; fingerprint {self.fingerprint}"
-            )
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
         losses = [
             f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
@@ -147,56 +139,6 @@ class Data:
     vocab_size: int  # the data's vocabulary: 256 for byte tokens
 
 
-def tensor_fingerprint(*parts) -> str:
-    """First 16 hex digits of sha256 over tensors (their shape, dtype and bytes) and strings, in order: the
-    fingerprint of a custom source's rows, for resume to compare (it must change whenever a row would)."""
-    digest = hashlib.sha256()
-    for part in parts:
-        if isinstance(part, torch.Tensor):
-            tensor = part.detach().cpu().contiguous()
-            digest.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-        else:
-            digest.update(str(part).encode())
-    return digest.hexdigest()[:16]
-
-
-def data_from_custom_rows(
-    source: str,
-    train: Rows,
-    val: Rows | None,
-    *,
-    fingerprint: str,
-    vocab_size: int,
-    format: str = "custom rows",
-    targets: str = "targets",
-) -> Data:
-    """A custom source's Data with the minimal summary: its name, rows, fingerprint and supervised targets per
-    row (from supervised_counts at step 0), and none of the language-model fields (files, layout, vocabulary,
-    padding). `vocab_size` is the number of classes the labels index (the model's output size when
-    model.vocab_size = 0); `targets` names what a target is in the header and the speed lines."""
-    if train.num_rows == 0:
-        raise DataError(f"data.source {source!r}: the training split has no rows")
-    counts = train.supervised_counts(torch.arange(train.num_rows), 0).numpy()
-    summary = DataSummary(
-        source=source,
-        train_rows=train.num_rows,
-        val_rows=val.num_rows if val is not None else 0,
-        fingerprint=fingerprint,
-        min_supervised_tokens=int(counts.min()),
-        median_supervised_tokens=float(np.median(counts)),
-        max_supervised_tokens=int(counts.max()),
-        targets=targets,
-        root=source,
-        seq_len=train.seq_len or 0,
-        vocab_size=vocab_size,
-        format=format,
-        val_rows_read=val.num_rows if val is not None else 0,
-        language_model=False,
-    )
-    return Data(train=train, val=val, summary=summary, vocab_size=vocab_size)
-
-
 def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
     """A DataError when the split left training without rows, or a requested validation set empty.
     (Each source first reports a source without any usable row in its own words.)"""
@@ -212,41 +154,19 @@ def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: flo
         )
 
 
-def data_from_rows(
-    source: str,
-    train: RowSet,
-    val: RowSet,
-    val_fraction: float,
-    *,
-    root: str,
-    files: int,
-    val_files: int,
-    skipped_files: int,
-    bytes: int,
-    documents: int,
-    dropped_documents: int,
-    truncated_documents: int,
-    layout: str = "documents",
-    format: str = "text",
-    vocab_from: str = "bytes",
-) -> Data:
-    """Check the split sizes, then bundle the rows with their summary; the keywords describe the source."""
+def data_from_rows(source: str, train: RowSet, val: RowSet, val_fraction: float, **description) -> Data:
+    """Check the split sizes, then bundle the rows with their summary: `description` gives the DataSummary fields
+    that describe the source (root, files, val_files, skipped_files, bytes, documents, dropped_documents,
+    truncated_documents, and layout, format, vocab_from where they differ from the defaults); the rest is
+    counted from the rows."""
     check_split_sizes(source, train, val, val_fraction)
     supervised = train.supervised_tokens()
     label_positions = train.num_rows * train.seq_len
     targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets
     summary = DataSummary(
         source=source,
-        root=root,
         seq_len=train.seq_len,
         vocab_size=train.vocab_size,
-        files=files,
-        val_files=val_files,
-        skipped_files=skipped_files,
-        bytes=bytes,
-        documents=documents,
-        dropped_documents=dropped_documents,
-        truncated_documents=truncated_documents,
         train_rows=train.num_rows,
         val_rows=val.num_rows,
         min_supervised_tokens=int(supervised.min()),
@@ -255,9 +175,7 @@ def data_from_rows(
         padding_fraction=1 - targets / label_positions,
         prompt_fraction=(targets - int(supervised.sum())) / label_positions,
         fingerprint=row_fingerprint(train),
-        layout=layout,
-        format=format,
-        vocab_from=vocab_from,
         val_rows_read=val.num_rows,
+        **description,
     )
     return Data(train=train, val=val if val_fraction > 0 else None, summary=summary, vocab_size=train.vocab_size)

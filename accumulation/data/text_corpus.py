@@ -1,14 +1,15 @@
-"""The embedded demo corpus: text files (or the standard library) as documents.
+"""The embedded demo corpus, and what every text source shares: text files as documents, cut into rows.
 
 By default a token is one byte (vocabulary 256), so text is never decoded for training; it is only checked
 to be UTF-8 so that binary files do not slip in. With data.tokenizer each document is encoded by that
 tokenizer instead. Every target of every document is supervised.
 
-    data.source  ->  text files  ->  train/validation split by file  ->  documents  ->  rows (data.make_rows)
+    text files  ->  train/validation split by file  ->  documents  ->  rows (data.make_rows)
         data.layout "documents": each document cut into rows of its own, the last one padded
         data.layout "packed":    the documents of a split joined into one, cut into full rows (packed)
 
-A fork that trains on other data replaces this module; accumulation/data/sources.py stays.
+data.source = "stdlib", the default, reads this interpreter's standard library (load_stdlib). A text file or folder
+of the user's is read and checked by accumulation/data/path_sources.py, then cut into rows here (text_data).
 """
 
 import os
@@ -18,15 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from accumulation.data.locate import find_token_files
-from accumulation.data.memory import memory_limit_bytes
 from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_rows
 from accumulation.data.splits import Data, data_from_rows, validation_keys
-
-# Memory the text path takes per byte of text, its peak while the rows are built (the bytes, their copies
-# as documents and packed, and the row tables), rounded up from the figure docs/data.md gives. Text is read
-# whole; token files are not.
-TEXT_MEMORY_BYTES_PER_BYTE = 16
 
 # Folders of the standard library that are left out of the "stdlib" corpus: installed third-party
 # packages, and test suites (large, repetitive, and full of deliberately odd code).
@@ -37,6 +31,18 @@ STDLIB_EXCLUDED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "
 class TextFile:
     relative_path: str  # '/'-separated, relative to the source folder; the file name for a single file
     data: bytes
+
+
+@dataclass
+class TextSplit:
+    """A text source read and split in two: what its rows and its summary are made from."""
+
+    root: Path  # the folder (or the file) data.source resolved to
+    files: list[TextFile]  # its text files, in sorted order
+    skipped_files: int  # non-text files left out
+    train_documents: list[bytes]
+    val_documents: list[bytes]
+    val_files: int  # files in the validation split (1 for a lone file split within itself)
 
 
 def is_text(data: bytes) -> bool:
@@ -59,31 +65,17 @@ def read_bytes(path: Path, source: str) -> bytes:
         ) from None
 
 
-def not_text_advice(path: Path) -> str:
-    """Why a single file is no text, and where to point data.source instead: its folder when the file is one
-    of the token files a folder of them is read as (train.bin, an llm.c shard)."""
-    if find_token_files(str(path.parent)) is not None:
-        return (
-            f" but a token file (it holds binary token ids); token files are read as their folder: "
-            f"set data.source={str(path.parent)!r}"
-        )
-    return " (it contains a NUL byte or is not valid UTF-8); point data.source at a UTF-8 text file or a folder of them"
-
-
-def check_text_fits_in_memory(source: str, paths: list[Path]) -> None:
-    """Refuse text that cannot fit: it is read whole, and reading it would end in a MemoryError traceback or
-    the kernel's OOM killer. Token files are memory-mapped and never read whole."""
-    text_bytes = sum(path.stat().st_size for path in paths)
-    limit_bytes, limit = memory_limit_bytes()
-    needed_bytes = TEXT_MEMORY_BYTES_PER_BYTE * text_bytes
-    if needed_bytes > limit_bytes:
-        raise DataError(
-            f"data.source {source!r}: {text_bytes / 2**30:,.2f} GiB of text, read whole, needs about "
-            f"{needed_bytes / 2**30:,.1f} GiB ({TEXT_MEMORY_BYTES_PER_BYTE} bytes per byte), more than the "
-            f"{limit_bytes / 2**30:,.1f} GiB of {limit}; write it as token files once, which are memory-mapped "
-            f"and never read whole: python scripts/operations/prepare_data.py INPUT OUT_DIR (it reads a folder or "
-            f"a .jsonl file one document at a time; split one large file into several), then data.source=OUT_DIR"
-        )
+def read_text_files(root: Path, paths: list[Path], source: str) -> tuple[list[TextFile], int]:
+    """The text files among `paths` (files below `root`), in order, and how many non-text files were skipped."""
+    files = []
+    skipped_files = 0
+    for path in paths:
+        data = read_bytes(path, source)
+        if is_text(data):
+            files.append(TextFile(path.relative_to(root).as_posix(), data))
+        else:
+            skipped_files += 1
+    return files, skipped_files
 
 
 def stdlib_root() -> Path:
@@ -100,53 +92,14 @@ def stdlib_file_paths(root: Path) -> list[Path]:
     return sorted(paths, key=lambda path: path.relative_to(root).as_posix())
 
 
-def folder_file_paths(root: Path) -> list[Path]:
-    """Every regular file below `root`, recursively, sorted by relative path."""
-    paths = [path for path in root.rglob("*") if path.is_file()]
-    return sorted(paths, key=lambda path: path.relative_to(root).as_posix())
-
-
-def read_text_files(source: str) -> tuple[Path, list[TextFile], int]:
-    """The source's root, its text files in sorted order, and how many non-text files were skipped.
-
-    "stdlib" is this interpreter's standard library; any other string is a path to a text file or to a
-    folder. In a folder (and in the standard library) non-text files are skipped and counted; a single
-    file that is not text is an error.
-    """
-    if source == "stdlib":
-        root = stdlib_root()
-        if not root.is_dir():
-            raise DataError(
-                f"the standard library's source is not installed at {root}; set data.source to a text file or folder"
-            )
-        paths = stdlib_file_paths(root)
-    else:
-        root = Path(source)
-        if not root.exists():
-            raise DataError(
-                f"data.source {source!r} does not exist; set it to a text file or folder, a .jsonl file, a folder of "
-                f'token files (scripts/operations/prepare_data.py writes them), or "stdlib"'
-            )
-        if root.is_file():
-            check_text_fits_in_memory(source, [root])
-            data = read_bytes(root, source)
-            if not is_text(data):
-                raise DataError(f"data.source {source!r} is not a text file{not_text_advice(root)}")
-            return root, [TextFile(root.name, data)], 0
-        if not root.is_dir():
-            raise DataError(f"data.source {source!r} is neither a file nor a folder; point it at a text file or folder")
-        paths = folder_file_paths(root)
-        check_text_fits_in_memory(source, paths)
-
-    files = []
-    skipped_files = 0
-    for path in paths:
-        data = read_bytes(path, source)
-        if is_text(data):
-            files.append(TextFile(path.relative_to(root).as_posix(), data))
-        else:
-            skipped_files += 1
-    return root, files, skipped_files
+def read_stdlib() -> tuple[Path, list[TextFile], int]:
+    """The standard library's root, its text files in sorted order, and how many non-text files were skipped."""
+    root = stdlib_root()
+    if not root.is_dir():
+        raise DataError(
+            f"the standard library's source is not installed at {root}; set data.source to a text file or folder"
+        )
+    return root, *read_text_files(root, stdlib_file_paths(root), "stdlib")
 
 
 def split_top_level_blocks(text: bytes) -> list[bytes]:
@@ -176,29 +129,6 @@ def split_top_level_blocks(text: bytes) -> list[bytes]:
     return blocks
 
 
-def split_at_newline(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
-    """Split one file into (train, validation): the tail after the newline nearest to (1 - val_fraction)·size.
-
-    The newline stays with the training part. A newline that is the file's last byte is not a candidate
-    (it would leave the tail empty); with no candidate the cut is at the byte position itself.
-    """
-    target = round((1 - val_fraction) * len(data))
-    candidates = []
-    before = data.rfind(b"\n", 0, target)
-    if before != -1:
-        candidates.append(before + 1)
-    after = data.find(b"\n", target, len(data) - 1)
-    if after != -1:
-        candidates.append(after + 1)
-    cut = min(candidates, key=lambda position: abs(position - target)) if candidates else target
-    return data[:cut], data[cut:]
-
-
-def documents_of(data: bytes, is_python_source: bool) -> list[bytes]:
-    """A Python file of the standard library gives one document per top-level block; any other file is one."""
-    return split_top_level_blocks(data) if is_python_source else [data]
-
-
 def packed(documents: list, seq_len: int, separator: list[int]) -> list:
     """The documents as one, each preceded by `separator`, cut to 1 + k·seq_len tokens so that make_rows
     gives k full rows, no padding; the last, incomplete row's tokens are left out.
@@ -214,52 +144,32 @@ def packed(documents: list, seq_len: int, separator: list[int]) -> list:
     return [joined[: 1 + full_rows * seq_len]] if full_rows else []
 
 
-def tokenized(documents: list[bytes], tokenizer) -> list[np.ndarray]:
-    """Each document's ids under `tokenizer` (a Hugging Face Tokenizer)."""
-    encodings = tokenizer.encode_batch([document.decode("utf-8") for document in documents], add_special_tokens=False)
-    return [np.array(encoding.ids, dtype=np.int64) for encoding in encodings]
-
-
-def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: bool = False, tokenizer=None) -> Data:
-    """Read `source`, split it into training and validation by file, and cut both into rows: one
-    document per row (padded), or with packed_layout every split's documents joined into full rows.
-    Tokens are bytes, or the ids of `tokenizer` when one is given.
-
-    With two or more files the split is by a hash of each file's path (data.validation_keys); a lone file
-    is split at a newline (split_at_newline). val_fraction == 0 means no validation set.
-    """
-    root, files, skipped_files = read_text_files(source)
-    is_python_source = source == "stdlib"
-
-    train_documents: list[bytes] = []
-    val_documents: list[bytes] = []
-    val_files = 0
+def split_by_file(root: Path, files: list[TextFile], skipped_files: int, val_fraction: float, is_python_source: bool):
+    """The files split into training and validation documents by a hash of each file's path (validation_keys),
+    so that a file keeps its side when others are added; val_fraction == 0 means no validation set."""
     # A file under 2 bytes holds no target (a target needs a token before it), so it takes no part in the
-    # split: an empty file beside one real file must not become the whole validation set.
-    files_with_targets = [file for file in files if len(file.data) >= 2]
-    if len(files_with_targets) == 1 and val_fraction > 0:
-        [lone_file] = files_with_targets
-        train_part, val_part = split_at_newline(lone_file.data, val_fraction)
-        train_documents += documents_of(train_part, is_python_source)
-        val_documents += documents_of(val_part, is_python_source)
-        val_files = 1
-        for file in files:  # the files without a target: documents that make_rows drops, counted in the summary
-            if file is not lone_file:
-                train_documents += documents_of(file.data, is_python_source)
-    else:
-        chosen = validation_keys([file.relative_path for file in files_with_targets], val_fraction)
-        for file in files:
-            documents = documents_of(file.data, is_python_source)
-            if file.relative_path in chosen:
-                val_documents += documents
-                val_files += 1
-            else:
-                train_documents += documents
+    # split: an empty file must not become the whole validation set.
+    chosen = validation_keys([file.relative_path for file in files if len(file.data) >= 2], val_fraction)
+    split = TextSplit(root, files, skipped_files, train_documents=[], val_documents=[], val_files=0)
+    for file in files:
+        # A Python file of the standard library gives one document per top-level block; any other file is one.
+        documents = split_top_level_blocks(file.data) if is_python_source else [file.data]
+        if file.relative_path in chosen:
+            split.val_documents += documents
+            split.val_files += 1
+        else:
+            split.train_documents += documents
+    return split
 
+
+def text_data(source: str, split: TextSplit, seq_len: int, val_fraction: float, packed_layout: bool, tokenizer) -> Data:
+    """Cut both splits' documents into rows: one document per row (padded), or with packed_layout every split's
+    documents joined into full rows. Tokens are bytes, or the ids of `tokenizer` when one is given."""
+    train_documents, val_documents = split.train_documents, split.val_documents
     all_documents = train_documents + val_documents  # bytes, counted below
     vocab_size, separator = BYTE_VOCAB_SIZE, []
     if tokenizer is not None:
-        from accumulation.data.tokenizer import end_of_text_token
+        from accumulation.data.tokenizer import end_of_text_token, tokenized
 
         vocab_size = tokenizer.get_vocab_size()
         separator = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]
@@ -272,21 +182,28 @@ def load_text(source: str, seq_len: int, val_fraction: float, packed_layout: boo
     if train.num_rows + val.num_rows == 0:
         raise DataError(
             f"data.source {source!r} has no usable text (no text file with at least 2 bytes); "
-            f'add UTF-8 text to {root} or set data.source="stdlib"'
+            f'add UTF-8 text to {split.root} or set data.source="stdlib"'
         )
     return data_from_rows(
         source,
         train,
         val,
         val_fraction,
-        root=str(root),
-        files=len(files),
-        val_files=val_files,
-        skipped_files=skipped_files,
-        bytes=sum(len(file.data) for file in files),
+        root=str(split.root),
+        files=len(split.files),
+        val_files=split.val_files,
+        skipped_files=split.skipped_files,
+        bytes=sum(len(file.data) for file in split.files),
         documents=len(all_documents),
         dropped_documents=sum(1 for document in all_documents if len(document) < 2),
         truncated_documents=0,  # a long document is cut into several rows, never truncated
         layout="packed" if packed_layout else "documents",
         vocab_from="bytes" if tokenizer is None else "data.tokenizer",
     )
+
+
+def load_stdlib(seq_len: int, val_fraction: float, packed_layout: bool = False, tokenizer=None) -> Data:
+    """The standard library's Python files, split by file, each top-level block a document (the default data)."""
+    root, files, skipped_files = read_stdlib()
+    split = split_by_file(root, files, skipped_files, val_fraction, is_python_source=True)
+    return text_data("stdlib", split, seq_len, val_fraction, packed_layout, tokenizer)

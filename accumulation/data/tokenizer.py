@@ -5,6 +5,8 @@ sample). Text and JSONL are bytes unless data.tokenizer names a Hugging Face tok
 
 import functools
 
+import numpy as np
+
 from accumulation.data.locate import expanded_paths, find_token_files
 from accumulation.data.rows import DataError
 
@@ -34,6 +36,12 @@ def end_of_text_token(tokenizer) -> int | None:
         if token_id is not None:
             return token_id
     return None
+
+
+def tokenized(documents: list[bytes], tokenizer) -> list[np.ndarray]:
+    """Each document's ids under `tokenizer` (a Hugging Face Tokenizer)."""
+    encodings = tokenizer.encode_batch([document.decode("utf-8") for document in documents], add_special_tokens=False)
+    return [np.array(encoding.ids, dtype=np.int64) for encoding in encodings]
 
 
 def decode_bytes(ids: list[int]) -> str:

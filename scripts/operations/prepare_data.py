@@ -21,7 +21,7 @@
 A document goes to validation when the crc32 hash of its key (its path in a folder, its line in JSONL)
 falls below --val-fraction, so the split is stable when documents are added (data.validation_keys's rule;
 a folder in which no path falls below it sends the one with the smallest hash, as the text source does).
-A single text file is split at the newline nearest the cut (text_corpus.split_at_newline), which reads
+A single text file is split at the newline nearest the cut (path_sources.split_at_newline), which reads
 it whole; a folder or a JSONL file is read one document at a time, so give one of those for a corpus
 larger than memory.
 Everything is written under a temporary folder and moved into place at the end: a failed run leaves
@@ -44,9 +44,10 @@ from pathlib import Path
 import numpy as np
 
 from accumulation.data.jsonl import parse_example
+from accumulation.data.path_sources import folder_file_paths, split_at_newline
 from accumulation.data.rows import DataError
 from accumulation.data.splits import key_hash, validation_keys
-from accumulation.data.text_corpus import folder_file_paths, is_text, split_at_newline
+from accumulation.data.text_corpus import is_text
 from accumulation.data.token_files import LLMC_HEADER_INT32, LLMC_MAGIC
 
 END_OF_TEXT = "<|endoftext|>"

@@ -19,8 +19,8 @@ import torch
 import train
 from accumulation import checker as check_equivalence
 from accumulation.batching import IGNORE_INDEX
+from accumulation.checker.reference import reference_rows
 from accumulation.config.config import load_config
-from accumulation.data.rows import rows_from_raw_examples
 from accumulation.data.sources import build_data, step_batch, step_row_ids
 from accumulation.models.factory import (
     build_model,
@@ -112,8 +112,7 @@ def test_data_contract(fork_argv, step):
     per_row = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     assert torch.equal(rows.supervised_counts(row_ids, step), per_row), "supervised_counts disagrees with labels"
     assert int(per_row.sum()) > 0
-    examples = [rows.raw_example(row_id, step) for row_id in row_ids.tolist()]
-    reference_inputs, reference_labels = rows_from_raw_examples(examples, rows.seq_len)
+    reference_inputs, reference_labels = reference_rows(rows, row_ids, step, rows.seq_len)
     assert same_inputs(reference_inputs, inputs), "raw_example's inputs are not the rows' inputs"
     assert torch.equal(reference_labels, labels), "raw_example's targets are not the rows' labels"
     if inputs.dtype == torch.int64 and rows.seq_len is not None:  # token ids
