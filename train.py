@@ -91,7 +91,7 @@ from accumulation.run.checkpoint import (
     seed_dropout,
 )
 from accumulation.run.logs import RunLogs, finite_or_none, print_run_header
-from accumulation.run.resume import check_ranks_agree_on_resume, find_resume_point
+from accumulation.run.resume import find_resume_point
 from accumulation.run.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
@@ -179,7 +179,10 @@ def train_in_run_directory(
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
-            check_ranks_agree_on_resume(context, resume, run_dir)
+            if context.world_size > 1:  # each rank looked for the checkpoint itself
+                from accumulation.run.restore import check_ranks_agree_on_resume
+
+                check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except (CheckpointError, InexactStep, DataError) as error:
         # Bad input found now: ranks that disagree or state dicts that do not load (every rank says so), the step-0

@@ -1,11 +1,17 @@
-"""Resuming from a checkpoint (imported by accumulation/run/resume.py only when the run directory holds a run):
-which checkpoint to continue from, what it must share with this run, and the state (random-number generators
-included) that makes the continuation bit-identical.
+"""Resuming from a checkpoint: which checkpoint to continue from, what it must share with this run, and the
+state (random-number generators included) that makes the continuation bit-identical. Imported only when the
+run directory holds a run (accumulation/run/resume.py), and by a run of several ranks to check that every
+rank found the same checkpoint.
+
+A run's position is its counters: the data order is a pure function of (seed, step, global batch), so the
+step count says which examples come next. What else must be restored is the model, the optimizer, the
+scheduler, the GradScaler and every rank's random-number generator (dropout draws from it).
 """
 
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from accumulation.config.config import Config, ConfigError, config_from_dict, unused_model_keys
 from accumulation.counters import Counters
@@ -232,6 +238,21 @@ def check_token_files_unchanged(path: Path, stored: list | tuple, current: tuple
                 f"resume this one, put back the files the run started with, copied with their modification times "
                 f"(cp -p, rsync -a)"
             )
+
+
+def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None, run_dir: Path) -> None:
+    """Every rank reads the checkpoint itself. Where nodes do not share the run directory, ranks on another
+    node find no checkpoint and would start afresh beside a resuming rank 0: refused instead."""
+    steps_seen = [None] * context.world_size
+    dist.all_gather_object(steps_seen, None if resume is None else resume["counters"]["steps"])
+    if len(set(steps_seen)) > 1:
+        seen = ", ".join(
+            f"rank {rank} {'none' if steps is None else f'step {steps}'}" for rank, steps in enumerate(steps_seen)
+        )
+        raise CheckpointError(
+            f"the ranks found different checkpoints in {run_dir / 'checkpoints'} ({seen}); "
+            f"run.out_dir must be on storage that every node shares"
+        )
 
 
 def restore_rng_states(saved: dict, context: DistributedContext, config: Config, steps: int) -> None:
