@@ -6,8 +6,8 @@ Layout inside the run directory:
 
 A checkpoint is a dict of tensors and plain Python values, loadable with torch.load(weights_only=True):
     model, optimizer, scheduler, scaler, counters, config, rng, data
-Reading one back, and every check before a run continues from it, is accumulation/run/checkpoint_checks.py
-and accumulation/run/restore.py: a fresh run never imports them.
+Reading one back, and every check before a run continues from it: accumulation/run/checkpoint_checks.py and
+accumulation/run/restore.py, which a fresh run on one process never imports.
 """
 
 import errno
