@@ -90,7 +90,7 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
     path = checkpoint_dir / f"step_{steps:06d}.pt"
     temporary, latest_temporary = path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"
     computing_crcs = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)  # the CRC-32 of every entry, which check_archive verifies
+    torch.serialization.set_crc32_options(True)  # each entry's CRC-32, which checkpoint_checks.py verifies
     try:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         with open(temporary, "wb") as file:

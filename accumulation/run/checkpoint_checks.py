@@ -1,5 +1,5 @@
-"""A checkpoint read back and checked before a run continues from it (accumulation/run/restore.py imports
-this module; a fresh run never does).
+"""A checkpoint read back and checked before a run continues from it (imported by accumulation/run/restore.py;
+a fresh run on one process never imports it).
 
 Verified before use: torch.save writes a zip archive with a CRC-32 of every entry (the pickle, each tensor's
 bytes), and torch.load never checks them, so a flipped bit in a tensor loads without a word. read_checkpoint
