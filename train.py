@@ -81,16 +81,16 @@ from accumulation.run.build import (
     step_strategy,
     wrap_for_training,
 )
-from accumulation.run.checkpoint import WRITE_ERROR_STATUS, CheckpointError, WriteError, save_checkpoint
-from accumulation.run.logs import RunLogs, finite_or_none, print_run_header
-from accumulation.run.resume import (
-    ExpectedShapes,
-    check_ranks_agree_on_resume,
+from accumulation.run.checkpoint import (
+    WRITE_ERROR_STATUS,
+    CheckpointError,
+    WriteError,
     checkpoint_payload,
-    find_resume_point,
-    restore_training_state,
+    save_checkpoint,
     seed_dropout,
 )
+from accumulation.run.logs import RunLogs, finite_or_none, print_run_header
+from accumulation.run.resume import find_resume_point
 from accumulation.run.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
@@ -132,7 +132,6 @@ def main(argv: list[str]) -> int:
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
         check_run_directory(run_dir)  # this program's own files only (a fresh run: in a folder of no other run)
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
-        shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
         # (on the meta device "auto" is plain; build_training decides it on the run's device)
         chunked_loss = decided_model_config(config, model_on_meta, torch.device("meta")).loss == "chunked"
@@ -145,7 +144,7 @@ def main(argv: list[str]) -> int:
             lock = RunLock(run_dir)
             lock.acquire()
         warn = print_to_stderr if rank == 0 else say
-        resume = find_resume_point(config, data.summary, shapes, run_dir, warn, say)
+        resume = find_resume_point(config, data.summary, model_on_meta, run_dir, warn, say)
     except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
         if lock is not None:
@@ -180,7 +179,10 @@ def train_in_run_directory(
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
-            check_ranks_agree_on_resume(context, resume, run_dir)
+            if context.world_size > 1:  # each rank looked for the checkpoint itself
+                from accumulation.run.restore import check_ranks_agree_on_resume
+
+                check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
     except (CheckpointError, InexactStep, DataError) as error:
         # Bad input found now: ranks that disagree or state dicts that do not load (every rank says so), the step-0
@@ -293,7 +295,12 @@ def train(
     session_start = time.perf_counter()
     device = context.device
     training = build_training(config, vocab_size, resume, context)
-    counters, skips_in_a_row = restore_training_state(training, resume, config, context)
+    if resume is None:
+        counters, skips_in_a_row = Counters(), 0  # a fresh run
+    else:  # the optimizer, scheduler, scaler and random states of the checkpoint
+        from accumulation.run.restore import restore_training_state
+
+        counters, skips_in_a_row = restore_training_state(training, resume, config, context)
     batches = StepBatches(config, data, context)  # each step's micro-batches, built one step ahead
     if counters.steps == 0:  # a fresh run, before anything is written: what would make the step inexact
         [first_micro_batch, *_], _ = batches.peek(0, config.batch.micro_batch_size)

@@ -17,8 +17,9 @@ import torch
 import train
 from accumulation.config.config import load_config
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import check_archive
-from accumulation.run.resume import restore_rng_states, seed_dropout
+from accumulation.run.checkpoint import seed_dropout
+from accumulation.run.checkpoint_checks import check_archive
+from accumulation.run.restore import restore_rng_states
 from accumulation.run.run_dir import LOCK_FILE
 from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, uneven_corpus
 

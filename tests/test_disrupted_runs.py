@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The run every disrupted 2-rank run must reproduce: six steps, a checkpoint every two (all four kept), a
 # cosine horizon that does not move when a shorter session stops early, and no dropout (a change in the
-# number of ranks reseeds the dropout streams, see train.restore_rng_states).
+# number of ranks reseeds the dropout streams, see restore_rng_states in accumulation/run/restore.py).
 SETTINGS = {
     "run.max_steps": 6,
     "run.checkpoint_every": 2,

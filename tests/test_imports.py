@@ -112,6 +112,8 @@ OPTION_MODULES = {
     "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it, on CUDA)
     "accumulation.models.forward_and_loss",  # model.compile (on by default on CUDA only)
     "accumulation.checker",  # scripts/checks/check_equivalence.py
+    "accumulation.run.restore",  # a run directory that holds a run (run.resume)
+    "accumulation.run.checkpoint_checks",  # reading a checkpoint back (run.resume)
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"

@@ -14,7 +14,7 @@ from accumulation.config.config import ConfigError, config_to_toml, load_config
 from accumulation.config.help import help_text
 from accumulation.models.factory import build_model, loss_sum_fn_for
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.resume import seed_dropout
+from accumulation.run.checkpoint import seed_dropout
 
 # A fork in one file: a GRU of a width its own setting multiplies, whose build seeds the global generator (as
 # Hugging Face's set_seed does), a fingerprint over a file its other setting names, and a registered loss.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import accumulation.run.resume as resume
+import accumulation.run.restore as restore
 import accumulation.run.run_dir as run_dir_module
 import train
 from accumulation.config.config import ConfigError, load_config
@@ -292,7 +292,7 @@ def test_a_run_refused_after_taking_the_lock_removes_the_lock_file_it_created(tm
             "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
         )
 
-    monkeypatch.setattr(resume, "load_optimizer_state", does_not_fit)
+    monkeypatch.setattr(restore, "load_optimizer_state", does_not_fit)
     status, _, error = run_in_process(arguments + ["run.max_steps=1"], capsys)
     assert status == 2 and error.count("\n") == 1 and "resume from an older checkpoint" in error, error
     assert not (run_dir / LOCK_FILE).exists() and snapshot(run_dir) == before

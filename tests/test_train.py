@@ -14,7 +14,7 @@ import train
 from accumulation.batching import accumulation_steps
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data, step_row_ids
-from accumulation.run.checkpoint import REQUIRED_KEYS
+from accumulation.run.checkpoint_checks import REQUIRED_KEYS
 from testkit.ranks import run_main_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent

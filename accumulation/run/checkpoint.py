@@ -1,4 +1,4 @@
-"""Checkpoints: written atomically, read without unpickling arbitrary objects, and checked before use.
+"""Checkpoints: what one holds, and how it is written (atomically, the newest `keep` kept).
 
 Layout inside the run directory:
     checkpoints/step_000200.pt   one per checkpoint, the newest `keep` of them kept
@@ -6,33 +6,25 @@ Layout inside the run directory:
 
 A checkpoint is a dict of tensors and plain Python values, loadable with torch.load(weights_only=True):
     model, optimizer, scheduler, scaler, counters, config, rng, data
-
-Verified before use: torch.save writes a zip archive with a CRC-32 of every entry (the pickle, each tensor's
-bytes), and torch.load never checks them, so a flipped bit in a tensor loads without a word. read_checkpoint
-reads every entry once and compares its CRC-32 (check_archive) before torch.load sees the file. Every byte
-torch.load reads is covered: an entry's bytes by its CRC, the names and offsets that locate it by zipfile's
-own cross-checks of the central directory against each entry's header; what is left (timestamps, padding)
-changes nothing that is loaded. The cost is one more read of the file, at CRC-32 speed (docs/training.md has
-the figure), and nothing at all when writing: torch computes the CRCs anyway.
+Reading one back, and every check before a run continues from it: accumulation/run/checkpoint_checks.py and
+accumulation/run/restore.py, which a fresh run on one process never imports.
 """
 
-import dataclasses
 import errno
-import math
 import os
 import re
 import shutil
-import stat
-import warnings
-import zipfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from accumulation.counters import Counters
+from accumulation.config.config import Config, config_to_dict
+from accumulation.data.sources import DATA_ORDER
+from accumulation.data.splits import DataSummary
+from accumulation.models.factory import model_fingerprint
+from accumulation.parallel.distributed import DistributedContext
 
-REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "counters", "config", "rng", "data")
-COUNTER_NAMES = [field.name for field in dataclasses.fields(Counters)]
 STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
 
 
@@ -88,52 +80,48 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def step_path(checkpoint_dir: Path, steps: int) -> Path:
-    return checkpoint_dir / f"step_{steps:06d}.pt"
+def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
+    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files. Each
+    file appears through the rename of a temporary file flushed to the disk: a reader sees either the old file
+    or the complete new one, never a partial write, even if this process dies.
 
-
-def write_atomically(payload: dict, path: Path) -> None:
-    """Write to a temporary file in the same folder, flush it to disk, then rename over `path`. A reader
-    sees either the old file or the complete new one, never a partial write, even if this process dies."""
-    temporary = path.with_name(f".{path.name}.tmp")
+    A write that fails (a full disk above all) raises WriteError with one line, after removing its
+    temporary files: the checkpoints written before are untouched, and a restart resumes from the newest."""
+    path = checkpoint_dir / f"step_{steps:06d}.pt"
+    temporary, latest_temporary = path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"
     computing_crcs = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)  # the CRC-32 of every entry, which check_archive verifies
+    torch.serialization.set_crc32_options(True)  # each entry's CRC-32, which checkpoint_checks.py verifies
     try:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
         with open(temporary, "wb") as file:
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
-    finally:
-        torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
-    os.replace(temporary, path)
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """A rename lives in the directory's own data: flush it too, or a power loss can undo a rename that
-    has already returned."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
-    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files.
-
-    A write that fails (a full disk above all) raises WriteError with one line, after removing its
-    temporary files: the checkpoints written before are untouched, and a restart resumes from the newest."""
-    path = step_path(checkpoint_dir, steps)
-    try:
-        publish(payload, checkpoint_dir, path, keep)
+        os.replace(temporary, path)
+        # latest.pt is a second name for the same bytes: a hard link where the filesystem allows one (no
+        # second write), a copy otherwise.
+        latest_temporary.unlink(missing_ok=True)
+        try:
+            os.link(path, latest_temporary)
+        except OSError:
+            shutil.copyfile(path, latest_temporary)
+        os.replace(latest_temporary, checkpoint_dir / "latest.pt")
+        # A rename lives in the directory's own data: flush it too, or a power loss can undo the renames
+        # after they have returned.
+        descriptor = os.open(checkpoint_dir, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        for old in step_checkpoints(checkpoint_dir)[:-keep]:
+            old.unlink()
     except Exception as error:
         cause = os_error_in(error)
         if cause is None:
             raise  # not the file system: a bug, whose traceback is the useful message
-        for temporary in (path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"):
+        for leftover in (temporary, latest_temporary):
             try:
-                temporary.unlink(missing_ok=True)
+                leftover.unlink(missing_ok=True)
             except OSError:
                 pass  # the folder itself is unreachable: there is nothing to clean up
         try:
@@ -146,24 +134,9 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
             f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
             f"and a restart resumes from the newest checkpoint"
         ) from None
+    finally:
+        torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
     return path
-
-
-def publish(payload: dict, checkpoint_dir: Path, path: Path, keep: int) -> None:
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    write_atomically(payload, path)
-    # latest.pt is a second name for the same bytes: a hard link where the filesystem allows one (no
-    # second write), a copy otherwise; either way it appears atomically through a rename.
-    temporary = checkpoint_dir / ".latest.pt.tmp"
-    temporary.unlink(missing_ok=True)
-    try:
-        os.link(path, temporary)
-    except OSError:
-        shutil.copyfile(path, temporary)
-    os.replace(temporary, checkpoint_dir / "latest.pt")
-    fsync_directory(checkpoint_dir)
-    for old in step_checkpoints(checkpoint_dir)[:-keep]:
-        old.unlink()
 
 
 def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -174,370 +147,74 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(STEP_FILE.fullmatch(p.name).group(1)))
 
 
-def read_checkpoint(path: Path) -> dict:
-    """Load a checkpoint safely: weights_only=True refuses any pickled object that is not a tensor or a
-    plain container, so a malicious file cannot run code. Raises CheckpointError for anything unusable."""
-    check_archive(path)
-    try:
-        # A damaged file can make the unpickler warn (e.g. of an unknown pickle protocol) before it fails;
-        # the error below says all there is to say, so the warnings stay out of the user's terminal.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # truncated, corrupted, not a torch file, or a refused pickle
-        raise CheckpointError(f"checkpoint {path} cannot be read ({load_failure(error)})") from None
-    if not isinstance(payload, dict):
-        raise CheckpointError(f"checkpoint {path} holds a {type(payload).__name__}, not a checkpoint dict")
-    missing = [key for key in REQUIRED_KEYS if key not in payload]
-    if missing:
-        raise CheckpointError(f"checkpoint {path} lacks the keys {missing}; it was not written by this program")
-    problem = structure_problem(payload)
-    if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
-    return payload
-
-
-def check_archive(path: Path) -> None:
-    """Read every entry of the checkpoint's zip archive and compare it with the CRC-32 stored beside it
-    (zipfile does the comparison as the last byte of an entry is read). Raises CheckpointError naming the
-    file and the first damaged entry: a flipped bit, a truncated or overwritten file."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except Exception as error:  # not a zip archive at all: truncated, random bytes, a directory, unreadable
-        raise CheckpointError(f"checkpoint {path} cannot be read ({load_failure(error)})") from None
-    with archive:
-        for entry in archive.infolist():
-            try:
-                with archive.open(entry) as stream:
-                    while stream.read(2**20):
-                        pass
-            except Exception as error:  # a wrong CRC, a damaged header, a size that runs past the end
-                if "CRC" in str(error):
-                    why = f"the CRC of its entry {entry.filename} does not match its bytes"
-                else:
-                    why = f"its entry {entry.filename} cannot be read ({error})"
-                raise CheckpointError(
-                    f"checkpoint {path} is damaged: {why} (a bit flipped on the disk or in a copy, or the file "
-                    f"changed in place)"
-                ) from None
-
-
-def load_failure(error: Exception) -> str:
-    """What torch.load found wrong with a file, in one line. A refusal of the weights-only unpickler comes
-    wrapped in advice to load the file with weights_only=False, or to allow the refused global: exactly what
-    must not be done with a file of unknown origin. So for any message that speaks of weights_only, only the
-    reason is kept ("unsupported GLOBAL posix.system ..."), found as the first line that is not advice: torch
-    versions word and order the advice differently, and not all of them mark the reason."""
-    text = str(error).strip()
-    if "weights_only" in text:
-        reasons = [
-            line.strip().removeprefix("WeightsUnpickler error:").strip().split(". ")[0].rstrip(".")
-            for line in text.splitlines()
-            if line.strip()
-            and not any(advice in line for advice in ("weights_only", "Weights only", "Check the documentation"))
-        ]
-        reason = reasons[0] if reasons else "it holds objects that are not tensors or plain values"
-        return f"the weights-only loader, which accepts tensors and plain values only, refused it: {reason}"
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def structure_problem(payload: dict) -> str | None:
-    """What is wrong with the parts of a checkpoint that resuming reads as plain values, or None. The state
-    dicts of the optimizer, scheduler and scaler are PyTorch's own, checked when they are loaded; the
-    model's is checked against the configured model by check_model_state."""
-    for key in REQUIRED_KEYS:
-        if not isinstance(payload[key], dict):
-            return f"{key} is a {type(payload[key]).__name__}, not a dict"
-    if not all(isinstance(value, torch.Tensor) for value in payload["model"].values()):
-        return "model holds values that are not tensors"
-    counters = payload["counters"]
-    if sorted(counters) != sorted(COUNTER_NAMES) or not all(
-        type(value) is int and value >= 0 for value in counters.values()
-    ):
-        return f"counters should be the non-negative integers {', '.join(COUNTER_NAMES)}, got {counters}"
-    if type(payload.get("skips_in_a_row")) is not int or payload["skips_in_a_row"] < 0:
-        return "skips_in_a_row is missing or not a non-negative integer (a checkpoint of an older version?)"
-    if not isinstance(payload["data"].get("fingerprint"), str):
-        return "data lacks the fingerprint of the training data"
-    files = payload["data"].get("files", [])  # absent in checkpoints of older versions
-    if not (isinstance(files, list) and all(isinstance(stamp, dict) and "path" in stamp for stamp in files)):
-        return "data.files should be a list of the token files' stamps"
-    per_rank = payload["rng"].get("per_rank")
-    states_ok = (
-        isinstance(per_rank, list)
-        and len(per_rank) > 0
-        and all(
-            isinstance(state, dict) and isinstance(state.get("cpu"), torch.Tensor) and state["cpu"].dtype == torch.uint8
-            for state in per_rank
-        )
-    )
-    if not states_ok:
-        return "rng lacks the random-number-generator state of each rank"
-    # torch.set_rng_state accepts only a state of its generator's size: another one would be a traceback
-    # after "resuming from". CPU: the Mersenne Twister's state; CUDA: Philox's seed and offset, 8 bytes each.
-    for rank, state in enumerate(per_rank):
-        for device, size in (("cpu", torch.get_rng_state().numel()), ("cuda", CUDA_RNG_STATE_BYTES)):
-            value = state.get(device, torch.zeros(size, dtype=torch.uint8))
-            if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.shape == (size,)):
-                got = f"{value.numel()} bytes" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
-                return (
-                    f"the random-number-generator state of rank {rank} has {got}, a {device.upper()} generator's {size}"
-                )
-    return None
-
-
-CUDA_RNG_STATE_BYTES = 16
-
-
-def check_model_state(path: Path, stored: dict, expected_shapes: dict[str, torch.Size]) -> None:
-    """Refuse a model state that does not fit the configured model, naming what differs. (load_state_dict
-    would refuse it too, but only after the run directory is touched, and with a long RuntimeError.)"""
-    missing = [name for name in expected_shapes if name not in stored]
-    unexpected = [name for name in stored if name not in expected_shapes]
-    problems = [f"{label} {few(names)}" for label, names in (("missing", missing), ("unexpected", unexpected)) if names]
-    problems += [
-        f"{name} has shape {list(stored[name].shape)}, the configured model {list(shape)}"
-        for name, shape in expected_shapes.items()
-        if name in stored and stored[name].shape != shape
-    ]
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path}: its model does not fit the configured model: {'; '.join(problems[:3])}"
-        )
-
-
-def check_model_dtypes(path: Path, stored: dict, expected_dtypes: dict[str, torch.dtype]) -> None:
-    """Refuse a weight stored in another dtype than the configured model's: load_state_dict would copy it
-    in without a word, an fp16 weight rounded, an int64 one cut to whole numbers."""
-    for name, dtype in expected_dtypes.items():
-        if name in stored and stored[name].dtype != dtype:
-            raise CheckpointError(
-                f"checkpoint {path}: its weight {name} is stored as {stored[name].dtype}, the configured model's "
-                f"is {dtype}; the file is damaged or was converted: {OLDER_CHECKPOINT}"
-            )
-
-
-# What to do about a checkpoint that is damaged, ending each such line.
-OLDER_CHECKPOINT = (
-    "resume from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
-)
-
-
-def check_weights_finite(path: Path, stored: dict) -> None:
-    """Refuse weights holding NaN or inf: every update from them is non-finite and skipped, so the run would
-    go on without learning anything (one pass over the weights, on the host)."""
-    broken = [name for name, tensor in stored.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
-    if broken:
-        raise CheckpointError(
-            f"checkpoint {path}: the weights {few(broken)} hold NaN or inf, so no update from them can be applied; "
-            f"resume from an older checkpoint (delete the newer step files and latest.pt), or start a new run.name"
-        )
-
-
-def check_optimizer_state(
-    path: Path,
-    stored,
-    parameter_shapes: list[list[torch.Size]],
-    parameter_dtypes: list[list[torch.dtype]] | None = None,
-) -> None:
-    """Refuse an optimizer state that does not fit this run's optimizer, before anything is written:
-    `parameter_shapes` holds each parameter group's parameter shapes, in the optimizer's order (the numbering
-    its state dict uses). Every state tensor but the scalar step counter is shaped like its parameter (AdamW's
-    two moments, SGD's momentum buffer); one of another shape would fail at the first update, a whole
-    traceback after "resuming". With `parameter_dtypes`, each such tensor must also have its parameter's
-    dtype (load_state_dict would convert an fp16 moment back without a word, its low bits lost)."""
-    groups = stored.get("param_groups") if isinstance(stored, dict) else None
-    state = stored.get("state") if isinstance(stored, dict) else None
-    if not isinstance(groups, list) or not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {path}: its optimizer state lacks param_groups or state; it is damaged")
-    stored_sizes = [len(group.get("params", [])) if isinstance(group, dict) else None for group in groups]
-    expected_sizes = [len(shapes) for shapes in parameter_shapes]
-    if stored_sizes != expected_sizes:
-        raise CheckpointError(
-            f"checkpoint {path}: its optimizer has parameter groups of {stored_sizes} parameters, this run's "
-            f"{expected_sizes}; it was written by another model or optimizer"
-        )
-    shapes = [shape for group in parameter_shapes for shape in group]  # numbered as the state dict numbers them
-    dtypes = [dtype for group in parameter_dtypes or [] for dtype in group]
-    for number, values in state.items():
-        if not (isinstance(number, int) and 0 <= number < len(shapes) and isinstance(values, dict)):
-            raise CheckpointError(f"checkpoint {path}: its optimizer state names parameter {number!r}; it is damaged")
-        for key, value in values.items():
-            if key == "step":  # the updates this parameter has taken: a whole number, as a number or a 1-element tensor
-                count = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-                if isinstance(count, bool) or not isinstance(count, int | float) or not 0 <= count < math.inf:
-                    raise CheckpointError(
-                        f"checkpoint {path}: optimizer state step of parameter {number} is {count!r}, not a count of "
-                        f"updates; the file is damaged: {OLDER_CHECKPOINT}"
-                    )
-                continue
-            if value is None or isinstance(value, int | float):  # e.g. an optimizer's scalar settings per parameter
-                continue
-            if not isinstance(value, torch.Tensor):
-                raise CheckpointError(
-                    f"checkpoint {path}: optimizer state {key} of parameter {number} is {value!r}, not a tensor; the "
-                    f"file is damaged: {OLDER_CHECKPOINT}"
-                )
-            if value.shape != shapes[number]:
-                raise CheckpointError(
-                    f"checkpoint {path}: optimizer state {key} of parameter {number} has shape {list(value.shape)}, "
-                    f"its parameter {list(shapes[number])}; the file is damaged: {OLDER_CHECKPOINT}"
-                )
-            if dtypes and value.is_floating_point() and value.dtype != dtypes[number]:
-                raise CheckpointError(
-                    f"checkpoint {path}: optimizer state {key} of parameter {number} is stored as {value.dtype}, "
-                    f"its parameter's {dtypes[number]}; the file is damaged or was converted: {OLDER_CHECKPOINT}"
-                )
-
-
-def check_training_state(path: Path, payload: dict, fresh: dict, moments: tuple[str, tuple[str, ...]]) -> None:
-    """Refuse optimizer, scheduler and GradScaler state that PyTorch's loaders would take without a word
-    and that would then fail at the first step, or quietly train another run. `fresh` holds the state dicts
-    of a new optimizer, scheduler and scaler of this run ("optimizer", "scheduler", "scaler"): each stored
-    value must be of the kind of the new one (a number where a number is, a list as long), the numbers
-    finite. `moments` names what the optimizer keeps per parameter, e.g. ("AdamW's moments", ("exp_avg",
-    "exp_avg_sq")): after an applied update every entry of its state holds them, and an empty state would
-    restart them from zero."""
-    problem = training_state_problem(payload, fresh, moments)
-    if problem:
-        raise CheckpointError(
-            f"checkpoint {path}: {problem}; the file is damaged or was not written by this program: {OLDER_CHECKPOINT}"
-        )
-
-
-def training_state_problem(payload: dict, fresh: dict, moments: tuple[str, tuple[str, ...]]) -> str | None:
-    updates = payload["counters"]["updates"]
-    groups = payload["optimizer"]["param_groups"]  # a list as long as this run's: check_optimizer_state
-    for number, (stored_group, fresh_group) in enumerate(zip(groups, fresh["optimizer"]["param_groups"], strict=True)):
-        if not isinstance(stored_group, dict):
-            return f"its optimizer state's param_groups[{number}] is not a dict"
-        for key, fresh_value in fresh_group.items():
-            if key == "params" or (key not in stored_group and kind_of(fresh_value) != "a number"):
-                continue  # the flags PyTorch fills in when a checkpoint of an older version lacks them
-            if key not in stored_group:
-                return f"its optimizer state's param_groups[{number}] lacks {key}"
-            problem = value_problem(stored_group[key], fresh_value)
-            if problem:
-                return f"its optimizer state's param_groups[{number}].{key} {problem}"
-    scheduler = payload["scheduler"]
-    for key in ("base_lrs", "last_epoch"):
-        if key not in scheduler:
-            return f"its scheduler state lacks {key}"
-    for key in fresh["scheduler"].keys() & scheduler.keys():
-        problem = value_problem(scheduler[key], fresh["scheduler"][key])
-        if problem:
-            return f"its scheduler state's {key} {problem}"
-    if scheduler["last_epoch"] != updates:  # the schedule's unit is applied updates: the two count the same
-        return f"its scheduler is at {scheduler['last_epoch']} applied updates, its counters at {updates}"
-    scaler = payload["scaler"]
-    if scaler:  # empty when the run had no GradScaler
-        scale = scaler.get("scale")
-        if kind_of(scale) == "a number" and not (math.isfinite(scale) and scale > 0):
-            return f"its GradScaler state's scale is {scale}, expected a finite number above 0"
-        for key, fresh_value in fresh["scaler"].items():
-            problem = value_problem(scaler[key], fresh_value) if key in scaler else "is missing"
-            if problem:
-                return f"its GradScaler state's {key} {problem}"
-    what, keys = moments
-    state = payload["optimizer"]["state"]
-    if keys and updates > 0 and not state:
-        return f"its optimizer state is empty after {updates} applied updates: {what} would restart from zero"
-    for number, values in state.items():
-        missing = [key for key in keys if key not in values]
-        if missing:
-            return f"its optimizer state of parameter {number} lacks {', '.join(missing)}"
-    return None
-
-
-def kind_of(value) -> str:
-    if isinstance(value, bool):  # before numbers: bool is a subclass of int
-        return "true or false"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, list | tuple):
-        return "a list"
-    if isinstance(value, str):
-        return "text"
-    if isinstance(value, torch.Tensor):
-        return "a tensor"
-    return "None" if value is None else f"a {type(value).__name__}"
-
-
-def value_problem(stored, fresh) -> str | None:
-    """How `stored` differs in kind from `fresh` (a new object's value for the same key), or None. None in
-    `fresh` (a setting left to PyTorch, a scheduler's lambda) accepts anything."""
-    if fresh is None:
-        return None
-    expected, got = kind_of(fresh), kind_of(stored)
-    if got != expected:
-        shown = f"the text {stored!r}" if isinstance(stored, str) else ("None" if stored is None else got)
-        return f"is {shown}, expected {expected}"
-    if expected == "a number" and not math.isfinite(stored):
-        return f"is {stored}, expected a finite number"
-    if expected == "a list":
-        if len(stored) != len(fresh):
-            return f"holds {len(stored)} values, expected {len(fresh)}"
-        for index, (stored_item, fresh_item) in enumerate(zip(stored, fresh, strict=True)):
-            problem = value_problem(stored_item, fresh_item)
-            if problem:
-                return f"[{index}] {problem}"
-    return None
-
-
 def few(names: list[str]) -> str:
     """The first three names, and how many more: a message stays one readable line."""
     more = f" and {len(names) - 3} more" if len(names) > 3 else ""
     return ", ".join(names[:3]) + more
 
 
-# What a checkpoint name may be besides a regular file, as os.stat reports it.
-FILE_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a named pipe (FIFO)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
+def checkpoint_payload(
+    config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
+) -> dict:
+    """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
+    before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
+    `model` is the unwrapped module."""
+    if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
+        from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+
+        model_state, optimizer_state = full_model_state_dict(model), full_optimizer_state_dict(optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        if context.is_main:  # the rank that writes the file
+            model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
+    return {
+        "model": model_state,
+        "optimizer": optimizer_state,
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "counters": vars(counters).copy(),
+        "skips_in_a_row": skips_in_a_row,
+        "config": config_to_dict(config),
+        "model_fingerprint": model_fingerprint(config.model),  # what the model's keys do not show (registry.py)
+        "rng": rng_states(context),
+        # The data order is a pure function of (seed, step, global batch), so the position is the step
+        # count; the fingerprint and the token files' stamps let a resume refuse data changed underneath it.
+        "data": {
+            "next_step": counters.steps,
+            "fingerprint": data.fingerprint,
+            "files": list(data.file_stamps),
+            "order": DATA_ORDER,
+        },
+    }
 
 
-def check_regular_file(path: Path) -> None:
-    """Refuse a checkpoint name that is not a regular file, before anything opens it: a FIFO blocks its reader
-    forever, and a device such as /dev/zero never ends, so reading it fills the memory. A symbolic link is
-    followed: one to a regular file (a checkpoint kept elsewhere) is read like the file itself."""
-    mode = path.stat().st_mode
-    if stat.S_ISREG(mode):
-        return
-    kind = next((name for is_kind, name in FILE_KINDS if is_kind(mode)), "not a regular file")
-    if path.is_symlink():
-        kind = f"a symbolic link to {os.readlink(path)}, which is {kind}"
-    raise CheckpointError(
-        f"checkpoint {path} is {kind}, not a file this program wrote; remove it (or put a checkpoint file in "
-        f"its place) and run again"
-    )
+def on_the_host(state: dict) -> dict:
+    """A state dict with every tensor (nested in dicts too, as an optimizer's) copied to the host, so that a
+    checkpoint written on GPUs loads on a machine without one."""
+    return {
+        key: on_the_host(value) if isinstance(value, dict) else value.cpu() if torch.is_tensor(value) else value
+        for key, value in state.items()
+    }
 
 
-def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
-    """latest.pt if it reads, else the newest step file that does (each bad one passed over is reported
-    through `warn`). None when the folder holds no checkpoint at all; CheckpointError when it holds only
-    unreadable ones: then that one line says it all, without the warnings. A checkpoint name that is not a
-    regular file (check_regular_file) is a CheckpointError before any checkpoint is read."""
-    candidates = [checkpoint_dir / "latest.pt"] + list(reversed(step_checkpoints(checkpoint_dir)))
-    candidates = [path for path in candidates if path.exists()]
-    if not candidates:
-        return None
-    for path in candidates:
-        check_regular_file(path)
-    problems = []
-    for path in candidates:
-        try:
-            payload = read_checkpoint(path)
-        except CheckpointError as error:
-            problems.append(error)
-            continue
-        for problem in problems:
-            warn(f"warning: {problem}; passed over for an older checkpoint")
-        return path, payload
-    raise CheckpointError(
-        f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be used (the newest: {problems[0]}); "
-        f"delete the folder to start afresh or restore a good file"
-    )
+def rng_states(context: DistributedContext) -> dict:
+    """Every rank's random-number-generator states (dropout draws from them), gathered for rank 0 to save."""
+    mine = {"cpu": torch.get_rng_state()}
+    if context.device.type == "cuda":
+        mine["cuda"] = torch.cuda.get_rng_state(context.device)
+    if context.world_size == 1:
+        return {"per_rank": [mine]}
+    everyone = [None] * context.world_size
+    dist.all_gather_object(everyone, mine)
+    return {"per_rank": everyone}
+
+
+# Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
+# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data/sources.py.)
+DROPOUT_SEED_OFFSET = 2**40
+
+
+def seed_dropout(seed: int, rank: int, steps: int = 0) -> None:
+    """A fresh dropout stream for `rank`: at the start of a run (steps = 0), or after a resume with another
+    number of ranks, where the saved per-rank streams no longer fit (steps = where the run resumes)."""
+    torch.manual_seed(seed * 1_000_003 + DROPOUT_SEED_OFFSET + steps * 1009 + rank)

@@ -116,17 +116,17 @@ BUGS = [
         "checkpoint-temporary-kept",
         "a failed save leaves its temporary file on the full disk",
         "accumulation/run/checkpoint.py",
-        "                temporary.unlink(missing_ok=True)",
+        "                leftover.unlink(missing_ok=True)",
         "                pass",
         ["tests/test_logs.py::test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay"],
     ),
     Bug(
         "dropout-stream-not-restored",
         "a resume starts dropout afresh instead of continuing each rank's stream",
-        "accumulation/run/resume.py",
+        "accumulation/run/restore.py",
         '        torch.set_rng_state(per_rank[context.rank]["cpu"])',
         "        pass",
-        ["tests/test_signals.py::test_a_stop_signal_mid_step_checkpoints_and_the_restart_is_bit_identical"],
+        ["tests/test_train.py::test_resume_is_bit_exact_with_dropout"],
     ),
     Bug(
         "signal-stop-without-checkpoint",
@@ -156,10 +156,10 @@ BUGS = [
     Bug(
         "token-file-stamps-ignored",
         "a resume over a token file edited in place between the sampled blocks goes on silently",
-        "accumulation/run/resume.py",
+        "accumulation/run/restore.py",
         '    check_token_files_unchanged(path, payload["data"].get("files", ()), data.file_stamps)\n',
         "",
-        [f"{TOKEN_FILES_TEST}::test_a_resume_over_a_token_file_changed_in_place_is_refused_naming_it"],
+        [f"{TOKEN_FILES_TEST}::test_a_resume_over_a_token_file_edited_in_place_is_refused_and_a_plain_copy_resumes"],
     ),
     Bug(
         "end-token-on-prompt",
@@ -172,7 +172,7 @@ BUGS = [
     Bug(
         "resume-ignores-beta2",
         "a resume does not compare AdamW's beta2: config.toml says 0.99, AdamW keeps 0.95",
-        "accumulation/run/resume.py",
+        "accumulation/run/restore.py",
         '    ("optim", "beta2"),\n',
         "",
         ["tests/test_checkpoints.py::test_every_setting_that_shapes_the_run_is_compared_on_resume"],
@@ -204,7 +204,7 @@ BUGS = [
     Bug(
         "dropout-stream-of-rank-0",
         "a resume gives every rank rank 0's dropout stream",
-        "accumulation/run/resume.py",
+        "accumulation/run/restore.py",
         'torch.set_rng_state(per_rank[context.rank]["cpu"])',
         'torch.set_rng_state(per_rank[0]["cpu"])',
         ["tests/test_checkpoints.py::test_each_rank_continues_its_own_dropout_stream_after_a_resume"],
