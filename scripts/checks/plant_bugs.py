@@ -47,6 +47,11 @@ CHUNKED_BF16_TEST = (
     "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
 )
 
+BLIND_SPOTS_TEST = "tests/test_blind_spots_v5.py"
+TWO_GROUPS_TEST = (
+    f"{BLIND_SPOTS_TEST}::test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process"
+)
+
 BUGS = [
     Bug(
         "val-loss-one-rank",
@@ -356,6 +361,55 @@ BUGS = [
         "if stat.S_ISCHR(os.fstat(descriptor).st_mode):",
         "if os.isatty(descriptor):",
         [HANG_UP_TEST],
+    ),
+    # Issue 35: pipelined state off the happy path (tests/test_blind_spots_v5.py).
+    Bug(
+        "pipeline-stage-left-in-eval",
+        "pipelined validation leaves its stage in eval mode: a caller's next step trains without dropout",
+        "accumulation/parallel/pipeline.py",
+        "    pipeline.stage_module.train()\n    return loss_sum, tokens",
+        "    return loss_sum, tokens",
+        [f"{BLIND_SPOTS_TEST}::test_pipelined_validation_runs_in_eval_mode_and_leaves_every_stage_in_train_mode"],
+    ),
+    Bug(
+        "pipeline-validation-in-train-mode",
+        "pipelined validation with dropout on: a noisy val_loss, and the next steps' dropout stream moved",
+        "accumulation/parallel/pipeline.py",
+        "    pipeline.stage_module.eval()\n",
+        "",
+        [f"{BLIND_SPOTS_TEST}::test_validation_between_pipelined_steps_changes_no_update"],
+    ),
+    Bug(
+        "pipeline-saved-groups-swapped",
+        "a pipelined checkpoint gives each optimizer group the other's settings: weight decay on the norms' gains",
+        "accumulation/parallel/pipeline.py",
+        'zip(whole_order, everyone[0]["groups"], strict=True)',
+        'zip(whole_order, everyone[0]["groups"][::-1], strict=True)',
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-saved-state-in-whole-order",
+        "a pipelined checkpoint numbers a stage's optimizer state in the whole model's order: momentum misplaced",
+        "accumulation/parallel/pipeline.py",
+        "stage_names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]",
+        "stage_names = [name for group in pipeline.whole_order for name in group]",
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-loaded-groups-swapped",
+        "a resume on pipeline stages gives each optimizer group the other's settings",
+        "accumulation/parallel/pipeline.py",
+        'zip(optimizer_order(optimizer, pipeline.names), state_dict["param_groups"], strict=True)',
+        'zip(optimizer_order(optimizer, pipeline.names), state_dict["param_groups"][::-1], strict=True)',
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-loaded-state-numbered-per-group",
+        "a resume on pipeline stages numbers the optimizer state within each group: the second group's overwrites",
+        "accumulation/parallel/pipeline.py",
+        "                state[first + offset] = state_dict",
+        "                state[offset] = state_dict",
+        [TWO_GROUPS_TEST],
     ),
 ]
 
