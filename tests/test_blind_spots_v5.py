@@ -6,12 +6,13 @@ error in a step built one step ahead surfacing in its own step."""
 
 import torch
 
+import train
 from accumulation.batching import MicroBatch
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
 from accumulation.step import token_cross_entropy_sum
-from testkit.ranks import run_on_ranks
+from testkit.ranks import pretend_launched, run_on_ranks
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, assert_close_updates, checkpoint, resumed_from_step_2
 from tests.test_step import CPU
 from tests.test_train import read_metrics, tiny_settings, train_forked, uneven_corpus
@@ -116,3 +117,25 @@ def test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_
         resumed = checkpoint(tmp_path / "runs" / name, 3)
         assert_close_updates(resumed["model"], reference["model"], initial)
         assert_same_optimizer_state(resumed["optimizer"], reference["optimizer"])
+
+
+# ------------------------------------------------------------------ 3. The layout check, alone
+
+
+def test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone(tmp_path, capsys, monkeypatch):
+    """4 ranks, 3 stages, 3 blocks: every other check passes (3 blocks split into 3 stages; a broken layout
+    check would take D = 4 // 3 = 1 replica, A = 8 / 2 = 4 >= 3 micro-batches for 1F1B), so only the check
+    that the ranks divide into whole replicas can refuse it. The suite's other cases (1 rank for 2 stages,
+    4 ranks for 3 stages of 2 blocks) are refused under the same key by the batch arithmetic or the model's
+    split too, and hid a broken layout check. dist.timeout_s: a broken check then waits for 4 ranks that never
+    come, failing in seconds instead of hanging."""
+    pretend_launched(monkeypatch, 4)
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"model.n_layer": 3, "dist.pipeline_stages": 3, "dist.timeout_s": 3}
+    assert train.main(tiny_settings(tmp_path, corpus, **settings)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "error: dist.pipeline_stages: 4 ranks cannot be split into replicas of 3 pipeline stages; launch a multiple "
+        "of 3 ranks (torchrun --nproc_per_node=N) or choose P dividing 4"
+    ]
+    assert not (tmp_path / "runs").exists()
