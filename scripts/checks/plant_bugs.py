@@ -419,6 +419,90 @@ BUGS = [
         "    if ranks < pipeline_stages:",
         [f"{BLIND_SPOTS_TEST}::test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone"],
     ),
+    # Issue 35: the step-0 probe's detectors, one at a time (tests/test_blind_spots_v5.py, tests/test_probe.py).
+    Bug(
+        "probe-mean-only-warned",
+        "a mean loss only warned about at step 0, not refused: every update weighs the micro-batches alike",
+        "accumulation/probe.py",
+        "            if _relative_difference(whole, weighted) <= ADDITIVE_TOLERANCE:",
+        "            if False:",
+        [f"{BLIND_SPOTS_TEST}::test_a_mean_over_the_micro_batch_is_refused_not_warned"],
+    ),
+    Bug(
+        "probe-target-split-ignored",
+        "the probe's warning asks only the split of the rows: a loss coupling a row's targets passes silently",
+        "accumulation/probe.py",
+        "        if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE or (",
+        "        if (",
+        [
+            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+        ],
+    ),
+    Bug(
+        "probe-row-split-whole",
+        "the probe's split of the rows takes all rows at once: a loss coupling the rows passes silently",
+        "accumulation/probe.py",
+        "for piece in (slice(0, half), slice(half, rows)):",
+        "for piece in (slice(0, rows),):",
+        [f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_rows_is_seen_by_the_split_of_the_rows_alone"],
+    ),
+    Bug(
+        "probe-error-setting-ignored",
+        'batch.on_inexact = "error" ignored: an inexact step only warns and trains on',
+        "accumulation/probe.py",
+        'if warnings and on_inexact == "error":',
+        'if warnings and on_inexact == "raise":',
+        [
+            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+        ],
+    ),
+    Bug(
+        "probe-batchnorm-in-built-mode",
+        "the probe looks for BatchNorm in the mode the build left: a model from from_pretrained (eval) passes",
+        "accumulation/probe.py",
+        "    model.train()  # the mode every step runs it in (train.py's loop), whatever mode the build left it in\n",
+        "",
+        ["tests/test_probe.py::test_batch_norm_of_a_model_built_in_eval_mode_is_named_too"],
+    ),
+    Bug(
+        "probe-forward-in-train-mode",
+        "the probe's forward in train mode: it updates BatchNorm's running statistics and draws dropout",
+        "accumulation/probe.py",
+        "    model.eval()  # fixed outputs",
+        "    pass  # fixed outputs",
+        ["tests/test_probe.py::test_batch_norm_and_in_batch_negatives_are_named_in_warnings_or_errors"],
+    ),
+    Bug(
+        "probe-forward-error-raw",
+        "a forward that raises at step 0 comes out as a traceback, not one line naming the data and the model",
+        "accumulation/probe.py",
+        "        except Exception as error:\n"
+        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
+        "        except ArithmeticError as error:\n"
+        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
+    Bug(
+        "probe-loss-error-raw",
+        "a loss that raises on the outputs at step 0 comes out as a traceback, not one line naming the shapes",
+        "accumulation/probe.py",
+        "        except Exception as error:\n"
+        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
+        "        except ArithmeticError as error:\n"
+        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
+    Bug(
+        "probe-mode-not-restored-on-error",
+        "a forward that raises in the probe leaves the model in eval mode",
+        "accumulation/probe.py",
+        "    try:\n"
+        "        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    finally:\n        model.train()",
+        "    outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    model.train()",
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
 ]
 
 
