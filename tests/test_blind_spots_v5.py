@@ -14,6 +14,7 @@ from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
 from accumulation.probe import InexactStep, StepZeroFailed, probe_loss_and_model
+from accumulation.run.run_dir import LOCK_FILE
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import pretend_launched, run_on_ranks
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, assert_close_updates, checkpoint, resumed_from_step_2
@@ -245,3 +246,38 @@ def test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mo
 
     with pytest.raises(StepZeroFailed, match=r"^step 0: the loss raised on the model's outputs float32 \[4, 6, 11\]"):
         probe_of(wrong_shape, token_rows(UNEVEN_ROWS))
+
+
+# ------------------------------------------------------------------ 5. A refusal after the run lock is taken
+
+
+def every_path(folder) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None), run.lock included: what a refused run must leave as it was."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes() if path.is_file() else None
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("refusal", ["another run's setting", "a damaged metrics line"])
+def test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was(tmp_path, capsys, refusal):
+    """A finished run's folder without run.lock (copied from another machine): the resume takes the lock (creating
+    run.lock), then finds the checkpoint of another run, or metrics.jsonl damaged, and refuses. One line, exit 2,
+    and the folder exactly as before: no run.lock left by the refused job."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 1, "run.sample_bytes": 0})
+    assert train.main(arguments) == 0
+    run_dir = tmp_path / "runs" / "default"
+    (run_dir / LOCK_FILE).unlink()
+    if refusal == "a damaged metrics line":
+        (run_dir / "metrics.jsonl").write_text('{"steps": 1}\nnot json\n')
+        named = "metrics.jsonl line 2 is not JSON"
+    else:
+        arguments.append("optim.lr=0.5")
+        named = "belongs to a different run"
+    before = every_path(run_dir)
+    capsys.readouterr()
+    assert train.main(arguments + ["run.max_steps=2"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ") and named in error, error
+    assert every_path(run_dir) == before

@@ -503,6 +503,15 @@ BUGS = [
         "    model.train()",
         [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
+    # Issue 35: a refusal after the run lock is taken.
+    Bug(
+        "refused-resume-keeps-lock",
+        "a resume refused after taking the lock leaves the run.lock it created in a folder that had none",
+        "train.py",
+        "            lock.release(undo=True)  # a refused run",
+        "            lock.release()  # a refused run",
+        [f"{BLIND_SPOTS_TEST}::test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was"],
+    ),
 ]
 
 
