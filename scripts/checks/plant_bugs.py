@@ -512,6 +512,18 @@ BUGS = [
         "            lock.release()  # a refused run",
         [f"{BLIND_SPOTS_TEST}::test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was"],
     ),
+    # Issue 35: the timing of a data error in a step built one step ahead.
+    Bug(
+        "prefetch-error-raised-early",
+        "a data error in the next step's batch raised while building it: the current step is neither logged nor saved",
+        "accumulation/run/batches.py",
+        "        except DataError:\n            pass",
+        "        except ArithmeticError:\n            pass",
+        [
+            f"{BLIND_SPOTS_TEST}::"
+            "test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the_one_before_is_kept"
+        ],
+    ),
 ]
 
 
