@@ -2,8 +2,9 @@
 (scripts/checks/plant_bugs.py keeps each plant): a pipeline stage's mode around validation; an optimizer state of
 two parameter groups moved between pipelined and one-process layouts; the world-size layout check alone; the
 step-0 probe's detectors one at a time; a refusal after the run lock leaving the run directory as it was; a data
-error in a step built one step ahead surfacing in its own step."""
+error in a step built one step ahead surfacing in its own step; the fused update after an out-of-memory retry."""
 
+import math
 import sys
 
 import pytest
@@ -12,13 +13,17 @@ import torch.nn.functional as F
 
 import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
+from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
 from accumulation.probe import InexactStep, StepZeroFailed, probe_loss_and_model
 from accumulation.run.run_dir import LOCK_FILE
-from accumulation.step import token_cross_entropy_sum
+from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
+from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.ranks import pretend_launched, run_on_ranks
+from tests.test_oom import MODEL as OOM_MODEL
+from tests.test_oom import RaisesAboveRows, corpus_rows
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, assert_close_updates, checkpoint, resumed_from_step_2
 from tests.test_step import CPU
 from tests.test_train import read_metrics, tiny_settings, train_forked, uneven_corpus
@@ -348,3 +353,55 @@ def test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the
     assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2]
     assert checkpoint(run_dir, 2)["counters"]["steps"] == 2
     assert not (run_dir / "checkpoints" / "step_000003.pt").exists()
+
+
+# ------------------------------------------------------------------ 7. The fused update with the out-of-memory retry
+
+# float64: the retry's micro-batches add the same terms in another order, a few ulps (1e-16) apart. Adam's
+# update g / (sqrt(v) + eps) keeps a gradient's relative error, so each update agrees to ~1e-12 of its size;
+# a second update, a gradient of the failed attempt kept, or a skip lost is off by the whole update.
+FUSED_RTOL = 1e-8
+
+
+def fused_adamw_steps(shrink: bool):
+    """Three steps of fused AdamW with a GradScaler, the second one's loss nan (a skip): without a memory
+    limit, or with forwards above 2 rows running out of memory (every step redone at m = 4, then 2)."""
+    rows = corpus_rows()
+    model = GPT(OOM_MODEL, seed=3).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    module = RaisesAboveRows(model, max_rows=2) if shrink else model
+    step_function = optimizer_step_shrinking_on_oom if shrink else optimizer_step
+    history = []
+    for step in range(3):
+        factor = math.nan if step == 1 else 1.0
+        row_ids = step_row_ids(rows.num_rows, 8, 5, step, "drop")
+        batches = build_micro_batches(rows, row_ids, 8, 8, 1, 0, step=step)  # m = 8, A = 1
+        result = step_function(
+            module,
+            batches,
+            optimizer,
+            device=CPU,
+            scaler=scaler,
+            loss_sum_fn=lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor,
+        )
+        state = [value.clone() for values in optimizer.state.values() for value in values.values()]
+        history.append((result, [p.detach().clone() for p in model.parameters()], state, scaler.get_scale()))
+    return history, module
+
+
+def test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one():
+    initial = [p.detach().clone() for p in GPT(OOM_MODEL, seed=3).double().parameters()]
+    plain, _ = fused_adamw_steps(shrink=False)
+    shrunk, limited = fused_adamw_steps(shrink=True)
+    assert limited.rows_seen[:6] == [8, 4, 2, 2, 2, 2]  # each step ran out of memory twice, then ran at m = 2
+    for (result, weights, state, scale), (got, got_weights, got_state, got_scale) in zip(plain, shrunk, strict=True):
+        assert (got.applied, got.skip_reason, got.micro_batch_size) == (result.applied, result.skip_reason, 2)
+        assert got_scale == scale
+        for value, expected, start in zip(got_weights, weights, initial, strict=True):
+            assert (value - expected).abs().max() <= FUSED_RTOL * (expected - start).abs().max() + 1e-15
+        for value, expected in zip(got_state, state, strict=True):
+            assert (value - expected).abs().max() <= FUSED_RTOL * expected.abs().max() + 1e-30
+    assert [result.applied for result, *_ in shrunk] == [True, False, True]
+    steps = [value for value in shrunk[-1][2] if value.dim() == 0]
+    assert steps and all(float(value) == 2.0 for value in steps)  # two updates, each applied once

@@ -48,6 +48,7 @@ CHUNKED_BF16_TEST = (
 )
 
 BLIND_SPOTS_TEST = "tests/test_blind_spots_v5.py"
+FUSED_SHRINK_TEST = f"{BLIND_SPOTS_TEST}::test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one"
 TWO_GROUPS_TEST = (
     f"{BLIND_SPOTS_TEST}::test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process"
 )
@@ -523,6 +524,23 @@ BUGS = [
             f"{BLIND_SPOTS_TEST}::"
             "test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the_one_before_is_kept"
         ],
+    ),
+    # Issue 35: the fused update combined with the out-of-memory retry.
+    Bug(
+        "shrink-flag-read-only-with-ranks",
+        "one process reads no out-of-memory flag: the step goes on without its failed micro-batches' gradients",
+        "accumulation/shrink_on_oom.py",
+        "        if flags.item() > 0:",
+        "        if dist.is_initialized() and flags.item() > 0:",
+        [FUSED_SHRINK_TEST],
+    ),
+    Bug(
+        "fused-update-never-skipped",
+        "the fused update's found_inf flag always 0: a non-finite step's nan update applied on the device",
+        "accumulation/update_on_device.py",
+        "optimizer.found_inf = torch.logical_not(torch.isfinite(grad_norm)).to(torch.float32)",
+        "optimizer.found_inf = torch.zeros((), dtype=torch.float32)",
+        [FUSED_SHRINK_TEST],
     ),
 ]
 
