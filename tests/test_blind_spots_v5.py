@@ -405,3 +405,45 @@ def test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one
     assert [result.applied for result, *_ in shrunk] == [True, False, True]
     steps = [value for value in shrunk[-1][2] if value.dim() == 0]
     assert steps and all(float(value) == 2.0 for value in steps)  # two updates, each applied once
+
+
+# ------------------------------------------------------------------ 8. The run directory deleted mid-run
+
+# A loss that deletes the run directory on its 40th call (the step-0 probe's 5, then 4 micro-batches a step:
+# during step 9), as a person cleaning up the wrong folder would.
+DELETES_THE_RUN = """
+import shutil
+
+from accumulation.config.registry import register_loss
+from accumulation.step import token_cross_entropy_sum
+
+calls = []
+
+
+def deleting_sum(outputs, labels):
+    calls.append(1)
+    if len(calls) == 40:
+        shutil.rmtree({run_dir!r})
+    return token_cross_entropy_sum(outputs, labels)
+
+
+register_loss("deleting", deleting_sum)
+"""
+
+
+def test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics(tmp_path, capsys, monkeypatch):
+    """TensorBoard's next write fails (its files are gone); the line said "metrics.jsonl holds every step up to
+    here" although metrics.jsonl was deleted with them. Now it says the file is gone."""
+    run_dir = tmp_path / "runs" / "default"
+    (tmp_path / "deleting_fork.py").write_text(DELETES_THE_RUN.format(run_dir=str(run_dir)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"model.objective": "deleting_fork:deleting", "run.max_steps": 20, "run.checkpoint_every": 2}
+    try:
+        status = train.main(tiny_settings(tmp_path, corpus, **settings, **{"run.sample_bytes": 0}))
+    finally:
+        sys.modules.pop("deleting_fork", None)
+    error = capsys.readouterr().err
+    assert status != 0 and error.count("\n") == 1, error
+    assert error.startswith(f"error: TensorBoard events in {run_dir / 'tensorboard'} could not be written"), error
+    assert f"{run_dir / 'metrics.jsonl'} is gone too" in error and "holds every step" not in error, error

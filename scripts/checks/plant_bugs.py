@@ -542,6 +542,15 @@ BUGS = [
         "optimizer.found_inf = torch.zeros((), dtype=torch.float32)",
         [FUSED_SHRINK_TEST],
     ),
+    # Issue 35: the run directory deleted mid-run.
+    Bug(
+        "deleted-run-metrics-claimed",
+        "a run directory deleted mid-run: the error line says metrics.jsonl holds every step, though it is gone",
+        "accumulation/run/logs.py",
+        "        if metrics_path.exists()\n",
+        "        if True\n",
+        [f"{BLIND_SPOTS_TEST}::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
+    ),
 ]
 
 
