@@ -2,9 +2,11 @@
 (scripts/checks/plant_bugs.py keeps each plant): a pipeline stage's mode around validation; an optimizer state of
 two parameter groups moved between pipelined and one-process layouts; the world-size layout check alone; the
 step-0 probe's detectors one at a time; a refusal after the run lock leaving the run directory as it was; a data
-error in a step built one step ahead surfacing in its own step; the fused update after an out-of-memory retry."""
+error in a step built one step ahead surfacing in its own step; the fused update after an out-of-memory retry; a
+run directory deleted mid-run; the checker given a model whose outputs do not fit the loss."""
 
 import math
+import os
 import sys
 
 import pytest
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import train
+from accumulation import checker
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.gpt import GPT, GPTConfig
@@ -21,7 +24,7 @@ from accumulation.probe import InexactStep, StepZeroFailed, probe_loss_and_model
 from accumulation.run.run_dir import LOCK_FILE
 from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
 from accumulation.step import optimizer_step, token_cross_entropy_sum
-from testkit.ranks import pretend_launched, run_on_ranks
+from testkit.ranks import pretend_launched, run_main_on_ranks, run_on_ranks
 from tests.test_oom import MODEL as OOM_MODEL
 from tests.test_oom import RaisesAboveRows, corpus_rows
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, assert_close_updates, checkpoint, resumed_from_step_2
@@ -447,3 +450,75 @@ def test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics(tmp_pat
     assert status != 0 and error.count("\n") == 1, error
     assert error.startswith(f"error: TensorBoard events in {run_dir / 'tensorboard'} could not be written"), error
     assert f"{run_dir / 'metrics.jsonl'} is gone too" in error and "holds every step" not in error, error
+
+
+# ------------------------------------------------------------------ 9. The checker: outputs that do not fit the loss
+
+SEVEN_LOGITS = """
+import torch
+from accumulation.config.registry import register_model
+
+
+class SevenLogits(torch.nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, 7)
+
+    def forward(self, inputs):
+        return self.embed(inputs)  # 7 logits per position for a vocabulary of 256
+
+
+register_model("seven-logits", lambda model_config, vocab_size, *, seq_len, seed: SevenLogits(vocab_size))
+"""
+UNFIT_LINE = (
+    "error: step 0: the loss raised on the model's outputs float32 [2, 16, 7] and the labels int64 [2, 16]: IndexError"
+)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line(tmp_path, capsys, monkeypatch, ranks):
+    """Before: a 30-line IndexError traceback from inside the loop's step, exit 1 (a FAIL's status). Now every
+    rank finds it before any collective and says so in one line, exit 2, as train.py's step 0 does."""
+    (tmp_path / "unfit_fork.py").write_text(SEVEN_LOGITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = [
+        "model.name=unfit_fork:seven-logits",
+        f"data.source={corpus}",
+        "data.seq_len=16",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=2",
+    ]
+    try:
+        if ranks == 1:
+            per_rank = [(checker.main(arguments), *capsys.readouterr())]
+        else:
+            per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=ranks)
+    finally:
+        sys.modules.pop("unfit_fork", None)
+    for status, stdout, stderr in per_rank:
+        assert status == 2 and stdout == "", (stdout, stderr)
+        assert stderr.count("\n") == 1 and stderr.startswith(UNFIT_LINE), stderr
+
+
+def test_the_checker_runs_the_pipelined_step_twice_and_compares_both(tmp_path):
+    """On a 2 × 2 mesh (D = 2 replicas of 2 stages): DDP rebuilds each stage's gradient buckets at the second
+    step's first forward, where a reducer armed by the schedule's shape inference died; a one-step check passed
+    such a loop. Both steps' gradients are compared with the float64 reference."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = [
+        f"data.source={corpus}",
+        "data.seq_len=16",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.d_model=16",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=2",
+        "dist.pipeline_stages=2",
+    ]
+    per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=4)
+    assert [status for status, _, _ in per_rank] == [0] * 4, per_rank[0][2]
+    stdout = per_rank[0][1]
+    assert "2 pipeline stages (1f1b), 4 ranks" in stdout and stdout.splitlines()[-1] == "PASS", stdout
+    assert "eager, 2 steps on the same rows;" in stdout, stdout

@@ -551,6 +551,33 @@ BUGS = [
         "        if True\n",
         [f"{BLIND_SPOTS_TEST}::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
     ),
+    # Issue 35: the checker on a D x P mesh runs two pipelined steps.
+    Bug(
+        "pipeline-schedule-without-no-sync",
+        "the schedule step outside DDP's no_sync: the shape inference arms the reducer; a 2 x 2 mesh dies at step 2",
+        "accumulation/parallel/pipeline.py",
+        "        with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) "
+        "else nullcontext():",
+        "        with nullcontext():",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+    ),
+    Bug(
+        "checker-one-pipelined-step",
+        "the checker runs one pipelined step: a loop that goes wrong from the second step on passes",
+        "accumulation/checker/run.py",
+        "PIPELINED_STEPS = 2",
+        "PIPELINED_STEPS = 1",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+    ),
+    # Issue 35: the checker given a model whose outputs do not fit the loss.
+    Bug(
+        "checker-unfit-outputs-traceback",
+        "the checker runs the loop's step on outputs that do not fit the loss: a traceback and exit 1, not one line",
+        "accumulation/checker/run.py",
+        "        check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)\n",
+        "        pass\n",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line"],
+    ),
 ]
 
 
