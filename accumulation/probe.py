@@ -92,6 +92,18 @@ def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
     return outputs, whole
 
 
+def check_outputs_fit_the_loss(model: torch.nn.Module, loss_sum_fn, micro_batch: MicroBatch, device) -> None:
+    """StepZeroFailed unless the model's forward and the loss run on `micro_batch` (for the checker, which has no
+    step-0 probe). In eval mode, so that nothing is drawn or updated; the model is left in the mode it was in."""
+    batch = micro_batch.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        _outputs_and_loss(model, loss_sum_fn, batch.inputs, batch.labels, batch.extras)
+    finally:
+        model.train(was_training)
+
+
 def coupling_modules(model: torch.nn.Module) -> list[str]:
     """The names of the modules that normalise over the rows of a batch in train mode (BatchNorm and its kin)."""
     return [

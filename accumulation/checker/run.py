@@ -5,8 +5,8 @@ prints one line each, then PASS or FAIL (accumulation/checker/__init__.py says w
 The loop's side is loop_step_gradients: one optimizer step as train.py runs it for the configured layout. With
 dist.pipeline_stages = P > 1 (under torchrun, world size D × P) it is train.py's pipelined step instead
 (pipelined_step_gradients: the replica's micro-batches through the stages in one schedule step, the stages'
-gradients gathered into the whole model's on rank 0): everything else compares the gradient it returns with
-the reference.
+gradients gathered into the whole model's on rank 0; two such steps on the same weights, each compared):
+everything else compares the gradient it returns with the reference.
 """
 
 import argparse
@@ -72,6 +72,7 @@ from accumulation.models.factory import (
 from accumulation.parallel.distributed import DistributedContext, setup_distributed, teardown_distributed
 from accumulation.parallel.mesh import layout_of
 from accumulation.parallel.pipeline import build_pipeline, check_model_splits
+from accumulation.probe import StepZeroFailed, check_outputs_fit_the_loss
 from accumulation.run.build import (
     autocast_dtype_for,
     check_config_for_world,
@@ -174,8 +175,13 @@ def check(
     reference_model = reference_model.double()
     if configured_dropout > 0:
         dropout_off.insert(0, f"model.dropout ({configured_dropout:g} -> 0)")
-    same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
     loss_sum_fn = checked_loss_sum_fn(config, bug)
+    try:  # before any collective: every rank finds it on its own rows, and every rank says so (as train.py)
+        check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)
+    except StepZeroFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
     if context.pipelined:
@@ -208,7 +214,7 @@ class FoundOnEveryRank:
     model_class: str  # the loop's model as it ran (FSDP2 changes its class)
     dropout_off: list[str]  # the dropout the checker switched off, in words ("13 Dropout modules (p 0.1 -> 0)")
     loss_path: str  # which loss path the loop ran, in words
-    loop_gradients: list | None  # the gradient the optimizer was handed; None when the update was skipped
+    loop_gradients: list | None  # per step the loop ran, the gradient its optimizer was handed; None: skipped
     result: StepResult
 
 
@@ -285,7 +291,7 @@ def compare_on_main(
     )
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
-    gradient_error = max_relative_error(loop_gradients, reference_gradients)
+    gradient_error = max(max_relative_error(step_gradients, reference_gradients) for step_gradients in loop_gradients)
     baseline_error = max_relative_error(baseline_gradients, reference_gradients)
     loss_error = abs(result.loss - reference_loss) / abs(reference_loss)
     baseline_loss_error = abs(baseline_loss - reference_loss) / abs(reference_loss)
@@ -481,7 +487,7 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         global_counts=global_counts,
         strategy=step_strategy(config.dist, wrapped),
     )
-    return (handed[0] if result.applied else None), result, loss_path
+    return ([handed[0]] if result.applied else None), result, loss_path
 
 
 def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
@@ -495,10 +501,12 @@ def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
 
 
 def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: DistributedContext, config, bug):
-    """The pipelined step as train.py runs it (accumulation/parallel/pipeline.py), without clipping; returns (the whole
-    model's gradient as the stages' optimizers were handed it, gathered on rank 0 in the model's parameter
-    order, or None when the update was skipped; the StepResult; which loss path ran, in words). The
-    optimizers never move the weights."""
+    """The pipelined step as train.py runs it (accumulation/parallel/pipeline.py), without clipping, run
+    PIPELINED_STEPS times on the same rows; returns (for each step, the whole model's gradient as the stages'
+    optimizers were handed it, gathered on rank 0 in the model's parameter order, or None when the update was
+    skipped; the last StepResult; which loss path ran, in words). The optimizers never move the weights, so each
+    step must give the reference's gradient: the second one runs after DDP rebuilt its gradient buckets (D > 1)
+    and after the schedule's first step inferred the stages' shapes, which a one-step check never reaches."""
     pipeline = build_pipeline(
         model, context.layout, context.device, loss_sum_fn, len(batch.micro_batches), config.dist.pipeline_schedule
     )
@@ -506,28 +514,37 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
         pipeline.schedule.scale_grads = True
     loss_path = (
         f"the loop ran {config.dist.pipeline_stages} pipeline stages ({config.dist.pipeline_schedule}), the last "
-        f"stage's outputs into {function_name(loss_sum_fn)}, eager"
+        f"stage's outputs into {function_name(loss_sum_fn)}, eager, {PIPELINED_STEPS} steps on the same rows"
     )
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.0)
-    handed = {}
+    handed = []  # per step: this stage's gradients by name
 
     def record(opt, args, kwargs):
-        handed.update({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
+        handed.append({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
 
     optimizer.register_step_pre_hook(record)
-    result = optimizer_step(
-        pipeline.stage_module,
-        batch.micro_batches,
-        optimizer,
-        device=context.device,
-        strategy=pipeline,
-        global_counts=batch.global_counts,
-        autocast_dtype=autocast_dtype_for(config.precision),
-        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
-    )
+    scaler = torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config))
+    for _ in range(PIPELINED_STEPS):
+        result = optimizer_step(
+            pipeline.stage_module,
+            batch.micro_batches,
+            optimizer,
+            device=context.device,
+            strategy=pipeline,
+            global_counts=batch.global_counts,
+            autocast_dtype=autocast_dtype_for(config.precision),
+            scaler=scaler,
+        )
     everyone = [None] * context.world_size if context.is_main else None
-    dist.gather_object(handed if context.layout.replica == 0 else {}, everyone, dst=0)
-    if not context.is_main or not result.applied:
+    dist.gather_object(handed if context.layout.replica == 0 else [], everyone, dst=0)
+    if not context.is_main or len(handed) < PIPELINED_STEPS:  # a step skipped (every rank decides alike)
         return None, result, loss_path
-    whole = {name: grad for part in everyone for name, grad in part.items()}
-    return [whole[name] for name, _ in model.named_parameters()], result, loss_path
+    steps = []
+    for step in range(PIPELINED_STEPS):
+        whole = {name: grad for part in everyone for name, grad in (part[step].items() if part else ())}
+        steps.append([whole[name] for name, _ in model.named_parameters()])
+    return steps, result, loss_path
+
+
+# Two steps: the second is the first that runs on DDP's rebuilt buckets and on the schedule's inferred shapes.
+PIPELINED_STEPS = 2

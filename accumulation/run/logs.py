@@ -148,10 +148,14 @@ def tensorboard_write_error(error: Exception, writer) -> Exception:
     folder = Path(writer.get_logdir()).parent
     # An event file is a sequence of records, each with its length and checksum: a reader stops at a
     # record cut short, and the resume's purge_step drops the points after the checkpoint.
-    return WriteError(
-        f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; "
-        f"metrics.jsonl holds every step up to here"
+    metrics_path = folder.parent / "metrics.jsonl"
+    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
+    kept = (
+        "metrics.jsonl holds every step up to here"
+        if metrics_path.exists()
+        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
     )
+    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
 
 
 def per_second(targets: str) -> str:

@@ -47,6 +47,12 @@ CHUNKED_BF16_TEST = (
     "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
 )
 
+BLIND_SPOTS_TEST = "tests/test_blind_spots_v5.py"
+FUSED_SHRINK_TEST = f"{BLIND_SPOTS_TEST}::test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one"
+TWO_GROUPS_TEST = (
+    f"{BLIND_SPOTS_TEST}::test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process"
+)
+
 BUGS = [
     Bug(
         "val-loss-one-rank",
@@ -356,6 +362,221 @@ BUGS = [
         "if stat.S_ISCHR(os.fstat(descriptor).st_mode):",
         "if os.isatty(descriptor):",
         [HANG_UP_TEST],
+    ),
+    # Issue 35: pipelined state off the happy path (tests/test_blind_spots_v5.py).
+    Bug(
+        "pipeline-stage-left-in-eval",
+        "pipelined validation leaves its stage in eval mode: a caller's next step trains without dropout",
+        "accumulation/parallel/pipeline.py",
+        "    pipeline.stage_module.train()\n    return loss_sum, tokens",
+        "    return loss_sum, tokens",
+        [f"{BLIND_SPOTS_TEST}::test_pipelined_validation_runs_in_eval_mode_and_leaves_every_stage_in_train_mode"],
+    ),
+    Bug(
+        "pipeline-validation-in-train-mode",
+        "pipelined validation with dropout on: a noisy val_loss, and the next steps' dropout stream moved",
+        "accumulation/parallel/pipeline.py",
+        "    pipeline.stage_module.eval()\n",
+        "",
+        [f"{BLIND_SPOTS_TEST}::test_validation_between_pipelined_steps_changes_no_update"],
+    ),
+    Bug(
+        "pipeline-saved-groups-swapped",
+        "a pipelined checkpoint gives each optimizer group the other's settings: weight decay on the norms' gains",
+        "accumulation/parallel/pipeline.py",
+        'zip(whole_order, everyone[0]["groups"], strict=True)',
+        'zip(whole_order, everyone[0]["groups"][::-1], strict=True)',
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-saved-state-in-whole-order",
+        "a pipelined checkpoint numbers a stage's optimizer state in the whole model's order: momentum misplaced",
+        "accumulation/parallel/pipeline.py",
+        "stage_names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]",
+        "stage_names = [name for group in pipeline.whole_order for name in group]",
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-loaded-groups-swapped",
+        "a resume on pipeline stages gives each optimizer group the other's settings",
+        "accumulation/parallel/pipeline.py",
+        'zip(optimizer_order(optimizer, pipeline.names), state_dict["param_groups"], strict=True)',
+        'zip(optimizer_order(optimizer, pipeline.names), state_dict["param_groups"][::-1], strict=True)',
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "pipeline-loaded-state-numbered-per-group",
+        "a resume on pipeline stages numbers the optimizer state within each group: the second group's overwrites",
+        "accumulation/parallel/pipeline.py",
+        "                state[first + offset] = state_dict",
+        "                state[offset] = state_dict",
+        [TWO_GROUPS_TEST],
+    ),
+    Bug(
+        "layout-check-too-weak",
+        "the layout check asks only for enough ranks: 4 ranks for 3 stages start, and one rank has no stage",
+        "accumulation/parallel/mesh.py",
+        "    if ranks % pipeline_stages != 0:",
+        "    if ranks < pipeline_stages:",
+        [f"{BLIND_SPOTS_TEST}::test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone"],
+    ),
+    # Issue 35: the step-0 probe's detectors, one at a time (tests/test_blind_spots_v5.py, tests/test_probe.py).
+    Bug(
+        "probe-mean-only-warned",
+        "a mean loss only warned about at step 0, not refused: every update weighs the micro-batches alike",
+        "accumulation/probe.py",
+        "            if _relative_difference(whole, weighted) <= ADDITIVE_TOLERANCE:",
+        "            if False:",
+        [f"{BLIND_SPOTS_TEST}::test_a_mean_over_the_micro_batch_is_refused_not_warned"],
+    ),
+    Bug(
+        "probe-target-split-ignored",
+        "the probe's warning asks only the split of the rows: a loss coupling a row's targets passes silently",
+        "accumulation/probe.py",
+        "        if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE or (",
+        "        if (",
+        [
+            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+        ],
+    ),
+    Bug(
+        "probe-row-split-whole",
+        "the probe's split of the rows takes all rows at once: a loss coupling the rows passes silently",
+        "accumulation/probe.py",
+        "for piece in (slice(0, half), slice(half, rows)):",
+        "for piece in (slice(0, rows),):",
+        [f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_rows_is_seen_by_the_split_of_the_rows_alone"],
+    ),
+    Bug(
+        "probe-error-setting-ignored",
+        'batch.on_inexact = "error" ignored: an inexact step only warns and trains on',
+        "accumulation/probe.py",
+        'if warnings and on_inexact == "error":',
+        'if warnings and on_inexact == "raise":',
+        [
+            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+        ],
+    ),
+    Bug(
+        "probe-batchnorm-in-built-mode",
+        "the probe looks for BatchNorm in the mode the build left: a model from from_pretrained (eval) passes",
+        "accumulation/probe.py",
+        "    model.train()  # the mode every step runs it in (train.py's loop), whatever mode the build left it in\n",
+        "",
+        ["tests/test_probe.py::test_batch_norm_of_a_model_built_in_eval_mode_is_named_too"],
+    ),
+    Bug(
+        "probe-forward-in-train-mode",
+        "the probe's forward in train mode: it updates BatchNorm's running statistics and draws dropout",
+        "accumulation/probe.py",
+        "    model.eval()  # fixed outputs",
+        "    pass  # fixed outputs",
+        ["tests/test_probe.py::test_batch_norm_and_in_batch_negatives_are_named_in_warnings_or_errors"],
+    ),
+    Bug(
+        "probe-forward-error-raw",
+        "a forward that raises at step 0 comes out as a traceback, not one line naming the data and the model",
+        "accumulation/probe.py",
+        "        except Exception as error:\n"
+        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
+        "        except ArithmeticError as error:\n"
+        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
+    Bug(
+        "probe-loss-error-raw",
+        "a loss that raises on the outputs at step 0 comes out as a traceback, not one line naming the shapes",
+        "accumulation/probe.py",
+        "        except Exception as error:\n"
+        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
+        "        except ArithmeticError as error:\n"
+        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
+    Bug(
+        "probe-mode-not-restored-on-error",
+        "a forward that raises in the probe leaves the model in eval mode",
+        "accumulation/probe.py",
+        "    try:\n"
+        "        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    finally:\n        model.train()",
+        "    outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    model.train()",
+        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+    ),
+    # Issue 35: a refusal after the run lock is taken.
+    Bug(
+        "refused-resume-keeps-lock",
+        "a resume refused after taking the lock leaves the run.lock it created in a folder that had none",
+        "train.py",
+        "            lock.release(undo=True)  # a refused run",
+        "            lock.release()  # a refused run",
+        [f"{BLIND_SPOTS_TEST}::test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was"],
+    ),
+    # Issue 35: the timing of a data error in a step built one step ahead.
+    Bug(
+        "prefetch-error-raised-early",
+        "a data error in the next step's batch raised while building it: the current step is neither logged nor saved",
+        "accumulation/run/batches.py",
+        "        except DataError:\n            pass",
+        "        except ArithmeticError:\n            pass",
+        [
+            f"{BLIND_SPOTS_TEST}::"
+            "test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the_one_before_is_kept"
+        ],
+    ),
+    # Issue 35: the fused update combined with the out-of-memory retry.
+    Bug(
+        "shrink-flag-read-only-with-ranks",
+        "one process reads no out-of-memory flag: the step goes on without its failed micro-batches' gradients",
+        "accumulation/shrink_on_oom.py",
+        "        if flags.item() > 0:",
+        "        if dist.is_initialized() and flags.item() > 0:",
+        [FUSED_SHRINK_TEST],
+    ),
+    Bug(
+        "fused-update-never-skipped",
+        "the fused update's found_inf flag always 0: a non-finite step's nan update applied on the device",
+        "accumulation/update_on_device.py",
+        "optimizer.found_inf = torch.logical_not(torch.isfinite(grad_norm)).to(torch.float32)",
+        "optimizer.found_inf = torch.zeros((), dtype=torch.float32)",
+        [FUSED_SHRINK_TEST],
+    ),
+    # Issue 35: the run directory deleted mid-run.
+    Bug(
+        "deleted-run-metrics-claimed",
+        "a run directory deleted mid-run: the error line says metrics.jsonl holds every step, though it is gone",
+        "accumulation/run/logs.py",
+        "        if metrics_path.exists()\n",
+        "        if True\n",
+        [f"{BLIND_SPOTS_TEST}::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
+    ),
+    # Issue 35: the checker on a D x P mesh runs two pipelined steps.
+    Bug(
+        "pipeline-schedule-without-no-sync",
+        "the schedule step outside DDP's no_sync: the shape inference arms the reducer; a 2 x 2 mesh dies at step 2",
+        "accumulation/parallel/pipeline.py",
+        "        with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) "
+        "else nullcontext():",
+        "        with nullcontext():",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+    ),
+    Bug(
+        "checker-one-pipelined-step",
+        "the checker runs one pipelined step: a loop that goes wrong from the second step on passes",
+        "accumulation/checker/run.py",
+        "PIPELINED_STEPS = 2",
+        "PIPELINED_STEPS = 1",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+    ),
+    # Issue 35: the checker given a model whose outputs do not fit the loss.
+    Bug(
+        "checker-unfit-outputs-traceback",
+        "the checker runs the loop's step on outputs that do not fit the loss: a traceback and exit 1, not one line",
+        "accumulation/checker/run.py",
+        "        check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)\n",
+        "        pass\n",
+        [f"{BLIND_SPOTS_TEST}::test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line"],
     ),
 ]
 
