@@ -96,3 +96,16 @@ def test_the_reading_path_of_one_step_matches_the_code_and_fits_in_one_sitting()
     assert "class MicroBatch" in read["accumulation/batching.py"]
     total = sum(int(last) - int(first) + 1 for _, first, last in rows)
     assert total <= 400 and f"{total} lines in {len(rows)} files" in section
+
+
+# A merge conflict's markers at the start of a line: seven of one character, then a space and a branch name
+# (or nothing, for the middle one). A page once kept a resolved conflict's markers for a whole session.
+CONFLICT_MARKER = re.compile(r"^(<{7} |={7}$|>{7} )", re.MULTILINE)
+
+
+def test_no_page_or_source_keeps_merge_conflict_markers():
+    tracked = [*PAGES, REPO / "train.py", *REPO.glob("accumulation/**/*.py"), *REPO.glob("scripts/**/*.py")]
+    tracked += [*REPO.glob("tests/*.py"), *REPO.glob("configs/*.toml")]
+    marked = [str(path.relative_to(REPO)) for path in tracked if CONFLICT_MARKER.search(path.read_text())]
+    assert not marked, f"merge conflict markers left in {marked}"
+    assert CONFLICT_MARKER.search("text\n<<<<<<< HEAD\nours\n=======\ntheirs\n>>>>>>> branch\n")
