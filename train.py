@@ -65,7 +65,6 @@ from accumulation.parallel.distributed import (
     DistributedContext,
     LaunchError,
     launch_environment,
-    lost_rank_message,
     run_and_exit,
     setup_distributed,
     teardown_distributed,
@@ -201,7 +200,11 @@ def train_in_run_directory(
                 file=sys.stderr,
             )
             return 2
-        message = lost_rank_message(error, rank, config.dist.timeout_s) if world_size > 1 else None
+        message = None
+        if world_size > 1:
+            from accumulation.parallel.torchrun import lost_rank_message
+
+            message = lost_rank_message(error, rank, config.dist.timeout_s)
         if message is None:
             traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message
             return 1

@@ -107,6 +107,8 @@ OPTION_MODULES = {
     "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it)
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.parallel.torchrun",  # a launch under torchrun
+    "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)

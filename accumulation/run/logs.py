@@ -21,29 +21,11 @@ from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
-from accumulation.run.run_dir import metrics_lines, write_text_atomically
+from accumulation.run.run_dir import write_text_atomically
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
 # the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
 WARMUP_STEPS = 2
-
-
-def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
-    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
-    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
-    if not metrics_path.exists():
-        return
-    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
-    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
-    try:
-        temporary.write_text("".join(kept))
-        os.replace(temporary, metrics_path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise WriteError(
-            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
-            f"the file is unchanged"
-        ) from None
 
 
 class MetricsFile:
@@ -178,27 +160,6 @@ def progress_line(counters: Counters, config: Config, record: dict, window: list
     )
 
 
-def print_summary(
-    config,
-    counters,
-    first_loss,
-    last_loss,
-    final_val_loss,
-    session_steps,
-    wall_seconds,
-    model,
-    prompt_source,
-    targets="tokens",
-) -> None:
-    """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
-    speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
-    validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
-    print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
-    print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
-    print_sample(config, model, prompt_source)
-    print(speed_line(session_steps, wall_seconds, targets))
-
-
 def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targets: str = "tokens") -> str:
     """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
     WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
@@ -220,38 +181,6 @@ def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targ
         f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
         f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
     )
-
-
-def print_sample(config, model, prompt_source) -> None:
-    """A sample from the model (bytes decoded as UTF-8, or decoded by the data's tokenizer), or why there is none."""
-    if config.run.sample_bytes == 0:
-        return
-    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
-        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
-        return
-    if config.dist.pipeline_stages > 1:  # rank 0 holds only the first stage's trained weights
-        print("sample: skipped with pipeline stages; sample from the checkpoint (whole weights) on one process")
-        return
-    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models/factory.py)
-        print(f"sample: skipped, the {config.model.name} model has no generate()")
-        return
-    from accumulation.data.tokenizer import sample_decoder  # imported here: the sample is this function's alone
-
-    decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
-    if decode is None:
-        print(f"sample: skipped, {why_not}")
-        return
-    # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
-    # least four tokens.
-    example = prompt_source.raw_example(0, 0)
-    if not isinstance(example.inputs, list):
-        print("sample: skipped, the data's inputs are not token ids")
-        return
-    prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
-    model.eval()
-    prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
-    sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
-    print("sample:\n" + decode(sample.tolist()))
 
 
 def print_run_header(
@@ -326,7 +255,10 @@ class RunLogs:
         except OSError as error:
             where = self.run_dir / "config.toml"
             raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
-        keep_metrics_up_to(self.metrics_path, counters.steps)
+        if self.metrics_path.exists():  # left by an earlier session
+            from accumulation.run.resumed_logs import keep_metrics_up_to
+
+            keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:
         self.metrics_file, self.writers = open_logs(self.context, self.run_dir, self.metrics_path, resumed, counters)
@@ -364,20 +296,19 @@ class RunLogs:
         flush_logs(self.metrics_file, self.writers)
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
-        if self.context.is_main:
-            wall_seconds = time.perf_counter() - session_start
-            print_summary(
-                self.config,
-                counters,
-                self.first_loss,
-                self.last_loss,
-                final_val_loss,
-                self.session_steps,
-                wall_seconds,
-                model,
-                self.data.train,
-                self.data.summary.targets,
-            )
+        """The session's last lines: losses, counters, a sample from the model when it has generate(), and last
+        the speed (speed_line)."""
+        if not self.context.is_main:
+            return
+        wall_seconds = time.perf_counter() - session_start
+        validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
+        print(f"done: train loss {self.first_loss:.4f} -> {self.last_loss:.4f} this session{validation}")
+        print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
+        if self.config.run.sample_bytes > 0:
+            from accumulation.run.sample import print_sample
+
+            print_sample(self.config, model, self.data.train)  # prompted by the first training example
+        print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
     def close(self) -> None:
         close_logs(self.metrics_file, self.writers)

@@ -18,7 +18,7 @@ from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import build_optimizer, load_optimizer_state
+from accumulation.run.build import build_optimizer
 from accumulation.run.checkpoint import (
     CheckpointError,
     check_model_dtypes,
@@ -30,7 +30,9 @@ from accumulation.run.checkpoint import (
     newest_readable_checkpoint,
     step_checkpoints,
 )
-from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
+from accumulation.run.optimizer_state import load_optimizer_state
+from accumulation.run.resumed_logs import metrics_lines
+from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
 from accumulation.schedule import build_scheduler, set_learning_rates
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples

@@ -18,7 +18,6 @@ and then the run goes on without a lock and says so on stderr.
 
 import errno
 import fcntl
-import json
 import os
 import re
 import socket
@@ -260,43 +259,6 @@ class RunLock:
             except OSError:
                 break
         self.created = []
-
-
-def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
-    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
-    A last line without its newline was cut short by a process killed while writing it: not a record, left
-    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
-    RunDirectoryError naming the line."""
-    if not metrics_path.exists():
-        return []
-    try:
-        text = metrics_path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
-    found, previous_number = [], None  # previous_number: the line of found[-1]
-    for number, line in enumerate(text.splitlines(keepends=True), start=1):
-        if not line.endswith("\n") or not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            record = error
-        if not isinstance(record, dict) or type(record.get("steps")) is not int:
-            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
-            raise RunDirectoryError(
-                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
-                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
-                f"the metrics afresh), then start again"
-            )
-        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
-            raise RunDirectoryError(
-                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
-                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
-                f"file away to start the metrics afresh), then start again"
-            )
-        found.append((record["steps"], line))
-        previous_number = number
-    return found
 
 
 def write_text_atomically(path: Path, text: str) -> None:
