@@ -91,7 +91,7 @@ from accumulation.run.resume import (
     restore_training_state,
     seed_dropout,
 )
-from accumulation.run.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
+from accumulation.run.run_dir import RunDirectoryError, RunLock, check_not_inside_a_run, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
@@ -130,7 +130,12 @@ def main(argv: list[str]) -> int:
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
-        check_run_directory(run_dir)  # this program's own files only (a fresh run: in a folder of no other run)
+        if run_dir.exists():  # this program's own files only (a fresh run: in a folder of no other run)
+            from accumulation.run.existing_run_dir import check_existing_run_directory
+
+            check_existing_run_directory(run_dir)
+        else:
+            check_not_inside_a_run(run_dir)
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
         shapes = ExpectedShapes.of(config, model_on_meta)
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run import logs, resumed_logs
@@ -88,15 +89,18 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
     """TensorBoard's writer thread fails first; its error comes back at a later call as one WriteError, and
     the thread's own traceback stays off the terminal."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        metrics_file, writers = logs.open_logs(SINGLE_PROCESS, disk, disk / "metrics.jsonl", False, Counters())
-        metrics_file.close()
-        metrics_file = logs.MetricsFile(tmp_path / "metrics.jsonl")  # the metrics file elsewhere: only TB fills
+        run_logs = logs.RunLogs(load_config([]), None, disk, SINGLE_PROCESS, print)
+        run_logs.open(Counters(), resumed=False)
+        run_logs.metrics_file.close()
+        run_logs.metrics_file = logs.MetricsFile(
+            tmp_path / "metrics.jsonl"
+        )  # the metrics file elsewhere: only TB fills
         fill_disk(disk, leave_free_bytes=0)
         record = {**vars(Counters()), **dict.fromkeys(SCALARS, 1.0)}
         with pytest.raises(WriteError) as raised:
             for step in range(1, 5000):
-                logs.write_metrics(SINGLE_PROCESS, metrics_file, writers, {**record, "updates": step, "tokens": step})
-                logs.flush_logs(metrics_file, writers)
+                run_logs.write_metrics({**record, "updates": step, "tokens": step})
+                run_logs.flush()
         assert str(raised.value).startswith(f"TensorBoard events in {disk / 'tensorboard'} could not be written")
         assert "the disk is full" in str(raised.value)
         assert "Traceback" not in capfd.readouterr().err

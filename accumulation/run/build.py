@@ -78,14 +78,11 @@ def wrap_for_training(
     compile: bool,
     param_dtype: torch.dtype | None,
 ) -> torch.nn.Module:
-    """The module the step runs, as train.py runs it: torch.compile first when `compile` (model.compile resolved
-    by resolved_compile) is on, then
-    DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
-    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
-    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer
-    after this call. `model` is the module of training_forward_and_loss (accumulation/models/factory.py): the model, or
-    with the chunked loss the module returning its hidden states; with `compile`, either with its loss in one
-    module (ForwardAndLoss), compiled here as one region."""
+    """The module the step runs: `model` (training_forward_and_loss's module, accumulation/models/factory.py)
+    compiled when `compile` is on, then in DistributedDataParallel over more than one rank (compiled inside DDP,
+    optimizer_step's no_sync still skips the all-reduce of every micro-batch but the last). With dist.strategy =
+    "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer after this
+    call. Checkpoints hold the unwrapped model."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         from accumulation.parallel.fsdp import shard_model
 

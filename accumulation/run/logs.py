@@ -56,56 +56,6 @@ class MetricsFile:
         os.close(self.descriptor)
 
 
-def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resumed: bool, counters: Counters):
-    """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
-    On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
-    if not context.is_main:
-        return None, []
-    from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
-
-    metrics_file = MetricsFile(metrics_path)
-    quiet_tensorboard_thread_errors()
-    by_updates = SummaryWriter(
-        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
-    )
-    by_tokens = SummaryWriter(
-        run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resumed else None
-    )
-    return metrics_file, [by_updates, by_tokens]
-
-
-def write_metrics(context: DistributedContext, metrics_file, writers, record: dict) -> None:
-    if not context.is_main:
-        return
-    metrics_file.write(json.dumps(record) + "\n")
-    by_updates, by_tokens = writers
-    try:
-        for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-            if record.get(name) is not None:
-                by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-                by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
-    except Exception as error:
-        raise tensorboard_write_error(error, by_updates) from None
-
-
-def flush_logs(metrics_file, writers) -> None:
-    if metrics_file is not None:
-        metrics_file.flush()
-    try:
-        for writer in writers:
-            writer.flush()
-    except Exception as error:
-        raise tensorboard_write_error(error, writers[0]) from None
-
-
-def close_logs(metrics_file, writers) -> None:
-    flush_logs(metrics_file, writers)
-    if metrics_file is not None:
-        metrics_file.close()
-    for writer in writers:
-        writer.close()
-
-
 def quiet_tensorboard_thread_errors() -> None:
     """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
     which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
@@ -136,28 +86,10 @@ def tensorboard_write_error(error: Exception, writer) -> Exception:
     )
 
 
-def per_second(targets: str) -> str:
-    """The unit of a speed: "tok/s" for tokens, else e.g. "targets/s" (a custom source's summary names it)."""
-    return "tok/s" if targets == "tokens" else f"{targets}/s"
-
-
 def rate_text(count: float, seconds: float, targets: str) -> str:
     """A rate in thousands ("12.3k"); other targets than tokens (images) plainly below a thousand ("87.5")."""
     rate = count / seconds
     return f"{rate:.1f}" if targets != "tokens" and rate < 1e3 else f"{rate / 1e3:.1f}k"
-
-
-def progress_line(counters: Counters, config: Config, record: dict, window: list, targets: str = "tokens") -> str:
-    window_tokens = sum(tokens for tokens, _ in window)
-    window_seconds = sum(seconds for _, seconds in window)
-    seconds_per_step = window_seconds / len(window)
-    eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-    return (
-        f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
-        f"{rate_text(window_tokens, window_seconds, targets)} {per_second(targets)} | eta {eta_s / 60:.1f} min"
-    )
 
 
 def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targets: str = "tokens") -> str:
@@ -261,7 +193,19 @@ class RunLogs:
             keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:
-        self.metrics_file, self.writers = open_logs(self.context, self.run_dir, self.metrics_path, resumed, counters)
+        """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0
+        only. On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+        if not self.context.is_main:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+
+        self.metrics_file = MetricsFile(self.metrics_path)
+        quiet_tensorboard_thread_errors()
+        tensorboard = self.run_dir / "tensorboard"
+        self.writers = [
+            SummaryWriter(tensorboard / "by_updates", purge_step=counters.updates + 1 if resumed else None),
+            SummaryWriter(tensorboard / "by_tokens", purge_step=counters.tokens + 1 if resumed else None),
+        ]
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
         """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
@@ -286,14 +230,43 @@ class RunLogs:
 
     def write(self, counters: Counters, record: dict) -> None:
         """The metrics line, and the progress line every run.log_every steps and at the last step."""
-        write_metrics(self.context, self.metrics_file, self.writers, record)
-        if counters.steps % self.config.run.log_every == 0 or counters.steps == self.config.run.max_steps:
-            self.say(progress_line(counters, self.config, record, self.window, self.data.summary.targets))
+        if self.context.is_main:
+            self.write_metrics(record)
+        max_steps = self.config.run.max_steps
+        if counters.steps % self.config.run.log_every == 0 or counters.steps == max_steps:
+            window_tokens = sum(tokens for tokens, _ in self.window)
+            window_seconds = sum(seconds for _, seconds in self.window)
+            eta_s = (max_steps - counters.steps) * window_seconds / len(self.window)
+            loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+            validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+            targets = self.data.summary.targets  # "tokens", or what a custom source's summary names ("images")
+            unit = "tok/s" if targets == "tokens" else f"{targets}/s"
+            self.say(
+                f"step {counters.steps}/{max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
+                f"{rate_text(window_tokens, window_seconds, targets)} {unit} | eta {eta_s / 60:.1f} min"
+            )
             self.window = []
+
+    def write_metrics(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        by_updates, by_tokens = self.writers
+        try:
+            for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
+                if record.get(name) is not None:
+                    by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
+                    by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+        except Exception as error:
+            raise tensorboard_write_error(error, by_updates) from None
 
     def flush(self) -> None:
         """Every line written so far on the disk (TensorBoard buffers for up to 2 minutes)."""
-        flush_logs(self.metrics_file, self.writers)
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+        try:
+            for writer in self.writers:
+                writer.flush()
+        except Exception as error:
+            raise tensorboard_write_error(error, self.writers[0]) from None
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
         """The session's last lines: losses, counters, a sample from the model when it has generate(), and last
@@ -311,4 +284,8 @@ class RunLogs:
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
     def close(self) -> None:
-        close_logs(self.metrics_file, self.writers)
+        self.flush()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        for writer in self.writers:
+            writer.close()

@@ -1,12 +1,11 @@
 """metrics.jsonl as a resume finds it: read and checked line by line, then cut back to the checkpoint's step.
-Imported only when the run directory already holds a metrics file."""
+Imported only when the run directory already holds a metrics file (logs.py) and by a resume (resume.py)."""
 
 import json
-import os
 from pathlib import Path
 
 from accumulation.run.checkpoint import WriteError, why_not_written
-from accumulation.run.run_dir import RunDirectoryError
+from accumulation.run.run_dir import RunDirectoryError, write_text_atomically
 
 
 def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
@@ -49,15 +48,10 @@ def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
 def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
     """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
     holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
-    if not metrics_path.exists():
-        return
     kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
-    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
     try:
-        temporary.write_text("".join(kept))
-        os.replace(temporary, metrics_path)
+        write_text_atomically(metrics_path, "".join(kept))
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         raise WriteError(
             f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
             f"the file is unchanged"
