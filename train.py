@@ -82,7 +82,7 @@ from accumulation.run.build import (
     wrap_for_training,
 )
 from accumulation.run.checkpoint import WRITE_ERROR_STATUS, CheckpointError, WriteError, save_checkpoint
-from accumulation.run.logs import RunLogs, finite_or_none, print_run_header
+from accumulation.run.logs import RunLogs, finite_or_none
 from accumulation.run.resume import (
     ExpectedShapes,
     check_ranks_agree_on_resume,
@@ -313,7 +313,7 @@ def train(
     if resume is None:
         checkpointer.save(counters, skips_in_a_row)  # step 0: a run killed before its first checkpoint resumes
     logs.open(counters, resumed=resume is not None)
-    print_run_header(config, data, run_dir, context, training, counters, say)
+    logs.header(training, counters)
     step_function = optimizer_step
     if config.batch.on_oom == "shrink":  # a step that runs out of memory is redone with fewer rows per micro-batch
         from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom as step_function

@@ -246,6 +246,6 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
         compiled=True,
     )
     context = DistributedContext(0, 0, 1, torch.device("cpu"), None)
-    logs.print_run_header(config, data, Path("runs"), context, training, Counters(), print)
+    logs.RunLogs(config, data, Path("runs"), context, print).header(training, Counters())
     [model_line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model:")]
     assert "loss plain; compile on" in model_line

@@ -115,44 +115,6 @@ def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targ
     )
 
 
-def print_run_header(
-    config: Config, data: Data, run_dir: Path, context: DistributedContext, training, counters, say
-) -> None:
-    """The session's first lines: the batch, the model and its precision, the data, the run directory.
-    `training` is train.py's Training (the model, model.loss as decided, the scaler, whether compiled)."""
-    stages = config.dist.pipeline_stages
-    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
-    pipeline = (
-        f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
-        if stages > 1
-        else ""
-    )
-    position = "tokens" if data.summary.targets == "tokens" else "positions"
-    per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
-    say(
-        f"accumulation: {batch}"
-        f" examples per update{pipeline}; {per_row}"
-        f"device {context.device} ({context.backend or 'single process'})"
-    )
-    say(
-        f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
-        f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
-        f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
-    )
-    if config.dist.strategy == "fsdp2":
-        from accumulation.parallel.fsdp import describe_sharding
-
-        say(describe_sharding(training.model))
-    say(data.summary.describe())
-    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-    say(
-        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
-        if dropped
-        else f"batch.tail={config.batch.tail}: every row is used each epoch"
-    )
-    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """CUDA: the allocator's peak during the step. CPU: the process's peak resident set size so far."""
     if device.type == "cuda":
@@ -206,6 +168,42 @@ class RunLogs:
             SummaryWriter(tensorboard / "by_updates", purge_step=counters.updates + 1 if resumed else None),
             SummaryWriter(tensorboard / "by_tokens", purge_step=counters.tokens + 1 if resumed else None),
         ]
+
+    def header(self, training, counters: Counters) -> None:
+        """The session's first lines: the batch, the model and its precision, the data, the run directory.
+        `training` is train.py's Training (the model, model.loss as decided, the scaler, whether compiled)."""
+        config, data, context, say = self.config, self.data, self.context, self.say
+        stages = config.dist.pipeline_stages
+        batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
+        pipeline = (
+            f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
+            if stages > 1
+            else ""
+        )
+        position = "tokens" if data.summary.targets == "tokens" else "positions"
+        per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
+        say(
+            f"accumulation: {batch}"
+            f" examples per update{pipeline}; {per_row}"
+            f"device {context.device} ({context.backend or 'single process'})"
+        )
+        say(
+            f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
+            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
+        )
+        if config.dist.strategy == "fsdp2":
+            from accumulation.parallel.fsdp import describe_sharding
+
+            say(describe_sharding(training.model))
+        say(data.summary.describe())
+        dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+        say(
+            f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
+            if dropped
+            else f"batch.tail={config.batch.tail}: every row is used each epoch"
+        )
+        say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
         """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
