@@ -8,13 +8,9 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from accumulation.parallel.mesh import Layout
 
 
 @dataclass
@@ -24,7 +20,7 @@ class DistributedContext:
     world_size: int  # ranks, D × P (the same as D without pipeline stages)
     device: torch.device
     backend: str | None  # "nccl", "gloo", or None for a single process
-    layout: "Layout | None" = None  # replicas and stages (parallel/mesh.py) when P > 1; None: every rank a replica
+    layout: object = None  # P > 1: the Layout of replicas and stages (parallel/mesh.py); None: every rank a replica
 
     @property
     def is_main(self) -> bool:
