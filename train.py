@@ -64,7 +64,6 @@ from accumulation.parallel.distributed import (
     DistributedContext,
     LaunchError,
     launch_environment,
-    lost_rank_message,
     run_and_exit,
     setup_distributed,
     teardown_distributed,
@@ -89,9 +88,9 @@ from accumulation.run.checkpoint import (
     save_checkpoint,
     seed_dropout,
 )
-from accumulation.run.logs import RunLogs, finite_or_none, print_run_header
+from accumulation.run.logs import RunLogs, finite_or_none
 from accumulation.run.resume import find_resume_point
-from accumulation.run.run_dir import RunDirectoryError, RunLock, check_run_directory, run_directory
+from accumulation.run.run_dir import RunDirectoryError, RunLock, check_not_inside_a_run, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
@@ -130,7 +129,12 @@ def main(argv: list[str]) -> int:
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
-        check_run_directory(run_dir)  # this program's own files only (a fresh run: in a folder of no other run)
+        if run_dir.exists():  # this program's own files only (a fresh run: in a folder of no other run)
+            from accumulation.run.existing_run_dir import check_existing_run_directory
+
+            check_existing_run_directory(run_dir)
+        else:
+            check_not_inside_a_run(run_dir)
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
         # (on the meta device "auto" is plain; build_training decides it on the run's device)
@@ -203,7 +207,11 @@ def train_in_run_directory(
                 file=sys.stderr,
             )
             return 2
-        message = lost_rank_message(error, rank, config.dist.timeout_s) if world_size > 1 else None
+        message = None
+        if world_size > 1:
+            from accumulation.parallel.torchrun import lost_rank_message
+
+            message = lost_rank_message(error, rank, config.dist.timeout_s)
         if message is None:
             traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message
             return 1
@@ -312,7 +320,7 @@ def train(
     if resume is None:
         checkpointer.save(counters, skips_in_a_row)  # step 0: a run killed before its first checkpoint resumes
     logs.open(counters, resumed=resume is not None)
-    print_run_header(config, data, run_dir, context, training, counters, say)
+    logs.header(training, counters)
     step_function = optimizer_step
     if config.batch.on_oom == "shrink":  # a step that runs out of memory is redone with fewer rows per micro-batch
         from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom as step_function

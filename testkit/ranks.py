@@ -86,7 +86,7 @@ def run_on_ranks(fn, world_size: int = 2, args: tuple = (), timeout_s: float = 1
 def pretend_launched(monkeypatch, world_size: int, rank: int = 0) -> None:
     """The environment torchrun gives a rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), set with pytest's
     monkeypatch and nothing launched: for what train.py and the checker refuse before any process group exists
-    (half of that environment is refused itself: accumulation/parallel/distributed.py, launch_environment)."""
+    (half of that environment is refused itself: accumulation/parallel/torchrun.py, launch_problem)."""
     launch = {"RANK": rank, "WORLD_SIZE": world_size, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500}
     for name, value in launch.items():
         monkeypatch.setenv(name, str(value))

@@ -15,13 +15,8 @@ from accumulation.data.sources import build_data, build_micro_batches, step_row_
 from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import FullyShardedDataParallel, full_model_state_dict, full_optimizer_state_dict
-from accumulation.run.build import (
-    autocast_dtype_for,
-    build_optimizer,
-    load_optimizer_state,
-    step_strategy,
-    wrap_for_training,
-)
+from accumulation.run.build import autocast_dtype_for, build_optimizer, step_strategy, wrap_for_training
+from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
 from testkit.ranks import pretend_launched, run_on_ranks

@@ -115,6 +115,9 @@ OPTION_MODULES = {
     "accumulation.run.restore",  # a run directory that holds a run (run.resume)
     "accumulation.run.checkpoint_checks",  # reading a checkpoint back (run.resume)
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.parallel.torchrun",  # a launch under torchrun
+    "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
+    "accumulation.run.existing_run_dir",  # a run directory that exists already
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run import logs
+from accumulation.run import logs, resumed_logs
 from accumulation.run.checkpoint import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
@@ -49,9 +50,9 @@ def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"steps": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
     path.write_text("".join(lines) + '{"steps": 4, "lo')  # a process killed in the middle of writing step 4
-    logs.keep_metrics_up_to(path, 3)
+    resumed_logs.keep_metrics_up_to(path, 3)
     assert path.read_text() == "".join(lines)
-    logs.keep_metrics_up_to(path, 2)
+    resumed_logs.keep_metrics_up_to(path, 2)
     assert path.read_text() == "".join(lines[:2])
 
 
@@ -79,7 +80,7 @@ def test_rewriting_metrics_on_a_full_disk_leaves_the_file_unchanged(tmp_path):
         path.write_text(text)
         fill_disk(disk, leave_free_bytes=0)
         with pytest.raises(WriteError, match="could not be rewritten for the resume: the disk is full"):
-            logs.keep_metrics_up_to(path, 20)
+            resumed_logs.keep_metrics_up_to(path, 20)
         assert path.read_text() == text
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]  # no temporary file
 
@@ -88,15 +89,18 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
     """TensorBoard's writer thread fails first; its error comes back at a later call as one WriteError, and
     the thread's own traceback stays off the terminal."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        metrics_file, writers = logs.open_logs(SINGLE_PROCESS, disk, disk / "metrics.jsonl", False, Counters())
-        metrics_file.close()
-        metrics_file = logs.MetricsFile(tmp_path / "metrics.jsonl")  # the metrics file elsewhere: only TB fills
+        run_logs = logs.RunLogs(load_config([]), None, disk, SINGLE_PROCESS, print)
+        run_logs.open(Counters(), resumed=False)
+        run_logs.metrics_file.close()
+        run_logs.metrics_file = logs.MetricsFile(
+            tmp_path / "metrics.jsonl"
+        )  # the metrics file elsewhere: only TB fills
         fill_disk(disk, leave_free_bytes=0)
         record = {**vars(Counters()), **dict.fromkeys(SCALARS, 1.0)}
         with pytest.raises(WriteError) as raised:
             for step in range(1, 5000):
-                logs.write_metrics(SINGLE_PROCESS, metrics_file, writers, {**record, "updates": step, "tokens": step})
-                logs.flush_logs(metrics_file, writers)
+                run_logs.write_metrics({**record, "updates": step, "tokens": step})
+                run_logs.flush()
         assert str(raised.value).startswith(f"TensorBoard events in {disk / 'tensorboard'} could not be written")
         assert "the disk is full" in str(raised.value)
         assert "Traceback" not in capfd.readouterr().err
@@ -243,6 +247,6 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
         compiled=True,
     )
     context = DistributedContext(0, 0, 1, torch.device("cpu"), None)
-    logs.print_run_header(config, data, Path("runs"), context, training, Counters(), print)
+    logs.RunLogs(config, data, Path("runs"), context, print).header(training, Counters())
     [model_line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("model:")]
     assert "loss plain; compile on" in model_line

@@ -18,7 +18,7 @@ from accumulation.config.config import load_config
 from accumulation.data.rows import BYTE_VOCAB_SIZE, make_rows
 from accumulation.data.sources import build_data
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.run.build import load_optimizer_state
+from accumulation.run.optimizer_state import load_optimizer_state
 from scripts.benchmarks import bench, invariants, measuring, nanogpt_peer
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import capture_gradients, max_relative_error

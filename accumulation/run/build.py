@@ -13,7 +13,6 @@ from accumulation.batching import accumulation_steps
 from accumulation.config.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
 from accumulation.data.memory import memory_limit_bytes
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.mesh import check_layout
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -24,9 +23,12 @@ AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def check_config_for_world(config: Config, world_size: int) -> None:
     """The config checks that depend on the launch: world size = D × P, A = G / (m·D) must be whole, and cuda must
     exist if asked for."""
-    why_not = check_layout(world_size, config.dist.pipeline_stages)
-    if why_not is not None:
-        raise ConfigError(why_not)
+    if config.dist.pipeline_stages > 1:
+        from accumulation.parallel.mesh import check_layout
+
+        why_not = check_layout(world_size, config.dist.pipeline_stages)
+        if why_not is not None:
+            raise ConfigError(why_not)
     replicas = world_size // config.dist.pipeline_stages  # D
     try:
         accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, replicas)
@@ -76,14 +78,11 @@ def wrap_for_training(
     compile: bool,
     param_dtype: torch.dtype | None,
 ) -> torch.nn.Module:
-    """The module the step runs, as train.py runs it: torch.compile first when `compile` (model.compile resolved
-    by resolved_compile) is on, then
-    DistributedDataParallel over more than one rank (compiled inside DDP, optimizer_step's no_sync still
-    skips the all-reduce of every micro-batch but the last). Checkpoints hold the unwrapped `model`. With
-    dist.strategy = "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer
-    after this call. `model` is the module of training_forward_and_loss (accumulation/models/factory.py): the model, or
-    with the chunked loss the module returning its hidden states; with `compile`, either with its loss in one
-    module (ForwardAndLoss), compiled here as one region."""
+    """The module the step runs: `model` (training_forward_and_loss's module, accumulation/models/factory.py)
+    compiled when `compile` is on, then in DistributedDataParallel over more than one rank (compiled inside DDP,
+    optimizer_step's no_sync still skips the all-reduce of every micro-batch but the last). With dist.strategy =
+    "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer after this
+    call. Checkpoints hold the unwrapped model."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         from accumulation.parallel.fsdp import shard_model
 
@@ -104,44 +103,6 @@ def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
     from accumulation.parallel.fsdp import FullyShardedDataParallel
 
     return FullyShardedDataParallel(module)
-
-
-# The per-group switches of PyTorch's optimizers that choose an implementation, not the maths.
-IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable")
-
-
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict, sharded: bool = False) -> None:
-    """optimizer.load_state_dict, keeping this run's implementation and putting the state where it runs.
-
-    load_state_dict takes every group setting from the checkpoint, `fused` and `foreach` included, and
-    leaves the step counters where the checkpoint's flags put them: a run saved on the CPU (fused off, step
-    counters on the CPU) and resumed on a GPU would stay on the slow, syncing path. So the flags this
-    optimizer was built with (build_optimizer: fused AdamW on CUDA) are put back, the moments are moved to
-    each parameter's device and dtype, and the step counters are placed as PyTorch's optimizers expect:
-    float32 on the parameter's device for a fused or capturable group, float32 on the CPU otherwise.
-    The values themselves are unchanged, so the next update is the same as with the checkpoint's flags.
-    `sharded` (dist.strategy = "fsdp2"): the checkpoint's whole tensors are first cut into this rank's shards."""
-    configured = [{key: group[key] for key in IMPLEMENTATION_FLAGS if key in group} for group in optimizer.param_groups]
-    if sharded:
-        from accumulation.parallel.fsdp import shard_optimizer_state
-
-        state_dict = shard_optimizer_state(optimizer, state_dict)
-    optimizer.load_state_dict(state_dict)
-    for group, flags in zip(optimizer.param_groups, configured, strict=True):
-        group.update(flags)
-        counter_on_device = bool(group.get("fused") or group.get("capturable"))
-        for parameter in group["params"]:
-            state = optimizer.state.get(parameter, {})
-            for key, value in state.items():
-                if not torch.is_tensor(value):
-                    continue
-                if key == "step":
-                    device = parameter.device if counter_on_device else torch.device("cpu")
-                    state[key] = value.to(device=device, dtype=torch.float32)
-                elif value.is_floating_point():
-                    state[key] = value.to(device=parameter.device, dtype=parameter.dtype)
-                else:
-                    state[key] = value.to(device=parameter.device)
 
 
 def set_tf32(enabled: bool) -> None:

@@ -21,29 +21,11 @@ from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
-from accumulation.run.run_dir import metrics_lines, write_text_atomically
+from accumulation.run.run_dir import write_text_atomically
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
 # the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
 WARMUP_STEPS = 2
-
-
-def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
-    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
-    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
-    if not metrics_path.exists():
-        return
-    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
-    temporary = metrics_path.with_name(".metrics.jsonl.tmp")
-    try:
-        temporary.write_text("".join(kept))
-        os.replace(temporary, metrics_path)
-    except OSError as error:
-        temporary.unlink(missing_ok=True)
-        raise WriteError(
-            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
-            f"the file is unchanged"
-        ) from None
 
 
 class MetricsFile:
@@ -72,56 +54,6 @@ class MetricsFile:
 
     def close(self) -> None:
         os.close(self.descriptor)
-
-
-def open_logs(context: DistributedContext, run_dir: Path, metrics_path: Path, resumed: bool, counters: Counters):
-    """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0 only.
-    On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
-    if not context.is_main:
-        return None, []
-    from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
-
-    metrics_file = MetricsFile(metrics_path)
-    quiet_tensorboard_thread_errors()
-    by_updates = SummaryWriter(
-        run_dir / "tensorboard" / "by_updates", purge_step=counters.updates + 1 if resumed else None
-    )
-    by_tokens = SummaryWriter(
-        run_dir / "tensorboard" / "by_tokens", purge_step=counters.tokens + 1 if resumed else None
-    )
-    return metrics_file, [by_updates, by_tokens]
-
-
-def write_metrics(context: DistributedContext, metrics_file, writers, record: dict) -> None:
-    if not context.is_main:
-        return
-    metrics_file.write(json.dumps(record) + "\n")
-    by_updates, by_tokens = writers
-    try:
-        for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-            if record.get(name) is not None:
-                by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-                by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
-    except Exception as error:
-        raise tensorboard_write_error(error, by_updates) from None
-
-
-def flush_logs(metrics_file, writers) -> None:
-    if metrics_file is not None:
-        metrics_file.flush()
-    try:
-        for writer in writers:
-            writer.flush()
-    except Exception as error:
-        raise tensorboard_write_error(error, writers[0]) from None
-
-
-def close_logs(metrics_file, writers) -> None:
-    flush_logs(metrics_file, writers)
-    if metrics_file is not None:
-        metrics_file.close()
-    for writer in writers:
-        writer.close()
 
 
 def quiet_tensorboard_thread_errors() -> None:
@@ -158,49 +90,10 @@ def tensorboard_write_error(error: Exception, writer) -> Exception:
     return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
 
 
-def per_second(targets: str) -> str:
-    """The unit of a speed: "tok/s" for tokens, else e.g. "targets/s" (a custom source's summary names it)."""
-    return "tok/s" if targets == "tokens" else f"{targets}/s"
-
-
 def rate_text(count: float, seconds: float, targets: str) -> str:
     """A rate in thousands ("12.3k"); other targets than tokens (images) plainly below a thousand ("87.5")."""
     rate = count / seconds
     return f"{rate:.1f}" if targets != "tokens" and rate < 1e3 else f"{rate / 1e3:.1f}k"
-
-
-def progress_line(counters: Counters, config: Config, record: dict, window: list, targets: str = "tokens") -> str:
-    window_tokens = sum(tokens for tokens, _ in window)
-    window_seconds = sum(seconds for _, seconds in window)
-    seconds_per_step = window_seconds / len(window)
-    eta_s = (config.run.max_steps - counters.steps) * seconds_per_step
-    loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
-    validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-    return (
-        f"step {counters.steps}/{config.run.max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
-        f"{rate_text(window_tokens, window_seconds, targets)} {per_second(targets)} | eta {eta_s / 60:.1f} min"
-    )
-
-
-def print_summary(
-    config,
-    counters,
-    first_loss,
-    last_loss,
-    final_val_loss,
-    session_steps,
-    wall_seconds,
-    model,
-    prompt_source,
-    targets="tokens",
-) -> None:
-    """The session's last lines: losses, counters, a sample from the model when it has generate(), and last the
-    speed (speed_line). `prompt_source` is the training rows, whose first example gives the prompt."""
-    validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
-    print(f"done: train loss {first_loss:.4f} -> {last_loss:.4f} this session{validation}")
-    print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
-    print_sample(config, model, prompt_source)
-    print(speed_line(session_steps, wall_seconds, targets))
 
 
 def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targets: str = "tokens") -> str:
@@ -224,76 +117,6 @@ def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targ
         f"({len(steady)} steps, {steady_seconds / len(steady):.3f} s per step); the first {WARMUP_STEPS} steps "
         f"(compiling, warm-up) took {warmup_seconds:.1f} s; {tail}"
     )
-
-
-def print_sample(config, model, prompt_source) -> None:
-    """A sample from the model (bytes decoded as UTF-8, or decoded by the data's tokenizer), or why there is none."""
-    if config.run.sample_bytes == 0:
-        return
-    if config.dist.strategy == "fsdp2":  # rank 0 alone cannot run a forward that all-gathers from every rank
-        print("sample: skipped under dist.strategy=fsdp2; sample from the checkpoint (whole weights) on one process")
-        return
-    if config.dist.pipeline_stages > 1:  # rank 0 holds only the first stage's trained weights
-        print("sample: skipped with pipeline stages; sample from the checkpoint (whole weights) on one process")
-        return
-    if not hasattr(model, "generate"):  # optional in the model contract (accumulation/models/factory.py)
-        print(f"sample: skipped, the {config.model.name} model has no generate()")
-        return
-    from accumulation.data.tokenizer import sample_decoder  # imported here: the sample is this function's alone
-
-    decode, why_not = sample_decoder(config)  # bytes, or the tokenizer the data was made with
-    if decode is None:
-        print(f"sample: skipped, {why_not}")
-        return
-    # The prompt: the first training example's inputs up to its first target (an SFT example's prompt), at
-    # least four tokens.
-    example = prompt_source.raw_example(0, 0)
-    if not isinstance(example.inputs, list):
-        print("sample: skipped, the data's inputs are not token ids")
-        return
-    prompt_tokens = example.inputs[: max(min(example.targets, default=0) + 1, 4)]
-    model.eval()
-    prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
-    sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
-    print("sample:\n" + decode(sample.tolist()))
-
-
-def print_run_header(
-    config: Config, data: Data, run_dir: Path, context: DistributedContext, training, counters, say
-) -> None:
-    """The session's first lines: the batch, the model and its precision, the data, the run directory.
-    `training` is train.py's Training (the model, model.loss as decided, the scaler, whether compiled)."""
-    stages = config.dist.pipeline_stages
-    batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
-    pipeline = (
-        f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
-        if stages > 1
-        else ""
-    )
-    position = "tokens" if data.summary.targets == "tokens" else "positions"
-    per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
-    say(
-        f"accumulation: {batch}"
-        f" examples per update{pipeline}; {per_row}"
-        f"device {context.device} ({context.backend or 'single process'})"
-    )
-    say(
-        f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
-        f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
-        f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
-    )
-    if config.dist.strategy == "fsdp2":
-        from accumulation.parallel.fsdp import describe_sharding
-
-        say(describe_sharding(training.model))
-    say(data.summary.describe())
-    dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-    say(
-        f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
-        if dropped
-        else f"batch.tail={config.batch.tail}: every row is used each epoch"
-    )
-    say(f"run directory {run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -330,10 +153,61 @@ class RunLogs:
         except OSError as error:
             where = self.run_dir / "config.toml"
             raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
-        keep_metrics_up_to(self.metrics_path, counters.steps)
+        if self.metrics_path.exists():  # left by an earlier session
+            from accumulation.run.resumed_logs import keep_metrics_up_to
+
+            keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:
-        self.metrics_file, self.writers = open_logs(self.context, self.run_dir, self.metrics_path, resumed, counters)
+        """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0
+        only. On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+        if not self.context.is_main:
+            return
+        from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+
+        self.metrics_file = MetricsFile(self.metrics_path)
+        quiet_tensorboard_thread_errors()
+        tensorboard = self.run_dir / "tensorboard"
+        self.writers = [
+            SummaryWriter(tensorboard / "by_updates", purge_step=counters.updates + 1 if resumed else None),
+            SummaryWriter(tensorboard / "by_tokens", purge_step=counters.tokens + 1 if resumed else None),
+        ]
+
+    def header(self, training, counters: Counters) -> None:
+        """The session's first lines: the batch, the model and its precision, the data, the run directory.
+        `training` is train.py's Training (the model, model.loss as decided, the scaler, whether compiled)."""
+        config, data, context, say = self.config, self.data, self.context, self.say
+        stages = config.dist.pipeline_stages
+        batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
+        pipeline = (
+            f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
+            if stages > 1
+            else ""
+        )
+        position = "tokens" if data.summary.targets == "tokens" else "positions"
+        per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
+        say(
+            f"accumulation: {batch}"
+            f" examples per update{pipeline}; {per_row}"
+            f"device {context.device} ({context.backend or 'single process'})"
+        )
+        say(
+            f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
+            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
+        )
+        if config.dist.strategy == "fsdp2":
+            from accumulation.parallel.fsdp import describe_sharding
+
+            say(describe_sharding(training.model))
+        say(data.summary.describe())
+        dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+        say(
+            f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
+            if dropped
+            else f"batch.tail={config.batch.tail}: every row is used each epoch"
+        )
+        say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
         """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
@@ -358,30 +232,62 @@ class RunLogs:
 
     def write(self, counters: Counters, record: dict) -> None:
         """The metrics line, and the progress line every run.log_every steps and at the last step."""
-        write_metrics(self.context, self.metrics_file, self.writers, record)
-        if counters.steps % self.config.run.log_every == 0 or counters.steps == self.config.run.max_steps:
-            self.say(progress_line(counters, self.config, record, self.window, self.data.summary.targets))
+        if self.context.is_main:
+            self.write_metrics(record)
+        max_steps = self.config.run.max_steps
+        if counters.steps % self.config.run.log_every == 0 or counters.steps == max_steps:
+            window_tokens = sum(tokens for tokens, _ in self.window)
+            window_seconds = sum(seconds for _, seconds in self.window)
+            eta_s = (max_steps - counters.steps) * window_seconds / len(self.window)
+            loss = "n/a" if record["loss"] is None else f"{record['loss']:.4f}"
+            validation = f" | val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
+            targets = self.data.summary.targets  # "tokens", or what a custom source's summary names ("images")
+            unit = "tok/s" if targets == "tokens" else f"{targets}/s"
+            self.say(
+                f"step {counters.steps}/{max_steps} | loss {loss}{validation} | lr {record['lr']:.2e} | "
+                f"{rate_text(window_tokens, window_seconds, targets)} {unit} | eta {eta_s / 60:.1f} min"
+            )
             self.window = []
+
+    def write_metrics(self, record: dict) -> None:
+        self.metrics_file.write(json.dumps(record) + "\n")
+        by_updates, by_tokens = self.writers
+        try:
+            for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
+                if record.get(name) is not None:
+                    by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
+                    by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
+        except Exception as error:
+            raise tensorboard_write_error(error, by_updates) from None
 
     def flush(self) -> None:
         """Every line written so far on the disk (TensorBoard buffers for up to 2 minutes)."""
-        flush_logs(self.metrics_file, self.writers)
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+        try:
+            for writer in self.writers:
+                writer.flush()
+        except Exception as error:
+            raise tensorboard_write_error(error, self.writers[0]) from None
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
-        if self.context.is_main:
-            wall_seconds = time.perf_counter() - session_start
-            print_summary(
-                self.config,
-                counters,
-                self.first_loss,
-                self.last_loss,
-                final_val_loss,
-                self.session_steps,
-                wall_seconds,
-                model,
-                self.data.train,
-                self.data.summary.targets,
-            )
+        """The session's last lines: losses, counters, a sample from the model when it has generate(), and last
+        the speed (speed_line)."""
+        if not self.context.is_main:
+            return
+        wall_seconds = time.perf_counter() - session_start
+        validation = "" if final_val_loss is None else f"; validation loss {final_val_loss:.4f}"
+        print(f"done: train loss {self.first_loss:.4f} -> {self.last_loss:.4f} this session{validation}")
+        print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
+        if self.config.run.sample_bytes > 0:
+            from accumulation.run.sample import print_sample
+
+            print_sample(self.config, model, self.data.train)  # prompted by the first training example
+        print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
     def close(self) -> None:
-        close_logs(self.metrics_file, self.writers)
+        self.flush()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        for writer in self.writers:
+            writer.close()

@@ -19,7 +19,7 @@ from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import build_optimizer, load_optimizer_state
+from accumulation.run.build import build_optimizer
 from accumulation.run.checkpoint import CheckpointError, few, seed_dropout, step_checkpoints
 from accumulation.run.checkpoint_checks import (
     OLDER_CHECKPOINT,
@@ -29,7 +29,9 @@ from accumulation.run.checkpoint_checks import (
     check_weights_finite,
     newest_readable_checkpoint,
 )
-from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, metrics_lines
+from accumulation.run.optimizer_state import load_optimizer_state
+from accumulation.run.resumed_logs import metrics_lines
+from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
 from accumulation.schedule import build_scheduler, set_learning_rates
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples

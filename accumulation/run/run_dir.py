@@ -18,32 +18,17 @@ and then the run goes on without a lock and says so on stderr.
 
 import errno
 import fcntl
-import json
 import os
-import re
 import socket
 import sys
 from pathlib import Path
 
 from accumulation.config.config import CONFIG_FIRST_LINE, Config, ConfigError
-from accumulation.run.checkpoint import STEP_FILE, disk_full, few, why_not_written
+from accumulation.run.checkpoint import disk_full, why_not_written
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
-
-# What this program writes into a run directory, each name a file or a folder, and what the name holds.
-RUN_ENTRIES = {
-    METRICS_FILE: ("file", "the metrics of each step"),
-    "config.toml": ("file", "the resolved config"),
-    LOCK_FILE: ("file", "the lock of the job that holds the run"),
-    STOPPED_FILE: ("file", "why a run was stopped"),
-    "checkpoints": ("folder", "the checkpoints"),
-    "tensorboard": ("folder", "the TensorBoard event files"),
-}
-# Left by a write that was killed before its rename (metrics.jsonl and config.toml are rewritten atomically).
-TEMPORARY_FILES = (".metrics.jsonl.tmp", ".config.toml.tmp")
-CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp")
 
 
 class RunDirectoryBusy(ConfigError):
@@ -76,46 +61,10 @@ class RunDirectoryError(ValueError):
     """A run directory, or a file in it, that a run cannot use; the message names it and what to do."""
 
 
-def check_run_directory(run_dir: Path) -> None:
-    """Refuse, before anything is written (RunDirectoryError, one line), a run directory this program cannot
-    use: one of its own names of the wrong kind (a file `tensorboard`, a folder `run.lock`, a folder
-    `checkpoints/latest.pt`), and for a fresh run (no checkpoint file yet) a folder that holds anything this
-    program did not write, or that lies inside another run's directory: a fresh run writes config.toml,
-    metrics.jsonl and its folders, which would replace a user's files of those names or mix into that run.
-    What a start-up killed before its first checkpoint leaves (the lock file, config.toml, a checkpoints
-    folder with a temporary file) is this program's own, and a fresh run starts over it."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirectoryError(
-            f"run.name: {run_dir} is a file, not a folder; choose another run.name, or move the file away"
-        )
-    checkpoint_dir = run_dir / "checkpoints"
-    for path, (kind, role) in [
-        *[(run_dir / name, entry) for name, entry in RUN_ENTRIES.items()],
-        (checkpoint_dir / "latest.pt", ("file", "the newest checkpoint")),
-    ]:
-        if path.exists() and path.is_dir() != (kind == "folder"):
-            raise RunDirectoryError(
-                f"{path} is a {'folder' if path.is_dir() else 'file'}, where this program keeps {role} "
-                f"(a {kind}); move it away (or choose another run.name), then start again"
-            )
-    holds_checkpoint = (checkpoint_dir / "latest.pt").exists() or any(
-        STEP_FILE.fullmatch(path.name) for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
-    )
-    if holds_checkpoint:
-        return  # a run to continue (or one a fresh run refuses, in find_resume_point): its own files only matter
-    foreign = [] if not run_dir.is_dir() else sorted(entry.name for entry in run_dir.iterdir() if not ours(entry))
-    if checkpoint_dir.is_dir():
-        foreign += [
-            f"checkpoints/{entry.name}"
-            for entry in sorted(checkpoint_dir.iterdir())
-            if not CHECKPOINT_TEMPORARY.fullmatch(entry.name)
-        ]
-    if foreign:
-        raise RunDirectoryError(
-            f"run.name: {run_dir} is not empty and holds no run: it holds {few(foreign)}, which this program did "
-            f"not write and a fresh run would write over or mix with; choose another run.name (a new folder), "
-            f"or move those files away"
-        )
+def check_not_inside_a_run(run_dir: Path) -> None:
+    """Refuse (RunDirectoryError, one line), before anything is written, a fresh run's folder inside another run's
+    directory, whose files it would mix with. A folder that exists already is checked first, by
+    accumulation/run/existing_run_dir.py."""
     for folder in [run_dir.resolve().parent, *run_dir.resolve().parent.parents]:
         if is_a_run_directory(folder):
             raise RunDirectoryError(
@@ -129,19 +78,13 @@ def is_a_run_directory(folder: Path) -> bool:
     its checkpoints or metrics. Any one of them alone may be something else: a config copied out of a run,
     another tool's checkpoints/ or run.lock."""
     holds_run_files = (folder / "checkpoints").is_dir() or (folder / METRICS_FILE).is_file()
-    return holds_run_files and (folder / "config.toml").is_file() and ours(folder / "config.toml")
+    return holds_run_files and (folder / "config.toml").is_file() and written_by_this_program(folder / "config.toml")
 
 
-def ours(entry: Path) -> bool:
-    """Whether a name in a fresh run's directory is one this program writes (config.toml: with its first line)."""
-    if entry.name in TEMPORARY_FILES:
-        return True
-    if entry.name not in RUN_ENTRIES:
-        return False
-    if entry.name != "config.toml":
-        return True
+def written_by_this_program(config_file: Path) -> bool:
+    """Whether a config.toml begins with the first line this program writes into it."""
     try:
-        with open(entry, encoding="utf-8", errors="replace") as file:
+        with open(config_file, encoding="utf-8", errors="replace") as file:
             return file.readline(len(CONFIG_FIRST_LINE) + 1).rstrip("\n") == CONFIG_FIRST_LINE  # never a whole big file
     except OSError:
         return False
@@ -260,43 +203,6 @@ class RunLock:
             except OSError:
                 break
         self.created = []
-
-
-def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
-    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
-    A last line without its newline was cut short by a process killed while writing it: not a record, left
-    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
-    RunDirectoryError naming the line."""
-    if not metrics_path.exists():
-        return []
-    try:
-        text = metrics_path.read_text()
-    except (OSError, UnicodeDecodeError) as error:
-        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
-    found, previous_number = [], None  # previous_number: the line of found[-1]
-    for number, line in enumerate(text.splitlines(keepends=True), start=1):
-        if not line.endswith("\n") or not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as error:
-            record = error
-        if not isinstance(record, dict) or type(record.get("steps")) is not int:
-            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
-            raise RunDirectoryError(
-                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
-                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
-                f"the metrics afresh), then start again"
-            )
-        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
-            raise RunDirectoryError(
-                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
-                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
-                f"file away to start the metrics afresh), then start again"
-            )
-        found.append((record["steps"], line))
-        previous_number = number
-    return found
 
 
 def write_text_atomically(path: Path, text: str) -> None:

@@ -1,29 +1,16 @@
 """Preemption, Ctrl-C and a closed terminal: SIGTERM, SIGUSR1, SIGINT or SIGHUP asks the run to stop at a step
-boundary, with a checkpoint.
+boundary, with a checkpoint (docs/faults.md, "Stop signals": what schedulers and torchrun send, and when).
 
-Schedulers announce the end of a job with a signal and kill it some time later: SLURM sends SIGTERM (or,
-with `--signal`, SIGUSR1 a chosen number of seconds ahead), Kubernetes and spot instances SIGTERM; under
-torchrun the agent passes its own SIGTERM on to every worker and SIGKILLs them `--shutdown-timeout`
-seconds later (30 by default; when the agent stops workers because one of them failed, torch 2.13 waits 30 s
-whatever that option says). The signal reaches the ranks at different moments, so a rank never acts on
-it alone: the handler only raises a flag, the step reads it at its boundary and the answer travels with the
-step's loss all-reduce (`optimizer_step(stop_requested=...)`), and every rank reads the same answer
-(`StepResult.stop_requested`) at the same step. Then every rank takes part in one checkpoint and the program exits with
-STOPPED_BY_SIGNAL_STATUS.
+The signal reaches the ranks at different moments, so a rank never acts on it alone: the handler only raises a
+flag, the step reads it at its boundary and the answer travels with the step's loss all-reduce
+(`optimizer_step(stop_requested=...)`), so that every rank reads the same answer (`StepResult.stop_requested`) at
+the same step. Then every rank takes part in one checkpoint and the program exits with the signal's status.
 
-Ctrl-C in a terminal (SIGINT) is the same request from a person: finish the step, checkpoint, exit 130. A
-person who presses it again does not want to wait for the checkpoint, so the first SIGINT hands SIGINT back
-to the kernel's default action: a second one ends the process at once, even inside a collective that has not
-returned to Python. (Under torchrun the workers run in sessions of their own, so the terminal's Ctrl-C reaches
-the agent only, which passes one SIGINT to each worker.)
-
-SIGHUP is what a run started from an ssh session gets when the session closes (the terminal hangs up): the
-same request, exit 129. Its terminal is gone, so a write to it would fail (EIO) and end the run before its
-checkpoint with a traceback nobody reads; the handler points the process's standard output and error that
-were that terminal at /dev/null first (a redirected output, `> train.log`, is left alone and keeps the
-"stopped at step" line). A second SIGTERM or SIGUSR1 while the checkpoint is
-written changes nothing (the flag is already up); the write is atomic anyway, so even a SIGKILL in the middle
-leaves the previous checkpoints whole.
+A person who presses Ctrl-C again does not want to wait for the checkpoint: the first SIGINT hands SIGINT back to
+the kernel's default action, so a second one ends the process at once, even inside a collective. SIGHUP comes
+when the terminal is gone, and a write to it would fail (EIO) before the checkpoint: the handler first points
+standard output and error that were that terminal at /dev/null. The checkpoint's write is atomic, so even a
+SIGKILL in the middle of it leaves the previous checkpoints whole.
 """
 
 import contextlib

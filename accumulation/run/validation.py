@@ -34,21 +34,19 @@ def validation_loss(
 
         loss_sum, tokens = pipelined_loss_sum(pipeline, own_rows, autocast_dtype)
         tokens = tokens if context.layout.is_first_stage else 0
-        dist.all_reduce(loss_sum)
-        [tokens_global] = all_reduce_ints([tokens], context.device)
-        return loss_sum.item() / max(tokens_global, 1)
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
-    tokens = 0
-    # Training's model.loss, uncompiled: the chunked loss keeps a whole micro-batch's logits out of memory here too.
-    model_config = decided_model_config(config, model, context.device) if model_config is None else model_config
-    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model)
-    for micro_batch in own_rows:
-        with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            batch = micro_batch.to(context.device)
-            loss_sum += loss_sum_fn(forward_module(batch.inputs), batch.labels, **batch.extras)
-        tokens += count_supervised_tokens(micro_batch.labels)
-    model.train()
+    else:
+        model.eval()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=context.device)
+        tokens = 0
+        # Training's model.loss, uncompiled (the chunked loss keeps a micro-batch's logits out of memory here too)
+        model_config = decided_model_config(config, model, context.device) if model_config is None else model_config
+        forward_module, loss_sum_fn = training_forward_and_loss(model_config, model)
+        for micro_batch in own_rows:
+            with torch.autocast(context.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                batch = micro_batch.to(context.device)
+                loss_sum += loss_sum_fn(forward_module(batch.inputs), batch.labels, **batch.extras)
+            tokens += count_supervised_tokens(micro_batch.labels)
+        model.train()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
     [tokens_global] = all_reduce_ints([tokens], context.device)

@@ -72,7 +72,8 @@ from accumulation.data.sources import build_micro_batches, step_counts, step_row
 from accumulation.models.factory import build_model, decided_model_config, training_forward_and_loss
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, load_optimizer_state, set_tf32, wrap_for_training
+from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, set_tf32, wrap_for_training
+from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from scripts.checks.gpu_perf import PERF_MODES, PERF_TIMEOUT_S, last_line, run_perf, text_folder

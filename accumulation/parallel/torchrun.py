@@ -1,0 +1,103 @@
+"""What only a launch under torchrun needs: its environment checked, the process group joined, and the line that
+says another rank was lost.
+
+Every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, checked first (launch_problem). A
+single process has none of them and never imports this module (accumulation/parallel/distributed.py).
+"""
+
+import os
+import re
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# What torchrun sets for every rank; a launcher of its own must set them all (LOCAL_RANK defaults to 0).
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launch_problem() -> str | None:
+    """What is wrong with torchrun's environment, or None. Half a launch environment is refused rather than
+    guessed at: WORLD_SIZE=2 without RANK would check the batch for 2 ranks and then train on 1."""
+    how = (
+        "torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: launch with torchrun --standalone "
+        "--nproc_per_node=N train.py, or unset RANK and WORLD_SIZE for one process"
+    )
+    missing = [name for name in LAUNCH_VARIABLES if not os.environ.get(name)]
+    if missing:
+        given = ", ".join(f"{name}={os.environ[name]!r}" for name in LAUNCH_VARIABLES if os.environ.get(name))
+        return f"{', '.join(missing)} not set, though {given} is; {how}"
+    numbers = {}
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_RANK"):
+        value = os.environ.get(name, "0")
+        if not value.isdigit():
+            return f"{name}={value!r} is not a non-negative integer; {how}"
+        numbers[name] = int(value)
+    if not numbers["RANK"] < numbers["WORLD_SIZE"]:
+        return f"RANK={numbers['RANK']} is not below WORLD_SIZE={numbers['WORLD_SIZE']}; {how}"
+    if not 0 < numbers["MASTER_PORT"] < 65536:
+        return f"MASTER_PORT={numbers['MASTER_PORT']} is not a port (1 to 65535); {how}"
+    return None
+
+
+def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: int):
+    """(backend, layout): this rank in the process group on `device`, and with P > 1 its layout as D replicas × P
+    pipeline stages (None: every rank a replica)."""
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    # torchrun's agent hosts the rendezvous store and keeps it across restarts (--max-restarts). Keys left
+    # by the previous attempt confuse a fresh init_process_group (pytorch issue 135712), so every attempt
+    # works under its own key prefix. Without the agent (a plain launcher that sets the variables), rank 0
+    # hosts the store.
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"accumulation/attempt{attempt}/", store),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,  # a collective waiting longer than this fails instead of hanging forever
+    )
+    if pipeline_stages == 1:
+        return backend, None
+    from accumulation.parallel.mesh import build_layout
+
+    return backend, build_layout(device, pipeline_stages)
+
+
+# How gloo and the TCP store word the failures that mean "another rank is gone or stuck".
+LOST_RANK_SIGNS = ("timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def lost_rank_message(error: RuntimeError, rank: int, timeout_s: int) -> str | None:
+    """One line for an error that means another rank died or hangs; None for any other error (a bug, which
+    keeps its traceback).
+
+    A collective returns only when every rank has joined it. When a rank dies, gloo reports the closed
+    connection at once; when a rank hangs, the others give up after dist.timeout_s with "Timed out waiting
+    ...". torch.distributed's own errors (DistError: store, network, backend) mean the same. NCCL behaves
+    differently: its watchdog ends the waiting process after the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING),
+    so no Python error arrives at all.
+    """
+    text = str(error).strip()
+    if not (isinstance(error, dist.DistError) or any(sign in text.lower() for sign in LOST_RANK_SIGNS)):
+        return None
+    # gloo's first sentence says what happened; before it stands the C++ source location ("[.../pair.cc:553] "),
+    # after it advice on reading the other rank's logs, which the message below gives in our words.
+    first_line = text.splitlines()[0] if text else type(error).__name__
+    detail = re.sub(r"^\[[^\]]*\]\s*", "", first_line).split(". ")[0]
+    return (
+        f"error: rank {rank}: another rank stopped answering, so a collective failed ({detail}); a collective "
+        f"waits at most dist.timeout_s={timeout_s} s. The rank that failed first tells why in its own messages"
+    )
