@@ -73,8 +73,18 @@ class MicroBatch:
 class GlobalCounts:
     """What the whole step holds over all replicas, counted on the host before the first forward."""
 
-    tokens: int  # supervised targets (N)
+    tokens: int  # supervised targets
     examples: int  # real examples (padding rows excluded)
+    # N, what the step divides the summed loss by, counted in the unit its objective declares: None means the
+    # supervised targets above (a token mean); an RL objective counts sequences, groups or a constant
+    # (accumulation/rl/objectives.py), from the same host-side rows, with no collective.
+    normaliser: float | None = None
+    unit: str = "targets"
+
+    @property
+    def n(self) -> float:
+        """N: the normaliser, or the supervised targets when the objective declares none."""
+        return self.tokens if self.normaliser is None else self.normaliser
 
 
 def count_supervised_tokens(labels: torch.Tensor) -> int:

@@ -1,5 +1,7 @@
 """Each step's micro-batches, built on the host one step ahead of the device (train.py's StepBatches)."""
 
+import dataclasses
+
 from accumulation.batching import GlobalCounts, MicroBatch
 from accumulation.config.config import Config
 from accumulation.data.sources import Data, DataError, check_supervised_counts, step_batch
@@ -11,7 +13,10 @@ class StepBatches:
     the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
     them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
     early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
-    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
+    since lowered is built again; so is one whose check failed, which raises its DataError in its own step.
+
+    Rows sampled from the model being trained (GRPO's rollouts, accumulation/rl/on_policy.py) say at which steps
+    they sample (`sampled_at`): those steps are built when taken, after the update of the step before."""
 
     def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
         self.config, self.data, self.context = config, data, context
@@ -29,7 +34,7 @@ class StepBatches:
         return self.built[(step, micro_batch_size)]
 
     def build(self, step: int, micro_batch_size: int) -> None:
-        if step >= self.config.run.max_steps:
+        if step >= self.config.run.max_steps or getattr(self.data.train, "sampled_at", lambda step: False)(step):
             return
         try:
             self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
@@ -56,4 +61,8 @@ class StepBatches:
         micro_batches = batch.micro_batches
         if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
             micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
-        return micro_batches, batch.global_counts
+        counts = batch.global_counts
+        if hasattr(self.data.train, "normaliser"):  # an objective whose N has its own unit (RL: sequences, groups)
+            normaliser, unit = self.data.train.normaliser(batch.row_ids, step)
+            counts = dataclasses.replace(counts, normaliser=normaliser, unit=unit)
+        return micro_batches, counts
