@@ -7,9 +7,10 @@ import copy
 import torch
 import torch.nn as nn
 
-from accumulation.batching import IGNORE_INDEX, split_micro_batches
+from accumulation.batching import IGNORE_INDEX
 from accumulation.data.rows import RawExample, rows_from_raw_examples
 from accumulation.data.sources import step_batch
+from accumulation.shrink_on_oom import split_micro_batches
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients
 

@@ -3,6 +3,7 @@ and exit 2 with nothing written; the metrics speak RL's units; a run stopped mid
 or SIGKILLed mid-round, and resumed is the uninterrupted run bit for bit, on 1 and 2 ranks; and the step's N
 carries the unit its objective declares."""
 
+import importlib.util
 import time
 
 import pytest
@@ -190,3 +191,19 @@ def test_the_steps_normaliser_carries_its_unit_and_the_gradient_is_the_objective
     assert result.loss == pytest.approx(float(expected.detach()), rel=1e-12)  # float64 sums in another order
     for name, tensor in model.named_parameters():
         torch.testing.assert_close(tensor.detach(), reference[name], rtol=1e-12, atol=1e-14)
+
+
+def test_the_objective_check_passes_on_the_runs_rollout_and_its_wrong_normaliser_fails_naming_it(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    spec = importlib.util.spec_from_file_location("check_objectives", "scripts/rl/check_objectives.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    settings = arguments(tmp_path)
+    assert check.main(settings) == 0
+    assert "PASS seq-mean-token-mean" in capsys.readouterr().out
+    assert check.main([*settings, "--inject-bug", "wrong-normaliser"]) == 1
+    assert "normaliser declared: targets = " in capsys.readouterr().out
+    assert check.main([*settings, 'data.loss_aggregation="prompt-mean"', "--inject-bug", "wrong-normaliser"]) == 1
+    assert "the objective's: groups = 2" in capsys.readouterr().out

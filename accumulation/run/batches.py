@@ -1,7 +1,5 @@
 """Each step's micro-batches, built on the host one step ahead of the device (train.py's StepBatches)."""
 
-import dataclasses
-
 from accumulation.batching import GlobalCounts, MicroBatch
 from accumulation.config.config import Config
 from accumulation.data.sources import Data, DataError, check_supervised_counts, step_batch
@@ -13,10 +11,7 @@ class StepBatches:
     the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
     them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
     early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
-    since lowered is built again; so is one whose check failed, which raises its DataError in its own step.
-
-    Rows sampled from the model being trained (GRPO's rollouts, accumulation/rl/on_policy.py) say at which steps
-    they sample (`sampled_at`): those steps are built when taken, after the update of the step before."""
+    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
 
     def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
         self.config, self.data, self.context = config, data, context
@@ -34,6 +29,7 @@ class StepBatches:
         return self.built[(step, micro_batch_size)]
 
     def build(self, step: int, micro_batch_size: int) -> None:
+        # Rows sampled from the model at this step (RL rollouts, rl/on_policy.py) wait for the step before's update.
         if step >= self.config.run.max_steps or getattr(self.data.train, "sampled_at", lambda step: False)(step):
             return
         try:
@@ -62,7 +58,6 @@ class StepBatches:
         if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
             micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
         counts = batch.global_counts
-        if hasattr(self.data.train, "normaliser"):  # an objective whose N has its own unit (RL: sequences, groups)
-            normaliser, unit = self.data.train.normaliser(batch.row_ids, step)
-            counts = dataclasses.replace(counts, normaliser=normaliser, unit=unit)
+        if hasattr(self.data.train, "normaliser"):  # N in the unit of its objective (RL: sequences, groups)
+            counts = GlobalCounts(counts.tokens, counts.examples, *self.data.train.normaliser(batch.row_ids, step))
         return micro_batches, counts
