@@ -5,14 +5,22 @@ carries the unit its objective declares."""
 
 import importlib.util
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import train
 from accumulation.batching import GlobalCounts, MicroBatch
+from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
+from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
+from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
+from accumulation.rl.rollout import addition_problems
+from accumulation.run.batches import StepBatches
 from accumulation.step import optimizer_step
+from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import finish, read_fault_log, start_torchrun
+from tests.test_rl_objectives import CONSTANT, MODES, SEQ_LEN, step_rows, tiny_policy
 from tests.test_train import comparable, final_weights, read_metrics, train_forked
 
 # 9 problems (a, b < 3), one held out; 8 SFT steps at a high learning rate leave a policy that is right on some
@@ -51,7 +59,7 @@ def arguments(out_dir, *overrides) -> list[str]:
     [
         (
             ["data.mini_batch_size=6", "batch.global_batch_size=6", "batch.micro_batch_size=3"],
-            "16 trajectories (4 prompts x group 4) do not divide into mini-batches of 6",
+            "data.mini_batch_size: 16 trajectories do not divide into mini-batches of 6",
         ),
         (["data.mini_batch_size=4"], "batch.global_batch_size=8 must equal data.mini_batch_size=4"),
         (['model.objective=""'], 'trains with model.objective="clipped-surrogate"'),
@@ -207,3 +215,53 @@ def test_the_objective_check_passes_on_the_runs_rollout_and_its_wrong_normaliser
     assert "normaliser declared: targets = " in capsys.readouterr().out
     assert check.main([*settings, 'data.loss_aggregation="prompt-mean"', "--inject-bug", "wrong-normaliser"]) == 1
     assert "the objective's: groups = 2" in capsys.readouterr().out
+
+
+def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> dict:
+    """Train.py's path for one GRPO step, on this rank: StepBatches over the on-policy rows (the step's row ids, the
+    row weights and N in the mode's unit, the extras), then optimizer_step with the clipped-surrogate loss, SGD at
+    lr 1 on a float64 policy; against the objective's float64 gradient over the step's 12 rows, from its
+    definition. The rows are tests/test_rl_objectives.py's (lengths 1 to 9, ratios past the clip), in 3 groups of 4."""
+    model = tiny_policy()
+    mine = torch.nn.parallel.DistributedDataParallel(model) if ranks > 1 else model
+    drawn = step_rows(model)
+    group_ids = torch.arange(12) // 4  # trajectory j answers prompt j // group_size
+    advantages = group_relative_advantages(torch.linspace(0.0, 1.0, 12, dtype=torch.float64) ** 2, group_ids)
+    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids)
+    errors = {}
+    for mode in MODES:
+        settings = RolloutSettings(
+            mini_batch_size=12, prompts_per_round=3, group_size=4, sft_steps=0, loss_aggregation=mode
+        )
+        rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
+        rollouts.normaliser_constant = CONSTANT
+        rollouts.round = Round(0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages)
+        config = SimpleNamespace(
+            run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
+        )
+        context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
+        reference = reference_gradient(model, mode, rows, CONSTANT, 0.2)
+        for m in micro_batch_sizes:
+            micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
+            device = torch.device("cpu")
+            optimizer_step(
+                mine, micro_batches, optimizer, device=device, loss_sum_fn=clipped_surrogate_sum, global_counts=counts
+            )
+            with torch.no_grad():
+                update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
+                for p, old in zip(model.parameters(), before, strict=True):
+                    p.copy_(old)
+            errors[(mode, m)] = (relative_error(update, reference), counts.unit)
+    return errors
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_every_aggregation_through_train_pys_path_is_the_objectives_gradient(ranks):
+    splits = [1, 2, 3, 4, 6, 12] if ranks == 1 else [2, 3, 6]
+    per_rank = [loop_update_errors(0, 1, splits)] if ranks == 1 else run_on_ranks(loop_update_errors, 2, (splits,))
+    for (mode, m), (error, unit) in per_rank[0].items():
+        # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
+        assert error <= RELATIVE_TOLERANCE, (mode, m, error)
+        assert unit == NORMALISER_UNITS[mode]

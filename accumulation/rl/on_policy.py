@@ -43,6 +43,7 @@ from accumulation.rl.objectives import (
     group_relative_advantages,
 )
 from accumulation.rl.rollout import addition_problems, reward, round_prompts, sample
+from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.step import token_cross_entropy_sum
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
@@ -417,7 +418,7 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
 def check_rollout_config(config) -> None:
     """One line for a combination train.py cannot run GRPO with (docs/rl.md, the three sizes)."""
     settings, batch = config.data.own, config.batch
-    rollout = settings.prompts_per_round * settings.group_size
+    prompts, epochs = settings.prompts_per_round, settings.ppo_epochs
     if config.model.objective != "clipped-surrogate":
         raise ValueError('data.source="arithmetic-rollouts" trains with model.objective="clipped-surrogate"')
     if batch.global_batch_size != settings.mini_batch_size:
@@ -425,11 +426,11 @@ def check_rollout_config(config) -> None:
             f"batch.global_batch_size={batch.global_batch_size} must equal data.mini_batch_size="
             f"{settings.mini_batch_size}, the trajectories of one optimizer step (all ranks)"
         )
-    if rollout % settings.mini_batch_size != 0:
-        raise ValueError(
-            f"{rollout} trajectories ({settings.prompts_per_round} prompts x group {settings.group_size}) do not "
-            f"divide into mini-batches of {settings.mini_batch_size} (data.mini_batch_size)"
-        )
+    # The three sizes' rules (sizes.py) over all ranks at once: train.py then checks that G = m · A · D for its D.
+    try:
+        round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
+    except SizeError as error:
+        raise ValueError(f"data.mini_batch_size: {error}") from None
     if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
         raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
     longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
