@@ -17,6 +17,7 @@ from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantag
 from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
 from accumulation.rl.rollout import addition_problems
 from accumulation.run.batches import StepBatches
+from accumulation.run.checkpoint import save_checkpoint
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import finish, read_fault_log, start_torchrun
@@ -265,3 +266,21 @@ def test_every_aggregation_through_train_pys_path_is_the_objectives_gradient(ran
         # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
         assert error <= RELATIVE_TOLERANCE, (mode, m, error)
         assert unit == NORMALISER_UNITS[mode]
+
+
+def test_a_mid_round_checkpoint_without_its_rollout_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """The weights of a checkpoint in the middle of a round are not those the round sampled from: without the
+    round's rollout the resume cannot be the uninterrupted run, so it is refused (exit 2) instead of resampled."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    run_in_sessions(tmp_path, "stripped", [9], 1)  # step 9: round 0's second step
+    checkpoints = tmp_path / "stripped" / "checkpoints"
+    payload = torch.load(checkpoints / "latest.pt", weights_only=True)
+    assert payload["data"]["rollouts"]["round"] == 0
+    del payload["data"]["rollouts"]
+    save_checkpoint(payload, checkpoints, 9, keep=20)
+    capsys.readouterr()
+    assert train.main(arguments(tmp_path, 'run.name="stripped"')) == 2
+    error = capsys.readouterr().err
+    assert "the checkpoint at step 9 is in the middle of GRPO round 0 but holds no rollout of it" in error
+    assert error.count("\n") == 1
+    assert len(read_metrics(tmp_path / "stripped")) == 9  # nothing written

@@ -111,7 +111,8 @@ def raw_row(inputs: torch.Tensor, labels: torch.Tensor) -> RawExample:
 
 
 class AnswerRows:
-    """The held-out problems with their reference answers: validation's rows (the step is ignored)."""
+    """Problems with their reference answers, one row each: the SFT steps' rows, and validation's (the step is
+    ignored)."""
 
     def __init__(self, pairs: list[tuple[str, str]], seq_len: int):
         self.inputs, self.labels = answer_rows(pairs, seq_len)
@@ -238,6 +239,12 @@ class Rollouts:
         if state:
             self.completion_tokens = state["completion_tokens"]
             self.round = self.scored(state["round"], state["inputs"], state["labels"], state["old_log_probs"])
+        place = self.place(resume["counters"]["steps"]) if resume is not None else None
+        if place is not None and place[1] > 0 and (self.round is None or self.round.index != place[0]):
+            raise DataError(
+                f"the checkpoint at step {resume['counters']['steps']} is in the middle of GRPO round {place[0]} but "
+                f"holds no rollout of it, which its weights cannot sample again; resume from another checkpoint"
+            )
         if context.is_main:
             print(
                 f"grpo: rollout {self.rollout} = {self.settings.prompts_per_round} prompts x group "
