@@ -5,8 +5,9 @@ The objective of a step is the mean loss over every supervised token of the glob
     L = (1 / N) · Σ_r Σ_k S_rk
 
 where S_rk is the *sum* of per-token losses of micro-batch k on data-parallel replica r and N counts the supervised
-tokens of all micro-batches of all replicas. Micro-batches may hold very different token counts (padding, short
-documents); a mean of per-micro-batch means would weight a token of a short one more. Here every token counts once.
+tokens (or the unit its objective declares, GlobalCounts.unit) of all micro-batches of all replicas. Micro-batches
+may hold very different token counts (padding, short documents); a mean of per-micro-batch means would weight a
+token of a short one more. Here every token counts once.
 
 Backward adds gradients into `.grad` (a SUM over micro-batches), and the data-parallel reduction then *averages*
 over the D replicas (DDP's all-reduce, FSDP2's reduce-scatter). So each replica backpropagates
@@ -43,8 +44,8 @@ from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, all_re
 class StepResult:
     """What one optimizer step did. The caller steps the scheduler and adds this to its counters."""
 
-    loss: float  # global mean loss over supervised targets, L above; nan when the step had none
-    tokens: int  # supervised targets in this step, all replicas (N)
+    loss: float  # the objective L above: Σ S / N (the mean over supervised targets by default); nan without targets
+    tokens: int  # supervised targets in this step, all replicas
     examples: int  # real examples in this step, all replicas (padding rows excluded)
     applied: bool  # whether the optimizer update was applied
     grad_norm: float  # total gradient norm before clipping (of the unscaled gradient)
@@ -54,6 +55,8 @@ class StepResult:
     micro_batch_size: int = 0  # rows per micro-batch (m); smaller than configured after an out-of-memory retry
     stop_requested: bool = False  # whether any rank's stop_requested() said True at this step's boundary
     loss_scale: float = 1.0  # the GradScaler's scale this step's losses were multiplied by (1.0 without one)
+    normaliser: float = 0.0  # N, in `unit`: the supervised targets (= tokens) unless the objective declares another
+    unit: str = "targets"
 
 
 def token_cross_entropy_sum(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -166,8 +169,8 @@ def optimizer_step(
         global_counts = GlobalCounts(tokens_all // ranks_per_replica, examples_all // ranks_per_replica)
     tokens_global = global_counts.tokens
     # A step without a supervised token still runs its micro-batches (adding exactly zero) so that all ranks take
-    # part in the same collectives; its update is skipped. max(N, 1) only avoids dividing by zero.
-    loss = MicroBatchLoss(loss_sum_fn, strategy.replicas / max(tokens_global, 1), scaler, device, autocast_dtype)
+    # part in the same collectives; its update is skipped. N = 0 becomes 1 only to avoid dividing by zero.
+    loss = MicroBatchLoss(loss_sum_fn, strategy.replicas / (global_counts.n or 1), scaler, device, autocast_dtype)
 
     # 2. The micro-batches, gradient sync off but for the last: Σ_k ∇(S_rk · D / N) in .grad, averaged over D.
     loss_sum_local = strategy.run_micro_batches(micro_batches, loss)
@@ -211,7 +214,7 @@ def optimizer_step(
 
     # 5. At most one update, or the reason for none.
     loss_value, applied, skip_reason = update_or_skip(
-        optimizer, scaler, loss_sum_value, tokens_global, grad_norm, update_queued
+        optimizer, scaler, loss_sum_value, global_counts, grad_norm, update_queued
     )
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
@@ -226,13 +229,15 @@ def optimizer_step(
         micro_batch_size=micro_batches[0].labels.shape[0],
         stop_requested=stops > 0,
         loss_scale=loss_scale,
+        normaliser=global_counts.n,
+        unit=global_counts.unit,
     )
 
 
-def update_or_skip(optimizer, scaler, loss_sum_value: float, tokens_global: int, grad_norm: float, update_queued: bool):
-    """(the step's mean loss, whether its update was applied, why not). `update_queued`: the update (and the
+def update_or_skip(optimizer, scaler, loss_sum_value: float, counts: GlobalCounts, grad_norm: float, update_queued):
+    """(the step's loss Σ S / N, whether its update was applied, why not). `update_queued`: the update (and the
     scaler's) is already on the device, applied exactly when the norm is finite; here only the outcome is told."""
-    if tokens_global == 0:
+    if counts.tokens == 0:
         scaler.update()
         return math.nan, False, "no supervised tokens in the step"
     # The norm is non-finite exactly when some gradient is inf or nan (or, for finite gradients beyond 1e19, when
@@ -247,4 +252,4 @@ def update_or_skip(optimizer, scaler, loss_sum_value: float, tokens_global: int,
     skip_reason = None
     if not applied:
         skip_reason = "non-finite gradient" + (" (GradScaler lowered its scale)" if scaler.is_enabled() else "")
-    return loss_sum_value / tokens_global, applied, skip_reason
+    return loss_sum_value / counts.n, applied, skip_reason

@@ -35,8 +35,8 @@ BUILT_IN = {
         "gru": "accumulation.models.gru",
         "encoder": "accumulation.models.encoder",
     },
-    "loss": {},
-    "data": {},
+    "loss": {"clipped-surrogate": "accumulation.rl.on_policy"},
+    "data": {"arithmetic-rollouts": "accumulation.rl.on_policy"},
 }
 
 # The generic model keys a registered model may leave unused (register_model(generic_keys=...)): one whose size comes

@@ -131,12 +131,13 @@ class PolicyLoss:
         advantage = advantages.to(ratio.dtype)[:, None]
         surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip_ratio, 1 + self.clip_ratio) * advantage)
         per_token = -surrogate * supervised
-        with torch.no_grad():  # diagnostics only; kept on the device until the caller asks (no read-back here)
-            # The clip binds where it changes the loss: the ratio past 1 + ε with A > 0, or below 1 − ε with A < 0.
-            above, below = ratio > 1 + self.clip_ratio, ratio < 1 - self.clip_ratio
-            clipped = ((above & (advantage > 0)) | (below & (advantage < 0))) & supervised
-            kl = (torch.expm1(log_ratio) - log_ratio) * supervised
-            self.pending.append(torch.stack([clipped.sum().double(), kl.sum().double(), supervised.sum().double()]))
+        if torch.is_grad_enabled():  # a training forward's, not a probe's or a check's (those run without gradient)
+            with torch.no_grad():  # diagnostics only; kept on the device until the caller asks (no read-back here)
+                # The clip binds where it changes the loss: the ratio past 1 + ε with A > 0, or below 1 − ε with A < 0.
+                above, below = ratio > 1 + self.clip_ratio, ratio < 1 - self.clip_ratio
+                clipped = ((above & (advantage > 0)) | (below & (advantage < 0))) & supervised
+                kl = (torch.expm1(log_ratio) - log_ratio) * supervised
+                self.pending.append(torch.stack([clipped.sum().double(), kl.sum().double(), supervised.sum().double()]))
         return (per_token.sum(dim=1) * row_weights.to(per_token.dtype)).sum()
 
     def take_sums(self) -> torch.Tensor:

@@ -97,11 +97,12 @@ def sample(
     labels = torch.full((rows, seq_len), IGNORE_INDEX, dtype=torch.int64)
     old_log_probs = torch.zeros(rows, seq_len)
     uniforms = torch.from_numpy(step_uniforms(seed, round_index, row_ids, max_new_tokens, SAMPLING_STREAM))
+    device = next(model.parameters()).device  # the rows are built on the host, the forward runs where the model is
     ends = torch.tensor([len(e) for e in encoded])  # the next position to fill, per row
     active = torch.ones(rows, dtype=torch.bool)
     for k in range(max_new_tokens):
-        logits = model(tokens[:, : int(ends.max())])
-        last = logits[torch.arange(rows), ends - 1].double()  # the logits that predict position `ends`
+        logits = model(tokens[:, : int(ends.max())].to(device))
+        last = logits[torch.arange(rows), ends - 1].double().cpu()  # the logits that predict position `ends`
         log_probs = torch.log_softmax(last, dim=-1)
         if greedy:
             drawn = log_probs.argmax(dim=-1)

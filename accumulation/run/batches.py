@@ -29,7 +29,8 @@ class StepBatches:
         return self.built[(step, micro_batch_size)]
 
     def build(self, step: int, micro_batch_size: int) -> None:
-        if step >= self.config.run.max_steps:
+        # Rows sampled from the model at this step (RL rollouts, rl/on_policy.py) wait for the step before's update.
+        if step >= self.config.run.max_steps or getattr(self.data.train, "sampled_at", lambda step: False)(step):
             return
         try:
             self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)
@@ -56,4 +57,7 @@ class StepBatches:
         micro_batches = batch.micro_batches
         if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
             micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
-        return micro_batches, batch.global_counts
+        counts = batch.global_counts
+        if hasattr(self.data.train, "normaliser"):  # N in the unit of its objective (RL: sequences, groups)
+            counts = GlobalCounts(counts.tokens, counts.examples, *self.data.train.normaliser(batch.row_ids, step))
+        return micro_batches, counts

@@ -1,38 +1,35 @@
-"""The objective-level check of the GRPO fork: its configured loss aggregation, accumulated by optimizer_step over
-several micro-batch sizes, against the float64 gradient of the objective written from its definition.
+"""The objective-level check of GRPO's configured loss aggregation (configs/grpo.toml): accumulated by optimizer_step
+over several micro-batch sizes, against the float64 gradient of the objective written from its definition.
 
-    python scripts/rl/check_objectives.py [--config scripts/rl/grpo.toml] [section.key=value ...] [--inject-bug BUG]
+    python scripts/rl/check_objectives.py [--config configs/grpo.toml] [section.key=value ...] [--inject-bug BUG]
 
-The rows are one mini-batch of the fork's own rollout at its initial policy (its task, prompts, group size and
-sampler; float64), their old log-probabilities those recorded at sampling. A group whose rewards are all equal
-has zero advantages and adds nothing to any gradient, so its rewards are replaced by uniforms (step_uniforms of
-the seed), and when every completion has the same length (an untrained policy writes to the token budget), each is
-cut at a length drawn the same way, since equal lengths make the token and sequence means coincide: the check is
-of the aggregation, not of the reward or the policy. The policy is the run's latest checkpoint, or its SFT
-checkpoint, or the initial weights, whichever exists first. --inject-bug wrong-normaliser declares the mode's
-wrong normaliser (accumulation/rl/objective_check.py, WRONG_NORMALISERS) and must FAIL, naming it.
+The rows are one mini-batch of the run's own first round (its task, prompts, group size and sampler; float64),
+their old log-probabilities those recorded at sampling. A group whose rewards are all equal has zero advantages
+and adds nothing to any gradient, so its rewards are replaced by uniforms (step_uniforms of the seed), and when
+every completion has the same length (an untrained policy writes to the token budget), each is cut at a length
+drawn the same way, since equal lengths make the token and sequence means coincide: the check is of the
+aggregation, not of the reward or the policy. The policy is the run's latest checkpoint when there is one, else the
+initial weights. --inject-bug wrong-normaliser declares the mode's wrong normaliser
+(accumulation/rl/objective_check.py, WRONG_NORMALISERS) and must FAIL, naming it.
 Exit status: 0 PASS, 1 FAIL, 2 bad config (one line on stderr).
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import torch
 
 from accumulation.batching import IGNORE_INDEX, divisors
+from accumulation.config.config import ConfigError, load_config
 from accumulation.data.rows import step_uniforms
-from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import run_and_exit
 from accumulation.rl.objective_check import WRONG_NORMALISERS, StepRows, check_objective, declared_by_the_library
 from accumulation.rl.objectives import completion_lengths, group_relative_advantages
+from accumulation.rl.on_policy import BYTE_VOCABULARY, split_problems
 from accumulation.rl.rollout import reward, round_prompts, sample
 
 REWARD_STREAM, LENGTH_STREAM = 14, 15  # step_uniforms streams of the replacement rewards and lengths
-
-spec = importlib.util.spec_from_file_location("grpo_fork", Path(__file__).with_name("grpo.py"))
-fork = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fork)
 
 
 def main(argv: list[str]) -> int:
@@ -45,38 +42,37 @@ def main(argv: list[str]) -> int:
             print("error: --inject-bug takes wrong-normaliser", file=sys.stderr)
             return 2
     try:
-        settings = fork.load_settings(argv)
-        training, _ = fork.split_task(settings["task"])
-    except (fork.ConfigError, ValueError, OSError, KeyError) as error:
+        config = load_config(argv)
+    except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run, rl, shape = settings["run"], settings["rl"], settings["model"]
+    if config.data.source != "arithmetic-rollouts":
+        print(f'error: data.source must be "arithmetic-rollouts" (GRPO), got {config.data.source!r}', file=sys.stderr)
+        return 2
+    rl, seq_len, seed = config.data.own, config.data.seq_len, config.run.seed
+    training, _ = split_problems(rl)
     # One optimizer step's rows, and at least one whole group, so that advantages can differ.
-    rows_total = max(rl.mini_batch_size or rl.micro_batch_size, rl.group_size)
-    config = GPTConfig(shape.seq_len, shape.n_layer, shape.n_head, shape.d_model, 256)
-    policy = GPT(config, seed=run.seed)
-    run_dir = Path(run.out_dir) / run.name
-    for saved in (run_dir / "checkpoints" / "latest.pt", run_dir / "sft.pt"):
-        if saved.exists():
-            state = torch.load(saved, weights_only=True)
-            policy.load_state_dict(state.get("model", state))
-            print(f"policy: {saved}")
-            break
+    rows_total = max(rl.mini_batch_size, rl.group_size)
+    policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed)
+    latest = Path(config.run.out_dir) / config.run.name / "checkpoints" / "latest.pt"
+    if latest.exists():
+        policy.load_state_dict(torch.load(latest, weights_only=True)["model"])
+        print(f"policy: {latest}")
     policy = policy.double()
     pool = [prompt for prompt, _ in training]
-    asked = round_prompts(run.seed, 0, rl.batch_size, len(pool))
+    asked = round_prompts(seed, 0, rl.prompts_per_round, len(pool))
     prompts = [pool[asked[j // rl.group_size]] for j in range(rows_total)]
-    drawn = sample(policy, prompts, torch.arange(rows_total), run.seed, 0, rl.max_new_tokens, shape.seq_len)
+    drawn = sample(policy, prompts, torch.arange(rows_total), seed, 0, rl.max_new_tokens, seq_len)
     group_ids = torch.arange(rows_total) // rl.group_size
     rewards = torch.tensor([reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)])
-    replacements = torch.from_numpy(step_uniforms(run.seed, 0, torch.arange(rows_total), 1, REWARD_STREAM)[:, 0])
+    replacements = torch.from_numpy(step_uniforms(seed, 0, torch.arange(rows_total), 1, REWARD_STREAM)[:, 0])
     for group in group_ids.unique():
         members = group_ids == group
         if rewards[members].unique().numel() == 1:
             rewards[members] = replacements[members].float()
     lengths = completion_lengths(drawn.labels)
     if lengths.unique().numel() == 1:
-        cuts = step_uniforms(run.seed, 0, torch.arange(rows_total), 1, LENGTH_STREAM)[:, 0]
+        cuts = step_uniforms(seed, 0, torch.arange(rows_total), 1, LENGTH_STREAM)[:, 0]
         for i, u in enumerate(cuts):
             keep = 1 + int(u * int(lengths[i]))  # 1 .. L tokens; the later positions are no longer targets
             positions = torch.nonzero(drawn.labels[i] != IGNORE_INDEX).flatten()[keep:]

@@ -1,0 +1,452 @@
+"""GRPO through train.py: a data source whose rows are the policy's own samples, and the policy loss.
+
+    python train.py --config configs/grpo.toml
+    torchrun --standalone --nproc_per_node=2 train.py --config configs/grpo.toml
+
+`data.source = "arithmetic-rollouts"` and `model.objective = "clipped-surrogate"`, both registered here, run GRPO
+on "Q: a + b =" through train.py's one loop and its one optimizer_step. With G = batch.global_batch_size (the
+mini-batch of all ranks: mini · D trajectories per optimizer step), rollout = prompts_per_round × group_size and
+S = rollout · ppo_epochs / G optimizer steps per round, train.py's step k is
+
+    k < data.sft_steps      supervised fine-tuning on the training problems' reference answers (token mean)
+    otherwise               j = k − sft_steps: step j mod S of GRPO round j // S
+
+A round's first step samples the rollout from the policy as it is after the previous step's update (train.py
+builds the next step's rows early, during a step, except where `sampled_at` says so), scores it, and computes
+group-relative advantages. Each rank samples its share of the rollout; one all-gather, the round's exchange, gives
+every rank the whole round, so each counts every step's row weights and normaliser N, in the unit of
+data.loss_aggregation, on the host with no collective in the step. The round's trajectories are the source's
+state: a checkpoint holds them (`state_dict`), so a run resumed in the middle of a round trains on the rollout the
+uninterrupted run sampled, and every draw comes from step_uniforms(seed, round, row), so a resumed run samples what
+the uninterrupted one did at every later round.
+
+The rows: `num_rows` = G, so step k's row ids (train.py's data order) are a permutation of 0..G−1; a GRPO step's
+row id i is trajectory p·G + i of its round (p: the step's place in its epoch over the rollout), an SFT step's
+row id i a training problem drawn by step_uniforms(seed, k, i).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config.config_keys import setting
+from accumulation.config.registry import register_data, register_loss
+from accumulation.data.rows import DataError, RawExample, step_uniforms
+from accumulation.data.splits import Data, DataSummary, tensor_fingerprint
+from accumulation.rl.objectives import (
+    NORMALISER_UNITS,
+    PolicyLoss,
+    aggregation,
+    completion_lengths,
+    group_relative_advantages,
+)
+from accumulation.rl.rollout import addition_problems, reward, round_prompts, sample
+from accumulation.rl.sizes import SizeError, round_sizes
+from accumulation.step import token_cross_entropy_sum
+
+SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
+BYTE_VOCABULARY = 256
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The data.* keys of "arithmetic-rollouts"."""
+
+    mini_batch_size: int = setting(
+        16, "trajectories per optimizer step, all ranks: must equal batch.global_batch_size", "trajectories", at_least=1
+    )
+    max_operand: int = setting(20, "problems are every 'Q: a + b =' with a, b below this", "operand", at_least=2)
+    held_out: int = setting(40, "problems kept out of training (every tenth), for validation", "prompts", at_least=1)
+    sft_steps: int = setting(
+        200, "the run's first optimizer steps, supervised on the reference answers, before GRPO", "steps", at_least=0
+    )
+    prompts_per_round: int = setting(8, "prompts each GRPO round asks, all ranks", "prompts", at_least=1)
+    group_size: int = setting(8, "completions sampled per prompt", "completions", at_least=1)
+    ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
+    max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
+    loss_aggregation: str = setting(
+        "seq-mean-token-mean", "how the policy loss aggregates (docs/rl.md)", choices=tuple(NORMALISER_UNITS)
+    )
+    norm_constant: float = setting(
+        0.0, "C of seq-mean-token-sum-norm (Dr. GRPO); 0 = data.max_new_tokens", "tokens", at_least=0
+    )
+    scale_advantages: bool = setting(True, "divide advantages by their group's standard deviation (false: Dr. GRPO)")
+    clip_ratio: float = setting(0.2, "PPO's clip range ε", above=0, below=1)
+
+
+# The policy loss of this process: its clip range is the run's data.clip_ratio (set by bind_policy), and it keeps
+# each micro-batch's clip and KL sums for the step's log line.
+POLICY_LOSS = PolicyLoss()
+
+
+def clipped_surrogate_sum(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None) -> torch.Tensor:
+    """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities and row
+    weights, and get the clipped surrogate Σ_i w_i Σ_t ℓ_it (objectives.PolicyLoss); an SFT step's rows and the
+    validation rows carry none, and get the token cross-entropy sum."""
+    if advantages is None:
+        return token_cross_entropy_sum(outputs, labels)
+    return POLICY_LOSS(outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights)
+
+
+def answer_rows(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs [rows, seq_len] (prompt and answer bytes, then zeros) and labels supervising the answer's bytes."""
+    tokens = torch.zeros(len(pairs), seq_len + 1, dtype=torch.int64)
+    for i, (prompt, response) in enumerate(pairs):
+        text = (prompt + response).encode()
+        tokens[i, : len(text)] = torch.tensor(list(text))
+    labels = tokens[:, 1:].clone()
+    for i, (prompt, response) in enumerate(pairs):
+        prompt_bytes, text_bytes = len(prompt.encode()), len((prompt + response).encode())
+        labels[i, : prompt_bytes - 1] = IGNORE_INDEX  # position j predicts byte j + 1: the answer's bytes only
+        labels[i, text_bytes - 1 :] = IGNORE_INDEX
+    return tokens[:, :-1], labels
+
+
+def raw_row(inputs: torch.Tensor, labels: torch.Tensor) -> RawExample:
+    supervised = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
+    last = max([*supervised, int(inputs.nonzero().max()) if inputs.any() else 0]) + 1
+    return RawExample(inputs[:last].tolist(), {j: int(labels[j]) for j in supervised})
+
+
+class AnswerRows:
+    """Problems with their reference answers, one row each: the SFT steps' rows, and validation's (the step is
+    ignored)."""
+
+    def __init__(self, pairs: list[tuple[str, str]], seq_len: int):
+        self.inputs, self.labels = answer_rows(pairs, seq_len)
+
+    @property
+    def num_rows(self) -> int:
+        return self.inputs.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.inputs.shape[1]
+
+    def examples(self, row_ids: torch.Tensor, step: int):
+        return self.inputs[row_ids], self.labels[row_ids]
+
+    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
+        return (self.labels[row_ids] != IGNORE_INDEX).sum(dim=1)
+
+    def raw_example(self, row_id: int, step: int) -> RawExample:
+        return raw_row(self.inputs[row_id], self.labels[row_id])
+
+
+@dataclass
+class Round:
+    """One round's rollout, all ranks' trajectories, on every rank (host tensors [rollout, ...])."""
+
+    index: int
+    inputs: torch.Tensor  # int64 [rollout, seq_len]: prompt, completion, zeros
+    labels: torch.Tensor  # int64: the completion's bytes, IGNORE_INDEX elsewhere
+    old_log_probs: torch.Tensor  # float32: log π_old of each label at sampling time
+    rewards: torch.Tensor  # float64 [rollout]
+    advantages: torch.Tensor  # float64 [rollout]
+
+
+class Rollouts:
+    """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout."""
+
+    def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
+        self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
+        self.prompts = [prompt for prompt, _ in pairs]
+        self.held_out = held_out
+        self.answers = AnswerRows(pairs, seq_len)
+        self.rollout = settings.prompts_per_round * settings.group_size
+        self.steps_per_round = self.rollout * settings.ppo_epochs // global_batch_size
+        self.policy, self.context, self.round = None, None, None
+        self.completion_tokens = 0  # sampled in every round so far
+        self.normaliser_constant = settings.norm_constant or float(settings.max_new_tokens)
+
+    @property
+    def num_rows(self) -> int:
+        return self.global_batch
+
+    @property
+    def seq_len(self) -> int:
+        return self.answers.seq_len
+
+    # -------------------------------------------------------------- which round and step, and the rows
+    def place(self, step: int) -> tuple[int, int] | None:
+        """(round, step within the round) of a GRPO step; None for an SFT step."""
+        if step < self.settings.sft_steps:
+            return None
+        return divmod(step - self.settings.sft_steps, self.steps_per_round)
+
+    def sampled_at(self, step: int) -> bool:
+        """Whether step `step` samples a round: its rows wait for the update of the step before."""
+        place = self.place(step)
+        return place is not None and place[1] == 0
+
+    def trajectories(self, row_ids: torch.Tensor, step: int) -> tuple[Round, torch.Tensor]:
+        """The round of GRPO step `step` and the trajectories its row ids stand for."""
+        round_index, in_round = self.place(step)
+        first = in_round % (self.rollout // self.global_batch) * self.global_batch
+        return self.round_of(round_index), first + row_ids
+
+    def sft_problems(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
+        draws = step_uniforms(self.seed, step, row_ids, 1, SFT_STREAM)[:, 0]
+        return torch.from_numpy((draws * self.answers.num_rows).astype("int64"))
+
+    def examples(self, row_ids: torch.Tensor, step: int):
+        if self.place(step) is None:
+            return self.answers.examples(self.sft_problems(row_ids, step), step)
+        rollout, rows = self.trajectories(row_ids, step)
+        extras = {
+            "advantages": rollout.advantages[rows],
+            "old_log_probs": rollout.old_log_probs[rows],
+            "row_weights": self.step_aggregation(step).row_weights[rows % self.global_batch],
+        }
+        return rollout.inputs[rows], rollout.labels[rows], extras
+
+    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
+        if self.place(step) is None:
+            return self.answers.supervised_counts(self.sft_problems(row_ids, step), step)
+        rollout, rows = self.trajectories(row_ids, step)
+        return completion_lengths(rollout.labels[rows])
+
+    def raw_example(self, row_id: int, step: int) -> RawExample:
+        if self.place(step) is None:
+            return self.answers.raw_example(int(self.sft_problems(torch.tensor([row_id]), step)[0]), step)
+        rollout, rows = self.trajectories(torch.tensor([row_id]), step)
+        return raw_row(rollout.inputs[rows[0]], rollout.labels[rows[0]])
+
+    def step_aggregation(self, step: int):
+        """The row weights (over the step's G trajectories, in order) and N of a GRPO step: a function of the
+        step's global rows only, which every rank holds."""
+        rollout, rows = self.trajectories(torch.arange(self.global_batch), step)
+        group_ids = rows // self.settings.group_size
+        lengths = completion_lengths(rollout.labels[rows])
+        return aggregation(self.settings.loss_aggregation, lengths, group_ids, self.normaliser_constant)
+
+    def normaliser(self, row_ids: torch.Tensor, step: int) -> tuple[float, str]:
+        """N of step `step` (whose rows are `row_ids`, all ranks') and its unit: the supervised targets of an SFT
+        step; the objective's normaliser of a GRPO step (sequences, groups, targets or a constant)."""
+        if self.place(step) is None:
+            return float(self.supervised_counts(row_ids, step).sum()), "targets"
+        step_aggregation = self.step_aggregation(step)
+        return step_aggregation.normaliser, step_aggregation.unit
+
+    # -------------------------------------------------------------- sampling a round
+    def bind_policy(self, model: torch.nn.Module, context, resume: dict | None) -> None:
+        """train.py, once the model is built: the policy the rounds sample from, the ranks, and a resume's round."""
+        self.policy, self.context = model, context
+        POLICY_LOSS.clip_ratio = self.settings.clip_ratio
+        state = (resume or {}).get("data", {}).get("rollouts")
+        if state:
+            self.completion_tokens = state["completion_tokens"]
+            self.round = self.scored(state["round"], state["inputs"], state["labels"], state["old_log_probs"])
+        place = self.place(resume["counters"]["steps"]) if resume is not None else None
+        if place is not None and place[1] > 0 and (self.round is None or self.round.index != place[0]):
+            raise DataError(
+                f"the checkpoint at step {resume['counters']['steps']} is in the middle of GRPO round {place[0]} but "
+                f"holds no rollout of it, which its weights cannot sample again; resume from another checkpoint"
+            )
+        if context.is_main:
+            print(
+                f"grpo: rollout {self.rollout} = {self.settings.prompts_per_round} prompts x group "
+                f"{self.settings.group_size} per round; mini-batch {self.global_batch} trajectories per optimizer step "
+                f"(all ranks); {self.steps_per_round} optimizer steps per round after {self.settings.sft_steps} SFT "
+                f"steps; loss {self.settings.loss_aggregation}, N in "
+                f"{NORMALISER_UNITS[self.settings.loss_aggregation]}"
+            )
+
+    def round_of(self, round_index: int) -> Round:
+        if self.round is not None and self.round.index == round_index:
+            return self.round
+        if self.policy is None:
+            raise DataError("the GRPO rollouts are sampled from the model being trained: bind_policy() first")
+        self.round = self.sample_round(round_index)
+        self.completion_tokens += int(completion_lengths(self.round.labels).sum())
+        return self.round
+
+    def sample_round(self, round_index: int) -> Round:
+        """Round `round_index`'s rollout from the policy as it is now: this rank's share, then the exchange."""
+        settings, replicas = self.settings, self.context.replicas
+        per_rank = self.rollout // replicas
+        mine = torch.arange(self.context.replica * per_rank, (self.context.replica + 1) * per_rank)
+        asked = round_prompts(self.seed, round_index, settings.prompts_per_round, len(self.prompts))
+        prompts = [self.prompts[asked[int(j) // settings.group_size]] for j in mine]
+        was_training = self.policy.training
+        self.policy.eval()
+        drawn = sample(self.policy, prompts, mine, self.seed, round_index, settings.max_new_tokens, self.seq_len)
+        self.policy.train(was_training)
+        inputs, labels, old_log_probs = (
+            all_gathered(tensor, replicas, self.context.device)
+            for tensor in (drawn.tokens, drawn.labels, drawn.old_log_probs)
+        )
+        return self.scored(round_index, inputs, labels, old_log_probs)
+
+    def scored(self, round_index: int, inputs, labels, old_log_probs) -> Round:
+        """The round with its rewards (computed from each completion, on every rank) and advantages."""
+        asked = round_prompts(self.seed, round_index, self.settings.prompts_per_round, len(self.prompts))
+        group_ids = torch.arange(self.rollout) // self.settings.group_size
+        rewards = torch.tensor(
+            [
+                reward(self.prompts[asked[int(g)]], completion_text(row))
+                for g, row in zip(group_ids, labels, strict=True)
+            ],
+            dtype=torch.float64,
+        )
+        advantages = group_relative_advantages(rewards, group_ids, self.settings.scale_advantages)
+        return Round(round_index, inputs, labels, old_log_probs, rewards, advantages)
+
+    # -------------------------------------------------------------- the checkpoint's part, and the logs
+    def state_dict(self) -> dict:
+        """What a resume cannot redraw: the round in progress, sampled from weights the checkpoint no longer
+        holds, and the completion tokens sampled so far. The rewards and advantages follow from them."""
+        if self.round is None:
+            return {}
+        return {
+            "round": self.round.index,
+            "inputs": self.round.inputs,
+            "labels": self.round.labels,
+            "old_log_probs": self.round.old_log_probs,
+            "completion_tokens": self.completion_tokens,
+        }
+
+    def step_fields(self, step: int, eval_every: int) -> dict:
+        """The metrics of the step just taken (`step` steps done), in RL's units, for its metrics.jsonl line; rank 0
+        also prints a line at each round's end. The clip and KL sums travel in one all-reduce of 3 numbers."""
+        fields = {"phase": "sft" if self.place(step - 1) is None else "grpo"}
+        if fields["phase"] == "grpo":
+            round_index, in_round = self.place(step - 1)
+            clipped, kl_sum, tokens = all_reduced(POLICY_LOSS.take_sums(), self.context.device).tolist()
+            normaliser = self.step_aggregation(step - 1)
+            fields |= {
+                "rounds": round_index + 1,
+                "step_in_round": in_round + 1,
+                "optimizer_steps_per_round": self.steps_per_round,
+                "trajectories": (round_index + 1) * self.rollout,
+                "completion_tokens": self.completion_tokens,
+                "mean_reward": float(self.round.rewards.mean()),
+                "clip_fraction": clipped / max(tokens, 1.0),
+                "approx_kl": kl_sum / max(tokens, 1.0),
+                "normaliser": normaliser.normaliser,
+                "normaliser_unit": normaliser.unit,
+            }
+        if eval_every > 0 and step % eval_every == 0 and self.context.is_main:
+            fields["held_out_reward"] = self.held_out_reward()
+        round_ends = fields.get("step_in_round") == self.steps_per_round
+        if self.context.is_main and (round_ends or "held_out_reward" in fields):
+            print(round_line(step, fields), flush=True)
+        return fields
+
+    @torch.no_grad()
+    def held_out_reward(self) -> float:
+        """Mean reward of greedy completions of the held-out prompts: GRPO's validation."""
+        was_training = self.policy.training
+        self.policy.eval()
+        prompts = [prompt for prompt, _ in self.held_out]
+        rows = torch.arange(len(prompts))
+        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.max_new_tokens, self.seq_len, greedy=True)
+        self.policy.train(was_training)
+        return sum(reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
+
+
+def round_line(step: int, fields: dict) -> str:
+    """The progress line of a round's end (or of a held-out evaluation), in RL's units."""
+    held_out = f" | held-out greedy reward {fields['held_out_reward']:.3f}" if "held_out_reward" in fields else ""
+    if fields["phase"] == "sft":
+        return f"step {step}: sft{held_out}"
+    return (
+        f"step {step}: round {fields['rounds']} | mean reward {fields['mean_reward']:.3f}{held_out} | "
+        f"clip {fields['clip_fraction']:.3f} | kl {fields['approx_kl']:.2e} | "
+        f"{fields['optimizer_steps_per_round']} optimizer steps per round, {fields['trajectories']:,} trajectories, "
+        f"{fields['completion_tokens']:,} completion tokens"
+    )
+
+
+def completion_text(labels: torch.Tensor) -> str:
+    """The completion a row of labels supervises, decoded."""
+    return bytes(labels[labels != IGNORE_INDEX].tolist()).decode("utf-8", errors="replace")
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """NCCL reduces device tensors only; gloo takes host tensors."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_gathered(tensor: torch.Tensor, replicas: int, device: torch.device) -> torch.Tensor:
+    """Every rank's tensor [rows, ...], concatenated in rank order, on the host (the round's exchange)."""
+    if replicas == 1:
+        return tensor
+    local = tensor.to(collective_device(device))
+    gathered = [torch.empty_like(local) for _ in range(replicas)]
+    dist.all_gather(gathered, local)
+    return torch.cat(gathered).cpu()
+
+
+def all_reduced(sums: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        sums = sums.to(collective_device(device))
+        dist.all_reduce(sums)
+    return sums.cpu()
+
+
+# ------------------------------------------------------------------ the registered pieces
+def split_problems(settings: RolloutSettings) -> tuple[list, list]:
+    """(prompt, answer) pairs for training and for validation: every tenth problem, up to data.held_out, is held
+    out of both SFT and GRPO."""
+    problems = addition_problems(settings.max_operand)
+    held_out = problems[::10][: settings.held_out]
+    kept = set(held_out)
+    return [pair for pair in problems if pair not in kept], held_out
+
+
+def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
+    settings = data_config.own
+    training, held_out = split_problems(settings)
+    train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
+    val = AnswerRows(held_out, data_config.seq_len)
+    answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()
+    summary = DataSummary(
+        source=data_config.source,
+        train_rows=len(training),
+        val_rows=len(held_out),
+        fingerprint=tensor_fingerprint(train.answers.inputs, train.answers.labels, val.inputs, str(settings)),
+        min_supervised_tokens=int(answer_lengths.min()),
+        median_supervised_tokens=float(answer_lengths.median()),
+        max_supervised_tokens=int(answer_lengths.max()),
+        targets="completion tokens",
+        root=data_config.source,
+        seq_len=data_config.seq_len,
+        vocab_size=BYTE_VOCABULARY,
+        format=f"'Q: a + b =' below {settings.max_operand}, SFT answers then GRPO rollouts",
+        val_rows_read=len(held_out),
+        language_model=False,
+    )
+    return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)
+
+
+def check_rollout_config(config) -> None:
+    """One line for a combination train.py cannot run GRPO with (docs/rl.md, the three sizes)."""
+    settings, batch = config.data.own, config.batch
+    prompts, epochs = settings.prompts_per_round, settings.ppo_epochs
+    if config.model.objective != "clipped-surrogate":
+        raise ValueError('data.source="arithmetic-rollouts" trains with model.objective="clipped-surrogate"')
+    if batch.global_batch_size != settings.mini_batch_size:
+        raise ValueError(
+            f"batch.global_batch_size={batch.global_batch_size} must equal data.mini_batch_size="
+            f"{settings.mini_batch_size}, the trajectories of one optimizer step (all ranks)"
+        )
+    # The three sizes' rules (sizes.py) over all ranks at once: train.py then checks that G = m · A · D for its D.
+    try:
+        round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
+    except SizeError as error:
+        raise ValueError(f"data.mini_batch_size: {error}") from None
+    if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
+        raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
+    longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
+    if longest + settings.max_new_tokens > config.data.seq_len:
+        raise ValueError(
+            f"data.seq_len={config.data.seq_len} cannot hold a {longest}-byte prompt and data.max_new_tokens="
+            f"{settings.max_new_tokens}; set data.seq_len={longest + settings.max_new_tokens}"
+        )
+
+
+register_data("arithmetic-rollouts", build_rollouts, settings=RolloutSettings, check=check_rollout_config)
+register_loss("clipped-surrogate", clipped_surrogate_sum)

@@ -1,0 +1,286 @@
+"""GRPO through train.py (configs/grpo.toml, accumulation/rl/on_policy.py), at a toy size: bad sizes are one line
+and exit 2 with nothing written; the metrics speak RL's units; a run stopped mid-round or at a round's boundary,
+or SIGKILLed mid-round, and resumed is the uninterrupted run bit for bit, on 1 and 2 ranks; and the step's N
+carries the unit its objective declares."""
+
+import importlib.util
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from accumulation.batching import GlobalCounts, MicroBatch
+from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
+from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
+from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
+from accumulation.rl.rollout import addition_problems
+from accumulation.run.batches import StepBatches
+from accumulation.run.checkpoint import save_checkpoint
+from accumulation.step import optimizer_step
+from testkit.ranks import run_on_ranks
+from tests.test_disrupted_runs import finish, read_fault_log, start_torchrun
+from tests.test_rl_objectives import CONSTANT, MODES, SEQ_LEN, step_rows, tiny_policy
+from tests.test_train import comparable, final_weights, read_metrics, train_forked
+
+# 9 problems (a, b < 3), one held out; 8 SFT steps at a high learning rate leave a policy that is right on some
+# samples and wrong on others, so that advantages, gradients and updates of the GRPO steps are not all zero.
+# A round: 4 prompts x 4 completions = 16 trajectories, mini-batch 8: 2 optimizer steps (GRPO steps 8, 9 are
+# round 0, 10 and 11 round 1, 12 and 13 round 2, counted from 0).
+TOY = [
+    "model.n_layer=1",
+    "model.d_model=32",
+    "model.n_head=2",
+    "data.max_operand=3",
+    "data.held_out=1",
+    "data.sft_steps=8",
+    "data.prompts_per_round=4",
+    "data.group_size=4",
+    "data.mini_batch_size=8",
+    "batch.global_batch_size=8",
+    "batch.micro_batch_size=4",
+    "optim.lr=3e-2",
+    "schedule.warmup_updates=0",
+    "schedule.decay_updates=8",
+    "run.max_steps=14",
+    "run.eval_every=4",
+    "run.log_every=4",
+    "run.checkpoint_every=1",
+    "run.keep_checkpoints=20",
+]
+
+
+def arguments(out_dir, *overrides) -> list[str]:
+    return ["--config", "configs/grpo.toml", f'run.out_dir="{out_dir}"', *TOY, *overrides]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["data.mini_batch_size=6", "batch.global_batch_size=6", "batch.micro_batch_size=3"],
+            "data.mini_batch_size: 16 trajectories do not divide into mini-batches of 6",
+        ),
+        (["data.mini_batch_size=4"], "batch.global_batch_size=8 must equal data.mini_batch_size=4"),
+        (['model.objective=""'], 'trains with model.objective="clipped-surrogate"'),
+        (["data.max_new_tokens=12"], "set data.seq_len=22"),
+    ],
+)
+def test_bad_sizes_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, monkeypatch, overrides, message):
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    assert train.main(arguments(tmp_path / "runs", *overrides)) == 2
+    error = capsys.readouterr().err
+    assert message in error and error.count("\n") == 1, error
+    assert list(tmp_path.iterdir()) == []
+
+
+def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int) -> list[dict]:
+    """train.py run to each of `stops` in turn (each session resuming the last), on `ranks` ranks; its metrics."""
+    for stop in stops:
+        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}")
+        if ranks == 1:
+            assert train.main(argv) == 0
+        else:
+            status, _, errors = train_forked(argv, ranks, timeout_s=300)
+            assert status == 0, errors
+    return read_metrics(tmp_path / name)
+
+
+def assert_same_run(tmp_path, name: str, reference: str) -> None:
+    weights, expected = final_weights(tmp_path / name), final_weights(tmp_path / reference)
+    for key, value in expected.items():
+        assert torch.equal(weights[key], value), key
+    assert comparable(read_metrics(tmp_path / name)) == comparable(read_metrics(tmp_path / reference))
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_stopped_mid_round_and_at_a_round_boundary_the_resumed_run_is_the_uninterrupted_one(
+    tmp_path, monkeypatch, capsys, ranks
+):
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    lines = run_in_sessions(tmp_path, "whole", [14], ranks)
+    # 9: in round 0, whose rollout the checkpoint holds; 12: a round's first step, sampled after the resume
+    run_in_sessions(tmp_path, "sessions", [9, 12, 14], ranks)
+    assert_same_run(tmp_path, "sessions", "whole")
+
+    assert [line["phase"] for line in lines] == ["sft"] * 8 + ["grpo"] * 6
+    grpo = lines[8:]
+    assert any(line["grad_norm"] > 0 for line in grpo)  # some group's rewards differ: the rollouts matter
+    last = grpo[-1]
+    assert (last["rounds"], last["step_in_round"], last["optimizer_steps_per_round"], last["trajectories"]) == (
+        3,
+        2,
+        2,
+        48,
+    )
+    # N of seq-mean-token-mean: the step's 8 completions; the `tokens` counter counts their supervised bytes
+    assert (last["normaliser"], last["normaliser_unit"]) == (8.0, "sequences")
+    assert 0 < last["completion_tokens"] <= 48 * 6  # at most data.max_new_tokens per completion
+    trained_tokens = last["tokens"] - lines[7]["tokens"]  # each trajectory is trained on once (ppo_epochs = 1)
+    assert trained_tokens == last["completion_tokens"]
+    for key in ("mean_reward", "clip_fraction"):
+        assert 0.0 <= last[key] <= 1.0, key
+    assert last["approx_kl"] >= 0
+    held_out = [line["held_out_reward"] for line in lines if "held_out_reward" in line]
+    assert len(held_out) == 3 and all(0.0 <= value <= 1.0 for value in held_out)  # steps 4, 8, 12: eval_every
+
+
+def test_one_and_two_ranks_sample_the_same_first_round(tmp_path, monkeypatch, capsys):
+    """The rollout is a function of (seed, round, row) and of the weights: SFT on 1 and 2 ranks ends at weights a
+    rounding apart, and the first round's completions (their count of tokens, their rewards) are the same."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    one = run_in_sessions(tmp_path, "one", [9], 1)
+    two = run_in_sessions(tmp_path, "two", [9], 2)
+    assert (one[8]["completion_tokens"], one[8]["mean_reward"]) == (two[8]["completion_tokens"], two[8]["mean_reward"])
+    # float32 sums in another order: the SFT losses agree to about 1e-6 relative
+    for line, other in zip(one, two, strict=True):
+        assert line["loss"] == pytest.approx(other["loss"], rel=1e-4, abs=1e-6)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_rank_killed_mid_round_restarts_and_the_run_ends_bit_identical(tmp_path, ranks):
+    """Steps counted from 1, as faulty_train counts them: SFT 1-8, round 0 is 9-10, round 1 is 11-12. The last
+    rank is SIGKILLed before step 11 (torchrun restarts the workers; they resume from step 10's checkpoint, at a
+    round's boundary, and sample round 1 afresh), then before step 12 (they resume from step 11's checkpoint, which
+    holds round 1's rollout). The run ends with the bits of the uninterrupted one."""
+    reference = start_torchrun(
+        ["--standalone", f"--nproc_per_node={ranks}"], ["train.py"], arguments(tmp_path, 'run.name="whole"')
+    )
+    status, output = finish(reference, time.monotonic() + 300)
+    assert status == 0, output[-4000:]
+    faults = [
+        {"attempt": 0, "rank": ranks - 1, "kill_before_micro_batch": [11, 0]},
+        {"attempt": 1, "rank": ranks - 1, "kill_before_micro_batch": [12, 0]},
+    ]
+    fault_log = tmp_path / "faults.jsonl"
+    job = start_torchrun(
+        ["--standalone", f"--nproc_per_node={ranks}", "--max-restarts=2"],
+        ["-m", "tests.faulty_train"],
+        arguments(tmp_path, 'run.name="killed"'),
+        faults,
+        fault_log,
+    )
+    status, output = finish(job, time.monotonic() + 300)
+    assert status == 0, output[-4000:]
+    assert len(read_fault_log(fault_log)) == 2
+    assert output.count("resuming from") == 2
+    assert_same_run(tmp_path, "killed", "whole")
+
+
+def test_the_steps_normaliser_carries_its_unit_and_the_gradient_is_the_objectives():
+    """optimizer_step with N counted in sequences: the update is the gradient of Σ S / N_sequences (float64, by
+    hand), the result names N and its unit, and `tokens` still counts the supervised targets."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 4, dtype=torch.float64)
+    inputs, labels = torch.randn(5, 2, 3, dtype=torch.float64), torch.tensor([[1, 2], [0, -100]] + [[3, 1]] * 3)
+    weights = {name: tensor.detach().clone() for name, tensor in model.named_parameters()}
+    expected = (
+        torch.nn.functional.cross_entropy(
+            model(inputs).reshape(-1, 4), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        / 5
+    )  # 5 sequences
+    expected.backward()
+    reference = {name: weights[name] - tensor.grad for name, tensor in model.named_parameters()}
+    model.load_state_dict(weights)
+    model.zero_grad()
+    micro_batches = [MicroBatch(inputs[:2], labels[:2], 2), MicroBatch(inputs[2:], labels[2:], 3)]
+    counts = GlobalCounts(tokens=9, examples=5, normaliser=5.0, unit="sequences")
+    result = optimizer_step(
+        model,
+        micro_batches,
+        torch.optim.SGD(model.parameters(), lr=1.0),
+        device=torch.device("cpu"),
+        global_counts=counts,
+    )
+    assert (result.tokens, result.normaliser, result.unit) == (9, 5.0, "sequences")
+    assert result.loss == pytest.approx(float(expected.detach()), rel=1e-12)  # float64 sums in another order
+    for name, tensor in model.named_parameters():
+        torch.testing.assert_close(tensor.detach(), reference[name], rtol=1e-12, atol=1e-14)
+
+
+def test_the_objective_check_passes_on_the_runs_rollout_and_its_wrong_normaliser_fails_naming_it(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    spec = importlib.util.spec_from_file_location("check_objectives", "scripts/rl/check_objectives.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    settings = arguments(tmp_path)
+    assert check.main(settings) == 0
+    assert "PASS seq-mean-token-mean" in capsys.readouterr().out
+    assert check.main([*settings, "--inject-bug", "wrong-normaliser"]) == 1
+    assert "normaliser declared: targets = " in capsys.readouterr().out
+    assert check.main([*settings, 'data.loss_aggregation="prompt-mean"', "--inject-bug", "wrong-normaliser"]) == 1
+    assert "the objective's: groups = 2" in capsys.readouterr().out
+
+
+def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> dict:
+    """Train.py's path for one GRPO step, on this rank: StepBatches over the on-policy rows (the step's row ids, the
+    row weights and N in the mode's unit, the extras), then optimizer_step with the clipped-surrogate loss, SGD at
+    lr 1 on a float64 policy; against the objective's float64 gradient over the step's 12 rows, from its
+    definition. The rows are tests/test_rl_objectives.py's (lengths 1 to 9, ratios past the clip), in 3 groups of 4."""
+    model = tiny_policy()
+    mine = torch.nn.parallel.DistributedDataParallel(model) if ranks > 1 else model
+    drawn = step_rows(model)
+    group_ids = torch.arange(12) // 4  # trajectory j answers prompt j // group_size
+    advantages = group_relative_advantages(torch.linspace(0.0, 1.0, 12, dtype=torch.float64) ** 2, group_ids)
+    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids)
+    errors = {}
+    for mode in MODES:
+        settings = RolloutSettings(
+            mini_batch_size=12, prompts_per_round=3, group_size=4, sft_steps=0, loss_aggregation=mode
+        )
+        rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
+        rollouts.normaliser_constant = CONSTANT
+        rollouts.round = Round(0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages)
+        config = SimpleNamespace(
+            run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
+        )
+        context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
+        reference = reference_gradient(model, mode, rows, CONSTANT, 0.2)
+        for m in micro_batch_sizes:
+            micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
+            before = [p.detach().clone() for p in model.parameters()]
+            optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
+            device = torch.device("cpu")
+            optimizer_step(
+                mine, micro_batches, optimizer, device=device, loss_sum_fn=clipped_surrogate_sum, global_counts=counts
+            )
+            with torch.no_grad():
+                update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
+                for p, old in zip(model.parameters(), before, strict=True):
+                    p.copy_(old)
+            errors[(mode, m)] = (relative_error(update, reference), counts.unit)
+    return errors
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_every_aggregation_through_train_pys_path_is_the_objectives_gradient(ranks):
+    splits = [1, 2, 3, 4, 6, 12] if ranks == 1 else [2, 3, 6]
+    per_rank = [loop_update_errors(0, 1, splits)] if ranks == 1 else run_on_ranks(loop_update_errors, 2, (splits,))
+    for (mode, m), (error, unit) in per_rank[0].items():
+        # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
+        assert error <= RELATIVE_TOLERANCE, (mode, m, error)
+        assert unit == NORMALISER_UNITS[mode]
+
+
+def test_a_mid_round_checkpoint_without_its_rollout_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """The weights of a checkpoint in the middle of a round are not those the round sampled from: without the
+    round's rollout the resume cannot be the uninterrupted run, so it is refused (exit 2) instead of resampled."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    run_in_sessions(tmp_path, "stripped", [9], 1)  # step 9: round 0's second step
+    checkpoints = tmp_path / "stripped" / "checkpoints"
+    payload = torch.load(checkpoints / "latest.pt", weights_only=True)
+    assert payload["data"]["rollouts"]["round"] == 0
+    del payload["data"]["rollouts"]
+    save_checkpoint(payload, checkpoints, 9, keep=20)
+    capsys.readouterr()
+    assert train.main(arguments(tmp_path, 'run.name="stripped"')) == 2
+    error = capsys.readouterr().err
+    assert "the checkpoint at step 9 is in the middle of GRPO round 0 but holds no rollout of it" in error
+    assert error.count("\n") == 1
+    assert len(read_metrics(tmp_path / "stripped")) == 9  # nothing written
