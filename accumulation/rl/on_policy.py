@@ -33,8 +33,9 @@ import torch.distributed as dist
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
+from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
 from accumulation.data.rows import DataError, RawExample, step_uniforms
-from accumulation.data.splits import Data, DataSummary, tensor_fingerprint
+from accumulation.data.splits import Data
 from accumulation.rl.objectives import (
     NORMALISER_UNITS,
     PolicyLoss,
@@ -403,7 +404,7 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
     val = AnswerRows(held_out, data_config.seq_len)
     answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()
-    summary = DataSummary(
+    summary = CustomDataSummary(
         source=data_config.source,
         train_rows=len(training),
         val_rows=len(held_out),
@@ -417,7 +418,6 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
         vocab_size=BYTE_VOCABULARY,
         format=f"'Q: a + b =' below {settings.max_operand}, SFT answers then GRPO rollouts",
         val_rows_read=len(held_out),
-        language_model=False,
     )
     return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)
 
