@@ -93,20 +93,6 @@ def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
     return summed.tolist()
 
 
-def concatenate(micro_batches: list[MicroBatch]) -> MicroBatch:
-    """The rows of several micro-batches as one, in order (every tensor concatenated along its rows)."""
-    first = micro_batches[0]
-    if isinstance(first.inputs, dict):
-        inputs = {name: torch.cat([mb.inputs[name] for mb in micro_batches]) for name in first.inputs}
-    elif isinstance(first.inputs, tuple):
-        inputs = tuple(torch.cat(parts) for parts in zip(*(mb.inputs for mb in micro_batches), strict=True))
-    else:
-        inputs = torch.cat([mb.inputs for mb in micro_batches])
-    labels = torch.cat([mb.labels for mb in micro_batches])
-    extras = {name: torch.cat([mb.extras[name] for mb in micro_batches]) for name in first.extras}
-    return MicroBatch(inputs, labels, sum(mb.num_examples for mb in micro_batches), extras)
-
-
 def divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 
@@ -163,30 +149,3 @@ def micro_batch_slices(global_batch_size: int, micro_batch_size: int, world_size
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
     first = rank * micro_batch_size * accum
     return [slice(first + k * micro_batch_size, first + (k + 1) * micro_batch_size) for k in range(accum)]
-
-
-def smaller_micro_batch_size(micro_batch_size: int) -> int | None:
-    """The micro-batch size to retry with after running out of memory: the largest divisor of m up to m/2 (half
-    of an even m), or None for m = 1. A divisor of m, so each micro-batch splits into whole smaller ones, and
-    A·m per rank stays the same."""
-    smaller = [d for d in divisors(micro_batch_size) if d <= micro_batch_size // 2]
-    return smaller[-1] if smaller else None
-
-
-def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) -> list[MicroBatch]:
-    """Each micro-batch cut into consecutive pieces of `micro_batch_size` rows, in order.
-
-    Because micro-batch k of a rank holds the k-th run of m of its positions (micro_batch_slices), piece j of
-    it holds exactly what micro-batch k·(m/m') + j holds at m': the same micro-batches train.py would build
-    at the smaller size, padding included. Padding rows must come last in each micro-batch (as
-    build_micro_batches puts them), so a piece's real examples are what is left of the micro-batch's.
-    """
-    pieces = []
-    for micro_batch in micro_batches:
-        rows = micro_batch.labels.shape[0]
-        if rows % micro_batch_size != 0:
-            raise ValueError(f"a micro-batch of {rows} rows does not split into pieces of {micro_batch_size}")
-        pieces += [
-            micro_batch.rows(slice(first, first + micro_batch_size)) for first in range(0, rows, micro_batch_size)
-        ]
-    return pieces

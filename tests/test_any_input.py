@@ -7,10 +7,11 @@ import copy
 import torch
 import torch.nn as nn
 
-from accumulation.batching import IGNORE_INDEX, split_micro_batches
+from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.reference import reference_rows
 from accumulation.data.rows import RawExample
 from accumulation.data.sources import step_batch
+from accumulation.shrink_on_oom import split_micro_batches
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients
 

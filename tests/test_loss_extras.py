@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, split_micro_batches
+from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.data.sources import micro_batch
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, optimizer_order
 from accumulation.probe import probe_loss_and_model
+from accumulation.shrink_on_oom import split_micro_batches
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error

@@ -15,11 +15,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import smaller_micro_batch_size, split_micro_batches
 from accumulation.data.rows import make_rows
 from accumulation.data.sources import build_micro_batches, step_row_ids
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
+from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom, smaller_micro_batch_size, split_micro_batches
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
