@@ -5,7 +5,7 @@ arguments; on torch.OutOfMemoryError in the micro-batches of any rank, every ran
 with micro-batches of the next smaller m (the largest divisor of m up to m/2: A grows, the examples do not
 change), gradients cleared and the dropout generators restored. `StepResult.micro_batch_size` is the m that
 succeeded, which the caller keeps. Micro-batches must all have m rows with any padding rows last (as
-build_micro_batches makes them). One process or DDP only (FSDP2 and pipeline stages refuse the setting).
+step_batch makes them). One process or DDP only (FSDP2 and pipeline stages refuse the setting).
 
 How the ranks agree: a rank that ran out of memory stops running micro-batches and joins the gradient all-reduce
 of the others' last backward with a one-row forward and backward of its last micro-batch, weighted by zero (the
@@ -39,7 +39,7 @@ def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) 
     Because micro-batch k of a rank holds the k-th run of m of its positions (micro_batch_slices), piece j of
     it holds exactly what micro-batch k·(m/m') + j holds at m': the same micro-batches train.py would build
     at the smaller size, padding included. Padding rows must come last in each micro-batch (as
-    build_micro_batches puts them), so a piece's real examples are what is left of the micro-batch's.
+    step_batch puts them), so a piece's real examples are what is left of the micro-batch's.
     """
     pieces = []
     for micro_batch in micro_batches:

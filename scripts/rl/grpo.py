@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, accumulation_steps, count_supervised_tokens
-from accumulation.data.rows import step_uniforms
+from accumulation.data.uniforms import step_uniforms
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import run_and_exit, setup_distributed, teardown_distributed
 from accumulation.rl.objectives import NORMALISER_UNITS, PolicyLoss, completion_lengths, group_relative_advantages
