@@ -498,9 +498,9 @@ BUGS = [
         "a forward that raises in the probe leaves the model in eval mode",
         "accumulation/probe.py",
         "    try:\n"
-        "        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "        outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
         "    finally:\n        model.train()",
-        "    outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
         "    model.train()",
         [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
