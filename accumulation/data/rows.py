@@ -187,14 +187,10 @@ class RowSet:
         row_id = int(row_id)
         text = self.texts[self.text_ids[row_id]]
         start, end = int(self.starts[row_id]), int(self.ends[row_id])
-        prompt_end = max(start, int(self.prompt_ends[row_id]))
-        prompt, response = token_list(text[start:prompt_end]), token_list(text[prompt_end:end])
-        return next_token_example(prompt, response, self.seq_len)
-
-
-def token_list(tokens) -> list[int]:
-    """Python ints of a token sequence: bytes or a numpy array of ids."""
-    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+        span = text[start:end]
+        tokens = list(span) if isinstance(span, bytes) else span.tolist()  # Python ints of bytes or of numpy ids
+        prompt_tokens = max(start, int(self.prompt_ends[row_id])) - start
+        return next_token_example(tokens[:prompt_tokens], tokens[prompt_tokens:], self.seq_len)
 
 
 def token_array(tokens) -> np.ndarray:

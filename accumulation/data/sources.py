@@ -279,24 +279,19 @@ def check_supervised_counts(batch: StepBatch) -> None:
             )
 
 
-def eval_micro_batch_count(num_rows: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches each rank runs over the validation rows: all ranks run the same number."""
-    total = math.ceil(num_rows / micro_batch_size)
-    return math.ceil(total / world_size)
-
-
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:
     """This rank's share of the validation rows, in fixed-size micro-batches, built one at a time, the rows
     as VALIDATION_STEP sees them.
 
     The rows are cut, in order, into micro-batches of micro_batch_size (the last one padded); rank r
     takes those whose index % world_size == r. Ranks with fewer real micro-batches get all-padding ones,
-    so every rank yields eval_micro_batch_count(...) micro-batches and collectives line up. Summing
+    so every rank yields ceil(ceil(num_rows / m) / D) micro-batches and collectives line up. Summing
     token losses and supervised tokens over all ranks gives the loss over the whole split.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    for k in range(eval_micro_batch_count(rows.num_rows, micro_batch_size, world_size)):
+    micro_batches_of_all_ranks = math.ceil(rows.num_rows / micro_batch_size)
+    for k in range(math.ceil(micro_batches_of_all_ranks / world_size)):
         first = (k * world_size + rank) * micro_batch_size
         row_ids = torch.arange(min(first, rows.num_rows), min(first + micro_batch_size, rows.num_rows))
         yield micro_batch(rows, row_ids, micro_batch_size, VALIDATION_STEP)

@@ -66,8 +66,8 @@ BUGS = [
         "val-batches-rounded-down",
         "validation micro-batches per rank rounded down: rows silently dropped",
         "accumulation/data/sources.py",
-        "    return math.ceil(total / world_size)",
-        "    return total // world_size",
+        "    for k in range(math.ceil(micro_batches_of_all_ranks / world_size)):",
+        "    for k in range(micro_batches_of_all_ranks // world_size):",
         [VALIDATION_TEST],
     ),
     Bug(
