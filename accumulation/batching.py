@@ -99,20 +99,6 @@ def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
     return summed.tolist()
 
 
-def concatenate(micro_batches: list[MicroBatch]) -> MicroBatch:
-    """The rows of several micro-batches as one, in order (every tensor concatenated along its rows)."""
-    first = micro_batches[0]
-    if isinstance(first.inputs, dict):
-        inputs = {name: torch.cat([mb.inputs[name] for mb in micro_batches]) for name in first.inputs}
-    elif isinstance(first.inputs, tuple):
-        inputs = tuple(torch.cat(parts) for parts in zip(*(mb.inputs for mb in micro_batches), strict=True))
-    else:
-        inputs = torch.cat([mb.inputs for mb in micro_batches])
-    labels = torch.cat([mb.labels for mb in micro_batches])
-    extras = {name: torch.cat([mb.extras[name] for mb in micro_batches]) for name in first.extras}
-    return MicroBatch(inputs, labels, sum(mb.num_examples for mb in micro_batches), extras)
-
-
 def divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 

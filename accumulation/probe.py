@@ -18,8 +18,7 @@ The last two are not bugs of the fork, only no longer exact: a warning line says
 batch.on_inexact = "error", one line and exit status 2.
 
 Cost: one forward without gradient of this rank's first micro-batch of step 0 and five evaluations of the loss
-on its outputs, once per fresh run (a resumed run has passed it). Measured on the default config (m = 4, 2-core
-CPU shared with other jobs, 2026-12-01): docs/forking.md gives the figure.
+on its outputs, once per fresh run (a resumed run has passed it); docs/forking.md gives the figure.
 """
 
 import traceback
@@ -66,7 +65,7 @@ def _shapes_text(value) -> str:
     return type(value).__name__
 
 
-def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
+def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
     """One forward without gradient and the loss of the whole micro-batch, or StepZeroFailed saying which of the two
     raised, with the shapes it was given and where the fault is."""
     with torch.no_grad():
@@ -90,18 +89,6 @@ def _outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
                 f"(model.name, model.objective)"
             ) from None
     return outputs, whole
-
-
-def check_outputs_fit_the_loss(model: torch.nn.Module, loss_sum_fn, micro_batch: MicroBatch, device) -> None:
-    """StepZeroFailed unless the model's forward and the loss run on `micro_batch` (for the checker, which has no
-    step-0 probe). In eval mode, so that nothing is drawn or updated; the model is left in the mode it was in."""
-    batch = micro_batch.to(device)
-    was_training = model.training
-    model.eval()
-    try:
-        _outputs_and_loss(model, loss_sum_fn, batch.inputs, batch.labels, batch.extras)
-    finally:
-        model.train(was_training)
 
 
 def coupling_modules(model: torch.nn.Module) -> list[str]:
@@ -134,7 +121,7 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
         )
     model.eval()  # fixed outputs: no dropout drawn, no BatchNorm statistics updated (the run is not changed)
     try:
-        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
+        outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
     if len(supervised) >= 2:

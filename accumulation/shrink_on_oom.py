@@ -5,7 +5,7 @@ arguments; on torch.OutOfMemoryError in the micro-batches of any rank, every ran
 with micro-batches of the next smaller m (the largest divisor of m up to m/2: A grows, the examples do not
 change), gradients cleared and the dropout generators restored. `StepResult.micro_batch_size` is the m that
 succeeded, which the caller keeps. Micro-batches must all have m rows with any padding rows last (as
-build_micro_batches makes them). One process or DDP only (FSDP2 and pipeline stages refuse the setting).
+step_batch makes them). One process or DDP only (FSDP2 and pipeline stages refuse the setting).
 
 How the ranks agree: a rank that ran out of memory stops running micro-batches and joins the gradient all-reduce
 of the others' last backward with a one-row forward and backward of its last micro-batch, weighted by zero (the
@@ -23,6 +23,33 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import MicroBatch, divisors
 from accumulation.step import DataParallel, MicroBatchLoss, StepResult, optimizer_step
+
+
+def smaller_micro_batch_size(micro_batch_size: int) -> int | None:
+    """The micro-batch size to retry with after running out of memory: the largest divisor of m up to m/2 (half
+    of an even m), or None for m = 1. A divisor of m, so each micro-batch splits into whole smaller ones, and
+    A·m per rank stays the same."""
+    smaller = [d for d in divisors(micro_batch_size) if d <= micro_batch_size // 2]
+    return smaller[-1] if smaller else None
+
+
+def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) -> list[MicroBatch]:
+    """Each micro-batch cut into consecutive pieces of `micro_batch_size` rows, in order.
+
+    Because micro-batch k of a rank holds the k-th run of m of its positions (micro_batch_slices), piece j of
+    it holds exactly what micro-batch k·(m/m') + j holds at m': the same micro-batches train.py would build
+    at the smaller size, padding included. Padding rows must come last in each micro-batch (as
+    step_batch puts them), so a piece's real examples are what is left of the micro-batch's.
+    """
+    pieces = []
+    for micro_batch in micro_batches:
+        rows = micro_batch.labels.shape[0]
+        if rows % micro_batch_size != 0:
+            raise ValueError(f"a micro-batch of {rows} rows does not split into pieces of {micro_batch_size}")
+        pieces += [
+            micro_batch.rows(slice(first, first + micro_batch_size)) for first in range(0, rows, micro_batch_size)
+        ]
+    return pieces
 
 
 class OutOfMemoryOnSomeRank(Exception):
@@ -118,29 +145,3 @@ def restore_generator_states(states: list[torch.Tensor], device: torch.device) -
     if device.type == "cuda":
         torch.cuda.set_rng_state(states[1], device)
 
-
-def smaller_micro_batch_size(micro_batch_size: int) -> int | None:
-    """The micro-batch size to retry with after running out of memory: the largest divisor of m up to m/2 (half
-    of an even m), or None for m = 1. A divisor of m, so each micro-batch splits into whole smaller ones, and
-    A·m per rank stays the same."""
-    smaller = [d for d in divisors(micro_batch_size) if d <= micro_batch_size // 2]
-    return smaller[-1] if smaller else None
-
-
-def split_micro_batches(micro_batches: list[MicroBatch], micro_batch_size: int) -> list[MicroBatch]:
-    """Each micro-batch cut into consecutive pieces of `micro_batch_size` rows, in order.
-
-    Because micro-batch k of a rank holds the k-th run of m of its positions (micro_batch_slices), piece j of
-    it holds exactly what micro-batch k·(m/m') + j holds at m': the same micro-batches train.py would build
-    at the smaller size, padding included. Padding rows must come last in each micro-batch (as
-    build_micro_batches puts them), so a piece's real examples are what is left of the micro-batch's.
-    """
-    pieces = []
-    for micro_batch in micro_batches:
-        rows = micro_batch.labels.shape[0]
-        if rows % micro_batch_size != 0:
-            raise ValueError(f"a micro-batch of {rows} rows does not split into pieces of {micro_batch_size}")
-        pieces += [
-            micro_batch.rows(slice(first, first + micro_batch_size)) for first in range(0, rows, micro_batch_size)
-        ]
-    return pieces

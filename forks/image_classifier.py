@@ -29,9 +29,10 @@ import torch.nn as nn
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_model
 from accumulation.data.custom import data_from_custom_rows, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample, step_uniforms
+from accumulation.data.rows import DataError, RawExample
 from accumulation.data.sources import VALIDATION_STEP
 from accumulation.data.splits import Data
+from accumulation.data.uniforms import step_uniforms
 
 CROP_PADDING = 2  # pixels of zeros around the image before a crop of its own size
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 import train
 from accumulation import checker
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.data.sources import build_micro_batches, step_row_ids
+from accumulation.data.sources import step_row_ids
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum

@@ -5,6 +5,7 @@ import torch
 
 from accumulation.data import sources as data
 from accumulation.data.rows import DataError
+from accumulation.data.step_tools import epoch_permutation
 
 # ---------------------------------------------------------------------------------------------------
 # Data order
@@ -39,7 +40,7 @@ def test_each_epoch_is_a_new_permutation_of_all_rows_with_partial_tail():
         assert [len(ids) for ids in steps] == [10] * 10 + [3]
         assert sorted(torch.cat(steps).tolist()) == list(range(num_rows))  # no id leaks into the next epoch
     assert not torch.equal(torch.cat(epochs[0]), torch.cat(epochs[1]))
-    assert torch.equal(torch.cat(epochs[2]), data.epoch_permutation(num_rows, 3, 2))
+    assert torch.equal(torch.cat(epochs[2]), epoch_permutation(num_rows, 3, 2))
 
 
 def test_drop_tail_uses_full_steps_and_leaves_the_rest_of_each_permutation():
@@ -49,7 +50,7 @@ def test_drop_tail_uses_full_steps_and_leaves_the_rest_of_each_permutation():
     for epoch in range(3):
         steps = epoch_ids(num_rows, global_batch_size, seed=3, epoch=epoch, tail="drop")
         assert [len(ids) for ids in steps] == [10] * 10
-        permutation = data.epoch_permutation(num_rows, 3, epoch)
+        permutation = epoch_permutation(num_rows, 3, epoch)
         assert torch.equal(torch.cat(steps), permutation[:100])
         # The same epoch with tail "partial" uses the same permutation, plus one step with the last 3 rows.
         last_partial_step = data.step_row_ids(num_rows, global_batch_size, 3, epoch * 11 + 10, "partial")

@@ -10,6 +10,7 @@ import torch
 
 from accumulation.data import sources as data
 from accumulation.data.rows import RawExample, mix64
+from accumulation.data.step_tools import build_micro_batches, epoch_permutation
 
 HUGE_ROWS = 10**11  # 800 GB as an int64 permutation: only sampling can check it
 
@@ -34,13 +35,13 @@ def inverse_row_positions(num_rows: int, seed: int, epoch: int, row_ids: np.ndar
 
 @pytest.mark.parametrize("num_rows", [1, 2, 3, 4, 5, 15, 16, 17, 63, 64, 65, 1000, 4097, 100_003])
 def test_every_epoch_is_a_permutation_of_all_rows(num_rows):
-    orders = [data.epoch_permutation(num_rows, seed=5, epoch=epoch) for epoch in range(3)]
+    orders = [epoch_permutation(num_rows, seed=5, epoch=epoch) for epoch in range(3)]
     for order in orders:
         assert order.dtype == torch.int64
         assert torch.equal(order.sort().values, torch.arange(num_rows))
     if num_rows >= 5:  # 5! = 120 orders: two epochs (or two seeds) agreeing would be a bug, not chance
         assert not torch.equal(orders[0], orders[1])
-        assert not torch.equal(orders[0], data.epoch_permutation(num_rows, seed=6, epoch=0))
+        assert not torch.equal(orders[0], epoch_permutation(num_rows, seed=6, epoch=0))
 
 
 def test_the_order_looks_shuffled():
@@ -51,7 +52,7 @@ def test_the_order_looks_shuffled():
     counts = torch.bincount(first_rows[:, 0], minlength=8).double()
     chi_square = ((counts - 2000) ** 2 / 2000).sum().item()
     assert chi_square < 24.3  # the 0.999 quantile of chi-square with 7 degrees of freedom
-    order = data.epoch_permutation(100_003, seed=1, epoch=0)
+    order = epoch_permutation(100_003, seed=1, epoch=0)
     adjacent = (order[1:] - order[:-1]).abs() == 1
     assert adjacent.double().mean().item() < 1e-3  # a random order has ~2/num_rows of them
 
@@ -121,6 +122,6 @@ def test_a_huge_epochs_step_is_split_the_same_for_every_m_a_d(step):
     for micro_batch_size, world_size in [(16, 1), (4, 1), (8, 2), (1, 4)]:
         seen = []
         for rank in range(world_size):
-            for batch in data.build_micro_batches(rows, step_ids, 16, micro_batch_size, world_size, rank, step=step):
+            for batch in build_micro_batches(rows, step_ids, 16, micro_batch_size, world_size, rank, step=step):
                 seen += batch.inputs[: batch.num_examples, 0].tolist()
         assert sorted(seen) == sorted(step_ids.tolist())

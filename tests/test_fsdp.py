@@ -11,7 +11,8 @@ from torch.distributed.tensor import DTensor
 import train
 from accumulation import checker as check_equivalence
 from accumulation.config.config import load_config, resolved_compile
-from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.sources import build_data, step_row_ids
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import FullyShardedDataParallel, full_model_state_dict, full_optimizer_state_dict

@@ -106,6 +106,9 @@ OPTION_MODULES = {
     "accumulation.data.masked_lm",  # data.task = "masked"
     "accumulation.data.path_sources",  # data.source: a path (text, JSONL, token files)
     "accumulation.data.custom",  # data.source: a registered source
+    "accumulation.data.step_tools",  # scripts and tests that build a step's pieces one at a time
+    "accumulation.data.packing",  # data.layout = "packed"
+    "accumulation.data.uniforms",  # data.task = "masked", the RL rollouts, a fork's augmentation
     "accumulation.models.gru",  # model.name = "gru"
     "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
     "accumulation.models.encoder",  # model.name = "encoder"

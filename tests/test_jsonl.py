@@ -14,6 +14,7 @@ from accumulation.config.config import load_config
 from accumulation.data import sources as data
 from accumulation.data.rows import DataError, RowSet, next_token_example
 from accumulation.data.splits import key_hash
+from accumulation.data.step_tools import build_micro_batches
 from tests.test_rows import assert_rows_match_their_raw_examples, build, supervised_targets, window_of, write
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,7 +96,7 @@ def test_jsonl_rows_supervise_exactly_the_response(tmp_path):
     assert_rows_match_their_raw_examples(rows, list(range(rows.num_rows)))
 
     # Written out for the first example: "Q: 2 + 2 =" is 10 bytes, so targets 1..9 are prompt.
-    (batch,) = data.build_micro_batches(rows, torch.tensor([0]), 1, 1, world_size=1, rank=0, step=0)
+    (batch,) = build_micro_batches(rows, torch.tensor([0]), 1, 1, world_size=1, rank=0, step=0)
     assert batch.inputs[0].tolist() == list(b"Q: 2 + 2 = 4\n") + [0] * 7
     assert batch.labels[0].tolist() == [IGNORE_INDEX] * 9 + list(b" 4\n") + [IGNORE_INDEX] * 8
     # A {"text"} line is supervised from its second byte on, like a document.

@@ -5,8 +5,8 @@ import torch
 
 from accumulation.config.config import load_config
 from accumulation.data.masked_lm import MASK_FRACTION
-from accumulation.data.rows import step_uniforms
 from accumulation.data.sources import build_data
+from accumulation.data.uniforms import step_uniforms
 from tests.conformance.tokens import REPO, write_token_folder
 
 

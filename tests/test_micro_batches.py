@@ -11,6 +11,7 @@ from accumulation.data import rows as rows_module
 from accumulation.data import sources as data
 from accumulation.data.jsonl import make_example_rows
 from accumulation.data.rows import DataError, RawExample, RowSet, labels_from_mask, make_rows
+from accumulation.data.step_tools import build_micro_batches
 from tests.test_rows import assert_rows_match_their_raw_examples, real_examples
 
 # ---------------------------------------------------------------------------------------------------
@@ -45,8 +46,7 @@ def any_rows(request, small_rows, example_rows) -> RowSet:
 
 def all_ranks(rows, step_ids, micro_batch_size, accumulation, world_size) -> list[list]:
     batches = [
-        data.build_micro_batches(rows, step_ids, 8, micro_batch_size, world_size, rank, step=0)
-        for rank in range(world_size)
+        build_micro_batches(rows, step_ids, 8, micro_batch_size, world_size, rank, step=0) for rank in range(world_size)
     ]
     for rank_batches in batches:
         assert len(rank_batches) == accumulation
@@ -59,7 +59,7 @@ def test_a_step_sees_the_same_examples_for_every_m_a_d(any_rows, tail):
     steps = data.steps_per_epoch(any_rows.num_rows, 8, tail)
     for step in range(2 * steps):  # two epochs, with a partial step in each when tail is "partial"
         step_ids = data.step_row_ids(any_rows.num_rows, 8, seed=11, step=step, tail=tail)
-        (reference,) = data.build_micro_batches(any_rows, step_ids, 8, 8, 1, 0, step=0)
+        (reference,) = build_micro_batches(any_rows, step_ids, 8, 8, 1, 0, step=0)
         expected = real_examples([reference])
         assert sum(expected.values()) == len(step_ids) == reference.num_examples
         for micro_batch_size, accumulation, world_size in LAYOUTS:
@@ -71,7 +71,7 @@ def test_a_step_sees_the_same_examples_for_every_m_a_d(any_rows, tail):
 
 def test_inputs_and_labels_are_the_row_shifted_by_one(small_rows):
     step_ids = torch.tensor([3, 0, 17, 5])
-    (batch,) = data.build_micro_batches(small_rows, step_ids, 4, 4, 1, 0, step=0)
+    (batch,) = build_micro_batches(small_rows, step_ids, 4, 4, 1, 0, step=0)
     assert batch.inputs.dtype == batch.labels.dtype == torch.int64
     for row, row_id in enumerate(step_ids.tolist()):
         length = int(small_rows.lengths[row_id])
@@ -89,7 +89,7 @@ def test_a_partial_step_is_padded_so_every_rank_runs_the_same_micro_batches(smal
     assert (padding_only.labels == IGNORE_INDEX).all() and (padding_only.inputs == 0).all()
     assert (batches[0][1].labels[1] == IGNORE_INDEX).all()
     with pytest.raises(ValueError, match="at most 8 row ids"):
-        data.build_micro_batches(small_rows, torch.arange(9), 8, 2, 2, 0, step=0)
+        build_micro_batches(small_rows, torch.arange(9), 8, 2, 2, 0, step=0)
 
 
 @pytest.mark.parametrize("micro_batch_size, world_size", [(4, 1), (3, 2), (5, 3), (64, 2)])
@@ -101,7 +101,7 @@ def test_eval_micro_batches_cover_every_row_once_over_all_ranks(any_rows, micro_
     assert [len(batches) for batches in per_rank] == [expected_count] * world_size
     flat = [batch for batches in per_rank for batch in batches]
     assert all(batch.inputs.shape == (micro_batch_size, any_rows.seq_len) for batch in flat)
-    (everything,) = data.build_micro_batches(
+    (everything,) = build_micro_batches(
         any_rows, torch.arange(any_rows.num_rows), any_rows.num_rows, any_rows.num_rows, 1, 0, step=0
     )
     assert real_examples(flat) == real_examples([everything])
@@ -164,7 +164,7 @@ class CountingRows:
 
 def test_the_interface_is_all_that_micro_batches_need():
     rows = CountingRows()
-    (batch,) = data.build_micro_batches(rows, torch.tensor([4, 1]), 4, 4, world_size=1, rank=0, step=0)
+    (batch,) = build_micro_batches(rows, torch.tensor([4, 1]), 4, 4, world_size=1, rank=0, step=0)
     assert batch.num_examples == 2
     assert batch.inputs.tolist() == [[4, 5, 6, 7], [1, 2, 3, 4], [0] * 4, [0] * 4]
     assert batch.labels.tolist() == [[-100, 6, 7, 8], [-100, 3, 4, 5], [-100] * 4, [-100] * 4]

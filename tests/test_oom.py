@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.data.rows import make_rows
-from accumulation.data.sources import build_micro_batches, step_row_ids
+from accumulation.data.sources import step_row_ids
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom, smaller_micro_batch_size, split_micro_batches
 from accumulation.step import optimizer_step

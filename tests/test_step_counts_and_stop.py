@@ -10,7 +10,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import GlobalCounts
 from accumulation.data.rows import make_rows
-from accumulation.data.sources import build_micro_batches, step_counts, step_row_ids, steps_per_epoch
+from accumulation.data.sources import step_row_ids, steps_per_epoch
+from accumulation.data.step_tools import build_micro_batches, step_counts
 from accumulation.step import optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error

@@ -13,6 +13,7 @@ from accumulation.data import path_sources, text_corpus
 from accumulation.data import sources as data
 from accumulation.data.rows import DataError
 from accumulation.data.splits import Data, key_hash, row_fingerprint, validation_keys
+from accumulation.data.step_tools import build_micro_batches
 from tests.test_rows import build, supervised_targets, write
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,7 +285,7 @@ def test_stdlib_rows_have_varying_supervised_tokens(stdlib_corpus):
 def test_stdlib_padding_is_never_supervised(stdlib_corpus):
     rows = stdlib_corpus.train
     step_ids = torch.arange(0, rows.num_rows, 97)[:64]
-    (batch,) = data.build_micro_batches(rows, step_ids, 64, 64, world_size=1, rank=0, step=0)
+    (batch,) = build_micro_batches(rows, step_ids, 64, 64, world_size=1, rank=0, step=0)
     targets_per_row = rows.lengths[step_ids].long() - 1
     positions = torch.arange(rows.seq_len)
     padding = positions >= targets_per_row[:, None]

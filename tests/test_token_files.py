@@ -16,8 +16,9 @@ from accumulation.config.config import load_config
 from accumulation.data import sources as data
 from accumulation.data import token_files
 from accumulation.data.rows import DataError
-from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.splits import Data
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.data.tokenizer import sample_decoder
 from accumulation.models.factory import build_model
 from testkit.disk import read_only_view

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX, count_supervised_tokens, describe_batch
+from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens, describe_batch
 from accumulation.checker.promises import (
     NotApplicable,
     additivity_message,
@@ -72,7 +72,7 @@ from accumulation.models.factory import (
 from accumulation.parallel.distributed import DistributedContext, setup_distributed, teardown_distributed
 from accumulation.parallel.mesh import layout_of
 from accumulation.parallel.pipeline import build_pipeline, check_model_splits
-from accumulation.probe import StepZeroFailed, check_outputs_fit_the_loss
+from accumulation.probe import StepZeroFailed, outputs_and_loss
 from accumulation.run.build import (
     autocast_dtype_for,
     check_config_for_world,
@@ -94,6 +94,18 @@ from accumulation.step import StepResult, optimizer_step
 # the loss or the step in fp32, where the margin is a factor of 1000; bf16 and fp16 runs show that
 # autocast did not break the model.
 RELATIVE_TOLERANCE = {"fp32": 3e-5, "bf16": 5e-2, "fp16": 1e-2}
+
+
+def check_outputs_fit_the_loss(model: torch.nn.Module, loss_sum_fn, micro_batch: MicroBatch, device) -> None:
+    """StepZeroFailed unless the model's forward and the loss run on `micro_batch` (for the checker, which has no
+    step-0 probe). In eval mode, so that nothing is drawn or updated; the model is left in the mode it was in."""
+    batch = micro_batch.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        outputs_and_loss(model, loss_sum_fn, batch.inputs, batch.labels, batch.extras)
+    finally:
+        model.train(was_training)
 
 
 def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

@@ -20,9 +20,10 @@ import hashlib
 import numpy as np
 import torch
 
-from accumulation.data.rows import DataError, RawExample, labels_from_mask, step_uniforms
+from accumulation.data.rows import DataError, RawExample, labels_from_mask
 from accumulation.data.splits import Data
 from accumulation.data.token_files import PackedTokenRows, TokenSource, load_token_files
+from accumulation.data.uniforms import step_uniforms
 
 MASK_FRACTION = 0.15  # of the positions of each row, on average: masked and supervised
 MASK_TOKEN_SHARE = 0.8  # of the masked positions: the input reads [MASK]

@@ -34,7 +34,6 @@ documents, accumulation/data/jsonl.py's make_example_rows one of prompt/response
 (`register_data`, accumulation/config/registry.py); a config names it in data.source (docs/forking.md).
 """
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -188,14 +187,10 @@ class RowSet:
         row_id = int(row_id)
         text = self.texts[self.text_ids[row_id]]
         start, end = int(self.starts[row_id]), int(self.ends[row_id])
-        prompt_end = max(start, int(self.prompt_ends[row_id]))
-        prompt, response = token_list(text[start:prompt_end]), token_list(text[prompt_end:end])
-        return next_token_example(prompt, response, self.seq_len)
-
-
-def token_list(tokens) -> list[int]:
-    """Python ints of a token sequence: bytes or a numpy array of ids."""
-    return list(tokens) if isinstance(tokens, bytes) else tokens.tolist()
+        span = text[start:end]
+        tokens = list(span) if isinstance(span, bytes) else span.tolist()  # Python ints of bytes or of numpy ids
+        prompt_tokens = max(start, int(self.prompt_ends[row_id])) - start
+        return next_token_example(tokens[:prompt_tokens], tokens[prompt_tokens:], self.seq_len)
 
 
 def token_array(tokens) -> np.ndarray:
@@ -281,7 +276,7 @@ class RowSubset:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Randomness that is a pure function of (seed, step, row id)
+# A 64-bit mix: the data order's (sources.py) and the draws' per step and row (uniforms.py)
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -291,19 +286,3 @@ def mix64(values: np.ndarray) -> np.ndarray:
     values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return values ^ (values >> np.uint64(31))
-
-
-def step_uniforms(seed: int, step: int, row_ids: torch.Tensor, count: int, stream: int = 0) -> np.ndarray:
-    """float64 [len(row_ids), count] in [0, 1): `count` random numbers for each row at optimizer step `step`.
-
-    Number k of row r is mix64 of a key hashed from (seed, step, stream) and r·count + k: a pure function of
-    (seed, step, stream, r, k), so any rank, the checker or a resumed run computes the same numbers for the
-    same row, in any batch, in any order, without a generator's state to carry or to restore. `stream`
-    separates independent draws for the same row (which positions are masked, what replaces them). The top
-    53 bits of each 64-bit value make the float: every multiple of 2**-53 in [0, 1) equally likely."""
-    digest = hashlib.blake2b(f"{seed}:{step}:{stream}".encode(), digest_size=8).digest()
-    key = np.frombuffer(digest, dtype="<u8").astype(np.uint64)[0]
-    counters = row_ids.numpy().astype(np.uint64)[:, None] * np.uint64(count) + np.arange(count, dtype=np.uint64)
-    # Two rounds: mix64 of the key xor the counter alone would map neighbouring counters of nearby keys alike.
-    values = mix64(mix64(counters ^ key) + key)
-    return (values >> np.uint64(11)).astype(np.float64) / 2.0**53

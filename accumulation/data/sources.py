@@ -161,11 +161,6 @@ def epoch_row_ids(num_rows: int, seed: int, epoch: int, positions: torch.Tensor)
     return torch.from_numpy(values.astype(np.int64))
 
 
-def epoch_permutation(num_rows: int, seed: int, epoch: int) -> torch.Tensor:
-    """Epoch `epoch`'s whole order of row ids, materialized: for small row counts (tests, illustrations)."""
-    return epoch_row_ids(num_rows, seed, epoch, torch.arange(num_rows))
-
-
 def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, tail: str) -> torch.Tensor:
     """int64 row ids of optimizer step `step` (counted from 0 over the whole run).
 
@@ -216,34 +211,6 @@ def micro_batch(rows: Rows, row_ids: torch.Tensor, micro_batch_size: int, step: 
     labels[:num_real] = example_labels
     extras = {name: padded(tensor) for name, tensor in (extras[0] if extras else {}).items()}
     return MicroBatch(map_inputs(padded, example_inputs), labels, num_real, extras)
-
-
-def step_counts(rows: Rows, row_ids: torch.Tensor, step: int) -> GlobalCounts:
-    """N (supervised targets) and the real examples of step `step`, whose rows are `row_ids`, over all ranks,
-    counted on the host: every rank knows the whole step's ids, so none needs a collective to learn them."""
-    return GlobalCounts(tokens=int(rows.supervised_counts(row_ids, step).sum()), examples=len(row_ids))
-
-
-def build_micro_batches(
-    rows: Rows,
-    step_ids: torch.Tensor,
-    global_batch_size: int,
-    micro_batch_size: int,
-    world_size: int,
-    rank: int,
-    *,
-    step: int,
-) -> list[MicroBatch]:
-    """This rank's A micro-batches of step `step`, each of exactly micro_batch_size rows.
-
-    `step_ids` are the step's row ids (step_row_ids); micro_batch_slices says which of them this rank
-    feeds to each micro-batch. A partial step has fewer than G ids, and the rows it lacks become padding,
-    so every rank always runs the same number of micro-batches of the same shape.
-    """
-    if len(step_ids) > global_batch_size:
-        raise ValueError(f"a step has at most {global_batch_size} row ids, got {len(step_ids)}")
-    slices = micro_batch_slices(global_batch_size, micro_batch_size, world_size, rank)
-    return [micro_batch(rows, step_ids[positions], micro_batch_size, step) for positions in slices]
 
 
 @dataclass
@@ -312,24 +279,19 @@ def check_supervised_counts(batch: StepBatch) -> None:
             )
 
 
-def eval_micro_batch_count(num_rows: int, micro_batch_size: int, world_size: int) -> int:
-    """Micro-batches each rank runs over the validation rows: all ranks run the same number."""
-    total = math.ceil(num_rows / micro_batch_size)
-    return math.ceil(total / world_size)
-
-
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:
     """This rank's share of the validation rows, in fixed-size micro-batches, built one at a time, the rows
     as VALIDATION_STEP sees them.
 
     The rows are cut, in order, into micro-batches of micro_batch_size (the last one padded); rank r
     takes those whose index % world_size == r. Ranks with fewer real micro-batches get all-padding ones,
-    so every rank yields eval_micro_batch_count(...) micro-batches and collectives line up. Summing
+    so every rank yields ceil(ceil(num_rows / m) / D) micro-batches and collectives line up. Summing
     token losses and supervised tokens over all ranks gives the loss over the whole split.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
-    for k in range(eval_micro_batch_count(rows.num_rows, micro_batch_size, world_size)):
+    micro_batches_of_all_ranks = math.ceil(rows.num_rows / micro_batch_size)
+    for k in range(math.ceil(micro_batches_of_all_ranks / world_size)):
         first = (k * world_size + rank) * micro_batch_size
         row_ids = torch.arange(min(first, rows.num_rows), min(first + micro_batch_size, rows.num_rows))
         yield micro_batch(rows, row_ids, micro_batch_size, VALIDATION_STEP)

@@ -6,7 +6,7 @@ tokenizer instead. Every target of every document is supervised.
 
     text files  ->  train/validation split by file  ->  documents  ->  rows (data.make_rows)
         data.layout "documents": each document cut into rows of its own, the last one padded
-        data.layout "packed":    the documents of a split joined into one, cut into full rows (packed)
+        data.layout "packed":    the documents of a split joined into one, cut into full rows (data/packing.py)
 
 data.source = "stdlib", the default, reads this interpreter's standard library (load_stdlib). A text file or folder
 of the user's is read and checked by accumulation/data/path_sources.py, then cut into rows here (text_data).
@@ -16,8 +16,6 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
 
 from accumulation.data.rows import BYTE_VOCAB_SIZE, DataError, make_rows
 from accumulation.data.splits import Data, data_from_rows, validation_keys
@@ -129,21 +127,6 @@ def split_top_level_blocks(text: bytes) -> list[bytes]:
     return blocks
 
 
-def packed(documents: list, seq_len: int, separator: list[int]) -> list:
-    """The documents as one, each preceded by `separator`, cut to 1 + k·seq_len tokens so that make_rows
-    gives k full rows, no padding; the last, incomplete row's tokens are left out.
-
-    Bytes have no separator token (separator is []), so byte documents are joined as they are (text files
-    and the standard library's blocks mostly end in a newline); a tokenizer's end-of-text token separates
-    its documents, as in GPT-2's training data."""
-    if documents and isinstance(documents[0], bytes):
-        joined = b"".join(documents)
-    else:
-        joined = np.concatenate([np.concatenate([separator, document]) for document in documents] or [[]])
-    full_rows = max(0, (len(joined) - 1) // seq_len)
-    return [joined[: 1 + full_rows * seq_len]] if full_rows else []
-
-
 def split_by_file(root: Path, files: list[TextFile], skipped_files: int, val_fraction: float, is_python_source: bool):
     """The files split into training and validation documents by a hash of each file's path (validation_keys),
     so that a file keeps its side when others are added; val_fraction == 0 means no validation set."""
@@ -175,6 +158,8 @@ def text_data(source: str, split: TextSplit, seq_len: int, val_fraction: float, 
         separator = [] if end_of_text_token(tokenizer) is None else [end_of_text_token(tokenizer)]
         train_documents, val_documents = tokenized(train_documents, tokenizer), tokenized(val_documents, tokenizer)
     if packed_layout:
+        from accumulation.data.packing import packed
+
         train_documents = packed(train_documents, seq_len, separator)
         val_documents = packed(val_documents, seq_len, separator)
     train = make_rows(train_documents, seq_len, vocab_size)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, concatenate, count_supervised_tokens
+from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.mesh import Layout
 from accumulation.step import MicroBatchLoss, squared_norm
@@ -198,6 +198,20 @@ def build_pipeline(
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=accumulation_steps, loss_fn=loss, scale_grads=False)
     names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
     return Pipeline(layout, stage_module, wrapped, schedule, loss, names, device, accumulation_steps)
+
+
+def concatenate(micro_batches: list[MicroBatch]) -> MicroBatch:
+    """The rows of several micro-batches as one, in order (every tensor concatenated along its rows)."""
+    first = micro_batches[0]
+    if isinstance(first.inputs, dict):
+        inputs = {name: torch.cat([mb.inputs[name] for mb in micro_batches]) for name in first.inputs}
+    elif isinstance(first.inputs, tuple):
+        inputs = tuple(torch.cat(parts) for parts in zip(*(mb.inputs for mb in micro_batches), strict=True))
+    else:
+        inputs = torch.cat([mb.inputs for mb in micro_batches])
+    labels = torch.cat([mb.labels for mb in micro_batches])
+    extras = {name: torch.cat([mb.extras[name] for mb in micro_batches]) for name in first.extras}
+    return MicroBatch(inputs, labels, sum(mb.num_examples for mb in micro_batches), extras)
 
 
 def run_schedule(pipeline: Pipeline, micro_batches: list[MicroBatch], *, train: bool) -> torch.Tensor:

@@ -34,8 +34,9 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample, step_uniforms
+from accumulation.data.rows import DataError, RawExample
 from accumulation.data.splits import Data
+from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
     NORMALISER_UNITS,
     PolicyLoss,

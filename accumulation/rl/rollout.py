@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data.rows import step_uniforms
+from accumulation.data.uniforms import step_uniforms
 
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
 PROMPT_STREAM, SAMPLING_STREAM = 11, 12

@@ -42,7 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from accumulation.config.config import Config, load_config, resolved_compile
 from accumulation.data.rows import BYTE_VOCAB_SIZE, RowSet, make_rows
-from accumulation.data.sources import build_micro_batches, step_row_ids
+from accumulation.data.sources import step_row_ids
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.build import autocast_dtype_for, build_optimizer, step_strategy, wrap_for_training

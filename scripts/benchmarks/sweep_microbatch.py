@@ -40,8 +40,9 @@ import torch.distributed as dist
 from accumulation.batching import accumulation_steps
 from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
 from accumulation.data.rows import DataError
-from accumulation.data.sources import build_data, build_micro_batches, step_row_ids
+from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.splits import Data
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import (
     build_model,
     decided_model_config,

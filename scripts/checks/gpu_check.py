@@ -68,7 +68,8 @@ from accumulation.batching import MicroBatch
 from accumulation.chunked_loss import ChunkedCrossEntropySum, FinalHiddenStates
 from accumulation.config.config import load_config
 from accumulation.data.rows import make_rows
-from accumulation.data.sources import build_micro_batches, step_counts, step_row_ids
+from accumulation.data.sources import step_row_ids
+from accumulation.data.step_tools import build_micro_batches, step_counts
 from accumulation.models.factory import build_model, decided_model_config, training_forward_and_loss
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext

@@ -66,8 +66,8 @@ BUGS = [
         "val-batches-rounded-down",
         "validation micro-batches per rank rounded down: rows silently dropped",
         "accumulation/data/sources.py",
-        "    return math.ceil(total / world_size)",
-        "    return total // world_size",
+        "    for k in range(math.ceil(micro_batches_of_all_ranks / world_size)):",
+        "    for k in range(micro_batches_of_all_ranks // world_size):",
         [VALIDATION_TEST],
     ),
     Bug(
@@ -498,9 +498,9 @@ BUGS = [
         "a forward that raises in the probe leaves the model in eval mode",
         "accumulation/probe.py",
         "    try:\n"
-        "        outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "        outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
         "    finally:\n        model.train()",
-        "    outputs, whole = _outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
+        "    outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
         "    model.train()",
         [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),

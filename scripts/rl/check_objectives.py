@@ -21,7 +21,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, divisors
 from accumulation.config.config import ConfigError, load_config
-from accumulation.data.rows import step_uniforms
+from accumulation.data.uniforms import step_uniforms
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import run_and_exit
 from accumulation.rl.objective_check import WRONG_NORMALISERS, StepRows, check_objective, declared_by_the_library

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
-from accumulation.data.sources import epoch_permutation, step_row_ids, steps_per_epoch
+from accumulation.data.sources import step_row_ids, steps_per_epoch
+from accumulation.data.step_tools import epoch_permutation
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
 from scripts.teaching.pitfall_setup import (

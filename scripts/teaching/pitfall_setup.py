@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from accumulation.batching import MicroBatch, accumulation_steps, count_supervised_tokens
 from accumulation.data.rows import RowSet, make_rows
-from accumulation.data.sources import build_micro_batches
+from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.step import optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
