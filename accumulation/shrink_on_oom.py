@@ -144,4 +144,3 @@ def restore_generator_states(states: list[torch.Tensor], device: torch.device) -
     torch.set_rng_state(states[0])
     if device.type == "cuda":
         torch.cuda.set_rng_state(states[1], device)
-
