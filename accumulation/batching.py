@@ -99,6 +99,17 @@ def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
     return summed.tolist()
 
 
+def counts_over_replicas(micro_batches: list[MicroBatch], replicas: int, device: torch.device) -> GlobalCounts:
+    """The step's counts from this rank's micro-batches, summed over all ranks by one collective: for a caller that
+    does not know them beforehand. The ranks of one replica (its pipeline stages) hold the same rows, so each
+    replica is counted once."""
+    tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
+    examples_local = sum(mb.num_examples for mb in micro_batches)
+    ranks_per_replica = (dist.get_world_size() if dist.is_initialized() else 1) // replicas
+    tokens_all, examples_all = all_reduce_ints([tokens_local, examples_local], device)
+    return GlobalCounts(tokens_all // ranks_per_replica, examples_all // ranks_per_replica)
+
+
 def divisors(value: int) -> list[int]:
     return [d for d in range(1, value + 1) if value % d == 0]
 

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, all_reduce_ints, count_supervised_tokens
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, counts_over_replicas
 
 
 @dataclass
@@ -161,13 +161,7 @@ def optimizer_step(
 
     # 1. The global denominator N, before any forward.
     if global_counts is None:  # the fallback: one collective on host-side counts
-        tokens_local = sum(count_supervised_tokens(mb.labels) for mb in micro_batches)
-        examples_local = sum(mb.num_examples for mb in micro_batches)
-        # The ranks of one replica (its pipeline stages) hold the same rows: each replica is counted once.
-        ranks_per_replica = (dist.get_world_size() if dist.is_initialized() else 1) // strategy.replicas
-        tokens_all, examples_all = all_reduce_ints([tokens_local, examples_local], device)
-        global_counts = GlobalCounts(tokens_all // ranks_per_replica, examples_all // ranks_per_replica)
-    tokens_global = global_counts.tokens
+        global_counts = counts_over_replicas(micro_batches, strategy.replicas, device)
     # A step without a supervised token still runs its micro-batches (adding exactly zero) so that all ranks take
     # part in the same collectives; its update is skipped. N = 0 becomes 1 only to avoid dividing by zero.
     loss = MicroBatchLoss(loss_sum_fn, strategy.replicas / (global_counts.n or 1), scaler, device, autocast_dtype)
@@ -202,7 +196,7 @@ def optimizer_step(
     if grad_clip > 0:  # scale every gradient by grad_clip / (norm + 1e-6) when that is below 1
         torch.nn.utils.clip_grads_with_norm_(parameters, grad_clip, grad_norm_tensor)
     update_queued = False
-    if tokens_global > 0 and all(group.get("fused") for group in optimizer.param_groups):
+    if global_counts.tokens > 0 and all(group.get("fused") for group in optimizer.param_groups):
         from accumulation.update_on_device import queue_update_unless_non_finite
 
         update_queued = queue_update_unless_non_finite(optimizer, scaler, grad_norm_tensor)
@@ -219,7 +213,7 @@ def optimizer_step(
     optimizer.zero_grad(set_to_none=True)
     return StepResult(
         loss_value,
-        tokens_global,
+        global_counts.tokens,
         global_counts.examples,
         applied,
         grad_norm,

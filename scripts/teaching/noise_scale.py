@@ -20,13 +20,14 @@ import sys
 
 import torch
 
+from accumulation.batching import count_supervised_tokens
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data, step_batch
 from accumulation.models.factory import build_model
 from accumulation.noise_scale import MicroBatchGradients, NoiseScale
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
-from accumulation.step import count_supervised_tokens, optimizer_step
+from accumulation.step import optimizer_step
 
 CPU = torch.device("cpu")
 
