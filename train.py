@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -81,7 +80,6 @@ from accumulation.run.build import (
     wrap_for_training,
 )
 from accumulation.run.checkpoint import (
-    WRITE_ERROR_STATUS,
     CheckpointError,
     WriteError,
     checkpoint_payload,
@@ -188,35 +186,11 @@ def train_in_run_directory(
 
                 check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
-    except (CheckpointError, InexactStep, DataError) as error:
-        # Bad input found now: ranks that disagree or state dicts that do not load (every rank says so), the step-0
-        # probe (a mean loss, or coupled rows with batch.on_inexact=error), a row read mid-run holding an id beyond
-        # the vocabulary or not the promised N (the rank that read it says so; the others lose it).
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except WriteError as error:  # a full disk: the rank that wrote says so (the others lose it just after)
-        print(f"error: {error}", file=sys.stderr)
-        return WRITE_ERROR_STATUS
-    except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
-        # Out of memory: torch.OutOfMemoryError on CUDA, a plain RuntimeError from the CPU allocator.
-        if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
-            print(
-                f"error: out of memory at batch.micro_batch_size={config.batch.micro_batch_size} "
-                f"({str(error).strip().splitlines()[0]}); lower batch.micro_batch_size (A grows, the global batch "
-                f'and its update stay the same), or on CUDA set batch.on_oom="shrink"',
-                file=sys.stderr,
-            )
-            return 2
-        message = None
-        if world_size > 1:
-            from accumulation.parallel.torchrun import lost_rank_message
+    except (CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
+        # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)
+        from accumulation.run.failures import exit_status_after  # only a run that fails imports it
 
-            message = lost_rank_message(error, rank, config.dist.timeout_s)
-        if message is None:
-            traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message
-            return 1
-        print(message, file=sys.stderr)  # every rank: each one's view helps to find the rank that failed first
-        return 1
+        return exit_status_after(error, config, rank, world_size)
     teardown_distributed()
     return status
 

@@ -20,7 +20,7 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
+from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import write_text_atomically
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
@@ -44,6 +44,8 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
+            from accumulation.run.write_errors import why_not_written
+
             raise WriteError(
                 f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
                 f"was not written and the lines before are untouched"
@@ -74,20 +76,10 @@ def quiet_tensorboard_thread_errors() -> None:
 def tensorboard_write_error(error: Exception, writer) -> Exception:
     """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
     a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
+    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
+
     cause = os_error_in(error)
-    if cause is None:
-        return error
-    folder = Path(writer.get_logdir()).parent
-    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
-    # record cut short, and the resume's purge_step drops the points after the checkpoint.
-    metrics_path = folder.parent / "metrics.jsonl"
-    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
-    kept = (
-        "metrics.jsonl holds every step up to here"
-        if metrics_path.exists()
-        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
-    )
-    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
+    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -151,6 +143,8 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
+            from accumulation.run.write_errors import why_not_written
+
             where = self.run_dir / "config.toml"
             raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
         if self.metrics_path.exists():  # left by an earlier session

@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 from accumulation.config.config import CONFIG_FIRST_LINE, Config, ConfigError
-from accumulation.run.checkpoint import disk_full, why_not_written
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -175,6 +174,8 @@ class RunLock:
             return False
 
     def not_created(self, error: OSError) -> ConfigError:
+        from accumulation.run.write_errors import disk_full, why_not_written
+
         why = why_not_written(error, self.run_dir)
         fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
         return ConfigError(
