@@ -300,7 +300,8 @@ def test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_w
 WRONG_AT_STEP_2 = """
 from accumulation.config.registry import register_data
 from accumulation.data.rows import make_rows
-from accumulation.data.splits import data_from_custom_rows, row_fingerprint
+from accumulation.data.custom import data_from_custom_rows
+from accumulation.data.splits import row_fingerprint
 
 
 class CountsWrongAtStep2:
