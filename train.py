@@ -16,6 +16,7 @@ in the config; no file here is edited. docs/forking.md walks through it.
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
 
+import functools
 import os
 import signal
 import sys
@@ -87,8 +88,8 @@ from accumulation.run.checkpoint import (
     seed_dropout,
 )
 from accumulation.run.logs import RunLogs, finite_or_none
-from accumulation.run.resume import find_resume_point
-from accumulation.run.run_dir import RunDirectoryError, RunLock, check_not_inside_a_run, run_directory
+from accumulation.run.resume import check_run_directory, find_resume_point
+from accumulation.run.run_dir import RunDirectoryError, RunLock, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
@@ -127,12 +128,7 @@ def main(argv: list[str]) -> int:
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
-        if run_dir.exists():  # this program's own files only (a fresh run: in a folder of no other run)
-            from accumulation.run.existing_run_dir import check_existing_run_directory
-
-            check_existing_run_directory(run_dir)
-        else:
-            check_not_inside_a_run(run_dir)
+        check_run_directory(run_dir)  # this program's own files only; a fresh run in a folder of no other run
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
         # (on the meta device "auto" is plain; build_training decides it on the run's device)
@@ -145,7 +141,7 @@ def main(argv: list[str]) -> int:
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
-        warn = print_to_stderr if rank == 0 else say
+        warn = functools.partial(say, file=sys.stderr)  # rank 0's warnings, on stderr
         resume = find_resume_point(config, data.summary, model_on_meta, run_dir, warn, say)
     except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -159,10 +155,6 @@ def main(argv: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
-
-
-def print_to_stderr(*args, **kwargs) -> None:
-    print(*args, **kwargs, file=sys.stderr)
 
 
 def train_in_run_directory(
