@@ -44,12 +44,10 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import why_not_written
+            from accumulation.run.write_errors import not_written
 
-            raise WriteError(
-                f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
-                f"was not written and the lines before are untouched"
-            ) from None
+            kept = "its last line was not written and the lines before are untouched"
+            raise WriteError(f"{not_written(error, self.path)}; {kept}") from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
@@ -143,10 +141,9 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
-            from accumulation.run.write_errors import why_not_written
+            from accumulation.run.write_errors import not_written
 
-            where = self.run_dir / "config.toml"
-            raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
+            raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
             from accumulation.run.resumed_logs import keep_metrics_up_to
 
@@ -173,18 +170,12 @@ class RunLogs:
         config, data, context, say = self.config, self.data, self.context, self.say
         stages = config.dist.pipeline_stages
         batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
-        pipeline = (
-            f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
-            if stages > 1
-            else ""
-        )
+        batch += " examples per update"
+        if stages > 1:
+            batch += f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
         position = "tokens" if data.summary.targets == "tokens" else "positions"
         per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
-        say(
-            f"accumulation: {batch}"
-            f" examples per update{pipeline}; {per_row}"
-            f"device {context.device} ({context.backend or 'single process'})"
-        )
+        say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
         say(
             f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
             f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "

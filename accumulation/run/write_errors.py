@@ -36,6 +36,11 @@ def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = Non
     return f"the disk is full ({', '.join(details + [error.strerror])})"
 
 
+def not_written(error: OSError, path: Path) -> str:
+    """ "<path> could not be written: <why>", the start of most of these lines."""
+    return f"{path} could not be written: {why_not_written(error, path.parent)}"
+
+
 def tensor_bytes(value) -> int:
     """Bytes of the tensors in a nested payload: close to its size on disk (the rest is small metadata)."""
     if isinstance(value, torch.Tensor):
