@@ -74,8 +74,7 @@ from accumulation.run.build import (
     autocast_dtype_for,
     build_optimizer,
     check_config_for_world,
-    check_micro_batch_fits_in_memory,
-    check_model_fits_in_memory,
+    check_fits_in_memory,
     set_tf32,
     step_strategy,
     wrap_for_training,
@@ -120,9 +119,9 @@ def main(argv: list[str]) -> int:
         config = load_config(argv)
         check_config_for_world(config, world_size)
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
-        # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
+        # The data's vocabulary and the loss are not known yet: one token and no logits are lower bounds.
         one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
-        check_model_fits_in_memory(config, count_parameters(one_token_model))
+        check_fits_in_memory(config, count_parameters(one_token_model), vocab_size=1, chunked_loss=True)
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
@@ -137,7 +136,7 @@ def main(argv: list[str]) -> int:
             from accumulation.parallel.pipeline import check_model_splits
 
             check_model_splits(model_on_meta, config)
-        check_micro_batch_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
+        check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()

@@ -174,13 +174,9 @@ class RunLock:
             return False
 
     def not_created(self, error: OSError) -> ConfigError:
-        from accumulation.run.write_errors import disk_full, why_not_written
+        from accumulation.run.write_errors import run_directory_not_created
 
-        why = why_not_written(error, self.run_dir)
-        fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
-        return ConfigError(
-            f"run.out_dir: cannot create the run directory {self.run_dir} and its lock file ({why}); {fix}"
-        )
+        return ConfigError(run_directory_not_created(error, self.run_dir))
 
     def release(self, undo: bool = False) -> None:
         """Unlock (closing the file releases the lock). With `undo`, remove what `acquire` created, when it is

@@ -1,6 +1,7 @@
 """The one line for a file of the run that could not be written (a full disk above all): imported only when a
 write fails (accumulation/run/checkpoint.py, logs.py, run_dir.py, resumed_logs.py), never by a run that goes well.
-The callers raise it as a WriteError (checkpoint.py), which ends the program with one line."""
+The callers raise it as a WriteError (checkpoint.py), which ends the program with one line; the run directory
+that cannot be created at start-up, as the ConfigError of bad input (run_dir.py)."""
 
 import errno
 import shutil
@@ -39,6 +40,12 @@ def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = Non
 def not_written(error: OSError, path: Path) -> str:
     """ "<path> could not be written: <why>", the start of most of these lines."""
     return f"{path} could not be written: {why_not_written(error, path.parent)}"
+
+
+def run_directory_not_created(error: OSError, run_dir: Path) -> str:
+    why = why_not_written(error, run_dir)
+    fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
+    return f"run.out_dir: cannot create the run directory {run_dir} and its lock file ({why}); {fix}"
 
 
 def tensor_bytes(value) -> int:
