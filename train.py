@@ -16,11 +16,11 @@ in the config; no file here is edited. docs/forking.md walks through it.
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
 
+import functools
 import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -74,14 +74,12 @@ from accumulation.run.build import (
     autocast_dtype_for,
     build_optimizer,
     check_config_for_world,
-    check_micro_batch_fits_in_memory,
-    check_model_fits_in_memory,
+    check_fits_in_memory,
     set_tf32,
     step_strategy,
     wrap_for_training,
 )
 from accumulation.run.checkpoint import (
-    WRITE_ERROR_STATUS,
     CheckpointError,
     WriteError,
     checkpoint_payload,
@@ -89,8 +87,8 @@ from accumulation.run.checkpoint import (
     seed_dropout,
 )
 from accumulation.run.logs import RunLogs, finite_or_none
-from accumulation.run.resume import find_resume_point
-from accumulation.run.run_dir import RunDirectoryError, RunLock, check_not_inside_a_run, run_directory
+from accumulation.run.resume import check_run_directory, find_resume_point
+from accumulation.run.run_dir import RunDirectoryError, RunLock, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
@@ -121,20 +119,15 @@ def main(argv: list[str]) -> int:
         config = load_config(argv)
         check_config_for_world(config, world_size)
         # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
-        # The data's vocabulary is not known yet; one token is a lower bound on what the model needs.
+        # The data's vocabulary and the loss are not known yet: one token and no logits are lower bounds.
         one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
-        check_model_fits_in_memory(config, count_parameters(one_token_model))
+        check_fits_in_memory(config, count_parameters(one_token_model), vocab_size=1, chunked_loss=True)
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
         # a DataError when the rows cannot fill one global batch
         steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
         vocab_size = resolved_vocab_size(config.model, data.vocab_size)
         run_dir = run_directory(config)  # inside run.out_dir, links resolved
-        if run_dir.exists():  # this program's own files only (a fresh run: in a folder of no other run)
-            from accumulation.run.existing_run_dir import check_existing_run_directory
-
-            check_existing_run_directory(run_dir)
-        else:
-            check_not_inside_a_run(run_dir)
+        check_run_directory(run_dir)  # this program's own files only; a fresh run in a folder of no other run
         model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
         # model.loss = "chunked" for a model without an output head: refused here, before anything is written
         # (on the meta device "auto" is plain; build_training decides it on the run's device)
@@ -143,11 +136,11 @@ def main(argv: list[str]) -> int:
             from accumulation.parallel.pipeline import check_model_splits
 
             check_model_splits(model_on_meta, config)
-        check_micro_batch_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
+        check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
         if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
             lock = RunLock(run_dir)
             lock.acquire()
-        warn = print_to_stderr if rank == 0 else say
+        warn = functools.partial(say, file=sys.stderr)  # rank 0's warnings, on stderr
         resume = find_resume_point(config, data.summary, model_on_meta, run_dir, warn, say)
     except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -161,10 +154,6 @@ def main(argv: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
-
-
-def print_to_stderr(*args, **kwargs) -> None:
-    print(*args, **kwargs, file=sys.stderr)
 
 
 def train_in_run_directory(
@@ -188,35 +177,11 @@ def train_in_run_directory(
 
                 check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
-    except (CheckpointError, InexactStep, DataError) as error:
-        # Bad input found now: ranks that disagree or state dicts that do not load (every rank says so), the step-0
-        # probe (a mean loss, or coupled rows with batch.on_inexact=error), a row read mid-run holding an id beyond
-        # the vocabulary or not the promised N (the rank that read it says so; the others lose it).
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except WriteError as error:  # a full disk: the rank that wrote says so (the others lose it just after)
-        print(f"error: {error}", file=sys.stderr)
-        return WRITE_ERROR_STATUS
-    except RuntimeError as error:  # torch.distributed's errors are RuntimeErrors too
-        # Out of memory: torch.OutOfMemoryError on CUDA, a plain RuntimeError from the CPU allocator.
-        if isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error):
-            print(
-                f"error: out of memory at batch.micro_batch_size={config.batch.micro_batch_size} "
-                f"({str(error).strip().splitlines()[0]}); lower batch.micro_batch_size (A grows, the global batch "
-                f'and its update stay the same), or on CUDA set batch.on_oom="shrink"',
-                file=sys.stderr,
-            )
-            return 2
-        message = None
-        if world_size > 1:
-            from accumulation.parallel.torchrun import lost_rank_message
+    except (CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
+        # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)
+        from accumulation.run.failures import exit_status_after  # only a run that fails imports it
 
-            message = lost_rank_message(error, rank, config.dist.timeout_s)
-        if message is None:
-            traceback.print_exc()  # not a lost rank but a bug: its traceback is the useful message
-            return 1
-        print(message, file=sys.stderr)  # every rank: each one's view helps to find the rank that failed first
-        return 1
+        return exit_status_after(error, config, rank, world_size)
     teardown_distributed()
     return status
 

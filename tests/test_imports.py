@@ -121,7 +121,10 @@ OPTION_MODULES = {
     "accumulation.parallel.torchrun",  # a launch under torchrun
     "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
     "accumulation.run.existing_run_dir",  # a run directory that exists already
+    "accumulation.run.write_errors",  # a file of the run that could not be written
+    "accumulation.run.failures",  # a run that fails once its run directory is its own
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
+    "accumulation.models.gpt_stages",  # dist.pipeline_stages > 1 with the GPT
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
     "torch.distributed.pipelining",

@@ -119,19 +119,9 @@ class GPT(nn.Module):
         head. Each stage maps the previous stage's output to its own (the first takes the token ids, the last returns
         the logits), and holds this model's own modules, so the stages' parameters are the model's parameters.
         The blocks are shared out as evenly as they go, the earlier stages taking the extra ones."""
-        n_layer = len(self.blocks)
-        if not 1 <= num_stages <= n_layer:
-            raise ValueError(
-                f"dist.pipeline_stages: {num_stages} stages need at least one transformer block each, and "
-                f"model.n_layer is {n_layer}; choose at most {n_layer} stages or more layers"
-            )
-        per_stage, extra = divmod(n_layer, num_stages)
-        stages, first_block = [], 0
-        for stage in range(num_stages):
-            end_block = first_block + per_stage + (stage < extra)
-            stages.append(GPTStage(self, first_block, end_block, first=stage == 0, last=stage == num_stages - 1))
-            first_block = end_block
-        return stages
+        from accumulation.models.gpt_stages import split_into_stages  # imported only for dist.pipeline_stages > 1
+
+        return split_into_stages(self, num_stages)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -154,36 +144,6 @@ class GPT(nn.Module):
             next_token = torch.multinomial(probabilities.cpu(), 1, generator=generator).to(tokens.device)
             tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
         return tokens[0]
-
-
-class GPTStage(nn.Module):
-    """One pipeline stage of a GPT (GPT.pipeline_split): blocks [first_block, end_block), with the embeddings in
-    front on the first stage and the final norm and output head behind on the last. Its submodules are the
-    GPT's own, so its parameters are the GPT's parameters (the optimizer and checkpoints map them by identity)."""
-
-    def __init__(self, model: GPT, first_block: int, end_block: int, *, first: bool, last: bool):
-        super().__init__()
-        self.first, self.last = first, last
-        if first:
-            self.token_embedding = model.token_embedding
-            self.position_embedding = model.position_embedding
-            self.embed_dropout = model.embed_dropout
-        self.blocks = nn.ModuleList(model.blocks[first_block:end_block])
-        if last:
-            self.final_norm = model.final_norm
-            self.lm_head = model.lm_head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Token ids [rows, seq_len] on the first stage, the residual stream [rows, seq_len, d_model] after it;
-        returns the residual stream, or the logits [rows, seq_len, vocab_size] on the last stage."""
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.embed_dropout(self.token_embedding(x) + self.position_embedding(positions))
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = self.lm_head(self.final_norm(x))
-        return x
 
 
 def gpt_config(model_config, vocab_size: int, seq_len: int) -> GPTConfig:

@@ -42,14 +42,6 @@ class DistributedContext:
         return self.layout.replica if self.layout is not None else self.rank
 
 
-def choose_device(preference: str, local_rank: int) -> torch.device:
-    """ "auto" and "cuda" take this rank's GPU when there is one (build.check_device_available has already
-    refused "cuda" without one); otherwise the CPU."""
-    if preference in ("cuda", "auto") and torch.cuda.is_available():
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 class LaunchError(ValueError):
     """The launcher's environment is incomplete or malformed: a WORLD_SIZE set by hand, RANK=abc, no MASTER_ADDR."""
 
@@ -69,13 +61,16 @@ def launch_environment() -> tuple[int, int]:
 
 def setup_distributed(device_preference: str, timeout_s: float, pipeline_stages: int = 1) -> DistributedContext:
     """A single process without RANK in the environment; under torchrun this rank's device, the process group
-    and the rank's layout as D replicas × P pipeline stages (accumulation/parallel/torchrun.py)."""
+    and the rank's layout as D replicas × P pipeline stages (accumulation/parallel/torchrun.py). The device:
+    this rank's GPU for "auto" and "cuda" when there is one (build.check_device_available has already refused
+    "cuda" without one), otherwise the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if "RANK" in os.environ else 0
+    gpu = device_preference in ("cuda", "auto") and torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     if "RANK" not in os.environ:
-        return DistributedContext(0, 0, 1, choose_device(device_preference, 0), None)
+        return DistributedContext(0, 0, 1, device, None)
     from accumulation.parallel.torchrun import join_process_group
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = choose_device(device_preference, local_rank)
     backend, layout = join_process_group(device, timeout_s, pipeline_stages)
     return DistributedContext(dist.get_rank(), local_rank, dist.get_world_size(), device, backend, layout)
 

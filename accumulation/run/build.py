@@ -127,21 +127,6 @@ def training_memory(config: Config) -> tuple[str, int, int]:
     return limit, limit_bytes, 1
 
 
-def check_model_fits_in_memory(config: Config, parameters: int) -> None:
-    """Refuse a model of `parameters` weights that cannot possibly train on this machine: allocating it would fail
-    half-way with a traceback, or get the process killed. Only a lower bound, 16 bytes per parameter;
-    activations come on top (check_micro_batch_fits_in_memory, once the vocabulary is known)."""
-    where, memory_bytes, shards = training_memory(config)
-    needed_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
-    if needed_bytes > memory_bytes:
-        raise ConfigError(
-            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
-            f"and needs at least {needed_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
-            f"{f' over {shards} shards' if shards > 1 else ''}), "
-            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
-        )
-
-
 def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: bool) -> int:
     """A lower bound on the activations one micro-batch keeps for its backward: per token, each layer's
     output (d_model values) and, without the chunked loss, the logits and the cross-entropy's log-softmax
@@ -156,13 +141,20 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
     return tokens * per_token
 
 
-def check_micro_batch_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
-    """Refuse a micro-batch whose activations, with the weights, gradients and optimizer state of a model of
-    `parameters` weights, cannot fit: the first forward would end in an allocator's traceback (or the kernel's OOM
-    killer, silently) after the step-0 checkpoint was written. Under shrink-on-OOM (GPU only) the step would
-    only fail later."""
+def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
+    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train on this machine: the
+    allocation would fail half-way with a traceback (or the kernel's OOM killer end the run, silently), after the
+    step-0 checkpoint was written. Lower bounds only: 16 bytes per parameter for the model, then a micro-batch's
+    activations on top (activation_bytes_at_least). Under shrink-on-OOM (GPU only) the step would only fail later."""
     where, memory_bytes, shards = training_memory(config)
     weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
+    if weights_bytes > memory_bytes:
+        raise ConfigError(
+            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
+            f"and needs at least {weights_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
+            f"{f' over {shards} shards' if shards > 1 else ''}), "
+            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+        )
     activations = activation_bytes_at_least(config, vocab_size, chunked_loss)
     if weights_bytes + activations > memory_bytes:
         raise ConfigError(

@@ -10,7 +10,6 @@ Reading one back, and every check before a run continues from it: accumulation/r
 accumulation/run/restore.py, which a fresh run on one process never imports.
 """
 
-import errno
 import os
 import re
 import shutil
@@ -34,50 +33,8 @@ class CheckpointError(ValueError):
 
 class WriteError(Exception):
     """A file of the run could not be written (a full disk, a lost mount, no permission); the message is one
-    line naming the file, why, and what was kept. The program ends at once with WRITE_ERROR_STATUS."""
-
-
-# A fault of the machine, not bad input (2): torchrun --max-restarts retries it, and each retry resumes from
-# the newest complete checkpoint, so freeing space while it retries loses nothing.
-WRITE_ERROR_STATUS = 1
-
-
-def os_error_in(error: BaseException) -> OSError | None:
-    """The OSError behind `error`, if any. torch.save reports a failed write of its zip writer as the
-    OSError itself, or as a RuntimeError raised while the writer cleans up, with the OSError as its context."""
-    while error is not None:
-        if isinstance(error, OSError):
-            return error
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def disk_full(error: OSError) -> bool:
-    return error.errno in (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota used up
-
-
-def why_not_written(error: OSError, folder: Path, needed_bytes: int | None = None) -> str:
-    """The reason for a failed write in words: "the disk is full (... needs 2.6 MB, 0.4 MB free)", or the
-    operating system's own reason."""
-    if not disk_full(error):
-        return error.strerror or str(error)
-    details = [f"it needs about {needed_bytes / 1e6:.1f} MB"] if needed_bytes else []
-    try:
-        details.append(f"{shutil.disk_usage(folder).free / 1e6:.1f} MB free")
-    except OSError:
-        pass  # the folder is gone too: no figure to give
-    return f"the disk is full ({', '.join(details + [error.strerror])})"
-
-
-def tensor_bytes(value) -> int:
-    """Bytes of the tensors in a nested payload: close to its size on disk (the rest is small metadata)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, dict):
-        return sum(tensor_bytes(item) for item in value.values())
-    if isinstance(value, list | tuple):
-        return sum(tensor_bytes(item) for item in value)
-    return 0
+    line naming the file, why, and what was kept (accumulation/run/write_errors.py). The program ends at once with
+    exit status 1 (accumulation/run/failures.py)."""
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
@@ -116,24 +73,17 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
         for old in step_checkpoints(checkpoint_dir)[:-keep]:
             old.unlink()
     except Exception as error:
+        from accumulation.run.write_errors import checkpoint_not_written, os_error_in
+
         cause = os_error_in(error)
         if cause is None:
             raise  # not the file system: a bug, whose traceback is the useful message
-        for leftover in (temporary, latest_temporary):
-            try:
-                leftover.unlink(missing_ok=True)
-            except OSError:
-                pass  # the folder itself is unreachable: there is nothing to clean up
         try:
             complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
         except OSError:
             complete = []
-        kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
-        raise WriteError(
-            f"checkpoint {path} could not be written: {why_not_written(cause, checkpoint_dir, tensor_bytes(payload))}; "
-            f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
-            f"and a restart resumes from the newest checkpoint"
-        ) from None
+        temporaries = (temporary, latest_temporary)
+        raise WriteError(checkpoint_not_written(cause, path, temporaries, complete, payload)) from None
     finally:
         torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
     return path
@@ -145,12 +95,6 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
         return []
     found = [p for p in checkpoint_dir.iterdir() if STEP_FILE.fullmatch(p.name)]
     return sorted(found, key=lambda p: int(STEP_FILE.fullmatch(p.name).group(1)))
-
-
-def few(names: list[str]) -> str:
-    """The first three names, and how many more: a message stays one readable line."""
-    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-    return ", ".join(names[:3]) + more
 
 
 def checkpoint_payload(

@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from accumulation.counters import Counters
-from accumulation.run.checkpoint import CheckpointError, few, step_checkpoints
+from accumulation.run.checkpoint import CheckpointError, step_checkpoints
+from accumulation.run.failures import few
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "counters", "config", "rng", "data")
 COUNTER_NAMES = [field.name for field in dataclasses.fields(Counters)]

@@ -4,7 +4,8 @@ the folder is there."""
 import re
 from pathlib import Path
 
-from accumulation.run.checkpoint import STEP_FILE, few
+from accumulation.run.checkpoint import STEP_FILE
+from accumulation.run.failures import few
 from accumulation.run.run_dir import (
     LOCK_FILE,
     METRICS_FILE,

@@ -20,7 +20,7 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import WriteError, os_error_in, why_not_written
+from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import write_text_atomically
 
 # The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
@@ -44,10 +44,10 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            raise WriteError(
-                f"{self.path} could not be written: {why_not_written(error, self.path.parent)}; its last line "
-                f"was not written and the lines before are untouched"
-            ) from None
+            from accumulation.run.write_errors import not_written
+
+            kept = "its last line was not written and the lines before are untouched"
+            raise WriteError(f"{not_written(error, self.path)}; {kept}") from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
@@ -74,20 +74,10 @@ def quiet_tensorboard_thread_errors() -> None:
 def tensorboard_write_error(error: Exception, writer) -> Exception:
     """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
     a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
+    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
+
     cause = os_error_in(error)
-    if cause is None:
-        return error
-    folder = Path(writer.get_logdir()).parent
-    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
-    # record cut short, and the resume's purge_step drops the points after the checkpoint.
-    metrics_path = folder.parent / "metrics.jsonl"
-    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
-    kept = (
-        "metrics.jsonl holds every step up to here"
-        if metrics_path.exists()
-        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
-    )
-    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
+    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -151,8 +141,9 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
-            where = self.run_dir / "config.toml"
-            raise WriteError(f"{where} could not be written: {why_not_written(error, self.run_dir)}") from None
+            from accumulation.run.write_errors import not_written
+
+            raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
             from accumulation.run.resumed_logs import keep_metrics_up_to
 
@@ -179,18 +170,12 @@ class RunLogs:
         config, data, context, say = self.config, self.data, self.context, self.say
         stages = config.dist.pipeline_stages
         batch = describe_batch(config.batch.global_batch_size, config.batch.micro_batch_size, context.replicas, stages)
-        pipeline = (
-            f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
-            if stages > 1
-            else ""
-        )
+        batch += " examples per update"
+        if stages > 1:
+            batch += f"; {stages} pipeline stages ({config.dist.pipeline_schedule}), {context.world_size} ranks"
         position = "tokens" if data.summary.targets == "tokens" else "positions"
         per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
-        say(
-            f"accumulation: {batch}"
-            f" examples per update{pipeline}; {per_row}"
-            f"device {context.device} ({context.backend or 'single process'})"
-        )
+        say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
         say(
             f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
             f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "

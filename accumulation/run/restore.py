@@ -20,7 +20,7 @@ from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.build import build_optimizer
-from accumulation.run.checkpoint import CheckpointError, few, seed_dropout, step_checkpoints
+from accumulation.run.checkpoint import CheckpointError, seed_dropout, step_checkpoints
 from accumulation.run.checkpoint_checks import (
     OLDER_CHECKPOINT,
     check_model_state,
@@ -29,6 +29,7 @@ from accumulation.run.checkpoint_checks import (
     check_weights_finite,
     newest_readable_checkpoint,
 )
+from accumulation.run.failures import few
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.run.resumed_logs import metrics_lines
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE

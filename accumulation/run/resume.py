@@ -1,5 +1,7 @@
-"""Whether this run continues one from its checkpoint. A new run directory has nothing to continue and nothing
-to refuse; any other is read and checked by accumulation/run/restore.py, imported only then."""
+"""What the run directory holds at start-up: files a run may write over (check_run_directory), and a run to continue
+from its checkpoint (find_resume_point). A new run directory has nothing to continue and nothing to refuse; any
+other is checked by accumulation/run/existing_run_dir.py and read by accumulation/run/restore.py, imported only
+then."""
 
 from pathlib import Path
 
@@ -7,7 +9,18 @@ import torch
 
 from accumulation.config.config import Config
 from accumulation.data.splits import DataSummary
-from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
+from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, check_not_inside_a_run
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """Refuse (RunDirectoryError, one line), before anything is written, a run directory that holds files this
+    program did not write, or a fresh run's folder inside another run's directory."""
+    if run_dir.exists():
+        from accumulation.run.existing_run_dir import check_existing_run_directory
+
+        check_existing_run_directory(run_dir)
+    else:
+        check_not_inside_a_run(run_dir)
 
 
 def find_resume_point(

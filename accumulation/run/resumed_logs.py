@@ -4,8 +4,9 @@ Imported only when the run directory already holds a metrics file (logs.py) and 
 import json
 from pathlib import Path
 
-from accumulation.run.checkpoint import WriteError, why_not_written
+from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import RunDirectoryError, write_text_atomically
+from accumulation.run.write_errors import why_not_written
 
 
 def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:

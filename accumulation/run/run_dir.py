@@ -24,7 +24,6 @@ import sys
 from pathlib import Path
 
 from accumulation.config.config import CONFIG_FIRST_LINE, Config, ConfigError
-from accumulation.run.checkpoint import disk_full, why_not_written
 
 LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
@@ -175,11 +174,9 @@ class RunLock:
             return False
 
     def not_created(self, error: OSError) -> ConfigError:
-        why = why_not_written(error, self.run_dir)
-        fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
-        return ConfigError(
-            f"run.out_dir: cannot create the run directory {self.run_dir} and its lock file ({why}); {fix}"
-        )
+        from accumulation.run.write_errors import run_directory_not_created
+
+        return ConfigError(run_directory_not_created(error, self.run_dir))
 
     def release(self, undo: bool = False) -> None:
         """Unlock (closing the file releases the lock). With `undo`, remove what `acquire` created, when it is

@@ -121,8 +121,8 @@ BUGS = [
     Bug(
         "checkpoint-temporary-kept",
         "a failed save leaves its temporary file on the full disk",
-        "accumulation/run/checkpoint.py",
-        "                leftover.unlink(missing_ok=True)",
+        "accumulation/run/write_errors.py",
+        "            leftover.unlink(missing_ok=True)",
         "                pass",
         ["tests/test_logs.py::test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay"],
     ),
@@ -546,7 +546,7 @@ BUGS = [
     Bug(
         "deleted-run-metrics-claimed",
         "a run directory deleted mid-run: the error line says metrics.jsonl holds every step, though it is gone",
-        "accumulation/run/logs.py",
+        "accumulation/run/write_errors.py",
         "        if metrics_path.exists()\n",
         "        if True\n",
         [f"{BLIND_SPOTS_TEST}::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
