@@ -107,9 +107,10 @@ OPTION_MODULES = {
     "accumulation.data.path_sources",  # data.source: a path (text, JSONL, token files)
     "accumulation.data.custom",  # data.source: a registered source
     "accumulation.models.gru",  # model.name = "gru"
-    "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
+    "accumulation.config.fork_import",  # a piece named "module:name" (or naming none: its error line)
     "accumulation.models.encoder",  # model.name = "encoder"
     "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it, on CUDA)
+    "accumulation.models.loss_decision",  # model.loss = "chunked", or "auto" on CUDA
     "accumulation.models.forward_and_loss",  # model.compile (on by default on CUDA only)
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.run.restore",  # a run directory that holds a run (run.resume)

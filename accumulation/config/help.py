@@ -17,7 +17,7 @@ from accumulation.config.config import (
     unused_model_keys,
     value_text,
 )
-from accumulation.config.registry import config_name, registered
+from accumulation.config.fork_import import config_name, registered
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:

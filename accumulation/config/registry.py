@@ -7,16 +7,12 @@
 
 A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
 (`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
-module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
-plus a config; no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps
-each name to the module that registers it, imported when a config first names it, so a run imports only the
-pieces it uses (`registered`, for --help and error messages, imports them all).
+module is imported, registers its pieces, and the name after the colon is looked up (accumulation/config/
+fork_import.py, which also lists every piece for --help and error messages). So a fork is one file plus a config;
+no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps each name to the
+module that registers it, imported when a config first names it, so a run imports only the pieces it uses.
 
-A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config/config_keys.py): they become
-keys of the piece's section (`model.path` for a model's `path`), checked like every key, listed by --help, written
-to the run's config.toml and to checkpoints, and compared on resume. Its `fingerprint(model_config)` covers what
-the keys do not show (a model folder's config.json, edited in place): stored in checkpoints, compared on resume.
-
+A piece's own settings (`settings=`) are keys of its section: accumulation/config/config_keys.py, own_settings.
 This module imports nothing of the project: accumulation/config/config.py reads it to check the names.
 """
 
@@ -56,8 +52,7 @@ class Piece:
     """One registered model, loss or data source.
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract,
-                  accumulation/models/factory.py); data: build(data_config, *, model_vocab_size, seed) -> Data;
-                  loss: unused
+                  docs/forking.md); data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
     settings      None, or a frozen dataclass whose fields are setting(...): the piece's own keys, in its section
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
@@ -79,17 +74,18 @@ class Piece:
     generic_keys_note: str = ""
 
 
-_REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
+# Every registered piece, by kind and name.
+REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
 
 
 def _register(piece: Piece) -> Piece:
     if piece.settings is not None and not dataclasses.is_dataclass(piece.settings):
         raise RegistryError(f"{piece.kind} {piece.name!r}: settings must be a dataclass of setting(...) fields")
-    existing = _REGISTERED[piece.kind].get(piece.name)
+    existing = REGISTERED[piece.kind].get(piece.name)
     # A module imported twice (as a script, then by name) registers its pieces again: the same function's name.
     if existing is not None and _function_name(existing) != _function_name(piece):
         raise RegistryError(f"{piece.kind} {piece.name!r} is registered twice, by two different functions")
-    _REGISTERED[piece.kind][piece.name] = piece
+    REGISTERED[piece.kind][piece.name] = piece
     return piece
 
 
@@ -130,45 +126,15 @@ def register_data(name, build, *, settings=None, check=None) -> Piece:
 
 def is_piece_name(kind: str, name: str) -> bool:
     """Whether `name` names a piece of this kind (registered, built in, or an import path), not e.g. a data file."""
-    return name in _REGISTERED[kind] or name in BUILT_IN[kind] or IMPORT_PATH.fullmatch(name) is not None
+    return name in REGISTERED[kind] or name in BUILT_IN[kind] or IMPORT_PATH.fullmatch(name) is not None
 
 
 def lookup(kind: str, name: str) -> Piece:
     """The piece `name` names: a registered name, a built-in (its module imported first), or "module:name"."""
     if name in BUILT_IN[kind]:
         importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
-    if name in _REGISTERED[kind]:
-        return _REGISTERED[kind][name]
-    if IMPORT_PATH.fullmatch(name) is None:
-        raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
-    module_name, _, short_name = name.partition(":")
-    from accumulation.config.fork_import import import_problem  # only for a piece named by import path
+    if name in REGISTERED[kind]:
+        return REGISTERED[kind][name]
+    from accumulation.config.fork_import import lookup_by_import_path  # a fork's piece, or no piece at all
 
-    problem = import_problem(module_name)
-    if problem is not None:
-        raise RegistryError(problem)
-    if short_name not in _REGISTERED[kind]:
-        raise RegistryError(
-            f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
-            f"call register_{kind}({short_name!r}, ...) in it"
-        )
-    return _REGISTERED[kind][short_name]
-
-
-def registered(kind: str) -> dict[str, Piece]:
-    """The built-in pieces of this kind (their modules imported) and those of every fork module imported so far."""
-    for module_name in BUILT_IN[kind].values():
-        importlib.import_module(module_name)
-    return dict(_REGISTERED[kind])
-
-
-def config_name(piece: Piece) -> str:
-    """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
-    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
-    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
-
-
-def names_text(kind: str) -> str:
-    """The names a config may write: the built-ins, then those of fork modules imported so far."""
-    forks = [config_name(piece) for name, piece in _REGISTERED[kind].items() if name not in BUILT_IN[kind]]
-    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"
+    return lookup_by_import_path(kind, name)
