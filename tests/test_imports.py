@@ -107,7 +107,7 @@ OPTION_MODULES = {
     "accumulation.data.path_sources",  # data.source: a path (text, JSONL, token files)
     "accumulation.data.custom",  # data.source: a registered source
     "accumulation.models.gru",  # model.name = "gru"
-    "accumulation.config.fork_import",  # a piece named "module:name" (or naming none: its error line)
+    "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
     "accumulation.models.encoder",  # model.name = "encoder"
     "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it, on CUDA)
     "accumulation.models.loss_decision",  # model.loss = "chunked", or "auto" on CUDA

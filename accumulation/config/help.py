@@ -4,6 +4,7 @@ unit and its meaning, then the own keys of every registered model and data sourc
 """
 
 import dataclasses
+import importlib
 from dataclasses import fields
 
 from accumulation.config.config import (
@@ -11,13 +12,12 @@ from accumulation.config.config import (
     Config,
     ConfigError,
     PieceError,
-    allowed_text,
     load_config,
     settings_of,
     unused_model_keys,
-    value_text,
 )
-from accumulation.config.fork_import import config_name, registered
+from accumulation.config.key_text import allowed_text, value_text
+from accumulation.config.registry import BUILT_IN, REGISTERED, Piece, config_name
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
@@ -27,6 +27,13 @@ def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
         f"  {key} = {value_text(default)}    ({allowed_text(declaration)}{unit_text})",
         f"      {declaration.metadata['help']}",
     ]
+
+
+def registered(kind: str) -> dict[str, Piece]:
+    """The built-in pieces of this kind (their modules imported) and those of every fork module imported so far."""
+    for module_name in BUILT_IN[kind].values():
+        importlib.import_module(module_name)
+    return dict(REGISTERED[kind])
 
 
 def help_text(argv: list[str] = ()) -> str:

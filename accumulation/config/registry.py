@@ -7,12 +7,11 @@
 
 A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
 (`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
-module is imported, registers its pieces, and the name after the colon is looked up (accumulation/config/
-fork_import.py, which also lists every piece for --help and error messages). So a fork is one file plus a config;
-no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps each name to the
-module that registers it, imported when a config first names it, so a run imports only the pieces it uses.
+module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
+plus a config; no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps
+each name to the module that registers it, imported when a config first names it, so a run imports only the
+pieces it uses. A piece's own settings: accumulation/config/own_keys.py.
 
-A piece's own settings (`settings=`) are keys of its section: accumulation/config/config_keys.py, own_settings.
 This module imports nothing of the project: accumulation/config/config.py reads it to check the names.
 """
 
@@ -93,25 +92,13 @@ def _function_name(piece: Piece) -> str:
     return getattr(piece.build or piece.loss_sum_fn, "__qualname__", "")
 
 
-def register_model(
-    name,
-    build,
-    *,
-    settings=None,
-    loss_sum_fn=None,
-    fingerprint=None,
-    check=None,
-    generic_keys=GENERIC_MODEL_KEYS,
-    generic_keys_note="",
-) -> Piece:
-    """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=)."""
+def register_model(name, build, *, generic_keys=GENERIC_MODEL_KEYS, **options) -> Piece:
+    """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=).
+    `options`: Piece's settings, loss_sum_fn, fingerprint, check and generic_keys_note."""
     unknown = set(generic_keys) - set(GENERIC_MODEL_KEYS)
     if unknown:
         raise RegistryError(f"model {name!r}: generic_keys must be among {GENERIC_MODEL_KEYS}, got {sorted(unknown)}")
-    piece = Piece(
-        "model", name, build, settings, loss_sum_fn, fingerprint, check, tuple(generic_keys), generic_keys_note
-    )
-    return _register(piece)
+    return _register(Piece("model", name, build, generic_keys=tuple(generic_keys), **options))
 
 
 def register_loss(name, loss_sum_fn) -> Piece:
@@ -135,6 +122,29 @@ def lookup(kind: str, name: str) -> Piece:
         importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
     if name in REGISTERED[kind]:
         return REGISTERED[kind][name]
-    from accumulation.config.fork_import import lookup_by_import_path  # a fork's piece, or no piece at all
+    if IMPORT_PATH.fullmatch(name) is None:
+        raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
+    module_name, _, short_name = name.partition(":")
+    from accumulation.config.fork_import import import_problem  # only for a piece named by import path
 
-    return lookup_by_import_path(kind, name)
+    problem = import_problem(module_name)
+    if problem is not None:
+        raise RegistryError(problem)
+    if short_name not in REGISTERED[kind]:
+        raise RegistryError(
+            f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
+            f"call register_{kind}({short_name!r}, ...) in it"
+        )
+    return REGISTERED[kind][short_name]
+
+
+def config_name(piece: Piece) -> str:
+    """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
+    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
+    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
+
+
+def names_text(kind: str) -> str:
+    """The names a config may write: the built-ins, then those of fork modules imported so far."""
+    forks = [config_name(piece) for name, piece in REGISTERED[kind].items() if name not in BUILT_IN[kind]]
+    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"

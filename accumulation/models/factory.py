@@ -98,7 +98,7 @@ def decided_model_config(config: Config, model: torch.nn.Module, device: torch.d
     if config.model.loss == "chunked" or (config.model.loss == "auto" and device.type == "cuda"):
         from accumulation.models.loss_decision import chunked_or_plain  # only where the chunked loss may run
 
-        loss = chunked_or_plain(config, model, device)
+        loss = chunked_or_plain(config, model, device, loss_sum_fn_for(config.model))
     return dataclasses.replace(config.model, loss=loss)
 
 

@@ -5,7 +5,6 @@ caller). Imported only on those paths: on the CPU "auto" is plain without asking
 import torch
 
 from accumulation.config.config import Config, ConfigError
-from accumulation.models.factory import loss_sum_fn_for
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -15,13 +14,13 @@ def has_output_head(model: torch.nn.Module) -> bool:
     return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
 
 
-def chunked_or_plain(config: Config, model: torch.nn.Module, device: torch.device) -> str:
-    """model.loss "chunked" or "auto" decided on `device`. "chunked" is refused (ConfigError) for a model without an
-    output head or with another loss than the token cross-entropy. "auto" is chunked for a model that allows it,
-    under DDP on one pipeline stage, when accumulation/chunked_loss.py finds it pays for the GPU's free memory,
-    alike on every rank; plain otherwise."""
+def chunked_or_plain(config: Config, model: torch.nn.Module, device: torch.device, loss_sum_fn) -> str:
+    """model.loss "chunked" or "auto" decided on `device`, for the configured loss (loss_sum_fn_for). "chunked" is
+    refused (ConfigError) for a model without an output head or with another loss than the token cross-entropy.
+    "auto" is chunked for a model that allows it, under DDP on one pipeline stage, when accumulation/chunked_loss.py
+    finds it pays for the GPU's free memory, alike on every rank; plain otherwise."""
     # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
-    token_cross_entropy = loss_sum_fn_for(config.model) is token_cross_entropy_sum
+    token_cross_entropy = loss_sum_fn is token_cross_entropy_sum
     if config.model.loss == "chunked":
         if not token_cross_entropy:
             raise ConfigError(
