@@ -116,15 +116,6 @@ def unused_model_keys(model_name) -> list[str]:
     return [f"model.{key}" for key in GENERIC_MODEL_KEYS if piece is not None and key not in piece.generic_keys]
 
 
-def _refuse_unused_model_keys(pairs: dict[str, object]) -> None:
-    """A generic model key set (in the file or on the command line) for a model that does not read it."""
-    model_name = pairs.get("model.name", ModelConfig().name)
-    for key in unused_model_keys(model_name):
-        if key in pairs:
-            note = _piece_of("model", model_name).generic_keys_note or "its registration does not read it"
-            raise ConfigError(f"{key} does not apply to {model_name}: {note}; remove {key}")
-
-
 def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
     """{"model": the chosen model's settings dataclass or None, "data": ...}, from the choosing keys in `pairs`."""
     section_types = _section_types()
@@ -229,9 +220,7 @@ def _check_combinations(config: Config) -> None:
         if piece is not None and piece.check is not None:
             try:
                 piece.check(config)
-            except ConfigError:
-                raise
-            except ValueError as error:
+            except ValueError as error:  # a ConfigError too: the same one line
                 raise ConfigError(str(error)) from None
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
@@ -251,7 +240,7 @@ PLAIN_RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,255}")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reading: TOML files, command-line overrides and plain dicts all become {"section.key": value}
+# Reading: command-line overrides, TOML files and plain dicts (toml_file.py) all become {"section.key": value}
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -291,26 +280,6 @@ def _split_argument(argument: str) -> tuple[str, str]:
     return key, text
 
 
-def _pairs_from_tree(tree: dict) -> dict[str, object]:
-    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
-    keys are checked by _config_from_pairs, once the chosen pieces, whose own keys they may be, are known)."""
-    section_types = _section_types()
-    pairs = {}
-    for name, value in tree.items():
-        if name in section_types:
-            if not isinstance(value, dict):
-                from accumulation.config.key_text import value_text
-
-                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {value_text(value)}")
-            for key, inner_value in value.items():
-                pairs[f"{name}.{key}"] = inner_value
-        elif isinstance(value, dict):
-            raise ConfigError(f"unknown section [{name}] (sections: {', '.join(section_types)})")
-        else:
-            pairs[name] = value
-    return pairs
-
-
 def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> Config:
     """Build and validate a Config from `pairs` (typed values, from a file or a dict) then `texts` (command-line
     text, converted by each key's type); keys given in neither keep their defaults. The choosing keys (model.name,
@@ -340,16 +309,6 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
 _CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
 
 
-def _read_toml_file(path: str) -> dict:
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except OSError as error:
-        raise ConfigError(f"--config {path}: cannot read the file ({error.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--config {path}: not valid TOML ({error})") from None
-
-
 def load_config(argv: list[str]) -> Config:
     """The config described by a command line (without the program name and without --help):
     an optional `--config FILE` (or `--config=FILE`), then any number of `section.key=value`."""
@@ -362,16 +321,27 @@ def load_config(argv: list[str]) -> Config:
     elif arguments and arguments[0].startswith("--config="):
         config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
 
-    pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
+    pairs = {}
+    if config_path is not None:
+        from accumulation.config.toml_file import pairs_from_tree, read_toml_file
+
+        pairs = pairs_from_tree(read_toml_file(config_path), list(_section_types()))
     texts = [_split_argument(argument) for argument in arguments]
-    # Refused where a user sets them; a checkpoint's config may hold them still (config_from_dict).
-    _refuse_unused_model_keys({**pairs, **{key: _unquoted(text) for key, text in texts}})
+    # A generic model key set for a model that does not read it is refused here, where a user sets it; a checkpoint's
+    # config may hold it still (config_from_dict).
+    given = {**pairs, **{key: _unquoted(text) for key, text in texts}}
+    model_name = given.get("model.name", ModelConfig().name)
+    for key in [key for key in unused_model_keys(model_name) if key in given]:
+        note = _piece_of("model", model_name).generic_keys_note or "its registration does not read it"
+        raise ConfigError(f"{key} does not apply to {model_name}: {note}; remove {key}")
     return _config_from_pairs(pairs, texts)
 
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    return _config_from_pairs(_pairs_from_tree(tree))
+    from accumulation.config.toml_file import pairs_from_tree
+
+    return _config_from_pairs(pairs_from_tree(tree, list(_section_types())))
 
 
 def config_to_dict(config: Config) -> dict:

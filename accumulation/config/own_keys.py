@@ -1,8 +1,7 @@
-"""The own settings of the model or data source a config chooses (`settings=` where it is registered,
-accumulation/config/registry.py): a frozen dataclass of setting(...) fields whose fields are keys of the piece's
-section (`model.path` for a model's `path`), checked, listed by --help, written to the run's config.toml and to
-checkpoints, and compared on resume like every key. The section holds the instance in its `own` field
-(accumulation/config/config_keys.py, own_settings). Imported only when the chosen piece declares settings."""
+"""The own settings of the model or data source a config chooses (`settings=` where it is registered): a frozen
+dataclass of setting(...) fields, keys of the piece's section (`model.path` for a model's `path`) like every other
+(docs/forking.md, "A fork is one file and a config"). The section holds the instance in its `own` field. Imported
+only when the chosen piece declares settings or a section holds some."""
 
 from dataclasses import fields
 

@@ -1,18 +1,13 @@
 """Where models, losses and data sources are declared: each registers itself in the file that defines it.
 
     register_model("gru", build_gru)                      # accumulation/models/gru.py
-    register_model("hf-causal-lm", build, settings=HFSettings, fingerprint=config_json_hash)
     register_loss("label-smoothing", label_smoothed_sum)
     register_data("synthetic-images", build_images, settings=ImageSettings)
 
-A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
-(`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
-module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
-plus a config; no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps
-each name to the module that registers it, imported when a config first names it, so a run imports only the
-pieces it uses. A piece's own settings: accumulation/config/own_keys.py.
-
-This module imports nothing of the project: accumulation/config/config.py reads it to check the names.
+A config names a piece by its registered name (`model.name = "gru"`) or by import path, `"module:name"`, whose
+module is imported and registers its pieces: a fork is one file plus a config (docs/forking.md). BUILT_IN maps each
+built-in name to the module that registers it, imported when a config first names it, so a run imports only the
+pieces it uses. This module imports nothing of the project: accumulation/config/config.py reads it.
 """
 
 import dataclasses

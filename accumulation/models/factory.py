@@ -1,14 +1,10 @@
 """The model factory and the loss: what turns config.model into the model and its loss.
 
-`build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
-chooses the architecture among the registered ones (accumulation/config/registry.py): a model registers itself in
-the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
-module is named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the
-models.
-`loss_sum_fn_for(config.model)` is the configured loss: model.objective's registered loss, or the model's own (its
-registration's loss_sum_fn), or the token cross-entropy. `decided_model_config` decides model.loss ("auto": plain or
-chunked), and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
-the step-0 probe, the equivalence checker and the benchmarks all take the model and the loss from these functions.
+`build_model(config.model, vocab_size, seq_len=..., seed=...)` builds the architecture `model.name` names among the
+registered ones (accumulation/config/registry.py); nothing here lists the models. `loss_sum_fn_for(config.model)`
+is the configured loss. `decided_model_config` decides model.loss ("auto": plain or chunked), and
+`training_forward_and_loss` builds what the step runs from that decision: train.py, validation, the step-0 probe,
+the equivalence checker and the benchmarks all take the model and the loss from these functions.
 
 The model contract, what the training loop, the checkpoints and the scripts rely on and nothing more, is written
 in docs/forking.md ("The model contract"): forward(inputs) -> outputs for loss_sum_fn_for, the same initial weights
