@@ -145,7 +145,7 @@ def _check_pieces(config: Config) -> None:
             raise PieceError(f"model.objective: {error}") from None
 
 
-def _declaration(key: str, owns: dict[str, type | None] | None = None) -> dataclasses.Field:
+def _declaration(key: str, owns: dict[str, type | None]) -> dataclasses.Field:
     """The declaration of "section.key" (or of a top-level key); unknown names are a ConfigError. `owns` gives
     the own settings of the pieces the config chooses (_own_types): their keys belong to their sections."""
     section_name, dot, name = key.partition(".")
@@ -160,7 +160,7 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
     if section_name not in section_types:
         raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
     declarations = {f.name: f for f in fields(section_types[section_name]) if not f.metadata.get("own")}
-    own_type = (owns or {}).get(section_name)
+    own_type = owns.get(section_name)
     if own_type is not None:
         from accumulation.config.own_keys import with_own_declarations  # a piece with its own keys
 
