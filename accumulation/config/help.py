@@ -16,8 +16,9 @@ from accumulation.config.config import (
     settings_of,
     unused_model_keys,
 )
+from accumulation.config.fork_import import config_name
 from accumulation.config.key_text import allowed_text, value_text
-from accumulation.config.registry import BUILT_IN, REGISTERED, Piece, config_name
+from accumulation.config.registry import BUILT_IN, REGISTERED, Piece
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
@@ -71,7 +72,10 @@ def help_text(argv: list[str] = ()) -> str:
         for piece in registered(section_name).values():
             if piece.settings is None:
                 continue
-            lines += ["", f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"']
+            lines += [
+                "",
+                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece, BUILT_IN[section_name])}"',
+            ]
             for declaration in fields(piece.settings):
                 lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
     return "\n".join(lines) + "\n"

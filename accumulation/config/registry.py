@@ -117,29 +117,18 @@ def lookup(kind: str, name: str) -> Piece:
         importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
     if name in REGISTERED[kind]:
         return REGISTERED[kind][name]
-    if IMPORT_PATH.fullmatch(name) is None:
-        raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
-    module_name, _, short_name = name.partition(":")
-    from accumulation.config.fork_import import import_problem  # only for a piece named by import path
+    from accumulation.config.fork_import import import_problem, names_text  # a fork's piece, or no piece at all
 
+    if IMPORT_PATH.fullmatch(name) is None:
+        names = names_text(REGISTERED[kind], BUILT_IN[kind])
+        raise RegistryError(f'expected one of {names}, or a module:name import path, got "{name}"')
+    module_name, _, short_name = name.partition(":")
     problem = import_problem(module_name)
     if problem is not None:
         raise RegistryError(problem)
     if short_name not in REGISTERED[kind]:
         raise RegistryError(
-            f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
-            f"call register_{kind}({short_name!r}, ...) in it"
+            f"{module_name} registers no {kind} {short_name!r} (registered: "
+            f"{names_text(REGISTERED[kind], BUILT_IN[kind])}); call register_{kind}({short_name!r}, ...) in it"
         )
     return REGISTERED[kind][short_name]
-
-
-def config_name(piece: Piece) -> str:
-    """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
-    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
-    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
-
-
-def names_text(kind: str) -> str:
-    """The names a config may write: the built-ins, then those of fork modules imported so far."""
-    forks = [config_name(piece) for name, piece in REGISTERED[kind].items() if name not in BUILT_IN[kind]]
-    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"
