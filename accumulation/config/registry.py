@@ -43,18 +43,17 @@ class RegistryError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """One registered model, loss or data source.
+    """One registered model, loss or data source (what each field is for: docs/forking.md, "A fork is one file
+    and a config").
 
-    build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract,
-                  docs/forking.md); data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
-    settings      None, or a frozen dataclass whose fields are setting(...): the piece's own keys, in its section
+    build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
+                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+    settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/own_keys.py)
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
     check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
-    generic_keys  a model's: which of GENERIC_MODEL_KEYS its build reads (all of them by default); the others are
-                  refused when a config sets them, not listed by --help for it, not written, not compared on resume
-    generic_keys_note
-                  why the others do not apply, for that one line (e.g. "its size comes from config.json")
+    generic_keys  a model's: the GENERIC_MODEL_KEYS its build reads (all by default; a config setting another is
+                  refused), and generic_keys_note why the others do not apply (e.g. "its size comes from config.json")
     """
 
     kind: str
