@@ -31,15 +31,3 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda updates: lr_multiplier(updates, name, warmup_updates, decay_updates, min_lr_ratio)
     )
-
-
-def set_learning_rates(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
-    """Set every parameter group's lr to the schedule's value after `scheduler.last_epoch` applied updates.
-
-    Needed after a resume: the optimizer's state brings back the lr the *old* schedule gave the last step,
-    and LambdaLR would apply the new schedule (a longer cosine horizon, another warm-up) only from its next
-    step() on, one update too late. With an unchanged schedule this recomputes the same value."""
-    for group, base_lr, multiplier in zip(
-        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
-    ):
-        group["lr"] = base_lr * multiplier(scheduler.last_epoch)

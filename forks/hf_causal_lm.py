@@ -9,7 +9,7 @@ import path (`model.name = "forks.hf_causal_lm:hf-causal-lm"`). model.path is a 
 `save_pretrained` (config.json and the weights) is loaded; one that holds only a config.json is built from it,
 initialised from run.seed. Nothing is downloaded (local_files_only).
 
-What adapting Hugging Face to the loop's contract takes (accumulation/models/factory.py), and why:
+What adapting Hugging Face to the loop's contract takes (docs/forking.md, "The model contract"), and why:
 - the loop's labels are already shifted (label j is token j + 1) and hold -100 where there is no target, and the
   step divides the SUM of the losses by the global N itself. So forward() returns the logits and never passes
   `labels=` to Hugging Face: its loss_function would shift the labels a second time, upcast, and return the

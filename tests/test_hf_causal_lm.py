@@ -16,7 +16,8 @@ import train  # noqa: E402
 from accumulation import checker  # noqa: E402
 from accumulation.config.config import ConfigError, load_config  # noqa: E402
 from accumulation.config.help import help_text  # noqa: E402
-from accumulation.models.factory import build_model, has_output_head, model_fingerprint  # noqa: E402
+from accumulation.models.factory import build_model, model_fingerprint  # noqa: E402
+from accumulation.models.loss_decision import has_output_head  # noqa: E402
 from scripts.checks import check_equivalence  # noqa: E402
 
 TINY_LLAMA = {

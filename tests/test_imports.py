@@ -111,8 +111,14 @@ OPTION_MODULES = {
     "accumulation.data.uniforms",  # data.task = "masked", the RL rollouts, a fork's augmentation
     "accumulation.models.gru",  # model.name = "gru"
     "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
+    "accumulation.config.toml_file",  # --config FILE, or a checkpoint's config (a resume)
+    "accumulation.config.own_keys",  # a model or data source that declares its own settings
+    "accumulation.config.key_text",  # a config error's line, or --help
+    "accumulation.config.text_checks",  # a value that is not plain ASCII, a run.name that is no plain folder name
+    "accumulation.config.help",  # --help
     "accumulation.models.encoder",  # model.name = "encoder"
     "accumulation.chunked_loss",  # model.loss = "chunked" (or "auto" choosing it, on CUDA)
+    "accumulation.models.loss_decision",  # model.loss = "chunked", or "auto" on CUDA
     "accumulation.models.forward_and_loss",  # model.compile (on by default on CUDA only)
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.run.restore",  # a run directory that holds a run (run.resume)

@@ -140,7 +140,7 @@ def test_resume_compares_the_own_settings_and_the_fingerprint(fork, capsys):
 
 
 def test_every_built_in_model_is_registered_with_its_rules():
-    from accumulation.config.registry import registered
+    from accumulation.config.help import registered
 
     assert {"gpt", "gru", "encoder"} <= set(registered("model"))
     with pytest.raises(ConfigError, match="needs data.task"):

@@ -6,18 +6,16 @@ two places, read in this order, and a key given twice takes its last value:
     1. an optional TOML file:      python train.py --config configs/gpu_8x.toml
     2. the command line:           python train.py run.max_steps=100 optim.lr=1e-3
 
-Every setting is declared once, with its default, its unit, a help string and the values it allows: the
-sections' keys in accumulation/config/config_keys.py, the top-level `device` below. From those declarations we derive
-the type checks, the range checks, `--help`, and the TOML written to the run directory. Anything unknown, of the
-wrong type, out of range or impossible in combination is a ConfigError whose message is one line naming the key:
+Every setting is declared once (accumulation/config/config_keys.py; the top-level `device` below), and from those
+declarations come the checks, `--help` and the TOML written to the run directory. Anything unknown, of the wrong
+type, out of range or impossible in combination is a ConfigError whose message is one line naming the key:
 nothing is guessed, and nothing is ever silently rounded.
 """
 
 import dataclasses
-import json
 import math
 import operator
-import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 
@@ -34,16 +32,8 @@ from accumulation.config.config_keys import (
     ScheduleConfig,
     setting,
 )
+from accumulation.config.errors import ConfigError, PieceError
 from accumulation.config.registry import GENERIC_MODEL_KEYS, Piece, RegistryError, is_piece_name, lookup
-
-
-class ConfigError(ValueError):
-    """A configuration problem. The message is one line that names the key and what it allows."""
-
-
-class PieceError(ConfigError):
-    """model.name, data.source or model.objective names no piece, or names a fork's module that cannot be imported:
-    --help stops on it too, since it could not list that piece's keys."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +55,7 @@ class Config:
     device: str = setting("auto", "auto: cuda when a GPU is present, else cpu", choices=("auto", "cpu", "cuda"))
 
     def __post_init__(self):
-        _attach_ownsettings_of(self)
+        _check_pieces(self)
         for key, declaration, value in settings_of(self):
             _check_value(key, value, declaration)
         _check_combinations(self)
@@ -87,15 +77,11 @@ def _top_level_fields() -> dict[str, dataclasses.Field]:
 
 
 def _section_fields(section) -> list[tuple[dataclasses.Field, object]]:
-    """A section's (declaration, value) pairs: its declared keys, then the chosen piece's own keys in their place."""
-    found = []
-    for declaration in fields(section):
-        if declaration.metadata.get("own"):  # the chosen piece's own keys (config_keys.own_settings)
-            own = getattr(section, declaration.name)
-            found += [(inner, getattr(own, inner.name)) for inner in fields(own)] if own is not None else []
-        else:
-            found.append((declaration, getattr(section, declaration.name)))
-    return found
+    """A section's (declaration, value) pairs: its declared keys, then the chosen piece's own keys (`own`, last)."""
+    found = [(declaration, getattr(section, declaration.name)) for declaration in fields(section)]
+    own = getattr(section, "own", None)
+    own_fields = [(declaration, getattr(own, declaration.name)) for declaration in fields(own)] if own else []
+    return [(declaration, value) for declaration, value in found if declaration.name != "own"] + own_fields
 
 
 def settings_of(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
@@ -130,15 +116,6 @@ def unused_model_keys(model_name) -> list[str]:
     return [f"model.{key}" for key in GENERIC_MODEL_KEYS if piece is not None and key not in piece.generic_keys]
 
 
-def _refuse_unused_model_keys(pairs: dict[str, object]) -> None:
-    """A generic model key set (in the file or on the command line) for a model that does not read it."""
-    model_name = pairs.get("model.name", ModelConfig().name)
-    for key in unused_model_keys(model_name):
-        if key in pairs:
-            note = _piece_of("model", model_name).generic_keys_note or "its registration does not read it"
-            raise ConfigError(f"{key} does not apply to {model_name}: {note}; remove {key}")
-
-
 def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
     """{"model": the chosen model's settings dataclass or None, "data": ...}, from the choosing keys in `pairs`."""
     section_types = _section_types()
@@ -150,31 +127,25 @@ def _own_types(pairs: dict[str, object]) -> dict[str, type | None]:
     return owns
 
 
-def _attach_ownsettings_of(config: Config) -> None:
-    """Check that model.name (and data.source, when it names a source) names a registered piece, and give its
-    section the piece's own settings: the defaults when none were given, refused when they are another piece's."""
+def _check_pieces(config: Config) -> None:
+    """Check that model.name (and data.source, when it names a source) names a registered piece, whose own
+    settings, if it declares any, its section holds; and that model.objective names a registered loss."""
     for section_name, choosing_key in OWNED_SECTIONS.items():
         section = getattr(config, section_name)
         piece = _piece_of(section_name, getattr(section, choosing_key))
         expected = piece.settings if piece is not None else None
-        own = section.own
-        if own is None and expected is not None:
-            object.__setattr__(section, "own", expected())  # frozen: set once, while the Config is made
-        elif own is not None and type(own) is not expected:
-            raise ConfigError(
-                f"{section_name}.{choosing_key}: {getattr(section, choosing_key)!r} takes "
-                f"{'no own keys' if expected is None else expected.__name__}, but the section holds "
-                f"{type(own).__name__}"
-            )
-    objective = config.model.objective
-    if objective:
+        if section.own is not None or expected is not None:
+            from accumulation.config.own_keys import attach_own_settings  # a piece with its own keys
+
+            attach_own_settings(section, f"{section_name}.{choosing_key}", expected)
+    if config.model.objective:
         try:
-            lookup("loss", objective)
+            lookup("loss", config.model.objective)
         except RegistryError as error:
             raise PieceError(f"model.objective: {error}") from None
 
 
-def _declaration(key: str, owns: dict[str, type | None] | None = None) -> dataclasses.Field:
+def _declaration(key: str, owns: dict[str, type | None]) -> dataclasses.Field:
     """The declaration of "section.key" (or of a top-level key); unknown names are a ConfigError. `owns` gives
     the own settings of the pieces the config chooses (_own_types): their keys belong to their sections."""
     section_name, dot, name = key.partition(".")
@@ -189,12 +160,11 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
     if section_name not in section_types:
         raise ConfigError(f"unknown section [{section_name}] (sections: {', '.join(section_types)})")
     declarations = {f.name: f for f in fields(section_types[section_name]) if not f.metadata.get("own")}
-    own_type = (owns or {}).get(section_name)
+    own_type = owns.get(section_name)
     if own_type is not None:
-        for declaration in fields(own_type):
-            if declaration.name in declarations:
-                raise ConfigError(f"{key}: {own_type.__name__} declares a key that [{section_name}] already has")
-            declarations[declaration.name] = declaration
+        from accumulation.config.own_keys import with_own_declarations  # a piece with its own keys
+
+        declarations = with_own_declarations(declarations, section_name, own_type)
     if name not in declarations:
         raise ConfigError(f"unknown key {key} ({section_name} has: {', '.join(declarations)})")
     return declarations[name]
@@ -204,26 +174,8 @@ def _declaration(key: str, owns: dict[str, type | None] | None = None) -> datacl
 # Checking values
 # ---------------------------------------------------------------------------------------------------------
 
-_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
-# The bounds setting() declares: each one's symbol in messages, and the comparison a value must pass.
-_BOUNDS = {
-    "at_least": (">=", operator.ge),
-    "above": (">", operator.gt),
-    "at_most": ("<=", operator.le),
-    "below": ("<", operator.lt),
-}
-
-
-def allowed_text(declaration: dataclasses.Field) -> str:
-    """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
-    metadata = declaration.metadata
-    if metadata["choices"] is not None:
-        return "one of " + ", ".join(value_text(choice) for choice in metadata["choices"])
-    words = _TYPE_WORDS[declaration.type]
-    if declaration.type is str and declaration.default == "":
-        words = 'a string ("" = none)'
-    bounds = [f"{symbol} {metadata[name]}" for name, (symbol, _) in _BOUNDS.items() if metadata[name] is not None]
-    return f"{words} {' and '.join(bounds)}" if bounds else words
+# The bounds setting() declares, and the comparison a value must pass (their symbols: accumulation/config/key_text.py).
+_BOUNDS = {"at_least": operator.ge, "above": operator.gt, "at_most": operator.le, "below": operator.lt}
 
 
 def _is_allowed(value, declaration: dataclasses.Field) -> bool:
@@ -236,38 +188,39 @@ def _is_allowed(value, declaration: dataclasses.Field) -> bool:
         return False
     if value == "":
         return declaration.default == ""  # "" means none only where it is the declared default
-    return all(test(value, metadata[name]) for name, (_, test) in _BOUNDS.items() if metadata[name] is not None)
+    return all(test(value, metadata[name]) for name, test in _BOUNDS.items() if metadata[name] is not None)
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
-    # Lone surrogates: a command-line argument's bytes that are not UTF-8 arrive so (os.fsdecode). The run's
-    # config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
-    if isinstance(value, str) and any("\ud800" <= character <= "\udfff" for character in value):
-        shown = os.fsencode(value).decode("utf-8", errors="backslashreplace")
-        raise ConfigError(
-            f"{key}: {shown!r} holds bytes that are not UTF-8, which the run's config.toml cannot record; use a "
-            f"UTF-8 name (for a file or folder: rename it, or link to it under a UTF-8 name)"
-        )
+    if isinstance(value, str) and not value.isascii():
+        from accumulation.config.text_checks import refuse_non_utf8  # ASCII text holds no such bytes
+
+        refuse_non_utf8(key, value)
     if not _is_allowed(value, declaration):
-        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {value_text(value)}")
+        from accumulation.config.key_text import expected_text, value_text
+
+        raise ConfigError(expected_text(key, declaration, value_text(value)))
 
 
 def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
     which knows the world size.)"""
     batch, schedule = config.batch, config.schedule
-    problem = run_name_problem(config.run.name)
-    if problem:
-        raise ConfigError(f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}")
+    if not PLAIN_RUN_NAME.fullmatch(config.run.name):
+        from accumulation.config.text_checks import run_name_problem
+
+        problem = run_name_problem(config.run.name)
+        if problem:
+            raise ConfigError(
+                f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}"
+            )
     # The rules of the chosen model and data source, declared where they are registered (e.g. the encoder's).
     for section_name, choosing_key in OWNED_SECTIONS.items():
         piece = _piece_of(section_name, getattr(getattr(config, section_name), choosing_key))
         if piece is not None and piece.check is not None:
             try:
                 piece.check(config)
-            except ConfigError:
-                raise
-            except ValueError as error:
+            except ValueError as error:  # a ConfigError too: the same one line
                 raise ConfigError(str(error)) from None
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
@@ -282,27 +235,12 @@ def _check_combinations(config: Config) -> None:
         )
 
 
-# The longest file name Linux file systems accept, in bytes (NAME_MAX).
-NAME_MAX_BYTES = 255
-
-
-def run_name_problem(name: str) -> str | None:
-    """Why `name` cannot be a run directory's name, or None. It is joined to run.out_dir, so it must be one
-    path component: a "/" or ".." would put the run elsewhere (an absolute name replaces out_dir whole), and
-    "." would be out_dir itself."""
-    if name in ("", ".", ".."):
-        return "choose a name such as my-run"
-    if "/" in name:
-        return "it holds a path separator; use one name, and run.out_dir for the folder"
-    if any(ord(character) < 32 or ord(character) == 127 for character in name):
-        return "it holds a control character (a newline, a tab); use printable characters"
-    if len(os.fsencode(name)) > NAME_MAX_BYTES:
-        return f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX_BYTES} a file name may have"
-    return None
+# A run.name of letters, digits, "-", "_" and "." (not "." or "..") is one folder name: no further checks.
+PLAIN_RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,255}")
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reading: TOML files, command-line overrides and plain dicts all become {"section.key": value}
+# Reading: command-line overrides, TOML files and plain dicts (toml_file.py) all become {"section.key": value}
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -324,8 +262,10 @@ def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
     except tomllib.TOMLDecodeError:
         value = _unquoted(text)
     types = (int, float) if declaration.type is float else (declaration.type,)  # `lr=1` means 1.0
-    if declaration.type in _TYPE_WORDS and type(value) not in types:
-        raise ConfigError(f"{key}: expected {allowed_text(declaration)}, got {text}")
+    if declaration.type in (int, float, bool) and type(value) not in types:
+        from accumulation.config.key_text import expected_text
+
+        raise ConfigError(expected_text(key, declaration, text))
     return value
 
 
@@ -340,24 +280,6 @@ def _split_argument(argument: str) -> tuple[str, str]:
     return key, text
 
 
-def _pairs_from_tree(tree: dict) -> dict[str, object]:
-    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
-    keys are checked by _config_from_pairs, once the chosen pieces, whose own keys they may be, are known)."""
-    section_types = _section_types()
-    pairs = {}
-    for name, value in tree.items():
-        if name in section_types:
-            if not isinstance(value, dict):
-                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {value_text(value)}")
-            for key, inner_value in value.items():
-                pairs[f"{name}.{key}"] = inner_value
-        elif isinstance(value, dict):
-            raise ConfigError(f"unknown section [{name}] (sections: {', '.join(section_types)})")
-        else:
-            pairs[name] = value
-    return pairs
-
-
 def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = ()) -> Config:
     """Build and validate a Config from `pairs` (typed values, from a file or a dict) then `texts` (command-line
     text, converted by each key's type); keys given in neither keep their defaults. The choosing keys (model.name,
@@ -366,36 +288,25 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
     owns = _own_types(choosing)
     pairs = {**pairs, **{key: _value_from_text(key, text, _declaration(key, owns)) for key, text in texts}}
     section_values = {section_name: {} for section_name in _section_types()}
-    own_values = {section_name: {} for section_name in owns}
     top_level_values = {}
     for key, value in pairs.items():
         if _declaration(key, owns).type is float and type(value) is int:  # an unknown key is a ConfigError here
             value = float(value)  # `lr = 1` means 1.0; the reverse (a float for an integer) is an error
         section_name, dot, name = key.partition(".")
-        if not dot:
-            top_level_values[key] = value
-        elif owns.get(section_name) is not None and name in {f.name for f in fields(owns[section_name])}:
-            own_values[section_name][name] = value
-        else:
+        if dot:
             section_values[section_name][name] = value
+        else:
+            top_level_values[key] = value
     for section_name, own_type in owns.items():
         if own_type is not None:
-            section_values[section_name]["own"] = own_type(**own_values[section_name])
+            from accumulation.config.own_keys import with_own_settings  # a piece with its own keys
+
+            section_values[section_name] = with_own_settings(section_values[section_name], own_type)
     sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
     return Config(**sections, **top_level_values)
 
 
 _CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
-
-
-def _read_toml_file(path: str) -> dict:
-    try:
-        with open(path, "rb") as file:
-            return tomllib.load(file)
-    except OSError as error:
-        raise ConfigError(f"--config {path}: cannot read the file ({error.strerror})") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--config {path}: not valid TOML ({error})") from None
 
 
 def load_config(argv: list[str]) -> Config:
@@ -410,16 +321,27 @@ def load_config(argv: list[str]) -> Config:
     elif arguments and arguments[0].startswith("--config="):
         config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
 
-    pairs = _pairs_from_tree(_read_toml_file(config_path)) if config_path is not None else {}
+    pairs = {}
+    if config_path is not None:
+        from accumulation.config.toml_file import pairs_from_tree, read_toml_file
+
+        pairs = pairs_from_tree(read_toml_file(config_path), list(_section_types()))
     texts = [_split_argument(argument) for argument in arguments]
-    # Refused where a user sets them; a checkpoint's config may hold them still (config_from_dict).
-    _refuse_unused_model_keys({**pairs, **{key: _unquoted(text) for key, text in texts}})
+    # A generic model key set for a model that does not read it is refused here, where a user sets it; a checkpoint's
+    # config may hold it still (config_from_dict).
+    given = {**pairs, **{key: _unquoted(text) for key, text in texts}}
+    model_name = given.get("model.name", ModelConfig().name)
+    for key in [key for key in unused_model_keys(model_name) if key in given]:
+        note = _piece_of("model", model_name).generic_keys_note or "its registration does not read it"
+        raise ConfigError(f"{key} does not apply to {model_name}: {note}; remove {key}")
     return _config_from_pairs(pairs, texts)
 
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    return _config_from_pairs(_pairs_from_tree(tree))
+    from accumulation.config.toml_file import pairs_from_tree
+
+    return _config_from_pairs(pairs_from_tree(tree, list(_section_types())))
 
 
 def config_to_dict(config: Config) -> dict:
@@ -455,13 +377,6 @@ def resolved_grad_scaler(config: Config) -> bool:
 # ---------------------------------------------------------------------------------------------------------
 # Writing: TOML for the run directory (--help is accumulation/config/help.py)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def value_text(value) -> str:
-    """A value as error messages and --help show it, in TOML's spelling: "adamw", true, 0.003, inf."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)  # inf, -inf, nan: TOML's words (JSON has none)
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, (str, int, float)) else repr(value)
 
 
 # The first line of every config.toml this program writes: how a run directory's own file is recognised.

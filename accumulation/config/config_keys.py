@@ -1,15 +1,11 @@
 """Every key of every config section, declared once: its default, its unit, a help string and the values it
-allows. accumulation/config/config.py composes the sections into Config and derives from these declarations the type
-checks, the range checks, `--help`, and the TOML written to the run directory: a key added here is checked,
-listed in --help and written to the run's TOML with no other change to the config code."""
+allows. A key added here is checked, listed in --help and written to the run's TOML with no other change
+(accumulation/config/config.py)."""
 
 from dataclasses import dataclass, field
 
 
-# The own settings of the model (or data source) a config chooses: a frozen dataclass of setting() fields that
-# the piece declares where it is registered (accumulation/config/registry.py), or None. Its fields are keys of the
-# section (`model.path`), checked, listed and stored like the fields declared here; accumulation/config/config.py
-# attaches the instance when a Config is made.
+# The own settings of the model (or data source) a config chooses, or None: accumulation/config/own_keys.py.
 def own_settings():
     return field(default=None, metadata={"own": True})
 
@@ -90,18 +86,14 @@ class BatchConfig:
     )
     on_oom: str = setting(
         "fail",
-        "when a step runs out of GPU memory: fail, or shrink (redo the step with half the micro_batch_size, or its "
-        "largest divisor below half, A grown to match: the same examples and, for a model whose rows are "
-        "independent and a loss that is a sum over targets, the same update up to float reordering (not with "
-        "BatchNorm or in-batch negatives: docs/forking.md); the smaller size is kept for the rest of the session; "
-        "DDP only, not with dist.strategy=fsdp2)",
+        "when a step runs out of GPU memory: fail, or shrink (redo it at a smaller micro_batch_size, A grown to "
+        "match, kept for the session: the same update up to float reordering; DDP only; docs/performance.md)",
         choices=("fail", "shrink"),
     )
     on_inexact: str = setting(
         "warn",
-        "at step 0 train.py probes the model and the loss (accumulation/probe.py): a loss that is a mean stops the "
-        "run; a model whose rows are coupled (BatchNorm in train mode) or a loss that couples examples (in-batch "
-        "negatives) makes the step no longer the full batch's: warn (one line), or error (one line, exit 2)",
+        "a model whose rows are coupled (BatchNorm in train mode) or a loss that couples examples, found by the "
+        "step-0 probe (docs/forking.md): warn (one line), or error (one line, exit 2)",
         choices=("warn", "error"),
     )
 
@@ -110,10 +102,9 @@ class BatchConfig:
 class DataConfig:
     source: str = setting(
         "stdlib",
-        '"stdlib" (the embedded corpus), a registered source\'s name or "module:name" (register_data), a text '
-        'file or folder, a .jsonl file of {"prompt", "response"} or '
-        '{"text"} lines, or token files: a nanoGPT folder (train.bin, val.bin) or llm.c shards (a folder or a '
-        "glob of *_train_*.bin / *_val_*.bin); scripts/operations/prepare_data.py writes both",
+        '"stdlib" (the embedded corpus), a registered source\'s name or "module:name", a text file or folder, a '
+        '.jsonl file of {"prompt", "response"} or {"text"} lines, or token files: a nanoGPT folder or llm.c '
+        "shards (docs/data.md)",
     )
     seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
     val_fraction: float = setting(
@@ -137,9 +128,8 @@ class DataConfig:
     )
     task: str = setting(
         "next-token",
-        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked afresh "
-        "every step (80% [MASK], 10% a random token, 10% kept) and only those supervised "
-        "(accumulation/data/masked_lm.py)",
+        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked "
+        "afresh every step and only those supervised (docs/data.md)",
         choices=("next-token", "masked"),
     )
     val_rows: int = setting(
@@ -184,11 +174,9 @@ class ModelConfig:
     loss: str = setting(
         "auto",
         "how the token cross-entropy SUM is computed, the same value either way: plain = logits of every "
-        "position, then cross-entropy; chunked = the output head and the cross-entropy a chunk of positions "
-        "at a time, gradients included, never the whole [rows, seq_len, vocab] logits (a model with "
-        "hidden_states() and output_head, e.g. gpt; dist.strategy=ddp); auto = chunked where the model allows "
-        "it and the plain loss's logits (3 fp32 copies of [m x seq_len, vocab]) would take over a quarter of the "
-        "GPU's free memory, plain otherwise and always on the CPU (where the chunks' smaller products cost time)",
+        "position; chunked = the output head a chunk of positions at a time, never the whole logits (gpt; "
+        "dist.strategy=ddp); auto = chunked on CUDA when the plain logits would take over a quarter of the "
+        "GPU's free memory, else plain (docs/performance.md)",
         choices=("auto", "chunked", "plain"),
     )
     objective: str = setting(
@@ -256,17 +244,14 @@ class DistConfig:
     timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
     strategy: str = setting(
         "ddp",
-        "ddp: every rank holds the whole model, its gradients and optimizer state (DistributedDataParallel); "
-        "fsdp2: all three sharded over the ranks (fully_shard, accumulation/parallel/fsdp.py), needs 2 or more ranks, "
-        "without model.compile or batch.on_oom=shrink; the same exact step and the same checkpoint files either way",
+        "ddp: every rank holds the whole model, its gradients and optimizer state; fsdp2: all three sharded over "
+        "2 or more ranks (docs/sharding.md); the same exact step and checkpoint files either way",
         choices=("ddp", "fsdp2"),
     )
     pipeline_stages: int = setting(
         1,
-        "P: pipeline stages the model is cut into, one per rank; world size = D x P and D = world size / P are the "
-        "data-parallel replicas; with P > 1 the schedule's micro-batches are the accumulation group "
-        "(accumulation/parallel/pipeline.py; dist.strategy=ddp, model.loss plain, model.compile off, "
-        "batch.on_oom=fail)",
+        "P: pipeline stages the model is cut into, one per rank; D = world size / P data-parallel replicas; with "
+        "P > 1 the schedule's micro-batches are the accumulation group (docs/pipeline.md)",
         "stages",
         at_least=1,
     )

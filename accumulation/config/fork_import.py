@@ -1,5 +1,6 @@
-"""Importing a fork's module that a config names by import path ("module:name", accumulation/config/registry.py):
-imported only then. The module registers its pieces as it is imported; whatever stops it is one line."""
+"""Importing a fork's module that a config names by import path ("module:name", accumulation/config/registry.py),
+and the names of the registered pieces, for the line that says a name names none and for --help: imported only
+then. A fork's module registers its pieces as it is imported; whatever stops it is one line."""
 
 import importlib
 
@@ -27,3 +28,17 @@ def import_problem(module_name: str) -> str | None:
     except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
         return f"cannot import {module_name}: {fault_text(error)}"
     return None
+
+
+def config_name(piece, built_in: dict[str, str]) -> str:
+    """What a config writes to choose a registered piece: its name for a built-in (`built_in`: the built-in names of
+    its kind and their modules, registry.BUILT_IN), "module:name" for a fork's."""
+    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
+    return piece.name if module_name in built_in.values() else f"{module_name}:{piece.name}"
+
+
+def names_text(pieces: dict, built_in: dict[str, str]) -> str:
+    """The names a config may write for one kind: the built-ins, then those of the fork modules imported so far
+    (`pieces`: that kind's registered pieces, registry.REGISTERED)."""
+    forks = [config_name(piece, built_in) for name, piece in pieces.items() if name not in built_in]
+    return ", ".join(f'"{name}"' for name in [*built_in, *forks]) or "none"

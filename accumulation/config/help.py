@@ -4,6 +4,7 @@ unit and its meaning, then the own keys of every registered model and data sourc
 """
 
 import dataclasses
+import importlib
 from dataclasses import fields
 
 from accumulation.config.config import (
@@ -11,13 +12,13 @@ from accumulation.config.config import (
     Config,
     ConfigError,
     PieceError,
-    allowed_text,
     load_config,
     settings_of,
     unused_model_keys,
-    value_text,
 )
-from accumulation.config.registry import config_name, registered
+from accumulation.config.fork_import import config_name
+from accumulation.config.key_text import allowed_text, value_text
+from accumulation.config.registry import BUILT_IN, REGISTERED, Piece
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
@@ -27,6 +28,13 @@ def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
         f"  {key} = {value_text(default)}    ({allowed_text(declaration)}{unit_text})",
         f"      {declaration.metadata['help']}",
     ]
+
+
+def registered(kind: str) -> dict[str, Piece]:
+    """The built-in pieces of this kind (their modules imported) and those of every fork module imported so far."""
+    for module_name in BUILT_IN[kind].values():
+        importlib.import_module(module_name)
+    return dict(REGISTERED[kind])
 
 
 def help_text(argv: list[str] = ()) -> str:
@@ -64,7 +72,10 @@ def help_text(argv: list[str] = ()) -> str:
         for piece in registered(section_name).values():
             if piece.settings is None:
                 continue
-            lines += ["", f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"']
+            lines += [
+                "",
+                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece, BUILT_IN[section_name])}"',
+            ]
             for declaration in fields(piece.settings):
                 lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
     return "\n".join(lines) + "\n"

@@ -1,23 +1,13 @@
 """Where models, losses and data sources are declared: each registers itself in the file that defines it.
 
     register_model("gru", build_gru)                      # accumulation/models/gru.py
-    register_model("hf-causal-lm", build, settings=HFSettings, fingerprint=config_json_hash)
     register_loss("label-smoothing", label_smoothed_sum)
     register_data("synthetic-images", build_images, settings=ImageSettings)
 
-A config names a piece by its registered name (`model.name = "gru"`), or by import path, `"module:name"`
-(`model.name = "forks.image_classifier:image-classifier"`, as torchtune's configs name their components): the
-module is imported, registers its pieces, and the name after the colon is looked up. So a fork is one file
-plus a config; no list of names elsewhere is edited. The built-in pieces go through the same path: BUILT_IN maps
-each name to the module that registers it, imported when a config first names it, so a run imports only the
-pieces it uses (`registered`, for --help and error messages, imports them all).
-
-A piece's own settings are a frozen dataclass of `setting(...)` fields (accumulation/config/config_keys.py): they become
-keys of the piece's section (`model.path` for a model's `path`), checked like every key, listed by --help, written
-to the run's config.toml and to checkpoints, and compared on resume. Its `fingerprint(model_config)` covers what
-the keys do not show (a model folder's config.json, edited in place): stored in checkpoints, compared on resume.
-
-This module imports nothing of the project: accumulation/config/config.py reads it to check the names.
+A config names a piece by its registered name (`model.name = "gru"`) or by import path, `"module:name"`, whose
+module is imported and registers its pieces: a fork is one file plus a config (docs/forking.md). BUILT_IN maps each
+built-in name to the module that registers it, imported when a config first names it, so a run imports only the
+pieces it uses. This module imports nothing of the project: accumulation/config/config.py reads it.
 """
 
 import dataclasses
@@ -53,19 +43,17 @@ class RegistryError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """One registered model, loss or data source.
+    """One registered model, loss or data source (what each field is for: docs/forking.md, "A fork is one file
+    and a config").
 
-    build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract,
-                  accumulation/models/factory.py); data: build(data_config, *, model_vocab_size, seed) -> Data;
-                  loss: unused
-    settings      None, or a frozen dataclass whose fields are setting(...): the piece's own keys, in its section
+    build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
+                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+    settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/own_keys.py)
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
     check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
-    generic_keys  a model's: which of GENERIC_MODEL_KEYS its build reads (all of them by default); the others are
-                  refused when a config sets them, not listed by --help for it, not written, not compared on resume
-    generic_keys_note
-                  why the others do not apply, for that one line (e.g. "its size comes from config.json")
+    generic_keys  a model's: the GENERIC_MODEL_KEYS its build reads (all by default; a config setting another is
+                  refused), and generic_keys_note why the others do not apply (e.g. "its size comes from config.json")
     """
 
     kind: str
@@ -79,17 +67,18 @@ class Piece:
     generic_keys_note: str = ""
 
 
-_REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
+# Every registered piece, by kind and name.
+REGISTERED: dict[str, dict[str, Piece]] = {kind: {} for kind in KINDS}
 
 
 def _register(piece: Piece) -> Piece:
     if piece.settings is not None and not dataclasses.is_dataclass(piece.settings):
         raise RegistryError(f"{piece.kind} {piece.name!r}: settings must be a dataclass of setting(...) fields")
-    existing = _REGISTERED[piece.kind].get(piece.name)
+    existing = REGISTERED[piece.kind].get(piece.name)
     # A module imported twice (as a script, then by name) registers its pieces again: the same function's name.
     if existing is not None and _function_name(existing) != _function_name(piece):
         raise RegistryError(f"{piece.kind} {piece.name!r} is registered twice, by two different functions")
-    _REGISTERED[piece.kind][piece.name] = piece
+    REGISTERED[piece.kind][piece.name] = piece
     return piece
 
 
@@ -97,25 +86,13 @@ def _function_name(piece: Piece) -> str:
     return getattr(piece.build or piece.loss_sum_fn, "__qualname__", "")
 
 
-def register_model(
-    name,
-    build,
-    *,
-    settings=None,
-    loss_sum_fn=None,
-    fingerprint=None,
-    check=None,
-    generic_keys=GENERIC_MODEL_KEYS,
-    generic_keys_note="",
-) -> Piece:
-    """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=)."""
+def register_model(name, build, *, generic_keys=GENERIC_MODEL_KEYS, **options) -> Piece:
+    """Declare a model: `model.name = name` builds it with build(model_config, vocab_size, seq_len=, seed=).
+    `options`: Piece's settings, loss_sum_fn, fingerprint, check and generic_keys_note."""
     unknown = set(generic_keys) - set(GENERIC_MODEL_KEYS)
     if unknown:
         raise RegistryError(f"model {name!r}: generic_keys must be among {GENERIC_MODEL_KEYS}, got {sorted(unknown)}")
-    piece = Piece(
-        "model", name, build, settings, loss_sum_fn, fingerprint, check, tuple(generic_keys), generic_keys_note
-    )
-    return _register(piece)
+    return _register(Piece("model", name, build, generic_keys=tuple(generic_keys), **options))
 
 
 def register_loss(name, loss_sum_fn) -> Piece:
@@ -130,45 +107,27 @@ def register_data(name, build, *, settings=None, check=None) -> Piece:
 
 def is_piece_name(kind: str, name: str) -> bool:
     """Whether `name` names a piece of this kind (registered, built in, or an import path), not e.g. a data file."""
-    return name in _REGISTERED[kind] or name in BUILT_IN[kind] or IMPORT_PATH.fullmatch(name) is not None
+    return name in REGISTERED[kind] or name in BUILT_IN[kind] or IMPORT_PATH.fullmatch(name) is not None
 
 
 def lookup(kind: str, name: str) -> Piece:
     """The piece `name` names: a registered name, a built-in (its module imported first), or "module:name"."""
     if name in BUILT_IN[kind]:
         importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
-    if name in _REGISTERED[kind]:
-        return _REGISTERED[kind][name]
-    if IMPORT_PATH.fullmatch(name) is None:
-        raise RegistryError(f'expected one of {names_text(kind)}, or a module:name import path, got "{name}"')
-    module_name, _, short_name = name.partition(":")
-    from accumulation.config.fork_import import import_problem  # only for a piece named by import path
+    if name in REGISTERED[kind]:
+        return REGISTERED[kind][name]
+    from accumulation.config.fork_import import import_problem, names_text  # a fork's piece, or no piece at all
 
+    if IMPORT_PATH.fullmatch(name) is None:
+        names = names_text(REGISTERED[kind], BUILT_IN[kind])
+        raise RegistryError(f'expected one of {names}, or a module:name import path, got "{name}"')
+    module_name, _, short_name = name.partition(":")
     problem = import_problem(module_name)
     if problem is not None:
         raise RegistryError(problem)
-    if short_name not in _REGISTERED[kind]:
+    if short_name not in REGISTERED[kind]:
         raise RegistryError(
-            f"{module_name} registers no {kind} {short_name!r} (registered: {names_text(kind)}); "
-            f"call register_{kind}({short_name!r}, ...) in it"
+            f"{module_name} registers no {kind} {short_name!r} (registered: "
+            f"{names_text(REGISTERED[kind], BUILT_IN[kind])}); call register_{kind}({short_name!r}, ...) in it"
         )
-    return _REGISTERED[kind][short_name]
-
-
-def registered(kind: str) -> dict[str, Piece]:
-    """The built-in pieces of this kind (their modules imported) and those of every fork module imported so far."""
-    for module_name in BUILT_IN[kind].values():
-        importlib.import_module(module_name)
-    return dict(_REGISTERED[kind])
-
-
-def config_name(piece: Piece) -> str:
-    """What a config writes to choose the piece: its name for a built-in, "module:name" for a fork's."""
-    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
-    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
-
-
-def names_text(kind: str) -> str:
-    """The names a config may write: the built-ins, then those of fork modules imported so far."""
-    forks = [config_name(piece) for name, piece in _REGISTERED[kind].items() if name not in BUILT_IN[kind]]
-    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"
+    return REGISTERED[kind][short_name]

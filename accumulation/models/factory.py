@@ -1,47 +1,15 @@
 """The model factory and the loss: what turns config.model into the model and its loss.
 
-`build_model(config.model, vocab_size, seq_len=..., seed=...)` is used everywhere a model is made; `model.name`
-chooses the architecture among the registered ones (accumulation/config/registry.py): a model registers itself in
-the file that defines it (`register_model("gru", build_gru)` at the end of accumulation/models/gru.py), and a fork's
-module is named by import path (`model.name = "forks.image_classifier:image-classifier"`). Nothing here lists the
-models.
-`loss_sum_fn_for(config.model)` is the configured loss: model.objective's registered loss, or the model's own (its
-registration's loss_sum_fn), or the token cross-entropy. `decided_model_config` decides model.loss ("auto": plain or
-chunked), and `training_forward_and_loss` builds what the step runs from that decision: train.py, validation,
-the step-0 probe, the equivalence checker and the benchmarks all take the model and the loss from these functions.
+`build_model(config.model, vocab_size, seq_len=..., seed=...)` builds the architecture `model.name` names among the
+registered ones (accumulation/config/registry.py); nothing here lists the models. `loss_sum_fn_for(config.model)`
+is the configured loss. `decided_model_config` decides model.loss ("auto": plain or chunked), and
+`training_forward_and_loss` builds what the step runs from that decision: train.py, validation, the step-0 probe,
+the equivalence checker and the benchmarks all take the model and the loss from these functions.
 
-The contract. The training loop, the checkpoints and the scripts rely on this and nothing more:
-
-    forward(inputs) -> outputs
-        inputs: what the data's rows hold: int64 token ids [rows, seq_len] for the language models, or any tensor
-        [rows, ...] of any dtype (float images [rows, C, H, W], feature vectors), or a tuple of them.
-        outputs: whatever loss_sum_fn_for(config.model) accepts with the
-        labels (the default, accumulation.step.token_cross_entropy_sum, takes logits [rows, seq_len, vocab_size]).
-        Labels hold -100 where a position has no target (padding, prompt, ignored positions); the model never
-        sees them. The loss is a SUM over supervised positions, so outputs at unsupervised positions are harmless.
-    the same initial weights on every rank
-        drawn from a generator seeded with config.run.seed, never from the global RNG (which dropout uses and
-        which differs by rank), so that DDP starts every replica equal. Building under
-        `with torch.device("meta"):` must work too: build_model_on_meta does that, allocating nothing.
-    describe() -> str (optional)
-        the one-line banner for this model, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads,
-        vocab 256)": it comes from the model, so no caller reads architecture-specific keys. Without it the
-        banner says the model's name and parameter count (model_description).
-    generate(prompt, num_new_tokens, generator) -> token ids (optional)
-        prompt: 1-D int64 token ids; returns them followed by num_new_tokens sampled ones, drawn with the
-        given torch.Generator. A model without it (the GRU here) gets no end-of-run sample.
-    hidden_states(inputs) -> hidden states, and output_head (optional, for model.loss = "chunked")
-        the final hidden states [rows, seq_len, d] and the bias-free nn.Linear that maps them to the logits
-        forward returns. A model with both gets the chunked loss (accumulation/chunked_loss.py): the step runs
-        hidden_states, and the loss applies output_head a chunk of positions at a time, never building the
-        whole logits. Any other model keeps forward + loss_sum_fn(outputs, labels).
-    fsdp_units() -> list of submodules (optional)
-        the modules dist.strategy = "fsdp2" shards one by one, each its own all-gather and reduce-scatter (the
-        GPT: its transformer blocks); the rest is sharded with the whole model. A model without it (the GRU)
-        is sharded as one piece (accumulation/parallel/fsdp.py).
-
-The vocabulary size comes from the data (256 for bytes) unless model.vocab_size asks for more:
-resolved_vocab_size decides, and build_model takes the result.
+The model contract, what the training loop, the checkpoints and the scripts rely on and nothing more, is written
+in docs/forking.md ("The model contract"): forward(inputs) -> outputs for loss_sum_fn_for, the same initial weights
+on every rank from config.run.seed, buildable on the meta device, and the optional describe(), generate(),
+hidden_states() with output_head, fsdp_units() and pipeline_split().
 """
 
 import dataclasses
@@ -79,7 +47,7 @@ def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, see
         build = getattr(piece.build, "__qualname__", "its build")
         raise ConfigError(
             f"model.name: {model_config.name}'s build ({build}) returned {type(model).__name__}, not a "
-            f"torch.nn.Module; return the model (the model contract, accumulation/models/factory.py)"
+            f"torch.nn.Module; return the model (the model contract, docs/forking.md)"
         )
     return model
 
@@ -117,41 +85,16 @@ def loss_sum_fn_for(model_config: ModelConfig) -> Callable[[torch.Tensor, torch.
     return lookup("model", model_config.name).loss_sum_fn or token_cross_entropy_sum
 
 
-def has_output_head(model: torch.nn.Module) -> bool:
-    """Whether the model offers what the chunked loss needs: hidden_states() and a bias-free output_head."""
-    head = getattr(model, "output_head", None)
-    return hasattr(model, "hidden_states") and isinstance(head, torch.nn.Linear) and head.bias is None
-
-
 def decided_model_config(config: Config, model: torch.nn.Module, device: torch.device) -> ModelConfig:
     """config.model with model.loss decided, "plain" or "chunked": the one decision, which train.py, validation, the
-    step-0 probe and the equivalence checker share. "chunked" is refused (ConfigError) for a model without an output
-    head or with another loss than the token cross-entropy. "auto" is plain on the CPU and on the meta device
-    (train.py's check before the run's device is set up); on CUDA, for a model that allows it, under DDP on one
-    pipeline stage, accumulation/chunked_loss.py decides by the GPU's free memory, alike on every rank."""
-    # The chunked loss computes the token cross-entropy; a fork whose loss_sum_fn_for returns another loss keeps it.
-    token_cross_entropy = loss_sum_fn_for(config.model) is token_cross_entropy_sum
-    loss = config.model.loss
-    if loss == "chunked" and not token_cross_entropy:
-        raise ConfigError(
-            'model.loss: "chunked" computes the token cross-entropy, but this model\'s loss (model.objective, '
-            'or the model\'s registration) is another; use "plain" or "auto"'
-        )
-    if loss == "chunked" and not has_output_head(model):
-        raise ConfigError(
-            f'model.loss: "chunked" needs a model with hidden_states() and a bias-free output_head; the '
-            f'{config.model.name} model does not have them; use "plain" or "auto"'
-        )
-    if loss == "auto":
-        single_stage = config.dist.pipeline_stages == 1  # with stages the loss runs on the last one, plain
-        eligible = config.dist.strategy == "ddp" and single_stage and token_cross_entropy and has_output_head(model)
-        loss = "plain"
-        if device.type == "cuda" and eligible:
-            from accumulation.chunked_loss import chunked_loss_pays_on_cuda  # only on a GPU
+    step-0 probe and the equivalence checker share. "plain" stays plain, and "auto" is plain off CUDA (the CPU, and
+    the meta device of train.py's check before the run's device is set up); "chunked", and "auto" on CUDA, are
+    decided by accumulation/models/loss_decision.py."""
+    loss = "plain"
+    if config.model.loss == "chunked" or (config.model.loss == "auto" and device.type == "cuda"):
+        from accumulation.models.loss_decision import chunked_or_plain  # only where the chunked loss may run
 
-            positions = config.batch.micro_batch_size * config.data.seq_len  # m·T at the configured m
-            if chunked_loss_pays_on_cuda(positions, model.output_head.out_features, device):
-                loss = "chunked"
+        loss = chunked_or_plain(config, model, device, loss_sum_fn_for(config.model))
     return dataclasses.replace(config.model, loss=loss)
 
 

@@ -33,7 +33,7 @@ from accumulation.run.failures import few
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.run.resumed_logs import metrics_lines
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
-from accumulation.schedule import build_scheduler, set_learning_rates
+from accumulation.schedule import build_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -268,6 +268,18 @@ def restore_rng_states(saved: dict, context: DistributedContext, config: Config,
             torch.cuda.set_rng_state(per_rank[context.rank]["cuda"], context.device)
     else:
         seed_dropout(config.run.seed, context.rank, steps)
+
+
+def set_learning_rates(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Set every parameter group's lr to the schedule's value after `scheduler.last_epoch` applied updates.
+
+    Needed after a resume: the optimizer's state brings back the lr the *old* schedule gave the last step,
+    and LambdaLR would apply the new schedule (a longer cosine horizon, another warm-up) only from its next
+    step() on, one update too late. With an unchanged schedule this recomputes the same value."""
+    for group, base_lr, multiplier in zip(
+        scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True
+    ):
+        group["lr"] = base_lr * multiplier(scheduler.last_epoch)
 
 
 def restore_training_state(training, resume: dict, config: Config, context: DistributedContext):
