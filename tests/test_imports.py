@@ -167,13 +167,29 @@ def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
     return set(completed.stdout.splitlines()[-1].split())
 
 
+# The template's budget: the lines of the project's own code one default run imports, train.py included. Issue
+# 33 asks for 4,000 at most; this ceiling is the size the default run has reached, so that it can only shrink.
+DEFAULT_RUN_LINES_CEILING = 4_600
+
+
+def lines_of_module(name: str) -> int:
+    """The lines of accumulation.x.y's file (a package's __init__.py)."""
+    path = REPO.joinpath(*name.split("."))
+    source = path.with_suffix(".py") if path.with_suffix(".py").is_file() else path / "__init__.py"
+    return len(source.read_text().splitlines())
+
+
 def test_a_default_run_imports_none_of_the_option_modules(tmp_path):
     """Two steps of the default config (its validation and sample included, the embedded corpus): the modules of
-    what it did not ask for stay unimported, so the code a default run reads cannot silently grow."""
+    what it did not ask for stay unimported, and the lines it imports stay within the budget, so the code a
+    default run reads cannot silently grow."""
     imported = modules_a_run_imports(tmp_path, ["run.max_steps=2", "run.eval_every=1", "data.val_rows=8"])
     assert "accumulation.models.gpt" in imported and "accumulation.data.text_corpus" in imported
     options = {name for name in imported if name in OPTION_MODULES or name.startswith("accumulation.checker")}
     assert not options, f"the default run imported {sorted(options)}"
+    own = sorted(name for name in imported if name.split(".")[0] == "accumulation")
+    lines = len((REPO / "train.py").read_text().splitlines()) + sum(map(lines_of_module, own))
+    assert lines <= DEFAULT_RUN_LINES_CEILING, f"a default run imports {lines} lines of the project: {own}"
 
 
 def test_a_config_that_asks_for_an_option_imports_it(tmp_path):
