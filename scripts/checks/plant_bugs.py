@@ -607,8 +607,9 @@ def plant(bug: Bug) -> dict:
         started = time.monotonic()
         environment = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
         # -n 0: in one process. Under pytest-xdist (pytest.ini) -x ends the session as interrupted, exit 2.
+        # -m "": every tier, so that a plant's integration test runs too (pytest.ini deselects that tier).
         completed = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *bug.tests],
+            [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-m", "", "-p", "no:cacheprovider", *bug.tests],
             cwd=copy,
             env=environment,
             capture_output=True,
