@@ -105,7 +105,7 @@ BUGS = [
     Bug(
         "examples-per-rank",
         "the step reports this rank's examples, not all ranks': the examples counter is short",
-        "accumulation/step.py",
+        "accumulation/batching.py",
         "GlobalCounts(tokens_all // ranks_per_replica, examples_all // ranks_per_replica)",
         "GlobalCounts(tokens_all // ranks_per_replica, examples_local)",
         ["tests/test_reference_checks.py::test_two_rank_step_result_equals_the_float64_full_batch"],
