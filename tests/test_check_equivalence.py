@@ -197,11 +197,8 @@ def test_under_model_loss_auto_the_checker_checks_the_loss_train_py_chooses(tmp_
     status, stdout = run_checker(tmp_path, [], 1, capsys)
     assert status == 0 and "loss path: the loop ran model.loss = auto as plain: the model's outputs" in stdout
     decide = checker_run.decided_model_config
-
-    def decide_chunked(config, model, device):
-        return dataclasses.replace(decide(config, model, device), loss="chunked")
-
-    monkeypatch.setattr(checker_run, "decided_model_config", decide_chunked)
+    chunked = lambda *arguments: dataclasses.replace(decide(*arguments), loss="chunked")  # noqa: E731
+    monkeypatch.setattr(checker_run, "decided_model_config", chunked)
     (tmp_path / "chunked").mkdir()
     status, stdout = run_checker(tmp_path / "chunked", [], 1, capsys)
     assert status == 0 and reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"], stdout
