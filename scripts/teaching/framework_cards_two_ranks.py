@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from scripts.teaching import card_setup as setup
 from scripts.teaching import framework_cards as cards
 
 WORLD_SIZE = 2  # D
@@ -27,14 +28,14 @@ ACCUMULATION_STEPS = 2  # A = 8 rows / (m = 2 · D = 2)
 
 def micro_batch_ranks() -> list[int]:
     """The rank each micro-batch of the step goes to: r, r + D, ... (Accelerate's BatchSamplerShard)."""
-    return [k % WORLD_SIZE for k in range(len(cards.targets_per_micro_batch()))]
+    return [k % WORLD_SIZE for k in range(len(setup.targets_per_micro_batch()))]
 
 
 def own_rank_count() -> torch.Tensor:
     """Gallery row 2: each rank divides its sum by its own count, and DDP averages the D ranks' gradients."""
-    targets, ranks = cards.targets_per_micro_batch(), micro_batch_ranks()
+    targets, ranks = setup.targets_per_micro_batch(), micro_batch_ranks()
     rank_targets = [sum(n for n, r in zip(targets, ranks, strict=True) if r == rank) for rank in range(WORLD_SIZE)]
-    return cards.per_row([1 / (WORLD_SIZE * rank_targets[r]) for r in ranks])
+    return setup.per_row([1 / (WORLD_SIZE * rank_targets[r]) for r in ranks])
 
 
 def free_port() -> int:
@@ -58,8 +59,8 @@ def rank_main(rank: int, port: int, average_tokens: bool, weights_path: str) -> 
     torch.set_num_threads(1)
     import transformers
 
-    model = cards.llama()
-    input_ids, labels = cards.step_rows()
+    model = setup.llama()
+    input_ids, labels = setup.step_rows()
     rows = [{"input_ids": i, "labels": label} for i, label in zip(input_ids, labels, strict=True)]
     with tempfile.TemporaryDirectory() as output_dir, contextlib.redirect_stdout(io.StringIO()):
         args = cards.trainer_arguments(
@@ -82,7 +83,7 @@ def hf_trainer_two_ranks(average_tokens: bool) -> Callable[[torch.nn.Module], No
 
 TWO_RANK_CARDS = [
     cards.Card("HF Trainer", "LlamaForCausalLM, 2 ranks, average_tokens_across_devices (default)", "-",
-               cards.llama, hf_trainer_two_ranks(average_tokens=True), cards.token_mean),
+               setup.llama, hf_trainer_two_ranks(average_tokens=True), setup.token_mean),
     cards.Card("HF Trainer", "LlamaForCausalLM, 2 ranks, average_tokens_across_devices = False", "2",
-               cards.llama, hf_trainer_two_ranks(average_tokens=False), own_rank_count),
+               setup.llama, hf_trainer_two_ranks(average_tokens=False), own_rank_count),
 ]  # fmt: skip
