@@ -101,28 +101,25 @@ def two_rank_weighted_worker(rank: int, world_size: int) -> dict:
         results[micro_batch_size] = (error, result.tokens, result.loss)
     # Pipeline stages (P = 2, D = 1): the schedule cuts the rows, the loss reads each micro-batch's own weights.
     layout = build_layout(CPU, pipeline_stages=2)
-    model = new_pipeline_model(torch.float64)
-    reference = dict(zip([n for n, _ in model.named_parameters()], reference_gradient(model, batch), strict=True))
-    pipeline = build_pipeline(model, layout, CPU, weighted_token_sum, accumulation_steps=4, schedule_name="gpipe")
-    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
-    captured = capture_gradients(optimizer)
-    micro_batches = split_micro_batches([batch], 2)
-    optimizer_step(pipeline.stage_module, micro_batches, optimizer, device=CPU, strategy=pipeline)
-    names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
-    results["pipeline"] = max_relative_error(captured[0], [reference[name] for name in names])
+    results["pipeline"] = pipelined_gradient_error(new_pipeline_model(torch.float64), batch, layout, 4, "gpipe")
     # A dict of inputs through the stages: the schedule cuts each tensor of it along the rows.
-    model = DictInputStages()
     scale = torch.linspace(0.5, 1.5, 8, dtype=torch.float64)
     dict_batch = MicroBatch({"tokens": batch.inputs, "scale": scale}, batch.labels, batch.num_examples, batch.extras)
-    reference = dict(zip([n for n, _ in model.named_parameters()], reference_gradient(model, dict_batch), strict=True))
-    pipeline = build_pipeline(model, layout, CPU, weighted_token_sum, accumulation_steps=2, schedule_name="1f1b")
+    results["pipeline, dict inputs"] = pipelined_gradient_error(DictInputStages(), dict_batch, layout, 2, "1f1b")
+    return results
+
+
+def pipelined_gradient_error(model, batch: MicroBatch, layout, accumulation_steps: int, schedule_name: str) -> float:
+    """This stage's gradient after one pipelined step of `batch` in A micro-batches, against the float64 objective's
+    gradient of the same parameters."""
+    reference = dict(zip([n for n, _ in model.named_parameters()], reference_gradient(model, batch), strict=True))
+    pipeline = build_pipeline(model, layout, CPU, weighted_token_sum, accumulation_steps, schedule_name)
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    micro_batches = split_micro_batches([dict_batch], 4)
+    micro_batches = split_micro_batches([batch], batch.labels.shape[0] // accumulation_steps)
     optimizer_step(pipeline.stage_module, micro_batches, optimizer, device=CPU, strategy=pipeline)
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
-    results["pipeline, dict inputs"] = max_relative_error(captured[0], [reference[name] for name in names])
-    return results
+    return max_relative_error(captured[0], [reference[name] for name in names])
 
 
 class FirstStage(torch.nn.Module):
