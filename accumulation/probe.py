@@ -1,24 +1,8 @@
-"""train.py's probe at step 0: what it can see cheaply, on the data this rank already holds, that would make the
-exact step inexact.
-
-The step divides the SUM of the losses of all supervised targets by the global N (accumulation/step.py). That is
-the full batch's mean loss only if
-- the loss is additive over its targets: split a micro-batch's targets into two sets (the labels of the others
-  set to -100), and the loss of the whole must be the sum of the two. A MEAN is not (it is divided by each
-  micro-batch's own count): that is a bug, refused with one line and exit status 2;
-- the loss is additive over rows: the loss of the whole micro-batch must be the sum of the losses of its two
-  halves of rows. One that is additive over targets but not over rows couples the examples it sees together
-  (in-batch negatives, InfoNCE): no accumulation can reproduce the full batch's, whatever the split;
-- the model's outputs fit the loss at all: a forward or a loss that raises on the first micro-batch (images into
-  a language model, outputs of the wrong shape) is refused with one line and exit status 2, before anything is
-  written;
-- the model treats each row alone: BatchNorm in train mode normalises each row with the statistics of the
-  micro-batch (and, under DDP, of this rank's micro-batch only), so the gradient depends on m and D.
-The last two are not bugs of the fork, only no longer exact: a warning line says so, or, with
-batch.on_inexact = "error", one line and exit status 2.
-
-Cost: one forward without gradient of this rank's first micro-batch of step 0 and five evaluations of the loss
-on its outputs, once per fresh run (a resumed run has passed it); docs/forking.md gives the figure.
+"""train.py's probe at step 0, on this rank's first micro-batch: the step divides the sum of the supervised targets'
+losses by the global N, the full batch's mean loss only if the loss is additive over its targets and over its rows,
+the model's outputs fit the loss, and the model treats each row alone. A mean loss, or a forward or a loss that
+raises, is refused (exit 2); a loss that couples the examples, or BatchNorm in train mode, is a warning line (an
+error with batch.on_inexact = "error"). The argument and the cost: docs/forking.md, "What no loop can make exact".
 """
 
 import traceback
@@ -38,8 +22,7 @@ class InexactStep(ValueError):
 
 
 class StepZeroFailed(InexactStep):
-    """The model's forward, or the loss on its outputs, raised on the first micro-batch: a model that does not fit
-    the data (images into a language model) or outputs that do not fit the loss. Refused like an InexactStep."""
+    """The model's forward, or the loss on its outputs, raised on the first micro-batch."""
 
 
 def fault_text(error: BaseException) -> str:
@@ -51,18 +34,8 @@ def fault_text(error: BaseException) -> str:
         frames = [frame for frame in traceback.extract_tb(error.__traceback__) if not frame.filename.startswith("<")]
         message, where = str(error), f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "unknown"
     first_line = message.strip().splitlines()[0] if message.strip() else ""
-    return (
-        f"{type(error).__name__}: {first_line} (at {where})" if first_line else f"{type(error).__name__} (at {where})"
-    )
-
-
-def _shapes_text(value) -> str:
-    """ "float32 [2, 3, 16, 16]" for a tensor, each one's for a tuple, the type's name for anything else."""
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
-    if isinstance(value, tuple):
-        return f"({', '.join(_shapes_text(item) for item in value)})"
-    return type(value).__name__
+    name = type(error).__name__
+    return f"{name}: {first_line} (at {where})" if first_line else f"{name} (at {where})"
 
 
 def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
@@ -74,20 +47,17 @@ def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            raise StepZeroFailed(
-                f"step 0: the model's forward raised on the first micro-batch (inputs {_shapes_text(inputs)}): "
-                f"{fault_text(error)}; the model does not fit this data (model.name, data.source)"
-            ) from None
+            from accumulation.probe_faults import forward_raised
+
+            raise StepZeroFailed(forward_raised(inputs, fault_text(error))) from None
         try:
             whole = float(loss_sum_fn(outputs, labels, **extras))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            raise StepZeroFailed(
-                f"step 0: the loss raised on the model's outputs {_shapes_text(outputs)} and the labels "
-                f"{_shapes_text(labels)}: {fault_text(error)}; the model's outputs do not fit the loss "
-                f"(model.name, model.objective)"
-            ) from None
+            from accumulation.probe_faults import loss_raised
+
+            raise StepZeroFailed(loss_raised(outputs, labels, fault_text(error))) from None
     return outputs, whole
 
 

@@ -133,6 +133,7 @@ OPTION_MODULES = {
     "accumulation.models.gpt_stages",  # dist.pipeline_stages > 1 with the GPT
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
+    "accumulation.probe_faults",  # a forward or a loss that raises at step 0
     "torch.distributed.pipelining",
 }
 

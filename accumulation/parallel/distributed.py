@@ -1,8 +1,5 @@
-"""This rank's place in the job (DistributedContext), and the end of a program's process (run_and_exit).
-
-Without `RANK` and `WORLD_SIZE` in the environment the program is a single process (D = 1): no process group
-exists and accumulation/parallel/torchrun.py, which joins one under torchrun, is never imported.
-"""
+"""This rank's place in the job (DistributedContext), and the end of a program's process (run_and_exit). A single
+process (no `RANK` or `WORLD_SIZE`) has no process group and never imports accumulation/parallel/torchrun.py."""
 
 import os
 import sys
@@ -60,10 +57,9 @@ def launch_environment() -> tuple[int, int]:
 
 
 def setup_distributed(device_preference: str, timeout_s: float, pipeline_stages: int = 1) -> DistributedContext:
-    """A single process without RANK in the environment; under torchrun this rank's device, the process group
-    and the rank's layout as D replicas × P pipeline stages (accumulation/parallel/torchrun.py). The device:
-    this rank's GPU for "auto" and "cuda" when there is one (build.check_device_available has already refused
-    "cuda" without one), otherwise the CPU."""
+    """A single process without RANK in the environment, else the process group and the D x P layout joined under
+    torchrun (accumulation/parallel/torchrun.py). The device: this rank's GPU for "auto" and "cuda" when there is
+    one (build.check_device_available has already refused "cuda" without one), otherwise the CPU."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if "RANK" in os.environ else 0
     gpu = device_preference in ("cuda", "auto") and torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
@@ -81,15 +77,8 @@ def teardown_distributed() -> None:
 
 
 def run_and_exit(main, argv: list[str]) -> None:
-    """End the process with the exit status of main(argv). main destroys its process group itself, on a
-    clean return only; after an error (a status main returns for one, or an exception, whose traceback is
-    printed here) the process leaves without tearing down, so that it never waits for the other ranks.
-
-    Output is flushed and the process ends through os._exit: interpreter teardown after gloo or NCCL use
-    occasionally aborts a rank (SIGABRT) that finished all its work, and a finished job must exit 0.
-    Without the teardown of a failed rank, the others learn at once that it is gone: their next collective
-    fails (gloo), or torchrun's agent, seeing a worker exit non-zero, stops them.
-    """
+    """End the process with the exit status of main(argv) through os._exit, output flushed; main tears its process
+    group down on a clean return only, so a failed rank never waits for the others (docs/faults.md, "Fail fast")."""
     try:
         status = main(argv)
     except SystemExit as request:  # argparse: --help (0) or an unknown flag (2, usage already printed)

@@ -458,20 +458,16 @@ BUGS = [
         "probe-forward-error-raw",
         "a forward that raises at step 0 comes out as a traceback, not one line naming the data and the model",
         "accumulation/probe.py",
-        "        except Exception as error:\n"
-        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
-        "        except ArithmeticError as error:\n"
-        "            raise StepZeroFailed(\n                f\"step 0: the model's forward",
+        "        except Exception as error:\n            from accumulation.probe_faults import forward_raised",
+        "        except ArithmeticError as error:\n            from accumulation.probe_faults import forward_raised",
         [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
     Bug(
         "probe-loss-error-raw",
         "a loss that raises on the outputs at step 0 comes out as a traceback, not one line naming the shapes",
         "accumulation/probe.py",
-        "        except Exception as error:\n"
-        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
-        "        except ArithmeticError as error:\n"
-        '            raise StepZeroFailed(\n                f"step 0: the loss raised',
+        "        except Exception as error:\n            from accumulation.probe_faults import loss_raised",
+        "        except ArithmeticError as error:\n            from accumulation.probe_faults import loss_raised",
         [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
     Bug(
