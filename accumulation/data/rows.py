@@ -239,14 +239,10 @@ class RowSubset:
         return self.rows.raw_example(int(self.row_ids[row_id]), step)
 
 
-# ---------------------------------------------------------------------------------------------------
-# A 64-bit mix: the data order's (sources.py) and the draws' per step and row (uniforms.py)
-# ---------------------------------------------------------------------------------------------------
-
-
 def mix64(values: np.ndarray) -> np.ndarray:
-    """A 64-bit mixing function (splitmix64's finalizer): every output bit depends on every input bit.
-    uint64 arithmetic wraps modulo 2**64, which is what the constants are chosen for."""
+    """A 64-bit mixing function (splitmix64's finalizer), for the data order (sources.py) and the draws per step
+    and row (uniforms.py): every output bit depends on every input bit. uint64 arithmetic wraps modulo 2**64,
+    which is what the constants are chosen for."""
     values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return values ^ (values >> np.uint64(31))

@@ -27,18 +27,16 @@ TAILS = ("drop", "partial")
 
 
 def validation_subset(rows: Rows, max_rows: int) -> Rows:
-    """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split
-    (row ids floor(i · num_rows / max_rows)), so a pass costs the same however large the split, and the
-    rows are a function of the split and max_rows alone, never of m, A or D. max_rows == 0 means all."""
+    """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split (row ids
+    floor(i · num_rows / max_rows)), a function of the split and max_rows alone. max_rows == 0 means all."""
     if max_rows == 0 or rows.num_rows <= max_rows:
         return rows
     return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)
 
 
-def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> Data:
-    """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
+def build_data(settings: DataConfig, *, model_vocab_size: int, seed: int) -> Data:
+    """The training and validation rows that `settings` (config.data) describes. `model_vocab_size` is
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it)."""
-    settings = data_config
     source, seq_len = settings.source, settings.seq_len
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
         built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
@@ -244,7 +242,7 @@ def check_supervised_counts(batch: StepBatch) -> None:
         expected = torch.zeros_like(held)
         expected[: len(promised)] = promised
         if not torch.equal(held, expected):
-            from accumulation.data.count_mismatch import count_mismatch_error
+            from accumulation.data.failures import count_mismatch_error
 
             raise count_mismatch_error(batch.step, batch.row_ids[positions], held, expected)
 
