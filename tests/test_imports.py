@@ -109,6 +109,7 @@ OPTION_MODULES = {
     "accumulation.data.step_tools",  # scripts and tests that build a step's pieces one at a time
     "accumulation.data.packing",  # data.layout = "packed"
     "accumulation.data.uniforms",  # data.task = "masked", the RL rollouts, a fork's augmentation
+    "accumulation.data.failures",  # a data error's message (split sizes, supervised_counts' promise)
     "accumulation.models.gru",  # model.name = "gru"
     "accumulation.config.fork_import",  # model.name, data.source or model.objective = "module:name"
     "accumulation.config.toml_file",  # --config FILE, or a checkpoint's config (a resume)

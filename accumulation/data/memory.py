@@ -1,10 +1,6 @@
-"""How much memory this process can have at most: the start-up checks compare their estimates against it.
-
-The smallest of three limits: the machine's physical memory, the cgroup's (a container or a SLURM job's
---mem, memory.max or memory.limit_in_bytes), and the address space a `ulimit -v` (RLIMIT_AS) leaves beyond what the
-process already maps. An upper bound on purpose: memory other processes use comes and goes, so a check
-against it would refuse runs that fit; a check against this refuses only what cannot fit at all.
-"""
+"""How much memory this process can have at most: the least of the machine's memory, its cgroup's limit (a
+container's, a SLURM job's --mem) and the address space `ulimit -v` leaves. An upper bound, not what is free now,
+which other processes move: the start-up checks refuse only what cannot fit (docs/training.md, "Launching")."""
 
 import os
 import resource

@@ -1,38 +1,5 @@
-"""What a row is, for every data source: the `Rows` interface and the containers that implement it, in one module
-that imports no source.
-
-The interface
--------------
-The training loop sees a split of the data only as a `Rows` object. Every method takes the optimizer step
-`step` it serves, and what it returns must be a pure function of (the source's seed, step, row ids): never of
-a global random generator, of the rank, or of how often it was called. Then every rank, the checker and a
-resumed run rebuild exactly the same rows (docs/forking.md, "Data that changes with the step"). The
-sources here give the same rows at every step; a fresh mask per step (accumulation/data/masked_lm.py) uses it.
-
-    num_rows             rows in the split
-    seq_len              input positions per row (data.seq_len must equal it), or None for rows that are not
-                         sequences (images, feature vectors)
-    examples(row_ids, step)
-                         (inputs, labels): inputs [len(row_ids), ...] of any dtype (int64 token ids
-                         [len(row_ids), seq_len]; float images [len(row_ids), C, H, W]; a tuple of such tensors when
-                         an example has several), labels int64 [len(row_ids), seq_len]: labels[i, j] is what input
-                         position j of row i must predict, or IGNORE_INDEX (-100) where that position has no
-                         target (a prompt, padding, a position the step does not mask); labels may instead be
-                         int64 [len(row_ids)], one target per row
-    supervised_counts(row_ids, step)
-                         int64 [len(row_ids)]: supervised targets of each row, the count of labels != -100 that
-                         examples(row_ids, step) would give, computed without building the rows where possible;
-                         every rank sums it over the step's row ids to know the step's N with no collective
-    raw_example(row_id, step)
-                         RawExample: the row's input tokens and, position by position, its targets, stated
-                         without the tensors of examples(), so that a checker can build reference labels its own way
-
-RowSet, below, implements it for tokens held in memory; PackedTokenRows (accumulation/data/token_files.py) for
-memory-mapped token files; MaskedTokenRows (accumulation/data/masked_lm.py) on top of those, with a fresh mask
-every step. A fork with its own task or tokenizer writes a source that returns Rows (make_rows builds a RowSet of
-documents, accumulation/data/jsonl.py's make_example_rows one of prompt/response examples) and registers it
-(`register_data`, accumulation/config/registry.py); a config names it in data.source (docs/forking.md).
-"""
+"""What a row is, for every data source: the `Rows` interface (docs/forking.md, "The `Rows` interface") and the
+containers that implement it, in one module that imports no source."""
 
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -87,7 +54,7 @@ def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> 
 
 
 class Rows(Protocol):
-    """One split of the data, as the training loop reads it at optimizer step `step` (see the module docstring)."""
+    """One split of the data, as the training loop reads it at optimizer step `step` (docs/forking.md)."""
 
     @property
     def num_rows(self) -> int: ...
@@ -103,10 +70,7 @@ class Rows(Protocol):
 
 
 def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
-    """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else.
-
-    The only place where a supervision mask becomes labels.
-    """
+    """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else."""
     return torch.where(supervised, targets, IGNORE_INDEX)
 
 
@@ -275,14 +239,10 @@ class RowSubset:
         return self.rows.raw_example(int(self.row_ids[row_id]), step)
 
 
-# ---------------------------------------------------------------------------------------------------
-# A 64-bit mix: the data order's (sources.py) and the draws' per step and row (uniforms.py)
-# ---------------------------------------------------------------------------------------------------
-
-
 def mix64(values: np.ndarray) -> np.ndarray:
-    """A 64-bit mixing function (splitmix64's finalizer): every output bit depends on every input bit.
-    uint64 arithmetic wraps modulo 2**64, which is what the constants are chosen for."""
+    """A 64-bit mixing function (splitmix64's finalizer), for the data order (sources.py) and the draws per step
+    and row (uniforms.py): every output bit depends on every input bit. uint64 arithmetic wraps modulo 2**64,
+    which is what the constants are chosen for."""
     values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return values ^ (values >> np.uint64(31))

@@ -1,17 +1,5 @@
-"""The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches.
-
-What a row is (the `Rows` interface, RowSet, DataError) is accumulation/data/rows.py, what a source returns
-(`Data`) accumulation/data/splits.py.
-
-The pipeline:
-    config.data  ->  build_data  ->  a source  ->  train and validation Rows
-        "stdlib", the default: accumulation/data/text_corpus.py (the embedded demo corpus)
-        a path (text, JSONL, token files): accumulation/data/path_sources.py, which imports only the source it names
-        a registered source's name: a fork's own data (accumulation/config/registry.py)
-and, every optimizer step s:
-    (seed, s, global_batch_size)  ->  row ids of the step  ->  step_batch: the rows as step s sees them
-    (rows.examples(row_ids, s)), N from rows.supervised_counts(row_ids, s), this rank's micro-batches
-"""
+"""The data factory, the data order and the micro-batches: what turns config.data into each rank's micro-batches
+(docs/data.md, "From data.source to micro-batches"). What a row is: rows.py; what a source returns: splits.py."""
 
 import hashlib
 import math
@@ -28,9 +16,7 @@ from accumulation.data import text_corpus
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64
 from accumulation.data.splits import Data
 
-# Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids). Four rounds look random
-# when the halves are wide; with a few rows (halves of one or two bits) four leave a bias in where a row
-# lands that a chi-square test over epochs sees, and eight do not (tests/test_data_scale.py).
+# Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids); why eight: docs/data.md, "Data order".
 FEISTEL_ROUNDS = 8
 
 # The name of the data order below, stored in every checkpoint: a resume refuses a checkpoint written by a
@@ -41,24 +27,16 @@ TAILS = ("drop", "partial")
 
 
 def validation_subset(rows: Rows, max_rows: int) -> Rows:
-    """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split
-    (row ids floor(i · num_rows / max_rows)), so a pass costs the same however large the split, and the
-    rows are a function of the split and max_rows alone, never of m, A or D. max_rows == 0 means all."""
+    """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split (row ids
+    floor(i · num_rows / max_rows)), a function of the split and max_rows alone. max_rows == 0 means all."""
     if max_rows == 0 or rows.num_rows <= max_rows:
         return rows
     return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)
 
 
-def build_data(data_config: DataConfig, *, model_vocab_size: int, seed: int) -> Data:
-    """The training and validation rows that `data_config` (config.data) describes. `model_vocab_size` is
-    model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it).
-
-    A registered source's name or "module:name" (register_data): that source's build; "stdlib" in bytes: the
-    embedded corpus; a path, or a tokenizer or task asked of "stdlib": the source path_sources.load_files picks.
-    Then, for every source, data.seq_len is checked against the rows' own, and validation reads at most
-    data.val_rows of its rows (validation_subset).
-    """
-    settings = data_config
+def build_data(settings: DataConfig, *, model_vocab_size: int, seed: int) -> Data:
+    """The training and validation rows that `settings` (config.data) describes. `model_vocab_size` is
+    model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it)."""
     source, seq_len = settings.source, settings.seq_len
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
         built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
@@ -183,9 +161,7 @@ def step_row_ids(num_rows: int, global_batch_size: int, seed: int, step: int, ta
 # ---------------------------------------------------------------------------------------------------
 
 
-# Validation reads its rows as this "step" sees them, at every pass. It is no training step (those count from 0):
-# a source that augments its rows gives them un-augmented here, and one that masks afresh every step draws one
-# fixed mask for it, so every validation loss of a run is measured on the same inputs and targets.
+# No training step: every validation pass reads the same rows (docs/forking.md, "Data that changes with the step").
 VALIDATION_STEP = -1
 
 
@@ -244,7 +220,7 @@ def step_batch(
 ) -> StepBatch:
     """Everything optimizer step `step` needs from the data, for this rank: the step's row ids (a function of
     seed, step and G only), the supervised counts of all of them (N), and this rank's micro-batches of the rows
-    as this step sees them. train.py, the checker, the sweep, the figures and the benchmarks all call this."""
+    as this step sees them: the one way train.py, the checker and the scripts get a step's rows."""
     row_ids = step_row_ids(rows.num_rows, global_batch_size, seed, step, tail)
     slices = micro_batch_slices(global_batch_size, micro_batch_size, world_size, rank)
     return StepBatch(
@@ -258,25 +234,17 @@ def step_batch(
 
 def check_supervised_counts(batch: StepBatch) -> None:
     """A DataError unless this rank's labels hold exactly the supervised targets that supervised_counts
-    promised for its rows, row by row (and none on padding rows).
-
-    N, the divisor of every gradient, is summed from supervised_counts; if the labels hold other targets, each
-    update is silently scaled wrong (or trains positions the data never meant to supervise). The check reads
-    the host tensors only: no collective, no device, one comparison per micro-batch."""
+    promised for its rows, row by row (and none on padding rows): N, the divisor of every gradient, is summed
+    from supervised_counts (docs/forking.md, "The promises each guarantee depends on"). Host tensors only."""
     for micro_batch, positions in zip(batch.micro_batches, batch.slices, strict=True):
         promised = batch.supervised_counts[positions]
         held = (micro_batch.labels != IGNORE_INDEX).reshape(len(micro_batch.labels), -1).sum(dim=1)
         expected = torch.zeros_like(held)
         expected[: len(promised)] = promised
         if not torch.equal(held, expected):
-            row = int((held != expected).nonzero()[0])
-            where = f"row {int(batch.row_ids[positions][row])}" if row < len(promised) else "a padding row"
-            raise DataError(
-                f"step {batch.step}: the labels of {where} hold {int(held[row])} supervised targets, but "
-                f"supervised_counts promised {int(expected[row])}; every update would be divided by a wrong N: "
-                f"make supervised_counts(row_ids, step) count the labels != -100 of examples(row_ids, step) "
-                f"(docs/forking.md)"
-            )
+            from accumulation.data.failures import count_mismatch_error
+
+            raise count_mismatch_error(batch.step, batch.row_ids[positions], held, expected)
 
 
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:

@@ -1,10 +1,5 @@
 """What a data source hands back: the training and validation splits (`Data`), their summary for the run header
-and for resume (`DataSummary`, with the fingerprint that notices other data), and the split itself, by a hash of
-each file's or example's key so that an item keeps its side when others are added.
-
-The rows themselves are accumulation/data/rows.py's; the built-in sources bundle them here with data_from_rows, a
-fork's registered source with accumulation/data/custom.py's data_from_custom_rows.
-"""
+and for resume (`DataSummary`), and the split itself, by a hash of each file's or example's key (docs/data.md)."""
 
 import hashlib
 import zlib
@@ -12,19 +7,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from accumulation.data.rows import DataError, Rows, RowSet
+from accumulation.data.rows import Rows, RowSet
 
 # Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
 FINGERPRINT_CHUNK_ROWS = 65_536
 
 
 def row_fingerprint(rows: RowSet) -> str:
-    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask.
-
-    A checkpoint stores it so that resuming on different data (another source, seq_len, split or prompt
-    mask) is noticed. Tokens are hashed as little-endian uint32 whatever their storage type, so the
-    fingerprint is a function of the token values alone and does not move when token_dtype picks another width.
-    """
+    """First 16 hex digits of sha256 over the rows' shape, token values, lengths and supervision mask, which
+    resume compares. Tokens are hashed as little-endian uint32 whatever their storage type (token_dtype), so the
+    fingerprint is a function of the token values alone."""
     digest = hashlib.sha256()
     digest.update(f"{tuple(rows.tokens.shape)}".encode())
     tokens = rows.tokens.numpy()
@@ -46,13 +38,8 @@ def key_hash(key: str) -> float:
 
 
 def validation_keys(keys: list[str], val_fraction: float) -> set[str]:
-    """The keys (file paths, example lines) whose hash falls below val_fraction.
-
-    Hashing the key (not its position) keeps an item on its side of the split when other items are added
-    or removed, and puts identical items on the same side. When nothing falls below val_fraction but there
-    are at least two distinct keys, the key with the smallest hash is used, so that a small source still
-    has a validation set.
-    """
+    """The keys (file paths, example lines) whose hash falls below val_fraction (docs/data.md); when none does
+    but there are at least two distinct keys, the key with the smallest hash, so a small source still validates."""
     if val_fraction == 0:
         return set()
     chosen = {key for key in keys if key_hash(key) < val_fraction}
@@ -97,18 +84,14 @@ class DataSummary:
     tokens: int = 0  # token files: tokens in the files used
     vocab_from: str = "bytes"  # where the vocabulary size came from
     val_rows_read: int = 0  # rows a validation pass reads (data.val_rows); build_data sets it
-    # Token files: per training file, its path, size, modification time and a hash of its sampled blocks
-    # (token_files.file_stamps), which resume compares to catch a file changed in place. Empty for text and
-    # JSONL, whose fingerprint hashes every row.
-    file_stamps: tuple = ()
+    file_stamps: tuple = ()  # token files: each training file's stamp (token_files.file_stamps); resume compares them
 
     def describe(self) -> str:
         skipped = f" ({self.skipped_files} non-text skipped)" if self.skipped_files else ""
-        losses = [
-            f"{self.dropped_documents:,} without a target dropped" if self.dropped_documents else "",
-            f"{self.truncated_documents:,} truncated to seq_len" if self.truncated_documents else "",
-        ]
-        losses_text = f" ({', '.join(loss for loss in losses if loss)})" if any(losses) else ""
+        losses = [f"{self.dropped_documents:,} without a target dropped"] if self.dropped_documents else []
+        if self.truncated_documents:
+            losses.append(f"{self.truncated_documents:,} truncated to seq_len")
+        losses_text = f" ({', '.join(losses)})" if losses else ""
         contents = f"{self.tokens:,} tokens" if self.tokens else f"{self.documents:,} documents{losses_text}"
         validation = self.validation_text()
         location = self.source if self.source == self.root else f"{self.source} ({self.root})"
@@ -139,27 +122,13 @@ class Data:
     vocab_size: int  # the data's vocabulary: 256 for byte tokens
 
 
-def check_split_sizes(source: str, train: RowSet, val: RowSet, val_fraction: float) -> None:
-    """A DataError when the split left training without rows, or a requested validation set empty.
-    (Each source first reports a source without any usable row in its own words.)"""
-    if train.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
-            f"lower data.val_fraction or add more data"
-        )
-    if val_fraction > 0 and val.num_rows == 0:
-        raise DataError(
-            f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to predict; "
-            f"raise data.val_fraction, add more data, or set data.val_fraction=0"
-        )
-
-
 def data_from_rows(source: str, train: RowSet, val: RowSet, val_fraction: float, **description) -> Data:
     """Check the split sizes, then bundle the rows with their summary: `description` gives the DataSummary fields
-    that describe the source (root, files, val_files, skipped_files, bytes, documents, dropped_documents,
-    truncated_documents, and layout, format, vocab_from where they differ from the defaults); the rest is
-    counted from the rows."""
-    check_split_sizes(source, train, val, val_fraction)
+    that only the source knows (root, files, bytes, documents, ...); the rest is counted from the rows."""
+    if train.num_rows == 0 or (val_fraction > 0 and val.num_rows == 0):
+        from accumulation.data.failures import split_size_error
+
+        raise split_size_error(source, train.num_rows, val_fraction)
     supervised = train.supervised_tokens()
     label_positions = train.num_rows * train.seq_len
     targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets

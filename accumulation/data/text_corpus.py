@@ -1,16 +1,5 @@
-"""The embedded demo corpus, and what every text source shares: text files as documents, cut into rows.
-
-By default a token is one byte (vocabulary 256), so text is never decoded for training; it is only checked
-to be UTF-8 so that binary files do not slip in. With data.tokenizer each document is encoded by that
-tokenizer instead. Every target of every document is supervised.
-
-    text files  ->  train/validation split by file  ->  documents  ->  rows (data.make_rows)
-        data.layout "documents": each document cut into rows of its own, the last one padded
-        data.layout "packed":    the documents of a split joined into one, cut into full rows (data/packing.py)
-
-data.source = "stdlib", the default, reads this interpreter's standard library (load_stdlib). A text file or folder
-of the user's is read and checked by accumulation/data/path_sources.py, then cut into rows here (text_data).
-"""
+"""The embedded demo corpus (data.source = "stdlib", the default), and what every text source shares: text files
+as documents, split by file, cut into rows (docs/data.md). A user's text file or folder is read by path_sources.py."""
 
 import os
 import sysconfig
@@ -130,8 +119,7 @@ def split_top_level_blocks(text: bytes) -> list[bytes]:
 def split_by_file(root: Path, files: list[TextFile], skipped_files: int, val_fraction: float, is_python_source: bool):
     """The files split into training and validation documents by a hash of each file's path (validation_keys),
     so that a file keeps its side when others are added; val_fraction == 0 means no validation set."""
-    # A file under 2 bytes holds no target (a target needs a token before it), so it takes no part in the
-    # split: an empty file must not become the whole validation set.
+    # A file under 2 bytes holds no target, so it takes no part in the split: it never becomes the validation set.
     chosen = validation_keys([file.relative_path for file in files if len(file.data) >= 2], val_fraction)
     split = TextSplit(root, files, skipped_files, train_documents=[], val_documents=[], val_files=0)
     for file in files:

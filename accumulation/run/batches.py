@@ -7,11 +7,8 @@ from accumulation.parallel.distributed import DistributedContext
 
 
 class StepBatches:
-    """Each step's micro-batches, built one step ahead: optimizer_step calls build(next step) after it has queued
-    the current step's work and before it reads the results back, so on a GPU the host builds, checks and pins
-    them while the device computes. Which rows a step holds is a pure function of (seed, step, G), so building
-    early changes neither the data order nor a resume. A batch built for an m that an out-of-memory retry has
-    since lowered is built again; so is one whose check failed, which raises its DataError in its own step."""
+    """Each step's micro-batches, built one step ahead so that on a GPU the host builds, checks and pins them while
+    the device computes (docs/data.md, "Built one step ahead")."""
 
     def __init__(self, config: Config, data: Data, context: DistributedContext) -> None:
         self.config, self.data, self.context = config, data, context
@@ -51,8 +48,6 @@ class StepBatches:
             world_size=context.replicas,  # D: the stages of one replica run the same rows
             rank=context.replica,
         )
-        # N comes from supervised_counts: this rank's labels must hold exactly the targets it promised, or
-        # every update is scaled wrong. Host tensors only; a mismatch is a DataError (one line, exit 2).
         check_supervised_counts(batch)
         micro_batches = batch.micro_batches
         if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
