@@ -81,16 +81,16 @@ def settings_of(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
 
 # The sections whose chosen piece may bring its own keys, and the key that chooses it.
 OWNED_SECTIONS = {"model": "name", "data": "source"}
+_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
 
 
 def _piece_of(section_name: str, name) -> Piece | None:
     """The registered piece a section's choosing key names (model.name, data.source), or None: a data.source that
     is a path, or a value of the wrong type (its own check reports it)."""
-    kind = section_name
-    if type(name) is not str or (kind == "data" and not is_piece_name(kind, name)):
+    if type(name) is not str or (section_name == "data" and not is_piece_name(section_name, name)):
         return None
     try:
-        return lookup(kind, name)
+        return lookup(section_name, name)
     except RegistryError as error:
         raise PieceError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
 
@@ -289,26 +289,15 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
     return Config(**sections, **top_level_values)
 
 
-_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
-
-
 def load_config(argv: list[str]) -> Config:
     """The config described by a command line (without the program name and without --help):
     an optional `--config FILE` (or `--config=FILE`), then any number of `section.key=value`."""
-    config_path = None
-    arguments = list(argv)
-    if arguments and arguments[0] == "--config":
-        if len(arguments) < 2:
-            raise ConfigError("--config: expected a file name after --config")
-        config_path, arguments = arguments[1], arguments[2:]
-    elif arguments and arguments[0].startswith("--config="):
-        config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
-
     pairs = {}
-    if config_path is not None:
-        from accumulation.config.toml_file import pairs_from_tree, read_toml_file
+    arguments = list(argv)
+    if arguments and arguments[0].startswith("--config"):
+        from accumulation.config.toml_file import pairs_of_config_option
 
-        pairs = pairs_from_tree(read_toml_file(config_path), list(_section_types()))
+        pairs, arguments = pairs_of_config_option(arguments, list(_section_types()))
     texts = [_split_argument(argument) for argument in arguments]
     # A generic model key the model does not read is refused where a user sets it; a checkpoint's config may hold it.
     given = {**pairs, **{key: _unquoted(text) for key, text in texts}}

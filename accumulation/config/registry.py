@@ -35,8 +35,7 @@ class RegistryError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """One registered model, loss or data source (what each field is for: docs/forking.md, "A fork is one file
-    and a config").
+    """One registered model, loss or data source (docs/forking.md, "A fork is one file and a config").
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
                   data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused

@@ -89,8 +89,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(tokens))
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [rows, seq_len, d_model] that lm_head maps to logits. With model.loss =
-        "chunked" the step runs this, and the loss applies lm_head chunk by chunk (accumulation/chunked_loss.py)."""
+        """The final hidden states [rows, seq_len, d_model] that lm_head maps to logits (model.loss = "chunked")."""
         rows, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
         x = self.embed_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
