@@ -118,13 +118,9 @@ class ModelConfig:
         "gpt", 'the architecture: "gpt", "gru", "encoder", or a fork\'s "module:name" (docs/forking.md)'
     )
     # At most 1024: the start-up checks build the model on the meta device, in time proportional to its modules.
-    n_layer: int = setting(
-        4, "transformer blocks (gpt) or stacked GRU layers (gru)", "layers", at_least=1, at_most=1024
-    )
+    n_layer: int = setting(4, "transformer blocks (gpt) or GRU layers (gru)", "layers", at_least=1, at_most=1024)
     n_head: int = setting(4, "attention heads per block; must divide d_model (gpt only)", "heads", at_least=1)
-    d_model: int = setting(
-        128, "width of the model: the residual stream (gpt), the hidden state (gru)", "features", at_least=1
-    )
+    d_model: int = setting(128, "the model's width: residual stream (gpt), hidden state (gru)", "features", at_least=1)
     vocab_size: int = setting(
         0, "0 = from the data (bytes: 256); else the vocabulary size, at least the data's", "tokens", at_least=0
     )
@@ -153,9 +149,7 @@ class OptimConfig:
     weight_decay: float = setting(0.1, "decoupled weight decay (AdamW) or L2 penalty (SGD)", at_least=0)
     momentum: float = setting(0.9, "SGD momentum, and AdamW beta1", at_least=0, below=1)
     beta2: float = setting(0.95, "AdamW beta2 (ignored by SGD)", above=0, below=1)
-    grad_clip: float = setting(
-        1.0, "clip the global gradient norm to this value; 0 turns clipping off", "L2 norm", at_least=0
-    )
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", "L2 norm", at_least=0)
     on_nonfinite: str = setting(
         "skip", "when a step's gradients hold inf or nan: skip its update, or stop the run", choices=("skip", "stop")
     )
@@ -171,9 +165,7 @@ class ScheduleConfig:
     decay_updates: int = setting(
         0, "the cosine horizon; 0 = run.max_steps, which a resume may raise (docs/training.md)", "updates", at_least=0
     )
-    min_lr_ratio: float = setting(
-        0.1, "the cosine floor, as a fraction of optim.lr", "fraction of optim.lr", at_least=0, at_most=1
-    )
+    min_lr_ratio: float = setting(0.1, "the cosine floor", "fraction of optim.lr", at_least=0, at_most=1)
 
 
 @dataclass(frozen=True)
