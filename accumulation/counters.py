@@ -17,7 +17,6 @@ class Counters:
     tokens: int = 0  # supervised tokens, all ranks (padding and ignored positions excluded)
 
     def add(self, result: StepResult) -> None:
-        """Count one optimizer step attempt."""
         self.micro_batches += result.micro_batches
         self.steps += 1
         self.updates += int(result.applied)

@@ -27,7 +27,7 @@ def lr_multiplier(updates: int, name: str, warmup_updates: int, decay_updates: i
 def build_scheduler(
     optimizer: torch.optim.Optimizer, name: str, warmup_updates: int, decay_updates: int, min_lr_ratio: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """A LambdaLR whose `last_epoch` counts applied updates (the step function calls `.step()` only then)."""
+    """A LambdaLR whose `last_epoch` counts applied updates (the loop calls `.step()` only after one)."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda updates: lr_multiplier(updates, name, warmup_updates, decay_updates, min_lr_ratio)
     )

@@ -423,7 +423,7 @@ def test_config_file_that_is_not_utf8(tmp_path):
     assert error_message(["--config", str(path)]).startswith(f"--config {path}: not valid TOML (")
 
 
-@pytest.mark.parametrize("argument", ["max_steps", "--verbose", "=3", "--help"])
+@pytest.mark.parametrize("argument", ["max_steps", "--verbose", "=3", "--help", "--configure"])
 def test_an_argument_that_is_not_key_equals_value(argument):
     message = error_message([argument])
     assert message.startswith(f"unexpected argument {argument!r}: expected section.key=value")

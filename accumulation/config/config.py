@@ -1,16 +1,5 @@
-"""Typed configuration, validated when it is loaded.
-
-A configuration is a set of `section.key = value` settings (plus the top-level `device`). They come from
-two places, read in this order, and a key given twice takes its last value:
-
-    1. an optional TOML file:      python train.py --config configs/gpu_8x.toml
-    2. the command line:           python train.py run.max_steps=100 optim.lr=1e-3
-
-Every setting is declared once (accumulation/config/config_keys.py; the top-level `device` below), and from those
-declarations come the checks, `--help` and the TOML written to the run directory. Anything unknown, of the wrong
-type, out of range or impossible in combination is a ConfigError whose message is one line naming the key:
-nothing is guessed, and nothing is ever silently rounded.
-"""
+"""Typed configuration, validated when it is loaded: the defaults, then an optional TOML file (--config FILE), then
+`section.key=value` overrides. Every key is declared once, in config_keys.py (docs/training.md, "Configuration")."""
 
 import dataclasses
 import math
@@ -38,11 +27,8 @@ from accumulation.config.registry import GENERIC_MODEL_KEYS, Piece, RegistryErro
 
 @dataclass(frozen=True)
 class Config:
-    """The whole configuration: one read-only section per TOML table, plus the top-level `device`.
-
-    Creating a Config checks every value (types, ranges, choices, combinations), so any Config that
-    exists is valid. Number keys hold floats: load_config and config_from_dict turn `lr = 1` into 1.0.
-    """
+    """The whole configuration: one read-only section per TOML table, plus the top-level `device`. Making one checks
+    every value, so any Config that exists is valid. Number keys hold floats: `lr = 1` is read as 1.0."""
 
     run: RunConfig = field(default_factory=RunConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
@@ -95,16 +81,16 @@ def settings_of(config: Config) -> list[tuple[str, dataclasses.Field, object]]:
 
 # The sections whose chosen piece may bring its own keys, and the key that chooses it.
 OWNED_SECTIONS = {"model": "name", "data": "source"}
+_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
 
 
 def _piece_of(section_name: str, name) -> Piece | None:
     """The registered piece a section's choosing key names (model.name, data.source), or None: a data.source that
     is a path, or a value of the wrong type (its own check reports it)."""
-    kind = section_name
-    if type(name) is not str or (kind == "data" and not is_piece_name(kind, name)):
+    if type(name) is not str or (section_name == "data" and not is_piece_name(section_name, name)):
         return None
     try:
-        return lookup(kind, name)
+        return lookup(section_name, name)
     except RegistryError as error:
         raise PieceError(f"{section_name}.{OWNED_SECTIONS[section_name]}: {error}") from None
 
@@ -203,8 +189,7 @@ def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
 
 
 def _check_combinations(config: Config) -> None:
-    """Rules that involve more than one key. (Batch divisibility by the world size is checked by train.py,
-    which knows the world size.)"""
+    """Rules that involve more than one key (train.py checks the batch against the world size, which it knows)."""
     batch, schedule = config.batch, config.schedule
     if not PLAIN_RUN_NAME.fullmatch(config.run.name):
         from accumulation.config.text_checks import run_name_problem
@@ -251,10 +236,8 @@ def _unquoted(text: str) -> str:
 
 
 def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
-    """The value of a command-line override's text. A string key takes the text itself, quotes removed; any other
-    key reads it as a TOML value, as a file would (3e-4, 1_000, true), and text that is no TOML value ("auto") as
-    a string. A value of another type than the key's is refused here, quoting the text: "2.5" or "1e3" for an
-    integer is an error, never rounded."""
+    """A command-line override's value: for a string key the text, quotes removed; else the TOML value the text
+    spells (3e-4, 1_000, true; "auto" stays text), refused, quoting the text, when of another type: never rounded."""
     if declaration.type is str:
         return _unquoted(text)
     try:
@@ -306,29 +289,17 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
     return Config(**sections, **top_level_values)
 
 
-_CHOOSING_KEYS = {f"{section_name}.{key}" for section_name, key in OWNED_SECTIONS.items()}
-
-
 def load_config(argv: list[str]) -> Config:
     """The config described by a command line (without the program name and without --help):
     an optional `--config FILE` (or `--config=FILE`), then any number of `section.key=value`."""
-    config_path = None
-    arguments = list(argv)
-    if arguments and arguments[0] == "--config":
-        if len(arguments) < 2:
-            raise ConfigError("--config: expected a file name after --config")
-        config_path, arguments = arguments[1], arguments[2:]
-    elif arguments and arguments[0].startswith("--config="):
-        config_path, arguments = arguments[0].removeprefix("--config="), arguments[1:]
-
     pairs = {}
-    if config_path is not None:
-        from accumulation.config.toml_file import pairs_from_tree, read_toml_file
+    arguments = list(argv)
+    if arguments and arguments[0].startswith("--config"):
+        from accumulation.config.toml_file import pairs_of_config_option
 
-        pairs = pairs_from_tree(read_toml_file(config_path), list(_section_types()))
+        pairs, arguments = pairs_of_config_option(arguments, list(_section_types()))
     texts = [_split_argument(argument) for argument in arguments]
-    # A generic model key set for a model that does not read it is refused here, where a user sets it; a checkpoint's
-    # config may hold it still (config_from_dict).
+    # A generic model key the model does not read is refused where a user sets it; a checkpoint's config may hold it.
     given = {**pairs, **{key: _unquoted(text) for key, text in texts}}
     model_name = given.get("model.name", ModelConfig().name)
     for key in [key for key in unused_model_keys(model_name) if key in given]:
@@ -345,9 +316,8 @@ def config_from_dict(tree: dict) -> Config:
 
 
 def config_to_dict(config: Config) -> dict:
-    """{"run": {"name": "default", ...}, ..., "device": "auto"}: nested plain Python values, the chosen pieces'
-    own keys in their sections (model.path beside model.name), as a TOML file writes them; without the generic
-    model keys the chosen model does not read (unused_model_keys), which load_config would refuse."""
+    """{"run": {"name": "default", ...}, ..., "device": "auto"}, as a TOML file writes them: the chosen pieces' own
+    keys in their sections, without the generic model keys the model does not read (load_config refuses them)."""
     tree = {name: getattr(config, name) for name in _top_level_fields()}
     unused = unused_model_keys(config.model.name)
     for section_name in _section_types():

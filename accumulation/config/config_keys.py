@@ -1,6 +1,5 @@
 """Every key of every config section, declared once: its default, its unit, a help string and the values it
-allows. A key added here is checked, listed in --help and written to the run's TOML with no other change
-(accumulation/config/config.py)."""
+allows (docs/training.md, "Configuration")."""
 
 from dataclasses import dataclass, field
 
@@ -47,53 +46,38 @@ class RunConfig:
         200, "write a checkpoint every this many steps (and always at the end)", "steps", at_least=1
     )
     eval_every: int = setting(
-        200,
-        "validation loss in metrics.jsonl every this many steps (0 = never); the summary always prints the final one",
-        "steps",
-        at_least=0,
+        200, "validation loss every this many steps; 0 = only the final one (docs/training.md)", "steps", at_least=0
     )
     resume: str = setting(
         "auto",
-        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; "
-        "never: start afresh (refused if the run directory already holds a run)",
+        "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: start afresh (docs/training.md)",
         choices=("auto", "never"),
     )
     keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
     sample_bytes: int = setting(
-        200,
-        "tokens generated at the end after the first training example's prompt (or its first 4 tokens), "
-        "bytes for the byte vocabulary; 0 = none; skipped for a model without generate()",
-        "tokens",
-        at_least=0,
+        200, "tokens sampled at the end after a training prompt; 0 = none (docs/training.md)", "tokens", at_least=0
     )
 
 
 @dataclass(frozen=True)
 class BatchConfig:
     global_batch_size: int = setting(
-        32,
-        "examples per optimizer step over all ranks: micro_batch_size x accumulation steps x ranks",
-        "examples",
-        at_least=1,
+        32, "examples per step over all ranks: micro_batch_size x accumulation steps x ranks", "examples", at_least=1
     )
     micro_batch_size: int = setting(
         4, "examples per forward/backward on one rank; accumulation steps are derived", "examples", at_least=1
     )
     tail: str = setting(
-        "drop",
-        "the last, incomplete global batch of an epoch: drop it, or train on it as a partial step",
-        choices=("drop", "partial"),
+        "drop", "an epoch's last, incomplete global batch: drop it, or a partial step", choices=("drop", "partial")
     )
     on_oom: str = setting(
         "fail",
-        "when a step runs out of GPU memory: fail, or shrink (redo it at a smaller micro_batch_size, A grown to "
-        "match, kept for the session: the same update up to float reordering; DDP only; docs/performance.md)",
+        "when a step runs out of GPU memory: fail, or shrink micro_batch_size, A grown to match (docs/performance.md)",
         choices=("fail", "shrink"),
     )
     on_inexact: str = setting(
         "warn",
-        "a model whose rows are coupled (BatchNorm in train mode) or a loss that couples examples, found by the "
-        "step-0 probe (docs/forking.md): warn (one line), or error (one line, exit 2)",
+        "a model or loss that couples examples (BatchNorm), found at step 0 (docs/forking.md): warn, or error (exit 2)",
         choices=("warn", "error"),
     )
 
@@ -102,42 +86,28 @@ class BatchConfig:
 class DataConfig:
     source: str = setting(
         "stdlib",
-        '"stdlib" (the embedded corpus), a registered source\'s name or "module:name", a text file or folder, a '
-        '.jsonl file of {"prompt", "response"} or {"text"} lines, or token files: a nanoGPT folder or llm.c '
-        "shards (docs/data.md)",
+        '"stdlib" (the embedded corpus), a registered source or "module:name", or a path: text, JSONL or token files '
+        "(docs/data.md)",
     )
     seq_len: int = setting(128, "tokens per row (context length)", "tokens", at_least=1)
     val_fraction: float = setting(
-        0.01,
-        "share of text or JSONL held out for validation; token files bring their own split, and 0 turns "
-        "validation off for every source",
-        "fraction",
-        at_least=0,
-        below=1,
+        0.01, "share of text or JSONL held out for validation; 0 = no validation", "fraction", at_least=0, below=1
     )
     layout: str = setting(
         "auto",
-        "documents: one document (or example) per row, padded; packed: documents concatenated and cut into full "
-        "rows, every target supervised; auto: packed for token files, documents for text and JSONL",
+        "documents: one per row, padded; packed: concatenated into full rows; auto: packed for token files only",
         choices=("auto", "documents", "packed"),
     )
     tokenizer: str = setting(
-        "bytes",
-        'how text and JSONL become tokens: "bytes" (UTF-8 bytes, vocabulary 256) or the path of a Hugging Face '
-        "tokenizer.json (needs the optional `tokenizers` package, requirements-bpe.txt)",
+        "bytes", 'how text becomes tokens: "bytes" (UTF-8, vocabulary 256) or a tokenizer.json path (docs/data.md)'
     )
     task: str = setting(
         "next-token",
-        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked "
-        "afresh every step and only those supervised (docs/data.md)",
+        "next-token: each position predicts the next token; masked: 15% of positions masked, supervised (docs/data.md)",
         choices=("next-token", "masked"),
     )
     val_rows: int = setting(
-        1024,
-        "validation reads at most this many rows, evenly spaced over the split (the same rows for every m, A, D); "
-        "0 = every row",
-        "rows",
-        at_least=0,
+        1024, "validation rows read at most, evenly spaced over the split; 0 = every row", "rows", at_least=0
     )
     own: object = own_settings()  # the keys of a registered data source (accumulation/config/registry.py)
 
@@ -145,44 +115,29 @@ class DataConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = setting(
-        "gpt",
-        'the architecture: a registered name ("gpt", "gru", "encoder": a bidirectional transformer encoder, needs '
-        'data.task = "masked"), or "module:name" to import a fork\'s module that registers one (docs/forking.md)',
+        "gpt", 'the architecture: "gpt", "gru", "encoder", or a fork\'s "module:name" (docs/forking.md)'
     )
-    # The upper bound keeps the start-up checks quick: they count the parameters exactly by building the
-    # model on the meta device, which takes time in proportion to its number of modules.
-    n_layer: int = setting(
-        4, "transformer blocks (gpt) or stacked GRU layers (gru)", "layers", at_least=1, at_most=1024
-    )
+    # At most 1024: the start-up checks build the model on the meta device, in time proportional to its modules.
+    n_layer: int = setting(4, "transformer blocks (gpt) or GRU layers (gru)", "layers", at_least=1, at_most=1024)
     n_head: int = setting(4, "attention heads per block; must divide d_model (gpt only)", "heads", at_least=1)
-    d_model: int = setting(
-        128, "width of the model: the residual stream (gpt), the hidden state (gru)", "features", at_least=1
-    )
+    d_model: int = setting(128, "the model's width: residual stream (gpt), hidden state (gru)", "features", at_least=1)
     vocab_size: int = setting(
-        0,
-        "0 = from the data (bytes: 256); else the vocabulary size, at least the data's (larger leaves ids unused)",
-        "tokens",
-        at_least=0,
+        0, "0 = from the data (bytes: 256); else the vocabulary size, at least the data's", "tokens", at_least=0
     )
     dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
     compile: str | bool = setting(
         "auto",
-        "torch.compile the model and the loss (DDP only); auto = on for CUDA, off on the CPU (where compiling "
-        "takes longer than it saves) and with dist.strategy=fsdp2",
+        "torch.compile the model and the loss (DDP only); auto = on CUDA, off on the CPU and with dist.strategy=fsdp2",
         choices=("auto", True, False),
     )
     loss: str = setting(
         "auto",
-        "how the token cross-entropy SUM is computed, the same value either way: plain = logits of every "
-        "position; chunked = the output head a chunk of positions at a time, never the whole logits (gpt; "
-        "dist.strategy=ddp); auto = chunked on CUDA when the plain logits would take over a quarter of the "
-        "GPU's free memory, else plain (docs/performance.md)",
+        "the token cross-entropy SUM, the same either way: plain = all logits at once; chunked = the output head a "
+        "chunk of positions at a time; auto = chunked on CUDA when logits > 1/4 of free memory (docs/performance.md)",
         choices=("auto", "chunked", "plain"),
     )
     objective: str = setting(
-        "",
-        'the loss: "" = the model\'s own (the token cross-entropy unless its registration names another), or a '
-        'registered loss\'s name or "module:name" (register_loss, accumulation/config/registry.py)',
+        "", 'the loss: "" = the model\'s own, or a registered loss\'s name or "module:name" (docs/forking.md)'
     )
     own: object = own_settings()  # the chosen model's own keys (accumulation/config/registry.py)
 
@@ -194,13 +149,9 @@ class OptimConfig:
     weight_decay: float = setting(0.1, "decoupled weight decay (AdamW) or L2 penalty (SGD)", at_least=0)
     momentum: float = setting(0.9, "SGD momentum, and AdamW beta1", at_least=0, below=1)
     beta2: float = setting(0.95, "AdamW beta2 (ignored by SGD)", above=0, below=1)
-    grad_clip: float = setting(
-        1.0, "clip the global gradient norm to this value; 0 turns clipping off", "L2 norm", at_least=0
-    )
+    grad_clip: float = setting(1.0, "clip the global gradient norm to this; 0 = no clipping", "L2 norm", at_least=0)
     on_nonfinite: str = setting(
-        "skip",
-        "when the step's gradients hold inf or nan: skip that update, or stop the run",
-        choices=("skip", "stop"),
+        "skip", "when a step's gradients hold inf or nan: skip its update, or stop the run", choices=("skip", "stop")
     )
     max_consecutive_skips: int = setting(20, "stop the run after this many skipped steps in a row", "steps", at_least=1)
 
@@ -212,30 +163,22 @@ class ScheduleConfig:
     )
     warmup_updates: int = setting(30, "linear warm-up to optim.lr over this many updates", "updates", at_least=0)
     decay_updates: int = setting(
-        0,
-        "the cosine horizon; 0 means run.max_steps (set it explicitly when a run is meant to be extended)",
-        "updates",
-        at_least=0,
+        0, "the cosine horizon; 0 = run.max_steps, which a resume may raise (docs/training.md)", "updates", at_least=0
     )
-    min_lr_ratio: float = setting(
-        0.1, "the cosine floor, as a fraction of optim.lr", "fraction of optim.lr", at_least=0, at_most=1
-    )
+    min_lr_ratio: float = setting(0.1, "the cosine floor", "fraction of optim.lr", at_least=0, at_most=1)
 
 
 @dataclass(frozen=True)
 class PrecisionConfig:
     dtype: str = setting(
-        "fp32",
-        "autocast dtype of the forward pass; parameters and gradients stay fp32",
-        choices=("fp32", "bf16", "fp16"),
+        "fp32", "autocast dtype of the forward; parameters and gradients stay fp32", choices=("fp32", "bf16", "fp16")
     )
     grad_scaler: str | bool = setting(
         "auto", "scale the loss against fp16 underflow; auto = on for fp16 only", choices=("auto", True, False)
     )
     tf32: bool = setting(
         True,
-        "CUDA only: fp32 matrix products and convolutions on TF32 tensor cores (10-bit mantissa inputs, fp32 "
-        "accumulation), several times faster on Ampere and newer; the equivalence checker turns it off",
+        "CUDA only: fp32 matrix products on TF32 tensor cores (10-bit mantissa inputs); the checker turns it off",
     )
 
 
@@ -244,20 +187,17 @@ class DistConfig:
     timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
     strategy: str = setting(
         "ddp",
-        "ddp: every rank holds the whole model, its gradients and optimizer state; fsdp2: all three sharded over "
-        "2 or more ranks (docs/sharding.md); the same exact step and checkpoint files either way",
+        "ddp: each rank holds the whole model, gradients and optimizer state; fsdp2: all sharded (docs/sharding.md)",
         choices=("ddp", "fsdp2"),
     )
     pipeline_stages: int = setting(
         1,
-        "P: pipeline stages the model is cut into, one per rank; D = world size / P data-parallel replicas; with "
-        "P > 1 the schedule's micro-batches are the accumulation group (docs/pipeline.md)",
+        "P: pipeline stages the model is cut into, one per rank; D = world size / P replicas (docs/pipeline.md)",
         "stages",
         at_least=1,
     )
     pipeline_schedule: str = setting(
         "1f1b",
-        "with dist.pipeline_stages > 1: 1f1b (one forward one backward: at most P micro-batches' activations held, "
-        "needs accumulation steps >= P) or gpipe (all forwards, then all backwards)",
+        "with dist.pipeline_stages > 1: 1f1b (one forward, one backward; needs A >= P) or gpipe (docs/pipeline.md)",
         choices=("1f1b", "gpipe"),
     )

@@ -1,5 +1,4 @@
-"""The errors of a configuration (accumulation/config/config.py), in a module of their own so that the modules
-config.py imports only on their paths (own_keys.py, text_checks.py) raise them too."""
+"""The errors of a configuration, apart from config.py so that the modules it imports lazily raise them too."""
 
 
 class ConfigError(ValueError):

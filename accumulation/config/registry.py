@@ -1,14 +1,6 @@
-"""Where models, losses and data sources are declared: each registers itself in the file that defines it.
-
-    register_model("gru", build_gru)                      # accumulation/models/gru.py
-    register_loss("label-smoothing", label_smoothed_sum)
-    register_data("synthetic-images", build_images, settings=ImageSettings)
-
-A config names a piece by its registered name (`model.name = "gru"`) or by import path, `"module:name"`, whose
-module is imported and registers its pieces: a fork is one file plus a config (docs/forking.md). BUILT_IN maps each
-built-in name to the module that registers it, imported when a config first names it, so a run imports only the
-pieces it uses. This module imports nothing of the project: accumulation/config/config.py reads it.
-"""
+"""Where models, losses and data sources are declared: each registers itself in the file that defines it, and a
+config names it by that name or as "module:name" (docs/forking.md, "A fork is one file and a config"). This module
+imports nothing of the project: accumulation/config/config.py reads it."""
 
 import dataclasses
 import importlib
@@ -43,8 +35,7 @@ class RegistryError(ValueError):
 
 @dataclass(frozen=True)
 class Piece:
-    """One registered model, loss or data source (what each field is for: docs/forking.md, "A fork is one file
-    and a config").
+    """One registered model, loss or data source (docs/forking.md, "A fork is one file and a config").
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
                   data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused

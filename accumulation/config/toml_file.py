@@ -7,6 +7,20 @@ from accumulation.config.errors import ConfigError
 from accumulation.config.key_text import value_text
 
 
+def pairs_of_config_option(arguments: list[str], section_names: list[str]) -> tuple[dict[str, object], list[str]]:
+    """A command line's leading `--config FILE` or `--config=FILE`: the file's pairs and the arguments after it.
+    Any other first argument ("--configure") is left to the caller, which refuses it."""
+    if arguments[0] == "--config":
+        if len(arguments) < 2:
+            raise ConfigError("--config: expected a file name after --config")
+        path, rest = arguments[1], arguments[2:]
+    elif arguments[0].startswith("--config="):
+        path, rest = arguments[0].removeprefix("--config="), arguments[1:]
+    else:
+        return {}, arguments
+    return pairs_from_tree(read_toml_file(path), section_names), rest
+
+
 def read_toml_file(path: str) -> dict:
     try:
         with open(path, "rb") as file:

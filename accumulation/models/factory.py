@@ -1,16 +1,5 @@
-"""The model factory and the loss: what turns config.model into the model and its loss.
-
-`build_model(config.model, vocab_size, seq_len=..., seed=...)` builds the architecture `model.name` names among the
-registered ones (accumulation/config/registry.py); nothing here lists the models. `loss_sum_fn_for(config.model)`
-is the configured loss. `decided_model_config` decides model.loss ("auto": plain or chunked), and
-`training_forward_and_loss` builds what the step runs from that decision: train.py, validation, the step-0 probe,
-the equivalence checker and the benchmarks all take the model and the loss from these functions.
-
-The model contract, what the training loop, the checkpoints and the scripts rely on and nothing more, is written
-in docs/forking.md ("The model contract"): forward(inputs) -> outputs for loss_sum_fn_for, the same initial weights
-on every rank from config.run.seed, buildable on the meta device, and the optional describe(), generate(),
-hidden_states() with output_head, fsdp_units() and pipeline_split().
-"""
+"""The model factory and the loss: what turns config.model into the model and the loss the step runs, for every
+caller (what a model must do: docs/forking.md, "The model contract")."""
 
 import dataclasses
 from collections.abc import Callable
@@ -37,10 +26,8 @@ def resolved_vocab_size(model_config: ModelConfig, data_vocab_size: int) -> int:
 
 
 def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, seed: int) -> torch.nn.Module:
-    """The model model_config.name names (config.model), with vocab_size tokens (see resolved_vocab_size), rows
-    of seq_len tokens (config.data.seq_len), initialised from `seed` (config.run.seed). Built on the current
-    default device: call `.to(device)` afterwards. The Config already checked that the name is registered; a build
-    that returns anything but an nn.Module is a ConfigError."""
+    """The model model_config.name names, with vocab_size tokens (resolved_vocab_size), rows of seq_len tokens
+    (config.data.seq_len), initialised from `seed` (config.run.seed), on the default device (then `.to(device)`)."""
     piece = lookup("model", model_config.name)
     model = piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
     if not isinstance(model, torch.nn.Module):
@@ -86,10 +73,8 @@ def loss_sum_fn_for(model_config: ModelConfig) -> Callable[[torch.Tensor, torch.
 
 
 def decided_model_config(config: Config, model: torch.nn.Module, device: torch.device) -> ModelConfig:
-    """config.model with model.loss decided, "plain" or "chunked": the one decision, which train.py, validation, the
-    step-0 probe and the equivalence checker share. "plain" stays plain, and "auto" is plain off CUDA (the CPU, and
-    the meta device of train.py's check before the run's device is set up); "chunked", and "auto" on CUDA, are
-    decided by accumulation/models/loss_decision.py."""
+    """config.model with model.loss decided, "plain" or "chunked", for every caller: "auto" is plain off CUDA (the
+    CPU, the meta device); "chunked", and "auto" on CUDA, are decided by accumulation/models/loss_decision.py."""
     loss = "plain"
     if config.model.loss == "chunked" or (config.model.loss == "auto" and device.type == "cuda"):
         from accumulation.models.loss_decision import chunked_or_plain  # only where the chunked loss may run
@@ -101,14 +86,9 @@ def decided_model_config(config: Config, model: torch.nn.Module, device: torch.d
 def training_forward_and_loss(
     model_config: ModelConfig, model: torch.nn.Module, compile: bool = False
 ) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
-    """What the step runs: the module whose outputs go to the loss, and loss_sum_fn(outputs, labels), for
-    `model_config` = decided_model_config(...) (model.loss "plain" or "chunked").
-
-    Plain: the model itself (logits) and loss_sum_fn_for(model_config). Chunked: FinalHiddenStates(model) (the same
-    parameters; the model's hidden states) and ChunkedCrossEntropySum over its output head: the same SUM.
-    `compile` (model.compile resolved): both in one module, ForwardAndLoss, and None for the loss (the step then
-    calls module(inputs, labels, **extras)), so that wrap_for_training compiles the forward and the loss as one
-    region."""
+    """What the step runs for a decided `model_config`: (module, loss_sum_fn(outputs, labels)). Plain: the model and
+    loss_sum_fn_for; chunked: the model's hidden states (FinalHiddenStates) and ChunkedCrossEntropySum over its
+    output head, the same SUM. With `compile`: (ForwardAndLoss of both, None), one region for torch.compile."""
     if model_config.loss not in ("plain", "chunked"):
         raise ValueError(f'model.loss must be decided (decided_model_config), got "{model_config.loss}"')
     if model_config.loss == "chunked":

@@ -1,11 +1,6 @@
-"""A small GPT: pre-norm transformer blocks with causal attention.
-
-Nothing here knows about accumulation; the model maps token ids [rows, seq_len] to logits
-[rows, seq_len, vocab_size], and the data decides vocab_size (256 for bytes). Initialisation is drawn from
-an explicit generator, so the same seed gives the same weights on every rank and in every dtype (build in
-float32, then `.double()` for float64 references). It registers itself as `model.name = "gpt"` (at the end,
-accumulation/config/registry.py); accumulation/models/factory.py builds it from a Config.
-"""
+"""A small GPT: pre-norm transformer blocks with causal attention, token ids [rows, seq_len] to logits [rows, seq_len,
+vocab_size]. Its weights are drawn from an explicit generator, the same on every rank and in every dtype (build in
+float32, then `.double()`). Registered as `model.name = "gpt"`, at the end."""
 
 from dataclasses import dataclass
 
@@ -94,8 +89,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(tokens))
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [rows, seq_len, d_model] that lm_head maps to logits. With model.loss =
-        "chunked" the step runs this, and the loss applies lm_head chunk by chunk (accumulation/chunked_loss.py)."""
+        """The final hidden states [rows, seq_len, d_model] that lm_head maps to logits (model.loss = "chunked")."""
         rows, seq_len = tokens.shape
         positions = torch.arange(seq_len, device=tokens.device)
         x = self.embed_dropout(self.token_embedding(tokens) + self.position_embedding(positions))
@@ -109,16 +103,12 @@ class GPT(nn.Module):
         return self.lm_head
 
     def fsdp_units(self) -> list[nn.Module]:
-        """The modules dist.strategy = "fsdp2" shards one by one (parallel/fsdp.py): the transformer blocks.
-        Each is all-gathered just before it runs and freed after, so a rank holds one block's full weights at a time."""
+        """The modules dist.strategy = "fsdp2" shards one by one (docs/sharding.md): the transformer blocks."""
         return list(self.blocks)
 
     def pipeline_split(self, num_stages: int) -> list[nn.Module]:
-        """The model cut into `num_stages` pipeline stages (dist.pipeline_stages, accumulation/parallel/pipeline.py):
-        the embeddings and the first blocks; further runs of blocks; the last blocks, the final norm and the output
-        head. Each stage maps the previous stage's output to its own (the first takes the token ids, the last returns
-        the logits), and holds this model's own modules, so the stages' parameters are the model's parameters.
-        The blocks are shared out as evenly as they go, the earlier stages taking the extra ones."""
+        """The model cut into `num_stages` pipeline stages of its own modules (dist.pipeline_stages): token ids in,
+        runs of blocks, logits out (docs/forking.md, "Pipeline stages for your model")."""
         from accumulation.models.gpt_stages import split_into_stages  # imported only for dist.pipeline_stages > 1
 
         return split_into_stages(self, num_stages)
