@@ -133,7 +133,8 @@ class ModelConfig:
     loss: str = setting(
         "auto",
         "the token cross-entropy SUM, the same either way: plain = all logits at once; chunked = the output head a "
-        "chunk of positions at a time; auto = chunked on CUDA when logits > 1/4 of free memory (docs/performance.md)",
+        "chunk of positions at a time (gpt; dist.strategy=ddp); auto = chunked on CUDA when the logits would take "
+        "over a quarter of the free memory (docs/performance.md)",
         choices=("auto", "chunked", "plain"),
     )
     objective: str = setting(
@@ -187,7 +188,8 @@ class DistConfig:
     timeout_s: int = setting(300, "how long a collective may wait for the other ranks", "seconds", at_least=1)
     strategy: str = setting(
         "ddp",
-        "ddp: each rank holds the whole model, gradients and optimizer state; fsdp2: all sharded (docs/sharding.md)",
+        "ddp: each rank holds the whole model, gradients and optimizer state; fsdp2: all three sharded; the same "
+        "step either way (docs/sharding.md)",
         choices=("ddp", "fsdp2"),
     )
     pipeline_stages: int = setting(
