@@ -96,3 +96,12 @@ def test_a_grpo_step_without_gradient_is_refused(capsys):
     status = checker.main(["--config", GRPO_CONFIG, "--step", "300"])
     assert status == 2
     assert "every advantage of its rows is 0 at the initial weights" in capsys.readouterr().err
+
+
+def test_a_data_bug_that_would_hide_the_declared_objective_is_refused(capsys):
+    # The data bugs wrap the rows in BuggyRows, which declares no objective: the loop would fall back to a token mean.
+    status = checker.main([*GRPO_STEP, "--inject-bug", "count"])
+    assert status == 2
+    assert (
+        "--inject-bug count wraps the data's rows, which would hide the objective step 300" in capsys.readouterr().err
+    )

@@ -157,7 +157,7 @@ def main(argv: list[str]) -> int:
         # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
         check_model_splits(build_model_on_meta(config.model, vocab_size, config.data.seq_len), config)
         rows = BuggyRows(data.train, bug, layout.replica) if bug in DATA_BUGS else data.train
-        bind_initial_policy(rows, config, vocab_size, rank)  # rows sampled from the model being trained (RL)
+        bind_initial_policy(data.train, config, vocab_size, rank)  # rows sampled from the model being trained (RL)
         batch = step_batch(
             rows,
             arguments.step,
@@ -505,11 +505,11 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         ).micro_batches
     if bug == "mean-of-means":
         loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
-    # The mask bug is the loop's: its N counts the labels it supervises, as a loop that ignores the mask would.
-    # The wrong-normaliser bug is the loop's too: its N counts the targets whatever unit the objective declares.
-    global_counts = (
-        None if bug == "mask" else batch.global_counts if bug == "wrong-normaliser" else loop_counts(rows, batch)
-    )
+    global_counts = loop_counts(rows, batch)  # N in the unit the objective declares, as train.py counts it
+    if bug == "mask":  # the loop's N counts the labels it supervises, as a loop that ignores the mask would
+        global_counts = None
+    if bug == "wrong-normaliser":  # SELF-TEST ONLY: N counts the targets whatever unit the objective declares
+        global_counts = batch.global_counts
     result = optimizer_step(
         wrapped,
         micro_batches,
