@@ -4,7 +4,7 @@ loss, and that the fork keeps the promises the step relies on.
 For anyone who changed the model, the loss, the data or the step: run it with the config you train with,
 from the command line or from a fork's own tests:
 
-    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG]
+    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG] [--step S]
     torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
 
 The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
@@ -24,12 +24,21 @@ all of the step's rows at once, of the configured loss's SUM divided by the numb
 the mean loss of the whole global batch, which is what every update must follow. No micro-batches, no ranks,
 no weighting of ours.
 
+A step whose objective the data declares (objective(step) and normaliser(row_ids, step): a GRPO step of
+accumulation/rl/on_policy.py, `--step 300` on configs/grpo.toml) is checked against that objective's definition
+instead (objective_reference.py): the loop takes N in the declared unit, as train.py does; the reference rebuilds
+each row's extras (advantage, old log-probabilities, group) from its raw example, takes every target's own loss
+and aggregates them with the mode's explicit means over the whole step, counting N from the definition. Rows
+sampled from the model (bind_policy) are sampled from the initial weights, the whole round on every rank.
+
 The checks, one line each, each named when it fails and each independent of m, A and D where it can be:
     rows            every rank builds the step's rows twice: the same in both calls and on every rank (rows
                     are a pure function of (seed, step, row id))
     examples() vs the raw examples
                     inputs and labels position by position; names the first differing row and position, and a
                     shift: labels shifted twice (label j holds token j + 2) or not at all (label j = input j)
+    extras of examples() vs the raw examples
+                    each extra both state (advantages, old log-probabilities), row by row; n/a without extras
     supervised_counts vs the raw examples' targets, and vs the labels of examples() on every rank (the check
                     train.py makes every step), row by row
     forward deterministic
@@ -48,27 +57,29 @@ The checks, one line each, each named when it fails and each independent of m, A
                     one label kept, the gradient of the loss must land on output j: a loss that shifts labels
                     that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees;
                     "n/a" and why where there is no position to pair (one label per example: labels [rows])
-    examples, supervised targets, loss, gradient
+    examples, supervised targets, normaliser, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
                     floor is the model's rounding, one above it the accumulation's; the floor widens the
-                    allowed error to 4 times itself, never past run.ROUNDING_FLOOR_CAP
+                    allowed error to 4 times itself, never past run.ROUNDING_FLOOR_CAP; the normaliser line
+                    names N and its unit on both sides, the reference's counted from the objective's definition
 The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
 
-What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and
-logged loss equal the full-batch ones within the precision's tolerance, every rank starts from the same
-weights, the step saw the same examples and supervised tokens as the reference, and the promises above
-hold for step 0. What it does not: anything about clipping, dropout, later steps, the optimizer's update
-rule, or the correctness of the loss function itself (the reference uses the same loss; it checks how the
-loop weights and masks it).
+What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and logged
+loss equal the full-batch ones within the precision's tolerance, every rank starts from the same weights, the step
+saw the same examples and supervised tokens as the reference, and the promises above hold for the step checked
+(step 0 unless --step says). What it does not: anything about clipping, dropout, other steps or trained weights,
+the optimizer's update rule, or the correctness of the loss function itself (the reference uses the same loss; it
+checks how the loop weights and masks it).
 
---inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask) or in the fork's data
-(count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives, double-shift) or
-model (batch-norm), or with dist.pipeline_stages > 1 in the schedule (scale-grads: PyTorch's default
-scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it. A bug the data cannot show is refused
-(exit 2, one line) rather than passed: mean-of-means where every micro-batch holds the same number of targets
-(one label per row, packed rows, A·D = 1), mask without prompts, rank-mask on rows that do not change with the
-step.
+--inject-bug puts a known bug in and must FAIL: in the loop (mean-of-means, mask, wrong-normaliser) or in the
+fork's data (count, count-rows, supervise-all, rank-mask on 2 ranks), loss (mean-loss, in-batch-negatives,
+double-shift) or model (batch-norm), or with dist.pipeline_stages > 1 in the schedule (scale-grads: PyTorch's
+default scale_grads=True); see INJECTABLE_BUGS. Each one's FAIL line names it. A bug the data cannot show is
+refused (exit 2, one line) rather than passed: mean-of-means where every micro-batch holds the same number of
+targets (one label per row, packed rows, A·D = 1), mask without prompts, rank-mask on rows that do not change with
+the step, wrong-normaliser where N's unit is the targets; so is a GRPO step whose every advantage is 0 (no
+gradient).
 
 Under torchrun every rank exits with the verdict's status, and each leaves the first failing line in
 torchrun's error file, so that torchrun's closing failure summary names the check rather than how to enable
@@ -86,10 +97,10 @@ plain tensors, for a test that wants one alone: accumulation.checker.promises (r
 inputs), additivity_message(loss_sum_fn, outputs, labels), labels_message(...), counts_message(...)) and
 accumulation.checker.reference (reference_rows(rows, row_ids, step, seq_len), max_relative_error).
 
-The pieces: run.py (the command, the verdict and the loop's step: loop_step_gradients is where a layout whose
-step is not optimizer_step over one wrapped model, such as pipeline stages, plugs in), reference.py (the float64
-reference, the A = 1, D = 1 baseline and the gradient probe), promises.py (the fork's promises, one function
-each), self_test.py (the injectable bugs).
+The pieces: run.py (the command, the verdict and the loop's step: loop_step_gradients is where a layout whose step
+is not optimizer_step over one wrapped model, such as pipeline stages, plugs in), reference.py (the float64
+reference, the A = 1, D = 1 baseline and the gradient probe), objective_reference.py (the reference of a declared
+objective), promises.py (the fork's promises, one function each), self_test.py (the injectable bugs).
 """
 
 from accumulation.checker.reference import max_relative_error, reference_rows

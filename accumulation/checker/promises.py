@@ -26,9 +26,10 @@ def rows_agree_across_calls_and_ranks(
     that generator per rank); a mask seeded with the rank differs between ranks."""
 
     def digest() -> str:
-        inputs, labels = rows.examples(batch.row_ids, batch.step)
+        inputs, labels, *extras = rows.examples(batch.row_ids, batch.step)
         counts = rows.supervised_counts(batch.row_ids, batch.step)
-        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in (inputs, labels, counts))).hexdigest()
+        tensors = (inputs, labels, counts, *(extras[0].values() if extras else ()))
+        return hashlib.sha256(b"".join(t.numpy().tobytes() for t in tensors)).hexdigest()
 
     first, second = digest(), digest()
     try:

@@ -20,6 +20,14 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens, describe_batch
+from accumulation.checker.objective_reference import (
+    bind_initial_policy,
+    extras_message,
+    loop_counts,
+    raw_extras,
+    refuse_a_step_without_gradient,
+    step_reference,
+)
 from accumulation.checker.promises import (
     NotApplicable,
     additivity_message,
@@ -34,9 +42,7 @@ from accumulation.checker.promises import (
 from accumulation.checker.reference import (
     as_float64,
     first_update_probe,
-    float64_full_batch,
     max_relative_error,
-    one_batch_baseline,
     reference_rows,
     switch_off_dropout,
     without_dropout,
@@ -122,7 +128,16 @@ def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="self-test of this checker: put a known bug into the loop or the fork; the check must then FAIL. "
         + "; ".join(f"{name}: {effect}" for name, effect in INJECTABLE_BUGS.items()),
     )
+    parser.add_argument(
+        "--step",
+        type=int,
+        default=0,
+        help="the optimizer step of the data order whose rows are checked (default 0), as that step sees them; "
+        "the weights are the initial ones whatever the step (a GRPO step's rollout is sampled from them)",
+    )
     arguments = parser.parse_intermixed_args(argv)
+    if arguments.step < 0:
+        parser.error(f"--step counts optimizer steps from 0, got {arguments.step}")
     config_argv = (["--config", arguments.config] if arguments.config else []) + arguments.overrides
     return arguments, config_argv
 
@@ -142,9 +157,10 @@ def main(argv: list[str]) -> int:
         # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
         check_model_splits(build_model_on_meta(config.model, vocab_size, config.data.seq_len), config)
         rows = BuggyRows(data.train, bug, layout.replica) if bug in DATA_BUGS else data.train
+        bind_initial_policy(data.train, config, vocab_size, rank)  # rows sampled from the model being trained (RL)
         batch = step_batch(
             rows,
-            CHECKED_STEP,
+            arguments.step,
             seed=config.run.seed,
             global_batch_size=config.batch.global_batch_size,
             tail=config.batch.tail,
@@ -155,7 +171,8 @@ def main(argv: list[str]) -> int:
         micro_batch_targets = targets_per_micro_batch(
             batch, config.batch.global_batch_size, config.batch.micro_batch_size, layout.replicas
         )
-        refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, CHECKED_STEP, micro_batch_targets)
+        refuse_a_bug_this_data_cannot_show(bug, data.train, batch.row_ids, arguments.step, micro_batch_targets)
+        refuse_a_step_without_gradient(rows, batch.row_ids, arguments.step)
     except (ConfigError, DataError) as error:
         if rank == 0:
             print(f"error: {error}", file=sys.stderr)
@@ -166,10 +183,6 @@ def main(argv: list[str]) -> int:
         return check(config, rows, vocab_size, batch, context, bug)
     finally:
         teardown_distributed()
-
-
-# The step checked: step 0 of the data order, its rows as step 0 sees them.
-CHECKED_STEP = 0
 
 
 def check(
@@ -272,7 +285,8 @@ def compare_on_main(
     # The fork's promises, one line each (docs/forking.md, "The promises each guarantee depends on").
     inputs, labels = reference_rows(rows, row_ids, batch.step, config.data.seq_len)
     float_inputs = as_float64(inputs)
-    example_inputs, example_labels = rows.examples(row_ids, batch.step)
+    example_inputs, example_labels, *example_extras = rows.examples(row_ids, batch.step)
+    extras = raw_extras(rows, row_ids, batch.step)
     reference_counts = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     with torch.no_grad():
         fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
@@ -280,6 +294,7 @@ def compare_on_main(
     checks = {
         "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
+        "extras of examples() vs the raw examples": extras_message(*example_extras or [{}], extras, row_ids),
         "supervised_counts vs the raw examples' targets": counts_message(batch, reference_counts),
         "supervised_counts vs the labels of examples()": found.labels_as_promised,
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
@@ -295,18 +310,18 @@ def compare_on_main(
         return report(checks, notes)
 
     # The figures, each beside the same step without accumulation (A = 1, D = 1) in the loop's precision.
-    reference_gradients, reference_loss = float64_full_batch(reference_model, inputs, labels, loss_sum_fn)
     baseline_model, _ = build_checked_model(config, vocab_size, bug)
     baseline_model = baseline_model.to(context.device)
-    baseline_gradients, baseline_loss = one_batch_baseline(
-        baseline_model, inputs, labels, loss_sum_fn, autocast_dtype_for(config.precision), context.device
+    reference = step_reference(
+        rows, batch.step, (inputs, labels, extras, loss_sum_fn), reference_model, baseline_model, config, context
     )
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
+    reference_gradients, reference_loss = reference.gradients, reference.loss
     gradient_error = max(max_relative_error(step_gradients, reference_gradients) for step_gradients in loop_gradients)
-    baseline_error = max_relative_error(baseline_gradients, reference_gradients)
-    loss_error = abs(result.loss - reference_loss) / abs(reference_loss)
-    baseline_loss_error = abs(baseline_loss - reference_loss) / abs(reference_loss)
+    baseline_error = max_relative_error(reference.baseline_gradients, reference_gradients)
+    loss_error = abs(result.loss - reference_loss) / reference.loss_scale
+    baseline_loss_error = abs(reference.baseline_loss - reference_loss) / reference.loss_scale
     allowed, floor_note = allowed_error(tolerance, baseline_error)
     allowed_loss, _ = allowed_error(tolerance, baseline_loss_error)
     at_once = f"A = 1, D = 1 in {config.precision.dtype}"
@@ -314,6 +329,8 @@ def compare_on_main(
     checks["supervised targets"] = (
         None if result.tokens == reference_tokens else "the loop's N is not the raw examples' count of targets"
     )
+    same_n = (result.unit, result.normaliser) == (reference.unit, reference.normaliser)
+    checks["normaliser"] = None if same_n else "the loop's N is not the objective's, counted from its definition"
     checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
     if gradient_error <= allowed:
         checks["gradient"] = None
@@ -331,6 +348,8 @@ def compare_on_main(
     figures = {
         "examples": f"loop {result.examples}, reference {len(row_ids)}",
         "supervised targets": f"loop {result.tokens:,}, reference {reference_tokens:,}",
+        "normaliser": f"loop {result.unit} = {result.normaliser:g}, "
+        f"reference {reference.unit} = {reference.normaliser:g} (from the objective's definition)",
         "loss": f"loop {result.loss:.8f}, reference {reference_loss:.8f}, relative error {loss_error:.2e} "
         f"({at_once}: {baseline_loss_error:.2e})",
         "gradient": f"max relative error {gradient_error:.3e} ({at_once}: {baseline_error:.3e}; allowed {allowed:.1e}, "
@@ -486,8 +505,11 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         ).micro_batches
     if bug == "mean-of-means":
         loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
-    # The mask bug is the loop's: its N counts the labels it supervises, as a loop that ignores the mask would.
-    global_counts = None if bug == "mask" else batch.global_counts
+    global_counts = loop_counts(rows, batch)  # N in the unit the objective declares, as train.py counts it
+    if bug == "mask":  # the loop's N counts the labels it supervises, as a loop that ignores the mask would
+        global_counts = None
+    if bug == "wrong-normaliser":  # SELF-TEST ONLY: N counts the targets whatever unit the objective declares
+        global_counts = batch.global_counts
     result = optimizer_step(
         wrapped,
         micro_batches,

@@ -16,6 +16,8 @@ from accumulation.parallel.distributed import DistributedContext
 LOOP_BUGS = {
     "mean-of-means": "the loop weights every micro-batch equally (each micro-batch's mean loss)",
     "mask": "the loop supervises the prompt positions too (the prompt mask is ignored)",
+    "wrong-normaliser": "the loop divides by the step's supervised targets, not by the N its objective declares "
+    "(a GRPO sequence mean divided by the completion tokens)",
 }
 # Bugs a fork makes in its data or loss (loop and reference both get them): the checker's own tests of the
 # fork's promises must catch them.
@@ -61,6 +63,17 @@ def refuse_a_bug_this_data_cannot_show(
                 "--inject-bug mask needs rows with prompt positions, and step 0 of this data has none; "
                 "run it on prompt/response data, e.g. --config configs/sft.toml"
             )
+    if bug in DATA_BUGS and hasattr(rows, "objective") and rows.objective(step) is not None:
+        raise DataError(
+            f"--inject-bug {bug} wraps the data's rows, which would hide the objective step {step} declares; run it "
+            "on a step without one (e.g. an SFT step of configs/grpo.toml, --step 0)"
+        )
+    declared_unit = rows.normaliser(row_ids, step)[1] if hasattr(rows, "normaliser") else "targets"
+    if bug == "wrong-normaliser" and declared_unit == "targets":
+        raise DataError(
+            "--inject-bug wrong-normaliser needs a step whose objective counts N in another unit than supervised "
+            "targets, and this one does not; run it on a GRPO step, e.g. --config configs/grpo.toml --step 300"
+        )
     if bug == "count-rows" and len(row_ids) % 2:
         raise DataError("--inject-bug count-rows keeps N right only for an even number of rows per step")
     if bug == "double-shift" and rows.examples(row_ids[:1], step)[1].dim() != 2:
@@ -165,13 +178,13 @@ class BuggyRows:
         self.rows, self.bug, self.rank = rows, bug, rank
         self.num_rows, self.seq_len = rows.num_rows, rows.seq_len
 
-    def examples(self, row_ids: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def examples(self, row_ids: torch.Tensor, step: int) -> tuple:
         if self.bug == "rank-mask":  # a mask seeded with the rank: other masks on each rank for the same row
             return self.rows.examples(row_ids, step + self.rank)
-        inputs, labels = self.rows.examples(row_ids, step)
+        inputs, labels, *extras = self.rows.examples(row_ids, step)
         if self.bug == "supervise-all":
             labels = torch.where(labels == IGNORE_INDEX, inputs, labels)
-        return inputs, labels
+        return inputs, labels, *extras
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
         if self.bug == "rank-mask":

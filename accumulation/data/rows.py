@@ -32,6 +32,9 @@ class RawExample:
     targets   {input position: target}: position j must predict targets[j]; a position that is not a key
               has no target (label -100)
     label     instead of targets, one target for the whole row (labels of shape [rows]: a classifier)
+    extras    {name: number or tensor}: what the row's loss reads besides its targets, by the keyword it reads
+              it as (an advantage, old log-probabilities [seq_len]), and what its objective's definition reads
+              (the prompt's group); empty for a loss that reads the targets alone
 
     Every task is an instance: next-token prediction (targets[j] = the token after position j), a prompt
     (its positions absent from targets), masked positions (targets[j] = the original token where position j
@@ -42,6 +45,7 @@ class RawExample:
     inputs: list[int] | torch.Tensor | tuple[torch.Tensor, ...]
     targets: dict[int, int] = field(default_factory=dict)
     label: int | None = None
+    extras: dict[str, float | int | torch.Tensor] = field(default_factory=dict)
 
 
 def next_token_example(prompt: list[int], response: list[int], seq_len: int) -> RawExample:

@@ -214,7 +214,22 @@ class Rollouts:
         if self.place(step) is None:
             return self.answers.raw_example(int(self.sft_problems(torch.tensor([row_id]), step)[0]), step)
         rollout, rows = self.trajectories(torch.tensor([row_id]), step)
-        return raw_row(rollout.inputs[rows[0]], rollout.labels[rows[0]])
+        trajectory = int(rows[0])
+        example = raw_row(rollout.inputs[trajectory], rollout.labels[trajectory])
+        # What the clipped surrogate reads of this trajectory, and the prompt its objective groups it by.
+        example.extras = {
+            "advantages": float(rollout.advantages[trajectory]),
+            "old_log_probs": rollout.old_log_probs[trajectory],
+            "group": trajectory // self.settings.group_size,
+        }
+        return example
+
+    def objective(self, step: int) -> tuple[str, float] | None:
+        """(the loss aggregation of GRPO step `step`, Dr. GRPO's C): its objective's definition, which the
+        equivalence checker computes over the raw examples; None for an SFT step (the mean over targets)."""
+        if self.place(step) is None:
+            return None
+        return self.settings.loss_aggregation, self.normaliser_constant
 
     def step_aggregation(self, step: int):
         """The row weights (over the step's G trajectories, in order) and N of a GRPO step: a function of the

@@ -1,0 +1,185 @@
+"""The checker's reference for a step whose objective declares its own normaliser: the RL modes
+(accumulation/rl/objectives.py), whose N counts sequences, groups or a constant instead of supervised targets.
+
+The loop's side takes N as train.py does (accumulation/run/batches.py): the source's normaliser(row_ids, step), in
+the unit it declares, beside the row weights its examples() hand the loss. The reference reads neither. From each
+row's raw example (RawExample: its inputs, its targets, its extras: the advantage, the old log-probabilities and
+the prompt's group) it asks the configured loss for every supervised target's own loss ℓ_it (the loss called on
+that one target, with row weight 1), and aggregates them by the mode's definition over the whole step at once
+(objective_from_definition: explicit means over tokens, sequences or prompts), in float64. Its N is counted from
+the same definition over the raw rows, in the mode's unit.
+"""
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from accumulation.batching import IGNORE_INDEX, GlobalCounts
+from accumulation.checker.promises import NotApplicable
+from accumulation.checker.reference import as_float64, float64_full_batch, map_tensors, one_batch_baseline
+from accumulation.data.rows import DataError, Rows
+from accumulation.data.sources import StepBatch
+from accumulation.models.factory import build_model
+from accumulation.rl.objective_check import objective_from_definition
+from accumulation.rl.objectives import NORMALISER_UNITS
+from accumulation.run.build import autocast_dtype_for
+
+# The raw extra that the objective's definition reads and the loss does not: the prompt each row answers.
+GROUP = "group"
+# The loss's keyword for the aggregation's per-row weight (1 / L_i, 1 / T_g): the reference takes each target's
+# loss with weight 1 and lets the definition's means do the weighting.
+ROW_WEIGHTS = "row_weights"
+
+
+def bind_initial_policy(rows: Rows, config, vocab_size: int, rank: int) -> None:
+    """For rows sampled from the model being trained (a source with bind_policy, RL rollouts): the policy they
+    are sampled from, the checked model's initial weights (build_model from run.seed), on the host. Every rank
+    samples the step's whole round itself, as one replica would: the rows are then a function of (seed, step,
+    row id) and those weights, whichever rank asks."""
+    if not hasattr(rows, "bind_policy"):
+        return
+    policy = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    one_replica = types.SimpleNamespace(replicas=1, replica=0, device=torch.device("cpu"), is_main=rank == 0)
+    rows.bind_policy(policy, one_replica, None)
+
+
+def declared_objective(rows: Rows, step: int) -> tuple[str, float] | None:
+    """(mode, C) of step `step`'s objective where the source declares one (accumulation/rl/on_policy.py's
+    Rollouts.objective), else None: the mean over supervised targets."""
+    objective = getattr(rows, "objective", None)
+    return objective(step) if objective is not None else None
+
+
+def loop_counts(rows: Rows, batch: StepBatch) -> GlobalCounts:
+    """N as train.py hands it to the step: in the unit the source declares (its normaliser), else the
+    supervised targets."""
+    counts = batch.global_counts
+    if hasattr(rows, "normaliser"):
+        counts = GlobalCounts(counts.tokens, counts.examples, *rows.normaliser(batch.row_ids, batch.step))
+    return counts
+
+
+def raw_extras(rows: Rows, row_ids: torch.Tensor, step: int) -> list[dict]:
+    """Each row's extras as its raw example states them."""
+    return [rows.raw_example(row_id, step).extras for row_id in row_ids.tolist()]
+
+
+def refuse_a_step_without_gradient(rows: Rows, row_ids: torch.Tensor, step: int) -> None:
+    """A DataError for a step of a declared objective whose every advantage is 0: the surrogate's gradient is
+    then exactly 0 and no normaliser, right or wrong, changes it, so a PASS would mean nothing."""
+    if declared_objective(rows, step) is None:
+        return
+    if all(extras.get("advantages", 1.0) == 0 for extras in raw_extras(rows, row_ids, step)):
+        raise DataError(
+            f"step {step}: every advantage of its rows is 0 at the initial weights (no group's rewards differ), so "
+            "its gradient is 0 and there is nothing to check; give the untrained policy problems it sometimes "
+            "solves, e.g. data.max_operand=3"
+        )
+
+
+def normaliser_from_definition(mode: str, labels: torch.Tensor, extras: list[dict], constant: float):
+    """(N, its unit) of `mode` counted over the step's raw rows: supervised targets, rows, distinct groups, or
+    C times the rows."""
+    unit = NORMALISER_UNITS[mode]
+    if unit == "targets":
+        return float((labels != IGNORE_INDEX).sum()), unit
+    if unit == "sequences":
+        return float(len(labels)), unit
+    if unit == "groups":
+        return float(len({row[GROUP] for row in extras})), unit
+    return constant * len(labels), unit
+
+
+def token_losses(outputs: torch.Tensor, labels: torch.Tensor, extras: list[dict], loss_sum_fn) -> list[torch.Tensor]:
+    """ℓ_it of every supervised target t of every row i: the configured loss on row i's outputs with only
+    target t kept, its raw extras as keywords and row weight 1. One 1-D tensor per row, in position order."""
+    losses = []
+    for row, (row_outputs, row_labels) in enumerate(zip(outputs.unbind(0), labels, strict=True)):
+        keywords = {name: torch.as_tensor(value)[None] for name, value in extras[row].items() if name != GROUP}
+        keywords[ROW_WEIGHTS] = torch.ones(1, dtype=torch.float64)
+        keywords = {name: value.to(outputs.device) for name, value in keywords.items()}
+        per_target = []
+        for position in (row_labels != IGNORE_INDEX).nonzero().flatten().tolist():
+            one_target = torch.full_like(row_labels, IGNORE_INDEX)
+            one_target[position] = row_labels[position]
+            per_target.append(loss_sum_fn(row_outputs[None], one_target[None], **keywords))
+        losses.append(torch.stack(per_target) if per_target else row_outputs.new_zeros(0))
+    return losses
+
+
+def objective_step(
+    model: torch.nn.Module,
+    inputs,
+    labels: torch.Tensor,
+    extras: list[dict],
+    loss_sum_fn,
+    objective: tuple[str, float],
+    device: torch.device,
+    autocast_dtype=None,
+) -> tuple[list[torch.Tensor], float, float]:
+    """∇ of the objective from its definition over all of the step's rows at once, its value, and the same
+    means over |ℓ_it| (the size of its terms): one forward (in the model's dtype, under autocast when asked, as
+    the loop's forward runs), the token losses, the mode's means."""
+    mode, constant = objective
+    model.train()
+    inputs, labels = map_tensors(lambda tensor: tensor.to(device), inputs), labels.to(device)
+    with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        losses = token_losses(model(inputs), labels, extras, loss_sum_fn)
+        groups = [row[GROUP] for row in extras]
+        value = objective_from_definition(mode, losses, groups, constant)
+        size = objective_from_definition(mode, [row.detach().abs() for row in losses], groups, constant)
+    value.backward()
+    return [p.grad for p in model.parameters()], value.item(), size.item()
+
+
+def extras_message(example_extras: dict, extras: list[dict], row_ids: torch.Tensor):
+    """Where the extras examples() hands the loss differ from those the raw examples state (each name both
+    hold), in words; None when they agree. The row weights are the aggregation's, which no raw example states."""
+    if not example_extras and not any(extras):
+        return NotApplicable("the rows carry no extras: the loss reads the labels alone")
+    for name in sorted(set(example_extras) & set(extras[0] if extras else {})):
+        stated = torch.stack([torch.as_tensor(row[name], dtype=example_extras[name].dtype) for row in extras])
+        differs = (example_extras[name] != stated).reshape(len(row_ids), -1).any(dim=1)
+        if differs.any():
+            row = int(differs.nonzero()[0])
+            return f"row {int(row_ids[row])}: examples() hands the loss another {name} than its raw example states"
+    return None
+
+
+@dataclass
+class StepReference:
+    """The float64 reference of one step and, beside it, the same step at A = 1, D = 1 in the loop's precision."""
+
+    gradients: list[torch.Tensor]
+    loss: float
+    loss_scale: float  # what the loss's error is relative to: the objective's means taken over |ℓ_it|
+    baseline_gradients: list[torch.Tensor]
+    baseline_loss: float
+    normaliser: float  # N, counted from the objective's definition over the raw rows
+    unit: str
+
+
+def step_reference(
+    rows: Rows, step: int, step_rows: tuple, reference_model, baseline_model, config, context
+) -> StepReference:
+    """The reference of step `step` whose rows are step_rows = (inputs, labels, raw extras, loss_sum_fn): the mean
+    over supervised targets (reference.float64_full_batch), or the declared objective from its definition.
+
+    The loss's error is measured against the size of its terms, not of its value: a surrogate's terms cancel
+    (its group-centred advantages sum to 0, and ρ = 1 at the sampling weights), leaving a value near 0 that
+    rounding alone would put far off in relative terms. For a loss of non-negative terms (cross-entropy) the two
+    are the same."""
+    inputs, labels, extras, loss_sum_fn = step_rows
+    autocast_dtype, objective = autocast_dtype_for(config.precision), declared_objective(rows, step)
+    if objective is None:
+        gradients, loss = float64_full_batch(reference_model, inputs, labels, loss_sum_fn)
+        baseline = one_batch_baseline(baseline_model, inputs, labels, loss_sum_fn, autocast_dtype, context.device)
+        tokens = float((labels != IGNORE_INDEX).sum())
+        return StepReference(gradients, loss, abs(loss), *baseline, tokens, "targets")
+    float_inputs, on_the_host = as_float64(inputs), torch.device("cpu")
+    gradients, loss, loss_scale = objective_step(reference_model, float_inputs, *step_rows[1:], objective, on_the_host)
+    *baseline, _ = objective_step(baseline_model, inputs, *step_rows[1:], objective, context.device, autocast_dtype)
+    return StepReference(
+        gradients, loss, loss_scale, *baseline, *normaliser_from_definition(objective[0], labels, extras, objective[1])
+    )

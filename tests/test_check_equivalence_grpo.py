@@ -1,0 +1,107 @@
+"""The equivalence checker on a GRPO step of configs/grpo.toml (`--step`, after data.sft_steps): the loop's update
+against the float64 gradient of the objective from its definition, its N counted from that definition and named in
+its unit on both sides; PASS on one process and on two gloo ranks, FAIL with a wrong normaliser."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from accumulation import checker
+from testkit.ranks import run_main_on_ranks
+
+GRPO_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "grpo.toml")
+# Step 300 is the first GRPO step (data.sft_steps = 300), round 0 sampled from the initial weights. Their untrained
+# policy writes random bytes, which answer 'Q: a + b =' for a, b < 3 now and then: with run.seed 10 one of round
+# 0's 4 groups of 8 has a rewarded completion, so its advantages (and the gradient) are not zero, and its
+# completions hold 3, 5 and 6 tokens, so token, sequence and prompt means differ.
+GRPO_STEP = [
+    "--config",
+    GRPO_CONFIG,
+    "--step",
+    "300",
+    "run.seed=10",
+    "data.max_operand=3",
+    "data.prompts_per_round=4",
+    "data.mini_batch_size=32",
+    "batch.global_batch_size=32",
+    "batch.micro_batch_size=8",
+]
+
+
+def run_checker(arguments: list[str], ranks: int, capsys) -> tuple[int, str]:
+    """(exit status, rank 0's stdout) of the checker in this process, or on `ranks` forked gloo ranks."""
+    if ranks == 1:
+        status = checker.main(arguments)
+        return status, capsys.readouterr().out
+    per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=ranks)
+    assert all(status == per_rank[0][0] for status, _, _ in per_rank), per_rank  # every rank shares the verdict
+    return per_rank[0][0], per_rank[0][1]
+
+
+def line(stdout: str, name: str) -> str:
+    return re.search(rf"^{re.escape(name)}: (.*)$", stdout, re.MULTILINE).group(1)
+
+
+def gradient_error(stdout: str) -> float:
+    return float(re.search(r"^gradient: max relative error ([0-9.e+-]+)", stdout, re.MULTILINE).group(1))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_grpo_step_passes_against_its_objectives_definition(capsys, ranks):
+    status, stdout = run_checker(GRPO_STEP, ranks, capsys)
+    assert status == 0, stdout
+    assert f"x ranks {ranks}; step 300: 32 examples" in stdout
+    # GRPO's sequence mean: N counts the step's 32 completions, on the loop's side as the source declares it and
+    # on the reference's as the definition counts it.
+    assert line(stdout, "normaliser").startswith("loop sequences = 32, reference sequences = 32 ")
+    assert line(stdout, "extras of examples() vs the raw examples") == "ok"
+    # fp32 against float64: the checker's own tolerance (accumulation/checker/run.py, RELATIVE_TOLERANCE).
+    assert gradient_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
+    assert stdout.splitlines()[-1] == "PASS"
+
+
+def test_prompt_mean_counts_groups_and_passes(capsys):
+    status, stdout = run_checker([*GRPO_STEP, 'data.loss_aggregation="prompt-mean"'], 1, capsys)
+    assert status == 0, stdout
+    assert line(stdout, "normaliser").startswith("loop groups = 4, reference groups = 4 ")
+    assert gradient_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_wrong_normaliser_fails_on_a_grpo_step_naming_both_units(capsys, ranks):
+    status, stdout = run_checker([*GRPO_STEP, "--inject-bug", "wrong-normaliser"], ranks, capsys)
+    assert status == 1, stdout
+    # The loop divides the sequence mean by the completion tokens (at most 6 per completion) instead of the 32
+    # completions: the gradient is off by a factor of about 1/6, far beyond rounding.
+    loop_tokens = int(re.search(r"supervised targets: loop ([0-9,]+),", stdout).group(1).replace(",", ""))
+    assert line(stdout, "normaliser").startswith(f"loop targets = {loop_tokens}, reference sequences = 32 ")
+    assert "FAIL: the loop's N is not the objective's" in line(stdout, "normaliser")
+    assert gradient_error(stdout) > 0.5
+    assert line(stdout, "gradient").endswith("accumulation, not rounding")
+    assert stdout.splitlines()[-1] == "FAIL"
+
+
+def test_a_wrong_normaliser_the_objective_cannot_show_is_refused(capsys):
+    # token-mean's N is the supervised targets: dividing by them is no bug there, so the self-test is refused.
+    status = checker.main([*GRPO_STEP, 'data.loss_aggregation="token-mean"', "--inject-bug", "wrong-normaliser"])
+    assert status == 2
+    assert (
+        "--inject-bug wrong-normaliser needs a step whose objective counts N in another unit" in capsys.readouterr().err
+    )
+
+
+def test_a_grpo_step_without_gradient_is_refused(capsys):
+    # The shipped config's first round at the initial weights: no completion is rewarded, every advantage is 0.
+    status = checker.main(["--config", GRPO_CONFIG, "--step", "300"])
+    assert status == 2
+    assert "every advantage of its rows is 0 at the initial weights" in capsys.readouterr().err
+
+
+def test_a_data_bug_that_would_hide_the_declared_objective_is_refused(capsys):
+    # The data bugs wrap the rows in BuggyRows, which declares no objective: the loop would fall back to a token mean.
+    status = checker.main([*GRPO_STEP, "--inject-bug", "count"])
+    assert status == 2
+    assert (
+        "--inject-bug count wraps the data's rows, which would hide the objective step 300" in capsys.readouterr().err
+    )
