@@ -99,9 +99,8 @@ def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
 
 
 def set_tf32(enabled: bool) -> None:
-    """TF32 for fp32 matrix products (cuBLAS) and convolutions (cuDNN) on CUDA: inputs rounded to a 10-bit
-    mantissa, products accumulated in fp32; nothing changes on the CPU or in bf16/fp16 autocast regions. The
-    per-backend fp32_precision switches, never mixed with the legacy allow_tf32 flags (an error since 2.9)."""
+    """TF32 for fp32 matrix products (cuBLAS) and convolutions (cuDNN) on CUDA: inputs rounded to a 10-bit mantissa,
+    products accumulated in fp32; bf16/fp16 autocast regions and the CPU unchanged (docs/performance.md)."""
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision

@@ -28,10 +28,9 @@ class WriteError(Exception):
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
-    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files. Each file
-    appears through the rename of a temporary file flushed to the disk: a reader sees the old file or the complete
-    new one, even if this process dies. A failed write (a full disk above all) removes its temporary files and
-    raises WriteError with one line; the checkpoints written before are untouched."""
+    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files, each one
+    renamed into place from a temporary file flushed to the disk (a reader sees the old or the whole new file, even
+    if this process dies). A failed write removes its temporary files and raises WriteError; older ones stay."""
     path = checkpoint_dir / f"step_{steps:06d}.pt"
     temporary, latest_temporary = path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"
     computing_crcs = torch.serialization.get_crc32_options()
@@ -86,9 +85,8 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def checkpoint_payload(
     config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
-    """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
-    before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
-    `model` is the unwrapped module."""
+    """Everything a resume needs: CONTRACT.md's keys, and `skips_in_a_row` (optim.max_consecutive_skips' streak,
+    which a resume continues). `model` is the unwrapped module."""
     if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
         from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
 
@@ -139,8 +137,7 @@ def rng_states(context: DistributedContext) -> dict:
     return {"per_rank": everyone}
 
 
-# Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
-# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data/sources.py.)
+# Dropout draws from the global generator, seeded per rank, far from any seed a user passes (the data order uses none).
 DROPOUT_SEED_OFFSET = 2**40
 
 

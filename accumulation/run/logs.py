@@ -21,8 +21,7 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import write_text_atomically
 
-# The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
-# the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
+# Steps that compile and allocate (the first), or rebuild DDP's gradient buckets (the second): their speed apart.
 WARMUP_STEPS = 2
 
 
@@ -180,11 +179,8 @@ class RunLogs:
             say(describe_sharding(training.model))
         say(data.summary.describe())
         dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-        say(
-            f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
-            if dropped
-            else f"batch.tail={config.batch.tail}: every row is used each epoch"
-        )
+        used = f"{dropped} training rows per epoch are not used" if dropped else "every row is used each epoch"
+        say(f"batch.tail={config.batch.tail}: {used}")
         say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:

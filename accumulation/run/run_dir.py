@@ -100,8 +100,7 @@ class RunLock:
             self.descriptor = None
         if created_file:
             self.created.insert(0, self.path)
-        # Who holds it, for a second job's message: written once the lock is ours, never over the holder's line.
-        # A courtesy only: on a full disk the lock holds without it, and config.toml's write reports the disk.
+        # Who holds it, for a second job's message, once the lock is ours; a full disk loses only this courtesy.
         try:
             os.ftruncate(self.descriptor, 0)
             os.pwrite(self.descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
