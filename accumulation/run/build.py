@@ -89,8 +89,7 @@ def wrap_for_training(
 
 
 def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
-    """How optimizer_step runs the micro-batches of `module` (wrap_for_training's): FSDP2's strategy under
-    dist.strategy = "fsdp2", else None, the step's default (one process, or DDP)."""
+    """optimizer_step's strategy for `module`: FSDP2's under dist.strategy = "fsdp2", else None (one process, DDP)."""
     if dist_config.strategy != "fsdp2":
         return None
     from accumulation.parallel.fsdp import FullyShardedDataParallel

@@ -117,8 +117,7 @@ def checkpoint_payload(
 
 
 def on_the_host(state: dict) -> dict:
-    """A state dict with every tensor (nested in dicts too, as an optimizer's) copied to the host, so that a
-    checkpoint written on GPUs loads on a machine without one."""
+    """A state dict with every tensor (nested ones too) copied to the host: a GPU's checkpoint loads without one."""
     return {
         key: on_the_host(value) if isinstance(value, dict) else value.cpu() if torch.is_tensor(value) else value
         for key, value in state.items()

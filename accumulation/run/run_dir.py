@@ -135,8 +135,7 @@ class RunLock:
         return ConfigError(run_directory_not_created(error, self.run_dir))
 
     def release(self, undo: bool = False) -> None:
-        """Unlock (closing the file releases the lock); with `undo`, a refused run's, first remove what `acquire`
-        created (accumulation/run/lock_refusals.py)."""
+        """Unlock (closing the file releases it); with `undo` (a refused run), first remove what `acquire` created."""
         if undo:
             from accumulation.run.lock_refusals import undo_acquire
 

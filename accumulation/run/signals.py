@@ -26,7 +26,6 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self):
-        """The stop signals raise the flag inside the block; their previous handlers come back after it."""
         previous = {stop_signal: signal.signal(stop_signal, self._handle) for stop_signal in STOP_SIGNALS}
         try:
             yield self
