@@ -130,6 +130,7 @@ OPTION_MODULES = {
     "accumulation.run.existing_run_dir",  # a run directory that exists already
     "accumulation.run.write_errors",  # a file of the run that could not be written
     "accumulation.run.failures",  # a run that fails once its run directory is its own
+    "accumulation.run.lock_refusals",  # a run directory another job holds, no flock, a refused run
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
     "accumulation.models.gpt_stages",  # dist.pipeline_stages > 1 with the GPT
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"

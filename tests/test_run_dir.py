@@ -2,6 +2,7 @@
 training job at a time holds it (accumulation/run/run_dir.py). Also: a start-up error is printed by every rank,
 so torchrun cannot swallow it."""
 
+import errno
 import os
 import shutil
 import signal
@@ -19,7 +20,8 @@ import accumulation.run.restore as restore
 import accumulation.run.run_dir as run_dir_module
 import train
 from accumulation.config.config import ConfigError, load_config
-from accumulation.run.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
+from accumulation.run.lock_refusals import RunDirectoryBusy
+from accumulation.run.run_dir import LOCK_FILE, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
 from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process, snapshot
@@ -234,6 +236,25 @@ def test_a_run_refused_after_taking_the_lock_leaves_no_folder_behind(tmp_path, c
     lock.acquire()
     lock.release(undo=True)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_file_system_without_flock_warns_and_the_run_goes_on_unlocked(tmp_path, capsys, monkeypatch):
+    """Lustre without its flock mount option refuses the call (ENOLCK here): one warning, the run keeps its
+    lock file open without a lock, and a refusal still removes what it created; any other error is raised."""
+
+    def no_flock(descriptor, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(run_dir_module.fcntl, "flock", no_flock)
+    lock = RunLock(tmp_path / "runs" / "default")
+    lock.acquire()
+    assert "does not support flock" in capsys.readouterr().err and lock.descriptor is not None
+    lock.release(undo=True)
+    assert not (tmp_path / "runs").exists()
+    monkeypatch.setattr(run_dir_module.fcntl, "flock", lambda descriptor, operation: os.close(-1))  # EBADF
+    with pytest.raises(OSError) as raised:
+        RunLock(tmp_path / "runs" / "default").acquire()
+    assert raised.value.errno == errno.EBADF
 
 
 def test_a_refused_jobs_clean_up_never_removes_the_lock_another_job_holds(tmp_path, corpus, capsys, monkeypatch):

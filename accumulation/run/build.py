@@ -1,8 +1,5 @@
-"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size
-or the machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs (compiled,
-then wrapped in DDP, as docs/performance.md explains). The model and its loss are built by
-accumulation/models/factory.py.
-"""
+"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size or the
+machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs."""
 
 import os
 
@@ -34,7 +31,6 @@ def check_config_for_world(config: Config, world_size: int) -> None:
         accum = accumulation_steps(config.batch.global_batch_size, config.batch.micro_batch_size, replicas)
     except ValueError as error:
         raise ConfigError(f"batch.micro_batch_size / batch.global_batch_size: {error}") from None
-    # The settings pipeline stages and FSDP2 refuse live with them, imported only when the config asks for them.
     if config.dist.pipeline_stages > 1:
         from accumulation.parallel.pipeline import check_pipeline_settings
 
@@ -78,11 +74,9 @@ def wrap_for_training(
     compile: bool,
     param_dtype: torch.dtype | None,
 ) -> torch.nn.Module:
-    """The module the step runs: `model` (training_forward_and_loss's module, accumulation/models/factory.py)
-    compiled when `compile` is on, then in DistributedDataParallel over more than one rank (compiled inside DDP,
-    optimizer_step's no_sync still skips the all-reduce of every micro-batch but the last). With dist.strategy =
-    "fsdp2" the model is sharded in place instead (accumulation/parallel/fsdp.py): build the optimizer after this
-    call. Checkpoints hold the unwrapped model."""
+    """The module the step runs: `model` (training_forward_and_loss's module) compiled when `compile` is on, then
+    in DistributedDataParallel over more than one rank (docs/performance.md). With dist.strategy = "fsdp2" the
+    model is sharded in place instead: build the optimizer after this call."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         from accumulation.parallel.fsdp import shard_model
 
@@ -95,9 +89,7 @@ def wrap_for_training(
 
 
 def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
-    """How optimizer_step runs the micro-batches of `module` (wrap_for_training's): FSDP2's strategy under
-    dist.strategy = "fsdp2", else None, the step's default (one process, or DDP). Pipeline stages are their own
-    strategy (accumulation/parallel/pipeline.py's Pipeline)."""
+    """optimizer_step's strategy for `module`: FSDP2's under dist.strategy = "fsdp2", else None (one process, DDP)."""
     if dist_config.strategy != "fsdp2":
         return None
     from accumulation.parallel.fsdp import FullyShardedDataParallel
@@ -106,10 +98,8 @@ def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
 
 
 def set_tf32(enabled: bool) -> None:
-    """TF32 for fp32 matrix products (cuBLAS) and convolutions (cuDNN) on CUDA: inputs rounded to a 10-bit
-    mantissa, products accumulated in fp32; several times the fp32 speed on Ampere and newer GPUs. No effect
-    on the CPU, nor on bf16/fp16 autocast regions. Uses PyTorch's per-backend fp32_precision switches (mixing
-    them with the legacy allow_tf32 flags is an error in PyTorch 2.9 and later)."""
+    """TF32 for fp32 matrix products (cuBLAS) and convolutions (cuDNN) on CUDA: inputs rounded to a 10-bit mantissa,
+    products accumulated in fp32; bf16/fp16 autocast regions and the CPU unchanged (docs/performance.md)."""
     precision = "tf32" if enabled else "ieee"
     torch.backends.cuda.matmul.fp32_precision = precision
     torch.backends.cudnn.conv.fp32_precision = precision
@@ -117,8 +107,7 @@ def set_tf32(enabled: bool) -> None:
 
 def training_memory(config: Config) -> tuple[str, int, int]:
     """(where the run trains, the most memory it can have there, the shards its training state is cut into): this
-    rank's GPU, or what the process can get on this machine (accumulation/data/memory.py: physical memory,
-    cgroup, ulimit -v). Under fsdp2 each GPU holds 1/D of the weights, gradients and optimizer state."""
+    rank's GPU, or what the process can get here (accumulation/data/memory.py). Under fsdp2 each GPU holds 1/D."""
     if config.device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1
@@ -142,10 +131,8 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
 
 
 def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
-    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train on this machine: the
-    allocation would fail half-way with a traceback (or the kernel's OOM killer end the run, silently), after the
-    step-0 checkpoint was written. Lower bounds only: 16 bytes per parameter for the model, then a micro-batch's
-    activations on top (activation_bytes_at_least). Under shrink-on-OOM (GPU only) the step would only fail later."""
+    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train on this machine, before
+    anything is written (docs/training.md): lower bounds only, 16 bytes per parameter, then the activations on top."""
     where, memory_bytes, shards = training_memory(config)
     weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
     if weights_bytes > memory_bytes:

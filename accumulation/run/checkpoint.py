@@ -1,14 +1,5 @@
-"""Checkpoints: what one holds, and how it is written (atomically, the newest `keep` kept).
-
-Layout inside the run directory:
-    checkpoints/step_000200.pt   one per checkpoint, the newest `keep` of them kept
-    checkpoints/latest.pt        the newest, the file `run.resume = "auto"` continues from
-
-A checkpoint is a dict of tensors and plain Python values, loadable with torch.load(weights_only=True):
-    model, optimizer, scheduler, scaler, counters, config, rng, data
-Reading one back, and every check before a run continues from it: accumulation/run/checkpoint_checks.py and
-accumulation/run/restore.py, which a fresh run on one process never imports.
-"""
+"""Checkpoints: what one holds (CONTRACT.md's keys) and how it is written (atomically, the newest `keep` kept,
+docs/training.md, "Checkpoints and resume"); reading one back is accumulation/run/restore.py's."""
 
 import os
 import re
@@ -32,18 +23,14 @@ class CheckpointError(ValueError):
 
 
 class WriteError(Exception):
-    """A file of the run could not be written (a full disk, a lost mount, no permission); the message is one
-    line naming the file, why, and what was kept (accumulation/run/write_errors.py). The program ends at once with
-    exit status 1 (accumulation/run/failures.py)."""
+    """A file of the run could not be written (a full disk, a lost mount, no permission): one line naming the file,
+    why, and what was kept (accumulation/run/write_errors.py); the program exits 1 (accumulation/run/failures.py)."""
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
-    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files. Each
-    file appears through the rename of a temporary file flushed to the disk: a reader sees either the old file
-    or the complete new one, never a partial write, even if this process dies.
-
-    A write that fails (a full disk above all) raises WriteError with one line, after removing its
-    temporary files: the checkpoints written before are untouched, and a restart resumes from the newest."""
+    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files, each one
+    renamed into place from a temporary file flushed to the disk (a reader sees the old or the whole new file, even
+    if this process dies). A failed write removes its temporary files and raises WriteError; older ones stay."""
     path = checkpoint_dir / f"step_{steps:06d}.pt"
     temporary, latest_temporary = path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"
     computing_crcs = torch.serialization.get_crc32_options()
@@ -55,16 +42,14 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
-        # latest.pt is a second name for the same bytes: a hard link where the filesystem allows one (no
-        # second write), a copy otherwise.
+        # latest.pt: a hard link to the same bytes where the filesystem allows one (no second write), else a copy
         latest_temporary.unlink(missing_ok=True)
         try:
             os.link(path, latest_temporary)
         except OSError:
             shutil.copyfile(path, latest_temporary)
         os.replace(latest_temporary, checkpoint_dir / "latest.pt")
-        # A rename lives in the directory's own data: flush it too, or a power loss can undo the renames
-        # after they have returned.
+        # The renames live in the directory's own data: flush it too, or a power loss can undo them once returned
         descriptor = os.open(checkpoint_dir, os.O_RDONLY)
         try:
             os.fsync(descriptor)
@@ -100,9 +85,8 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def checkpoint_payload(
     config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
-    """Everything a resume needs, with the keys CONTRACT.md names and `skips_in_a_row` (the skipped steps just
-    before this one, which optim.max_consecutive_skips counts: a streak does not restart at a resume).
-    `model` is the unwrapped module."""
+    """Everything a resume needs: CONTRACT.md's keys, and `skips_in_a_row` (optim.max_consecutive_skips' streak,
+    which a resume continues). `model` is the unwrapped module."""
     if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
         from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
 
@@ -133,8 +117,7 @@ def checkpoint_payload(
 
 
 def on_the_host(state: dict) -> dict:
-    """A state dict with every tensor (nested in dicts too, as an optimizer's) copied to the host, so that a
-    checkpoint written on GPUs loads on a machine without one."""
+    """A state dict with every tensor (nested ones too) copied to the host: a GPU's checkpoint loads without one."""
     return {
         key: on_the_host(value) if isinstance(value, dict) else value.cpu() if torch.is_tensor(value) else value
         for key, value in state.items()
@@ -153,8 +136,7 @@ def rng_states(context: DistributedContext) -> dict:
     return {"per_rank": everyone}
 
 
-# Dropout draws from the global generator, seeded per rank, far from any seed a user passes. (The data order
-# draws from no torch generator: its keys are hashed from the seed and the epoch, accumulation/data/sources.py.)
+# Dropout draws from the global generator, seeded per rank, far from any seed a user passes (the data order uses none).
 DROPOUT_SEED_OFFSET = 2**40
 
 

@@ -1,7 +1,5 @@
-"""The run's logs, written by rank 0: metrics.jsonl (one whole line per step, in steps), two TensorBoard
-writers (x axis: applied updates; x axis: supervised tokens), and the lines printed to the terminal (progress,
-the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback.
-"""
+"""The run's logs, written by rank 0: metrics.jsonl (one line per step), TensorBoard, and the terminal's lines
+(progress, the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback."""
 
 import json
 import math
@@ -23,8 +21,7 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import write_text_atomically
 
-# The summary's speed leaves out a session's first steps: the first compiles (model.compile) and allocates,
-# the second rebuilds DDP's gradient buckets and may compile again for new shapes. Reported apart.
+# Steps that compile and allocate (the first), or rebuild DDP's gradient buckets (the second): their speed apart.
 WARMUP_STEPS = 2
 
 
@@ -44,10 +41,9 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import not_written
+            from accumulation.run.write_errors import metrics_line_not_written
 
-            kept = "its last line was not written and the lines before are untouched"
-            raise WriteError(f"{not_written(error, self.path)}; {kept}") from None
+            raise WriteError(metrics_line_not_written(error, self.path)) from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
@@ -57,9 +53,8 @@ class MetricsFile:
 
 
 def quiet_tensorboard_thread_errors() -> None:
-    """TensorBoard writes events from a thread of its own. A failed write (a full disk) ends that thread,
-    which prints the error's traceback, and the error is raised again at the next add_scalar or flush,
-    where it becomes one line (tensorboard_write_error). Only that traceback is kept off the terminal."""
+    """Keep the traceback of TensorBoard's writer thread, ended by a failed write, off the terminal: the error is
+    raised again at the next add_scalar or flush, where it becomes one line (tensorboard_write_error)."""
     from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 
     print_traceback = threading.excepthook
@@ -72,8 +67,7 @@ def quiet_tensorboard_thread_errors() -> None:
 
 
 def tensorboard_write_error(error: Exception, writer) -> Exception:
-    """TensorBoard writes its events from a thread of its own and raises a failed write at the next call:
-    a full disk becomes one WriteError line; anything else is a bug and keeps its traceback."""
+    """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
     from accumulation.run.write_errors import os_error_in, tensorboard_not_written
 
     cause = os_error_in(error)
@@ -87,9 +81,8 @@ def rate_text(count: float, seconds: float, targets: str) -> str:
 
 
 def speed_line(session_steps: list[tuple[int, float]], wall_seconds: float, targets: str = "tokens") -> str:
-    """The speed a longer run gets: supervised tokens per second (all ranks) over the steps after the first
-    WARMUP_STEPS of the session, whose time (compiling, allocating) is reported apart. `session_steps` holds
-    (supervised tokens, seconds) per step. A session too short for a steady state says so."""
+    """Supervised tokens per second (all ranks) after the session's first WARMUP_STEPS, whose time is reported
+    apart; `session_steps` holds (supervised tokens, seconds) per step."""
     total_seconds = sum(seconds for _, seconds in session_steps)
     tail = f"{total_seconds:.1f} s in optimizer steps of {wall_seconds:.1f} s wall time (this session, after start-up)"
     if len(session_steps) <= WARMUP_STEPS:
@@ -122,9 +115,8 @@ def finite_or_none(value: float) -> float | None:
 
 
 class RunLogs:
-    """The run's logs for one session, on every rank (rank 0 writes): config.toml, metrics.jsonl and TensorBoard,
-    the progress lines, and the session's summary. The steps' (supervised tokens, seconds) are kept for this
-    session (the summary's speed) and since the last progress line (its tokens/s)."""
+    """The run's logs for one session, on every rank (rank 0 writes). The steps' (supervised tokens, seconds) are
+    kept for this session (the summary's speed) and since the last progress line (its tokens/s)."""
 
     def __init__(self, config: Config, data: Data, run_dir: Path, context: DistributedContext, say) -> None:
         self.config, self.data, self.run_dir, self.context, self.say = config, data, run_dir, context, say
@@ -187,11 +179,8 @@ class RunLogs:
             say(describe_sharding(training.model))
         say(data.summary.describe())
         dropped = rows_dropped_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-        say(
-            f"batch.tail={config.batch.tail}: {dropped} training rows per epoch are not used"
-            if dropped
-            else f"batch.tail={config.batch.tail}: every row is used each epoch"
-        )
+        used = f"{dropped} training rows per epoch are not used" if dropped else "every row is used each epoch"
+        say(f"batch.tail={config.batch.tail}: {used}")
         say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
@@ -256,8 +245,7 @@ class RunLogs:
             raise tensorboard_write_error(error, self.writers[0]) from None
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
-        """The session's last lines: losses, counters, a sample from the model when it has generate(), and last
-        the speed (speed_line)."""
+        """The session's last lines: losses, counters, a sample from the model when it has generate(), the speed."""
         if not self.context.is_main:
             return
         wall_seconds = time.perf_counter() - session_start

@@ -1,7 +1,5 @@
 """What the run directory holds at start-up: files a run may write over (check_run_directory), and a run to continue
-from its checkpoint (find_resume_point). A new run directory has nothing to continue and nothing to refuse; any
-other is checked by accumulation/run/existing_run_dir.py and read by accumulation/run/restore.py, imported only
-then."""
+from its checkpoint (find_resume_point); a new run directory imports neither existing_run_dir.py nor restore.py."""
 
 from pathlib import Path
 
@@ -26,9 +24,8 @@ def check_run_directory(run_dir: Path) -> None:
 def find_resume_point(
     config: Config, data: DataSummary, model_on_meta: torch.nn.Module, run_dir: Path, warn, say
 ) -> dict | None:
-    """The checkpoint to continue from, checked against this run (restore.py's load_resume_point), or None
-    for a fresh run: without a checkpoints folder, metrics, a STOPPED file or TensorBoard logs, the run
-    directory (or its absence) is a new run's."""
+    """The checkpoint to continue from, checked against this run (restore.py's load_resume_point), or None for a
+    run directory (or its absence) without checkpoints, metrics, a STOPPED file or TensorBoard logs."""
     if not any((run_dir / name).exists() for name in ("checkpoints", METRICS_FILE, STOPPED_FILE, "tensorboard")):
         return None
     from accumulation.run.restore import load_resume_point

@@ -1,27 +1,12 @@
 """Preemption, Ctrl-C and a closed terminal: SIGTERM, SIGUSR1, SIGINT or SIGHUP asks the run to stop at a step
-boundary, with a checkpoint (docs/faults.md, "Stop signals": what schedulers and torchrun send, and when).
-
-The signal reaches the ranks at different moments, so a rank never acts on it alone: the handler only raises a
-flag, the step reads it at its boundary and the answer travels with the step's loss all-reduce
-(`optimizer_step(stop_requested=...)`), so that every rank reads the same answer (`StepResult.stop_requested`) at
-the same step. Then every rank takes part in one checkpoint and the program exits with the signal's status.
-
-A person who presses Ctrl-C again does not want to wait for the checkpoint: the first SIGINT hands SIGINT back to
-the kernel's default action, so a second one ends the process at once, even inside a collective. SIGHUP comes
-when the terminal is gone, and a write to it would fail (EIO) before the checkpoint: the handler first points
-standard output and error that were that terminal at /dev/null. The checkpoint's write is atomic, so even a
-SIGKILL in the middle of it leaves the previous checkpoints whole.
-"""
+boundary, every rank at the same step, with a checkpoint (docs/faults.md, "Stop signals")."""
 
 import contextlib
 import os
 import signal
 import stat
 
-# 128 + 15: the status a shell reports for a process ended by SIGTERM. Not 0, because the run is not
-# finished: torchrun with --max-restarts counts a non-zero worker as failed and restarts the workers, which
-# resume from the checkpoint just written; a script that runs `train.py && next-step` does not go on; and
-# SLURM keeps the job's state honest (a requeue resumes it). Not 1 or 2, which mean a fault or bad input.
+# 128 + 15, what a shell reports for SIGTERM: not 0, the run is not finished (docs/faults.md, "Stop signals").
 STOPPED_BY_SIGNAL_STATUS = 143
 # 128 + 2: what a shell reports for a program ended by Ctrl-C, and what it expects of one that stops on it.
 INTERRUPTED_STATUS = 130
@@ -41,7 +26,6 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self):
-        """The stop signals raise the flag inside the block; their previous handlers come back after it."""
         previous = {stop_signal: signal.signal(stop_signal, self._handle) for stop_signal in STOP_SIGNALS}
         try:
             yield self
@@ -50,9 +34,8 @@ class StopRequest:
                 signal.signal(stop_signal, handler)
 
     def _handle(self, signum: int, frame) -> None:
-        # A signal handler runs between two bytecodes of the main thread, wherever it is: no I/O, no
-        # collective, nothing that could interleave with the code it interrupts. A flag only (and, for
-        # SIGHUP, two dup2 system calls, which write nothing).
+        # A handler runs between two bytecodes of the main thread, wherever it is: a flag only, no I/O and no
+        # collective that could interleave with the code it interrupts (SIGHUP's two dup2 calls write nothing).
         if not self.requested:
             self.requested = True
             self.signal_name = signal.Signals(signum).name
@@ -68,9 +51,8 @@ class StopRequest:
 
 
 def detach_from_closed_terminal() -> None:
-    """Point standard output and error at /dev/null where they are a terminal (the one that hung up). A hung-up
-    terminal no longer answers isatty (its ioctl fails), so the test is the kind of file: a character device,
-    where a redirected output is a regular file or a pipe."""
+    """Point standard output and error at /dev/null where they are a terminal (the one that hung up): a character
+    device, since a hung-up terminal fails isatty's ioctl, and a redirected output is a regular file or a pipe."""
     null = os.open(os.devnull, os.O_WRONLY)
     for descriptor in (1, 2):
         if stat.S_ISCHR(os.fstat(descriptor).st_mode):

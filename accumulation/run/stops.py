@@ -14,12 +14,8 @@ from accumulation.step import StepResult
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a_row: int) -> str | None:
-    """Why the run must stop after this step, or None.
-
-    optim.on_nonfinite = "stop" ends the run at a non-finite loss, and at a non-finite gradient when no
-    GradScaler is on. With a GradScaler, a non-finite gradient after a finite loss is how the scaler finds
-    its scale (it skips the update and halves the scale), so that alone never stops a run. Any run stops
-    after optim.max_consecutive_skips skipped steps in a row."""
+    """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or under
+    optim.on_nonfinite = "stop" a non-finite loss, or gradient without a GradScaler (whose skips find its scale)."""
     if skips_in_a_row >= config.optim.max_consecutive_skips:
         limit = config.optim.max_consecutive_skips
         return f"{skips_in_a_row} skipped updates in a row (optim.max_consecutive_skips={limit})"
@@ -33,8 +29,7 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a
 
 def stopped_at_a_bad_step(counters: Counters, reason: str, run_dir: Path, context: DistributedContext, say) -> int:
     """Exit status 1 after a non-finite step; the checkpoint holds the last good weights (a skipped update left
-    them). A restart (torchrun --max-restarts, a requeued job) must not quietly resume past the step that stopped
-    the run: the STOPPED file makes it refuse until a person removes it."""
+    them), and the STOPPED file makes a restart refuse to resume past this step until a person removes it."""
     if context.is_main:
         (run_dir / STOPPED_FILE).write_text(f"stopped at step {counters.steps}: {reason}\n")
     say(f"error: stopping at step {counters.steps}: {reason}; checkpoint written", file=sys.stderr)

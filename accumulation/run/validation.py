@@ -23,7 +23,7 @@ def validation_loss(
 ) -> float:
     """Token-weighted mean loss over the validation rows: sums of token losses and token counts are added over
     every micro-batch and replica, then divided once (the same weighting as training). `model_config`:
-    config.model with model.loss as training decided it (default config.model). `micro_batch_size` is the loop's
+    config.model with model.loss as training decided it (decided here when None). `micro_batch_size` is the loop's
     current m; the value does not depend on it when the model treats each row alone in eval mode and the loss is a
     sum over targets (docs/forking.md, "What no loop can make exact"). With pipeline stages the rows go forward
     through the stages; only last stages add loss sums, and the first stage of each replica counts its targets."""

@@ -42,6 +42,10 @@ def not_written(error: OSError, path: Path) -> str:
     return f"{path} could not be written: {why_not_written(error, path.parent)}"
 
 
+def metrics_line_not_written(error: OSError, path: Path) -> str:
+    return f"{not_written(error, path)}; its last line was not written and the lines before are untouched"
+
+
 def run_directory_not_created(error: OSError, run_dir: Path) -> str:
     why = why_not_written(error, run_dir)
     fix = "free space" if disk_full(error) else "choose a writable run.out_dir (or another run.name)"
