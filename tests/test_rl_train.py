@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from accumulation.batching import GlobalCounts, MicroBatch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
 from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
@@ -124,6 +124,22 @@ def test_stopped_mid_round_and_at_a_round_boundary_the_resumed_run_is_the_uninte
     assert last["approx_kl"] >= 0
     held_out = [line["held_out_reward"] for line in lines if "held_out_reward" in line]
     assert len(held_out) == 3 and all(0.0 <= value <= 1.0 for value in held_out)  # steps 4, 8, 12: eval_every
+
+
+def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_path, monkeypatch, capsys):
+    """The policy loss keeps its clip and KL sums until the run reads them. A caller of the loss earlier in the same
+    process (the equivalence checker, a notebook) must not add its sums to the run's first GRPO step: the run's
+    approx_kl and clip_fraction are its own, equal to a run with nothing before it."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    clean = run_in_sessions(tmp_path, "clean", [9], 1)[8]
+    labels = torch.tensor([[IGNORE_INDEX, 5, 7]])
+    outputs = torch.randn(1, 3, 16, requires_grad=True)  # far from the sampling policy: a large KL, clipped tokens
+    clipped_surrogate_sum(
+        outputs, labels, advantages=torch.ones(1), old_log_probs=torch.zeros(1, 3), row_weights=torch.ones(1)
+    )
+    after = run_in_sessions(tmp_path, "after", [9], 1)[8]
+    assert after["phase"] == clean["phase"] == "grpo"
+    assert (after["approx_kl"], after["clip_fraction"]) == (clean["approx_kl"], clean["clip_fraction"])
 
 
 def test_one_and_two_ranks_sample_the_same_first_round(tmp_path, monkeypatch, capsys):

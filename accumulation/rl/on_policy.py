@@ -252,6 +252,7 @@ class Rollouts:
         """train.py, once the model is built: the policy the rounds sample from, the ranks, and a resume's round."""
         self.policy, self.context = model, context
         POLICY_LOSS.clip_ratio = self.settings.clip_ratio
+        POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left
         state = (resume or {}).get("data", {}).get("rollouts")
         if state:
             self.completion_tokens = state["completion_tokens"]
