@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from accumulation.config.config import load_config
-from accumulation.data.tokenizer import sample_decoder
+from accumulation.run.sample import sample_decoder
 from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import garbage, run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, free_port

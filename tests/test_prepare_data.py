@@ -15,7 +15,8 @@ from accumulation.data import token_files
 from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data
 from accumulation.data.splits import validation_keys
-from accumulation.data.tokenizer import load_tokenizer, sample_decoder
+from accumulation.data.tokenizer import load_tokenizer
+from accumulation.run.sample import sample_decoder
 from scripts.operations import prepare_data
 from testkit.disk import read_only_view, small_disk
 from tests.test_jsonl import jsonl

@@ -19,8 +19,8 @@ from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.splits import Data
 from accumulation.data.step_tools import build_micro_batches
-from accumulation.data.tokenizer import sample_decoder
 from accumulation.models.factory import build_model
+from accumulation.run.sample import sample_decoder
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_jsonl import jsonl

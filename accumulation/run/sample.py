@@ -1,9 +1,9 @@
 """The sample a run prints at its end (run.sample_bytes > 0): the model's continuation of the first training
 example's prompt, decoded."""
 
-import torch
+import functools
 
-from accumulation.data.tokenizer import sample_decoder
+import torch
 
 
 def print_sample(config, model, prompt_source) -> None:
@@ -32,3 +32,43 @@ def print_sample(config, model, prompt_source) -> None:
     prompt = torch.tensor(prompt_tokens, device=next(model.parameters()).device)
     sample = model.generate(prompt, config.run.sample_bytes, torch.Generator().manual_seed(config.run.seed))
     print("sample:\n" + decode(sample.tolist()))
+
+
+def decode_bytes(ids: list[int]) -> str:
+    """Byte tokens as UTF-8 text. A model whose vocabulary was padded past 256 (model.vocab_size) can sample an
+    id that is no byte: it shows as U+FFFD, like any byte sequence that is not UTF-8."""
+    replacement = "\ufffd".encode()
+    return b"".join(bytes([i]) if i < 256 else replacement for i in ids).decode("utf-8", errors="replace")
+
+
+def tokenizer_decoder(tokenizer):
+    """A Hugging Face tokenizer's decode, special tokens kept (the sample shows what the model produced)."""
+    return functools.partial(tokenizer.decode, skip_special_tokens=False)
+
+
+def sample_decoder(config) -> tuple[object, str]:
+    """(decode, "") where decode turns token ids into text for the end-of-run sample, or (None, why not).
+
+    Bytes for the embedded corpus; data.tokenizer when it names a tokenizer.json; for token files, the
+    tokenizer.json beside them, or bytes when their meta.json says "tokenizer": "bytes"; for text and JSONL, bytes.
+    """
+    if config.data.source == "stdlib" and config.data.tokenizer == "bytes":  # the default: no path to look at
+        return decode_bytes, ""
+    from accumulation.data.locate import expanded_paths, find_token_files  # a path, or a tokenizer.json
+    from accumulation.data.tokenizer import load_tokenizer
+
+    settings = expanded_paths(config.data)
+    if settings.tokenizer != "bytes":
+        return tokenizer_decoder(load_tokenizer(settings.tokenizer)), ""
+    found = find_token_files(settings.source)
+    if found is None:
+        return decode_bytes, ""
+    folder = found[1]
+    if (folder / "tokenizer.json").is_file():
+        return tokenizer_decoder(load_tokenizer(str(folder / "tokenizer.json"))), ""
+    from accumulation.data.token_files import read_meta  # token files only
+
+    meta = read_meta(folder)
+    if meta is not None and meta[0].get("tokenizer") == "bytes":
+        return decode_bytes, ""
+    return None, f"no tokenizer.json beside the token files in {folder} to decode it with (or set data.tokenizer)"
