@@ -237,7 +237,8 @@ def _unquoted(text: str) -> str:
 
 def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
     """A command-line override's value: for a string key the text, quotes removed; else the TOML value the text
-    spells (3e-4, 1_000, true; "auto" stays text), refused, quoting the text, when of another type: never rounded."""
+    spells (3e-4, 1_000, true; "auto" stays text). A value of another type than the key's is refused, quoting the
+    text: "2.5" for an integer is an error, never rounded."""
     if declaration.type is str:
         return _unquoted(text)
     try:

@@ -103,7 +103,8 @@ class DataConfig:
     )
     task: str = setting(
         "next-token",
-        "next-token: each position predicts the next token; masked: 15% of positions masked, supervised (docs/data.md)",
+        "next-token: each position predicts the next token; masked: token files only, 15% of positions masked afresh "
+        "every step and only those supervised (docs/data.md)",
         choices=("next-token", "masked"),
     )
     val_rows: int = setting(
@@ -127,7 +128,8 @@ class ModelConfig:
     dropout: float = setting(0.0, "dropout probability during training", "probability", at_least=0, below=1)
     compile: str | bool = setting(
         "auto",
-        "torch.compile the model and the loss (DDP only); auto = on CUDA, off on the CPU and with dist.strategy=fsdp2",
+        "torch.compile the model and the loss (DDP only); auto = on for CUDA, off on the CPU and with "
+        "dist.strategy=fsdp2",
         choices=("auto", True, False),
     )
     loss: str = setting(
@@ -179,7 +181,8 @@ class PrecisionConfig:
     )
     tf32: bool = setting(
         True,
-        "CUDA only: fp32 matrix products on TF32 tensor cores (10-bit mantissa inputs); the checker turns it off",
+        "CUDA only: fp32 matrix products and convolutions on TF32 tensor cores (10-bit mantissa inputs); the checker "
+        "turns it off",
     )
 
 

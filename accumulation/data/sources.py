@@ -28,7 +28,8 @@ TAILS = ("drop", "partial")
 
 def validation_subset(rows: Rows, max_rows: int) -> Rows:
     """The rows a validation pass reads: all of them, or max_rows of them evenly spaced over the split (row ids
-    floor(i · num_rows / max_rows)), a function of the split and max_rows alone. max_rows == 0 means all."""
+    floor(i · num_rows / max_rows)), a function of the split and max_rows alone, so a pass costs the same however
+    large the split. max_rows == 0 means all."""
     if max_rows == 0 or rows.num_rows <= max_rows:
         return rows
     return RowSubset(rows, torch.arange(max_rows) * rows.num_rows // max_rows)

@@ -1,6 +1,6 @@
-"""A small GPT: pre-norm transformer blocks with causal attention, token ids [rows, seq_len] to logits [rows, seq_len,
-vocab_size]. Its weights are drawn from an explicit generator, the same on every rank and in every dtype (build in
-float32, then `.double()`). Registered as `model.name = "gpt"`, at the end."""
+"""A small GPT: pre-norm transformer blocks with causal attention, token ids [rows, seq_len] to logits
+[rows, seq_len, vocab_size]. Its weights are drawn from an explicit generator, the same on every rank and in every
+dtype (build in float32, then `.double()`). Registered as `model.name = "gpt"`, at the end."""
 
 from dataclasses import dataclass
 

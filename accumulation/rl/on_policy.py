@@ -249,7 +249,8 @@ class Rollouts:
 
     # -------------------------------------------------------------- sampling a round
     def bind_policy(self, model: torch.nn.Module, context, resume: dict | None) -> None:
-        """train.py, once the model is built: the policy the rounds sample from, the ranks, and a resume's round."""
+        """train.py (or the checker), once the model is built: the policy the rounds sample from, the ranks, and a
+        resume's round."""
         self.policy, self.context = model, context
         POLICY_LOSS.clip_ratio = self.settings.clip_ratio
         POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left

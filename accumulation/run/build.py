@@ -107,7 +107,8 @@ def set_tf32(enabled: bool) -> None:
 
 def training_memory(config: Config) -> tuple[str, int, int]:
     """(where the run trains, the most memory it can have there, the shards its training state is cut into): this
-    rank's GPU, or what the process can get here (accumulation/data/memory.py). Under fsdp2 each GPU holds 1/D."""
+    rank's GPU, or what the process can get here (accumulation/data/memory.py). Under fsdp2 each GPU holds 1/D of the
+    weights, gradients and optimizer state."""
     if config.device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1

@@ -1,5 +1,5 @@
-"""Checkpoints: what one holds (CONTRACT.md's keys) and how it is written (atomically, the newest `keep` kept,
-docs/training.md, "Checkpoints and resume"); reading one back is accumulation/run/restore.py's."""
+"""Checkpoints: what one holds and how it is written (atomically, the newest `keep` kept; its keys: docs/training.md,
+"Checkpoints and resume"); reading one back is accumulation/run/restore.py's."""
 
 import os
 import re
@@ -85,8 +85,8 @@ def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
 def checkpoint_payload(
     config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
-    """Everything a resume needs: CONTRACT.md's keys, and `skips_in_a_row` (optim.max_consecutive_skips' streak,
-    which a resume continues). `model` is the unwrapped module."""
+    """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
+    optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module."""
     if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
         from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
 

@@ -21,7 +21,8 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import WriteError
 from accumulation.run.run_dir import write_text_atomically
 
-# Steps that compile and allocate (the first), or rebuild DDP's gradient buckets (the second): their speed apart.
+# The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
+# gradient buckets and may compile again for new shapes.
 WARMUP_STEPS = 2
 
 

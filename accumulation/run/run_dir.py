@@ -40,7 +40,7 @@ class RunDirectoryError(ValueError):
 
 def check_not_inside_a_run(run_dir: Path) -> None:
     """Refuse (RunDirectoryError, one line), before anything is written, a fresh run's folder inside another run's
-    directory, whose files it would mix with."""
+    directory, whose files it would mix with (an existing folder is checked first, by run/existing_run_dir.py)."""
     for folder in [run_dir.resolve().parent, *run_dir.resolve().parent.parents]:
         if is_a_run_directory(folder):
             raise RunDirectoryError(
@@ -66,7 +66,8 @@ def written_by_this_program(config_file: Path) -> bool:
 
 class RunLock:
     """The advisory lock of one run directory, taken by rank 0 (`acquire`) and held until `release` or the end of
-    the process; `created` lists what acquiring created, for a refused run to remove (`release(undo=True)`)."""
+    the process; `created` lists what acquiring created, for a refused run to remove (`release(undo=True)`). Its
+    paths a run that goes well never takes are functions of the lock in accumulation/run/lock_refusals.py."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -100,7 +101,8 @@ class RunLock:
             self.descriptor = None
         if created_file:
             self.created.insert(0, self.path)
-        # Who holds it, for a second job's message, once the lock is ours; a full disk loses only this courtesy.
+        # Who holds it, for a second job's message: written once the lock is ours, so never over the holder's line.
+        # A full disk loses only this courtesy; the run's first write (config.toml) reports the disk.
         try:
             os.ftruncate(self.descriptor, 0)
             os.pwrite(self.descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
@@ -135,7 +137,8 @@ class RunLock:
         return ConfigError(run_directory_not_created(error, self.run_dir))
 
     def release(self, undo: bool = False) -> None:
-        """Unlock (closing the file releases it); with `undo` (a refused run), first remove what `acquire` created."""
+        """Unlock (closing the file releases it); with `undo` (a refused run), also remove what `acquire` created:
+        the lock file before unlocking, the folders after."""
         if undo:
             from accumulation.run.lock_refusals import undo_acquire
 

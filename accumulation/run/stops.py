@@ -14,8 +14,8 @@ from accumulation.step import StepResult
 
 
 def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a_row: int) -> str | None:
-    """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or under
-    optim.on_nonfinite = "stop" a non-finite loss, or gradient without a GradScaler (whose skips find its scale)."""
+    """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or, under
+    optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it."""
     if skips_in_a_row >= config.optim.max_consecutive_skips:
         limit = config.optim.max_consecutive_skips
         return f"{skips_in_a_row} skipped updates in a row (optim.max_consecutive_skips={limit})"

@@ -1,7 +1,7 @@
 """Check that one optimizer step of the loop follows the gradient of the full-batch mean loss, and that the
 fork keeps the promises the step relies on (the logic: accumulation/checker/, importable from a fork's tests).
 
-    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG]
+    python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG] [--step S]
     torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
 
 Exit status: 0 PASS, 1 FAIL, 2 bad config or data (one line on stderr).
