@@ -1,14 +1,21 @@
 """The equivalence checker on a GRPO step of configs/grpo.toml (`--step`, after data.sft_steps): the loop's update
 against the float64 gradient of the objective from its definition, its N counted from that definition and named in
-its unit on both sides; PASS on one process and on two gloo ranks, FAIL with a wrong normaliser."""
+its unit on both sides; PASS on one process and on two gloo ranks, FAIL with a wrong normaliser. The promises of the
+loss are checked on the surrogate the step trains (its rows' advantages and old log-probabilities handed to it), and
+FAIL for a surrogate that is a mean or that pairs label j with another output."""
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
 
 from accumulation import checker
+from accumulation.batching import IGNORE_INDEX
+from accumulation.config.registry import REGISTERED, lookup
+from accumulation.rl.on_policy import clipped_surrogate_sum
 from testkit.ranks import run_main_on_ranks
+from tests.test_check_equivalence import failing_lines
 
 GRPO_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "grpo.toml")
 # Step 300 is the first GRPO step (data.sft_steps = 300), round 0 sampled from the initial weights. Their untrained
@@ -56,6 +63,8 @@ def test_a_grpo_step_passes_against_its_objectives_definition(capsys, ranks):
     # on the reference's as the definition counts it.
     assert line(stdout, "normaliser").startswith("loop sequences = 32, reference sequences = 32 ")
     assert line(stdout, "extras of examples() vs the raw examples") == "ok"
+    assert line(stdout, "loss_sum_fn is a sum") == "ok"
+    assert line(stdout, "loss pairs label j with output j") == "ok"
     # fp32 against float64: the checker's own tolerance (accumulation/checker/run.py, RELATIVE_TOLERANCE).
     assert gradient_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
     assert stdout.splitlines()[-1] == "PASS"
@@ -105,3 +114,60 @@ def test_a_data_bug_that_would_hide_the_declared_objective_is_refused(capsys):
     assert (
         "--inject-bug count wraps the data's rows, which would hide the objective step 300" in capsys.readouterr().err
     )
+
+
+def surrogate_averaged_over_tokens(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None):
+    """A fork's planted fault: the clipped surrogate divided by the micro-batch's tokens (a mean, not a sum); the
+    cross-entropy sum, as clipped_surrogate_sum, on rows without advantages."""
+    total = clipped_surrogate_sum(
+        outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights
+    )
+    return total if advantages is None else total / (labels != IGNORE_INDEX).sum().clamp(min=1)
+
+
+def surrogate_pairing_label_j_with_output_j_plus_1(
+    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None
+):
+    """A fork's planted fault: the clipped surrogate of label j (and its old log-probability) read off output
+    j + 1; the cross-entropy sum, rightly paired, on rows without advantages."""
+    if advantages is None:
+        return clipped_surrogate_sum(outputs, labels)
+    return clipped_surrogate_sum(
+        outputs[:, 1:],
+        labels[:, :-1],
+        advantages=advantages,
+        old_log_probs=old_log_probs[:, :-1],
+        row_weights=row_weights,
+    )
+
+
+def with_the_surrogate_replaced_by(planted, monkeypatch) -> None:
+    """model.objective = "clipped-surrogate" names `planted` instead, for the loop and the checker alike, as a
+    fork's own loss would be."""
+    piece = lookup("loss", "clipped-surrogate")
+    monkeypatch.setitem(REGISTERED["loss"], "clipped-surrogate", dataclasses.replace(piece, loss_sum_fn=planted))
+
+
+def test_a_surrogate_averaged_over_the_micro_batch_s_tokens_fails_as_a_mean(capsys, monkeypatch):
+    with_the_surrogate_replaced_by(surrogate_averaged_over_tokens, monkeypatch)
+    status, stdout = run_checker(GRPO_STEP, 1, capsys)
+    assert status == 1, stdout
+    # The surrogate's value at the sampling weights is near 0, yet the halves' values times their tokens add up to
+    # the whole's to rounding against the size of its terms, so the line names a mean over targets.
+    assert line(stdout, "loss_sum_fn is a sum").endswith(
+        "a mean over targets; return the SUM of the supervised targets' losses, never a mean"
+    ), stdout
+    assert line(stdout, "loss pairs label j with output j") == "ok"
+    assert stdout.splitlines()[-1] == "FAIL"
+
+
+def test_a_surrogate_that_pairs_label_j_with_output_j_plus_1_fails_on_its_own(capsys, monkeypatch):
+    with_the_surrogate_replaced_by(surrogate_pairing_label_j_with_output_j_plus_1, monkeypatch)
+    status, stdout = run_checker(GRPO_STEP, 1, capsys)
+    assert status == 1, stdout
+    # Loop and reference read the same wrong outputs, so their gradients agree: only the pairing probe sees it.
+    assert failing_lines(stdout) == ["loss pairs label j with output j"] and stdout.count("FAIL: ") == 1, stdout
+    pairing = line(stdout, "loss pairs label j with output j")
+    match = re.match(r"FAIL: the loss of label (\d+) \(row \d+ of the step\) reads outputs \[(\d+)\], not", pairing)
+    assert match and int(match.group(2)) == int(match.group(1)) + 1, pairing
+    assert line(stdout, "loss_sum_fn is a sum") == "ok"

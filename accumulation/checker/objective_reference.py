@@ -91,14 +91,30 @@ def normaliser_from_definition(mode: str, labels: torch.Tensor, extras: list[dic
     return constant * len(labels), unit
 
 
+def loss_keywords(extras: list[dict]) -> dict[str, torch.Tensor]:
+    """What the loss reads of these rows besides their labels, as the loop hands it (MicroBatch.extras): each raw
+    extra the loss reads stacked over the rows ([rows, ...]), and row weight 1, the definition weighting the rows
+    itself."""
+    names = [name for name in (extras[0] if extras else {}) if name != GROUP]
+    keywords = {name: torch.stack([torch.as_tensor(row[name]) for row in extras]) for name in names}
+    keywords[ROW_WEIGHTS] = torch.ones(len(extras), dtype=torch.float64)
+    return keywords
+
+
+def promise_keywords(rows: Rows, step: int, extras: list[dict]) -> dict[str, torch.Tensor]:
+    """What the checks of the loss's promises (promises.py) hand the loss besides outputs and labels: on a step
+    that declares its objective, the step's rows' keywords (loss_keywords), so that they test the loss the step
+    trains (a GRPO step's surrogate, not the cross-entropy its loss falls back to without advantages); else none,
+    the loss reading the labels alone as the reference calls it."""
+    return {} if declared_objective(rows, step) is None else loss_keywords(extras)
+
+
 def token_losses(outputs: torch.Tensor, labels: torch.Tensor, extras: list[dict], loss_sum_fn) -> list[torch.Tensor]:
     """ℓ_it of every supervised target t of every row i: the configured loss on row i's outputs with only
     target t kept, its raw extras as keywords and row weight 1. One 1-D tensor per row, in position order."""
     losses = []
     for row, (row_outputs, row_labels) in enumerate(zip(outputs.unbind(0), labels, strict=True)):
-        keywords = {name: torch.as_tensor(value)[None] for name, value in extras[row].items() if name != GROUP}
-        keywords[ROW_WEIGHTS] = torch.ones(1, dtype=torch.float64)
-        keywords = {name: value.to(outputs.device) for name, value in keywords.items()}
+        keywords = {name: value.to(outputs.device) for name, value in loss_keywords(extras[row : row + 1]).items()}
         per_target = []
         for position in (row_labels != IGNORE_INDEX).nonzero().flatten().tolist():
             one_target = torch.full_like(row_labels, IGNORE_INDEX)

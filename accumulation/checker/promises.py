@@ -105,13 +105,15 @@ class NotApplicable(str):
     """Why a check cannot apply to this fork's data: the checker prints "n/a: <why>", neither ok nor a failure."""
 
 
-def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> str | None:
+def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None) -> str | None:
     """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
     when it does, NotApplicable(why) when the labels have no positions to pair. On fixed outputs, one supervised
     label is kept (the others -100) and the gradient of the loss says which output positions it reads. A loss that
     shifts the labels itself (HF's loss_function does) pairs label j with output j - 1: together with labels that
     arrive shifted, every target is two tokens ahead, and loop and reference agree on it, so no comparison of
-    gradients can see it."""
+    gradients can see it. `keywords`: what the loss reads of the rows besides their labels ([rows, ...] each, as
+    MicroBatch.extras hands it), every row's at each call."""
+    keywords = keywords or {}
     if labels.dim() != 2:
         return NotApplicable(f"one label per example (labels {list(labels.shape)}), no positions to pair")
     if outputs.dim() < 3 or outputs.shape[:2] != labels.shape:
@@ -122,12 +124,15 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
     inner = supervised[(supervised[:, 1] > 0) & (supervised[:, 1] < labels.shape[1] - 1)]
     if len(inner) == 0:
         return NotApplicable("no supervised label between a row's first and last position")
+    # A row whose loss has no gradient shows no pairing (a surrogate's row of advantage 0 reads its outputs with
+    # weight 0): the label is one of a row whose loss has a gradient, where there is such a row.
+    rows_with_gradient = gradient_per_position(loss_sum_fn, outputs, labels, keywords).sum(dim=1) > 0
+    if rows_with_gradient[inner[:, 0]].any():
+        inner = inner[rows_with_gradient[inner[:, 0]]]
     row, position = inner[len(inner) // 2].tolist()
     one_label = torch.full_like(labels, IGNORE_INDEX)
     one_label[row, position] = labels[row, position]
-    probe = outputs.detach().clone().requires_grad_(True)
-    loss_sum_fn(probe, one_label).backward()
-    read_per_position = probe.grad[row].abs().reshape(labels.shape[1], -1).sum(dim=1)
+    read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
     if read_per_position[position] > 0:
         return None
     read = read_per_position.nonzero().flatten().tolist()
@@ -138,6 +143,15 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
             "(label j = token j + 1): shifted twice? Use a loss that pairs label j with output j"
         )
     return f"the loss of label {position} (row {row} of the step) reads outputs {read[:4]}, not output {position}"
+
+
+def gradient_per_position(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict) -> torch.Tensor:
+    """|∂ loss / ∂ outputs| summed over each position's outputs, [rows, seq], on fixed outputs: where the loss
+    reads them."""
+    probe = outputs.detach().clone().requires_grad_(True)
+    loss_sum_fn(probe, labels, **keywords).backward()
+    gradient = torch.zeros_like(probe) if probe.grad is None else probe.grad
+    return gradient.abs().reshape(*labels.shape, -1).sum(dim=2)
 
 
 def same_tensors(a, b) -> bool:
@@ -247,11 +261,15 @@ def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
 # rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
 # factor of about 2 a mean gives. A loss that computes in float32 whatever its inputs (HF's losses do) rounds
 # each of those additions to 2^-24 ≈ 6e-8: over a few thousand targets the sums then agree to about 1e-6, so
-# 1e-5, still far below what a mean or a coupling between examples does.
+# 1e-5, still far below what a mean or a coupling between examples does. The difference is relative to the size
+# of the loss's terms (additivity_message says which), which bounds every partial sum and so the rounding of each
+# addition.
 ADDITIVITY_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-5}
 
 
-def additivity_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor) -> tuple[str | None, str | None]:
+def additivity_message(
+    loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None
+) -> tuple[str | None, str | None]:
     """(why loss_sum_fn is not a SUM over targets, or None; a note on its precision, or None).
 
     On fixed outputs (the model's float64 outputs for the step's rows, computed once, so that only the loss is
@@ -259,13 +277,25 @@ def additivity_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor)
     second. A mean is not additive, but it is once each value is multiplied by its count of targets (or of rows);
     a loss that couples examples (in-batch negatives: each row's loss reads the other rows' outputs) is neither.
     The step divides by the global N itself, so a mean would make each micro-batch weigh the same (the
-    mean-of-means bug), which no gradient comparison sees when A·D = 1."""
+    mean-of-means bug), which no gradient comparison sees when A·D = 1.
+
+    `keywords`: what the loss reads of the rows besides their labels ([rows, ...] each, as MicroBatch.extras
+    hands it), split with the rows. The difference is measured against the size of the loss's terms: |its value|
+    for a loss of the labels alone (cross-entropy's terms are all ≥ 0, so |value| is their size); with keywords
+    (a GRPO surrogate, whose terms -ρ·A cancel within a group and leave a value near 0 that rounding alone would
+    put far off), Σ_i |value of row i alone|, each row counted in the unit compared (a row's own terms share the
+    sign of its advantage)."""
     if len(outputs) < 2:
         return None, None
+    keywords = keywords or {}
     half = len(outputs) // 2
-    parts = [(outputs, labels), (outputs[:half], labels[:half]), (outputs[half:], labels[half:])]
+
+    def loss_of(rows: slice) -> torch.Tensor:
+        return loss_sum_fn(outputs[rows], labels[rows], **{name: value[rows] for name, value in keywords.items()})
+
     with torch.no_grad():
-        values = [loss_sum_fn(o, y) for o, y in parts]
+        values = [loss_of(slice(None)), loss_of(slice(None, half)), loss_of(slice(half, None))]
+        each_row = torch.stack([loss_of(slice(i, i + 1)) for i in range(len(outputs))]) if keywords else None
     dtype = values[0].dtype
     note = None
     if dtype != outputs.dtype:
@@ -275,22 +305,28 @@ def additivity_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor)
         )
     tolerance = ADDITIVITY_TOLERANCE.get(dtype, 1e-2)
     whole, first, second = (float(v) for v in values)
+    targets_per_row = (labels != IGNORE_INDEX).reshape(len(labels), -1).sum(dim=1).double()
+    rows_per_row = torch.ones(len(labels), dtype=torch.float64)
 
-    def mismatch(weights: list[float]) -> float:
+    def mismatch(weights: list[float], per_row: torch.Tensor) -> float:
+        """The relative difference once each value is multiplied by its part's weight (its count of targets or
+        rows, per_row counting the same for each row)."""
         combined = weights[1] * first + weights[2] * second
-        return abs(weights[0] * whole - combined) / max(abs(weights[0] * whole), 1e-300)
+        size = abs(weights[0] * whole) if each_row is None else float((per_row * each_row.abs().double()).sum())
+        return abs(weights[0] * whole - combined) / max(size, 1e-300)
 
-    difference = mismatch([1, 1, 1])
+    difference = mismatch([1, 1, 1], rows_per_row)
     if difference <= tolerance:
         return None, note
-    targets = [float((y != IGNORE_INDEX).sum()) for _, y in parts]
-    rows = [float(len(o)) for o, _ in parts]
+    parts = [slice(None), slice(None, half), slice(half, None)]
+    by_targets = mismatch([float(targets_per_row[part].sum()) for part in parts], targets_per_row)
+    by_rows = mismatch([float(rows_per_row[part].sum()) for part in parts], rows_per_row)
     said = (
         f"over the step's rows it gives {whole:.6g}, over its two halves {first + second:.6g} in total "
         f"(relative difference {difference:.2e})"
     )
-    if mismatch(targets) <= tolerance or mismatch(rows) <= tolerance:
-        unit = "targets" if mismatch(targets) <= tolerance else "rows"
+    if by_targets <= tolerance or by_rows <= tolerance:
+        unit = "targets" if by_targets <= tolerance else "rows"
         return f"{said}: a mean over {unit}; return the SUM of the supervised targets' losses, never a mean", note
     return (
         f"{said}, and it is no mean either: the loss couples examples, e.g. in-batch negatives; no accumulation "

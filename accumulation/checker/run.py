@@ -24,6 +24,7 @@ from accumulation.checker.objective_reference import (
     bind_initial_policy,
     extras_message,
     loop_counts,
+    promise_keywords,
     raw_extras,
     refuse_a_step_without_gradient,
     step_reference,
@@ -290,7 +291,8 @@ def compare_on_main(
     reference_counts = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     with torch.no_grad():
         fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
-    additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels)
+    keywords = promise_keywords(rows, batch.step, extras)  # on a GRPO step, the surrogate's advantages and the like
+    additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels, keywords)
     checks = {
         "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
@@ -300,7 +302,7 @@ def compare_on_main(
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
         "rows independent": row_independence_message(reference_model, float_inputs),
         "loss_sum_fn is a sum": additivity,
-        "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels),
+        "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels, keywords),
     }
     notes = {"loss_sum_fn is a sum": precision_note}
     if loop_gradients is None:
