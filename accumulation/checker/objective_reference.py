@@ -1,7 +1,7 @@
 """The checker's reference for a step whose objective declares its own normaliser: the RL modes
 (accumulation/rl/objectives.py), whose N counts sequences, groups or a constant instead of supervised targets.
 
-The loop's side takes N as train.py does (accumulation/run/batches.py): the source's normaliser(row_ids, step), in
+The loop's side takes N as train.py does (StepBatch.global_counts): the source's normaliser(row_ids, step), in
 the unit it declares, beside the row weights its examples() hand the loss. The reference reads neither. From each
 row's raw example (RawExample: its inputs, its targets, its extras: the advantage, the old log-probabilities and
 the prompt's group) it asks the configured loss for every supervised target's own loss ℓ_it (the loss called on
@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from accumulation.batching import IGNORE_INDEX, GlobalCounts
+from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.promises import NotApplicable
 from accumulation.checker.reference import as_float64, float64_full_batch, map_tensors, one_batch_baseline
 from accumulation.data.rows import DataError, Rows
-from accumulation.data.sources import StepBatch
 from accumulation.models.factory import build_model
 from accumulation.rl.objective_check import objective_from_definition
 from accumulation.rl.objectives import NORMALISER_UNITS
@@ -49,15 +48,6 @@ def declared_objective(rows: Rows, step: int) -> tuple[str, float] | None:
     Rollouts.objective), else None: the mean over supervised targets."""
     objective = getattr(rows, "objective", None)
     return objective(step) if objective is not None else None
-
-
-def loop_counts(rows: Rows, batch: StepBatch) -> GlobalCounts:
-    """N as train.py hands it to the step: in the unit the source declares (its normaliser), else the
-    supervised targets."""
-    counts = batch.global_counts
-    if hasattr(rows, "normaliser"):
-        counts = GlobalCounts(counts.tokens, counts.examples, *rows.normaliser(batch.row_ids, batch.step))
-    return counts
 
 
 def raw_extras(rows: Rows, row_ids: torch.Tensor, step: int) -> list[dict]:
@@ -177,25 +167,39 @@ class StepReference:
 
 
 def step_reference(
-    rows: Rows, step: int, step_rows: tuple, reference_model, baseline_model, config, context
+    rows: Rows,
+    step: int,
+    inputs,
+    labels: torch.Tensor,
+    extras: list[dict],
+    loss_sum_fn,
+    reference_model: torch.nn.Module,
+    baseline_model: torch.nn.Module,
+    config,
+    context,
 ) -> StepReference:
-    """The reference of step `step` whose rows are step_rows = (inputs, labels, raw extras, loss_sum_fn): the mean
-    over supervised targets (reference.float64_full_batch), or the declared objective from its definition.
+    """The reference of step `step`, whose rows are `inputs` and `labels` with their raw `extras`: the mean over
+    supervised targets (reference.float64_full_batch), or the declared objective from its definition.
 
     The loss's error is measured against the size of its terms, not of its value: a surrogate's terms cancel
     (its group-centred advantages sum to 0, and ρ = 1 at the sampling weights), leaving a value near 0 that
     rounding alone would put far off in relative terms. For a loss of non-negative terms (cross-entropy) the two
     are the same."""
-    inputs, labels, extras, loss_sum_fn = step_rows
-    autocast_dtype, objective = autocast_dtype_for(config.precision), declared_objective(rows, step)
+    autocast_dtype = autocast_dtype_for(config.precision)
+    objective = declared_objective(rows, step)
     if objective is None:
         gradients, loss = float64_full_batch(reference_model, inputs, labels, loss_sum_fn)
-        baseline = one_batch_baseline(baseline_model, inputs, labels, loss_sum_fn, autocast_dtype, context.device)
+        baseline_gradients, baseline_loss = one_batch_baseline(
+            baseline_model, inputs, labels, loss_sum_fn, autocast_dtype, context.device
+        )
         tokens = float((labels != IGNORE_INDEX).sum())
-        return StepReference(gradients, loss, abs(loss), *baseline, tokens, "targets")
-    float_inputs, on_the_host = as_float64(inputs), torch.device("cpu")
-    gradients, loss, loss_scale = objective_step(reference_model, float_inputs, *step_rows[1:], objective, on_the_host)
-    *baseline, _ = objective_step(baseline_model, inputs, *step_rows[1:], objective, context.device, autocast_dtype)
-    return StepReference(
-        gradients, loss, loss_scale, *baseline, *normaliser_from_definition(objective[0], labels, extras, objective[1])
+        return StepReference(gradients, loss, abs(loss), baseline_gradients, baseline_loss, tokens, "targets")
+    mode, constant = objective
+    gradients, loss, loss_scale = objective_step(
+        reference_model, as_float64(inputs), labels, extras, loss_sum_fn, objective, torch.device("cpu")
     )
+    baseline_gradients, baseline_loss, _ = objective_step(
+        baseline_model, inputs, labels, extras, loss_sum_fn, objective, context.device, autocast_dtype
+    )
+    normaliser, unit = normaliser_from_definition(mode, labels, extras, constant)
+    return StepReference(gradients, loss, loss_scale, baseline_gradients, baseline_loss, normaliser, unit)

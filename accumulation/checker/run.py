@@ -19,11 +19,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens, describe_batch
+from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, count_supervised_tokens, describe_batch
 from accumulation.checker.objective_reference import (
     bind_initial_policy,
     extras_message,
-    loop_counts,
     promise_keywords,
     raw_extras,
     refuse_a_step_without_gradient,
@@ -286,7 +285,8 @@ def compare_on_main(
     # The fork's promises, one line each (docs/forking.md, "The promises each guarantee depends on").
     inputs, labels = reference_rows(rows, row_ids, batch.step, config.data.seq_len)
     float_inputs = as_float64(inputs)
-    example_inputs, example_labels, *example_extras = rows.examples(row_ids, batch.step)
+    example_inputs, example_labels, *optional_extras = rows.examples(row_ids, batch.step)
+    example_extras = optional_extras[0] if optional_extras else {}  # a third item: what the loss reads besides
     extras = raw_extras(rows, row_ids, batch.step)
     reference_counts = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     with torch.no_grad():
@@ -296,7 +296,7 @@ def compare_on_main(
     checks = {
         "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
-        "extras of examples() vs the raw examples": extras_message(*example_extras or [{}], extras, row_ids),
+        "extras of examples() vs the raw examples": extras_message(example_extras, extras, row_ids),
         "supervised_counts vs the raw examples' targets": counts_message(batch, reference_counts),
         "supervised_counts vs the labels of examples()": found.labels_as_promised,
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
@@ -315,7 +315,7 @@ def compare_on_main(
     baseline_model, _ = build_checked_model(config, vocab_size, bug)
     baseline_model = baseline_model.to(context.device)
     reference = step_reference(
-        rows, batch.step, (inputs, labels, extras, loss_sum_fn), reference_model, baseline_model, config, context
+        rows, batch.step, inputs, labels, extras, loss_sum_fn, reference_model, baseline_model, config, context
     )
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
@@ -507,11 +507,11 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
         ).micro_batches
     if bug == "mean-of-means":
         loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
-    global_counts = loop_counts(rows, batch)  # N in the unit the objective declares, as train.py counts it
+    global_counts = batch.global_counts  # N in the unit the objective declares, as train.py counts it
     if bug == "mask":  # the loop's N counts the labels it supervises, as a loop that ignores the mask would
         global_counts = None
     if bug == "wrong-normaliser":  # SELF-TEST ONLY: N counts the targets whatever unit the objective declares
-        global_counts = batch.global_counts
+        global_counts = GlobalCounts(global_counts.tokens, global_counts.examples)
     result = optimizer_step(
         wrapped,
         micro_batches,

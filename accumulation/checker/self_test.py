@@ -8,6 +8,7 @@ them.
 import torch
 
 from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens, micro_batch_slices
+from accumulation.checker.objective_reference import declared_objective
 from accumulation.data.rows import DataError, RawExample, Rows, RowSet
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
@@ -63,7 +64,7 @@ def refuse_a_bug_this_data_cannot_show(
                 "--inject-bug mask needs rows with prompt positions, and step 0 of this data has none; "
                 "run it on prompt/response data, e.g. --config configs/sft.toml"
             )
-    if bug in DATA_BUGS and hasattr(rows, "objective") and rows.objective(step) is not None:
+    if bug in DATA_BUGS and declared_objective(rows, step) is not None:
         raise DataError(
             f"--inject-bug {bug} wraps the data's rows, which would hide the objective step {step} declares; run it "
             "on a step without one (e.g. an SFT step of configs/grpo.toml, --step 0)"

@@ -200,12 +200,14 @@ class StepBatch:
     micro_batches: list[MicroBatch]  # this rank's A micro-batches of m rows each
     slices: list[slice]  # the positions in row_ids of each micro-batch's rows (micro_batch_slices; a partial
     # step's last slices reach past the end of row_ids, and slicing stops there: the rest is padding)
+    normaliser: tuple = (None, "targets")  # (N, its unit) as rows.normaliser declares them (RL: sequences, groups)
 
     @property
     def global_counts(self) -> GlobalCounts:
-        """N, the step's supervised targets over all ranks, and its real examples: what every gradient is
-        divided by, known on every rank without a collective."""
-        return GlobalCounts(tokens=int(self.supervised_counts.sum()), examples=len(self.row_ids))
+        """N, the step's supervised targets over all ranks (or the N its objective declares), and its real examples:
+        what every gradient is divided by, known on every rank without a collective."""
+        normaliser, unit = self.normaliser
+        return GlobalCounts(int(self.supervised_counts.sum()), len(self.row_ids), normaliser=normaliser, unit=unit)
 
 
 def step_batch(
@@ -230,6 +232,7 @@ def step_batch(
         supervised_counts=rows.supervised_counts(row_ids, step),
         micro_batches=[micro_batch(rows, row_ids[positions], micro_batch_size, step) for positions in slices],
         slices=slices,
+        normaliser=rows.normaliser(row_ids, step) if hasattr(rows, "normaliser") else (None, "targets"),
     )
 
 

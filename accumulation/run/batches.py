@@ -52,7 +52,4 @@ class StepBatches:
         micro_batches = batch.micro_batches
         if context.device.type == "cuda":  # page-locked host memory lets the copies run asynchronously
             micro_batches = [micro_batch.pinned() for micro_batch in micro_batches]
-        counts = batch.global_counts
-        if hasattr(self.data.train, "normaliser"):  # N in the unit of its objective (RL: sequences, groups)
-            counts = GlobalCounts(counts.tokens, counts.examples, *self.data.train.normaliser(batch.row_ids, step))
-        return micro_batches, counts
+        return micro_batches, batch.global_counts  # N in the unit of the step's objective (data/sources.py)
