@@ -65,6 +65,10 @@ def arguments(out_dir, *overrides) -> list[str]:
         (["data.mini_batch_size=4"], "batch.global_batch_size=8 must equal data.mini_batch_size=4"),
         (['model.objective=""'], 'trains with model.objective="clipped-surrogate"'),
         (["data.max_new_tokens=12"], "set data.seq_len=22"),
+        (["data.group_size=1", "data.prompts_per_round=8"], "data.group_size=1: every advantage is its reward minus"),
+        (["data.held_out=2"], "data.held_out=2: only every tenth of the 9 problems below data.max_operand=3 is held"),
+        (["data.max_operand=10000"], "data.max_operand: expected an integer >= 2 and <= 300, got 10000"),
+        (["data.prompts_per_round=1000000000"], "a round of 4,000,000,000 trajectories (1000000000 prompts x group 4)"),
     ],
 )
 def test_bad_sizes_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, monkeypatch, overrides, message):
@@ -73,6 +77,38 @@ def test_bad_sizes_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys
     error = capsys.readouterr().err
     assert message in error and error.count("\n") == 1, error
     assert list(tmp_path.iterdir()) == []
+
+
+def nan_reward(prompt, completion):
+    return float("nan")
+
+
+def raising_reward(prompt, completion):
+    raise KeyError("no answer key")
+
+
+def text_reward(prompt, completion):
+    return "1.0"
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "message"),
+    [
+        (nan_reward, "test_rl_train:nan_reward returned nan on prompt 'Q: "),
+        (raising_reward, "test_rl_train:raising_reward raised KeyError: 'no answer key' on prompt 'Q: "),
+        (text_reward, "test_rl_train:text_reward returned '1.0' (str) on prompt 'Q: "),
+    ],
+)
+def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_prompt_and_completion(
+    tmp_path, capsys, monkeypatch, reward_fn, message
+):
+    """A fork's reward function that returns NaN, raises or returns a str: one line at the first round naming the
+    function, the prompt and the completion (not every update skipped for a "non-finite gradient")."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    monkeypatch.setattr("accumulation.rl.on_policy.reward", reward_fn)
+    assert train.main(arguments(tmp_path, "run.max_steps=9", "run.eval_every=0")) == 2
+    error = capsys.readouterr().err
+    assert message in error and "and completion '" in error and error.count("\n") == 1, error
 
 
 def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int) -> list[dict]:
@@ -140,6 +176,18 @@ def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_pa
     after = run_in_sessions(tmp_path, "after", [9], 1)[8]
     assert after["phase"] == clean["phase"] == "grpo"
     assert (after["approx_kl"], after["clip_fraction"]) == (clean["approx_kl"], clean["clip_fraction"])
+
+
+def test_sampling_in_smaller_forwards_draws_the_same_round(tmp_path, monkeypatch, capsys):
+    """data.sample_batch_size cuts a rank's share of the round into forwards of that many rows (memory only): the
+    draws are per row, so rounds 0 and 1 sampled 3 rows at a time hold the completions of one forward of 16."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    whole = run_in_sessions(tmp_path, "whole", [11], 1)
+    argv = arguments(tmp_path, 'run.name="cut"', "run.max_steps=11", "data.sample_batch_size=3")
+    assert train.main(argv) == 0
+    cut = read_metrics(tmp_path / "cut")
+    for line, other in zip(whole[8:], cut[8:], strict=True):
+        assert (line["completion_tokens"], line["mean_reward"]) == (other["completion_tokens"], other["mean_reward"])
 
 
 def test_one_and_two_ranks_sample_the_same_first_round(tmp_path, monkeypatch, capsys):

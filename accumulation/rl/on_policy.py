@@ -34,6 +34,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
+from accumulation.data.memory import memory_limit_bytes
 from accumulation.data.rows import DataError, RawExample
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
@@ -44,10 +45,16 @@ from accumulation.rl.objectives import (
     completion_lengths,
     group_relative_advantages,
 )
-from accumulation.rl.rollout import addition_problems, reward, round_prompts, sample
+from accumulation.rl.rollout import addition_problems, checked_reward, reward, round_prompts, sample
 from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.step import token_cross_entropy_sum
 
+# Every problem of "Q: a + b =" for a, b < max_operand is built in memory, about 205 bytes each with its answer row:
+# 300 makes 90,000 of them, built in about 2 s; a larger task belongs in a file.
+MAX_OPERAND = 300
+# A round's rollout is held whole on every rank: tokens and labels (int64) and old log-probabilities (float32) per
+# position, twice during the all-gather that assembles it.
+ROUND_BYTES_PER_POSITION = 2 * (8 + 8 + 4)
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
 BYTE_VOCABULARY = 256
 
@@ -59,13 +66,29 @@ class RolloutSettings:
     mini_batch_size: int = setting(
         16, "trajectories per optimizer step, all ranks: must equal batch.global_batch_size", "trajectories", at_least=1
     )
-    max_operand: int = setting(20, "problems are every 'Q: a + b =' with a, b below this", "operand", at_least=2)
-    held_out: int = setting(40, "problems kept out of training (every tenth), for validation", "prompts", at_least=1)
+    max_operand: int = setting(
+        20,
+        "problems are every 'Q: a + b =' with a, b below this (all built in memory: at most 300, 90,000 problems)",
+        "operand",
+        at_least=2,
+        at_most=MAX_OPERAND,
+    )
+    held_out: int = setting(
+        40,
+        "problems kept out of training (every tenth, at most a tenth of them), for validation",
+        "prompts",
+        at_least=1,
+    )
     sft_steps: int = setting(
         200, "the run's first optimizer steps, supervised on the reference answers, before GRPO", "steps", at_least=0
     )
     prompts_per_round: int = setting(8, "prompts each GRPO round asks, all ranks", "prompts", at_least=1)
-    group_size: int = setting(8, "completions sampled per prompt", "completions", at_least=1)
+    group_size: int = setting(
+        8, "completions sampled per prompt (2 at least: advantages are group-relative)", "completions", at_least=1
+    )
+    sample_batch_size: int = setting(
+        256, "trajectories per sampling forward, on one rank: memory only", "trajectories", at_least=1
+    )
     ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
     max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
     loss_aggregation: str = setting(
@@ -291,11 +314,24 @@ class Rollouts:
         prompts = [self.prompts[asked[int(j) // settings.group_size]] for j in mine]
         was_training = self.policy.training
         self.policy.eval()
-        drawn = sample(self.policy, prompts, mine, self.seed, round_index, settings.max_new_tokens, self.seq_len)
+        pieces = []
+        for first in range(0, per_rank, settings.sample_batch_size):  # data.sample_batch_size rows per forward
+            chunk = slice(first, first + settings.sample_batch_size)
+            pieces.append(
+                sample(
+                    self.policy,
+                    prompts[chunk],
+                    mine[chunk],
+                    self.seed,
+                    round_index,
+                    settings.max_new_tokens,
+                    self.seq_len,
+                )
+            )
         self.policy.train(was_training)
         inputs, labels, old_log_probs = (
-            all_gathered(tensor, replicas, self.context.device)
-            for tensor in (drawn.tokens, drawn.labels, drawn.old_log_probs)
+            all_gathered(torch.cat([getattr(piece, name) for piece in pieces]), replicas, self.context.device)
+            for name in ("tokens", "labels", "old_log_probs")
         )
         return self.scored(round_index, inputs, labels, old_log_probs)
 
@@ -305,7 +341,7 @@ class Rollouts:
         group_ids = torch.arange(self.rollout) // self.settings.group_size
         rewards = torch.tensor(
             [
-                reward(self.prompts[asked[int(g)]], completion_text(row))
+                checked_reward(reward, self.prompts[asked[int(g)]], completion_text(row))
                 for g, row in zip(group_ids, labels, strict=True)
             ],
             dtype=torch.float64,
@@ -363,7 +399,7 @@ class Rollouts:
         rows = torch.arange(len(prompts))
         drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.max_new_tokens, self.seq_len, greedy=True)
         self.policy.train(was_training)
-        return sum(reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
+        return sum(checked_reward(reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
 
 
 def round_line(step: int, fields: dict) -> str:
@@ -446,6 +482,11 @@ def check_rollout_config(config) -> None:
     prompts, epochs = settings.prompts_per_round, settings.ppo_epochs
     if config.model.objective != "clipped-surrogate":
         raise ValueError('data.source="arithmetic-rollouts" trains with model.objective="clipped-surrogate"')
+    if settings.group_size < 2:
+        raise ValueError(
+            "data.group_size=1: every advantage is its reward minus its group's mean, 0 in a group of one, so GRPO "
+            "would learn nothing; set data.group_size=2 or more"
+        )
     if batch.global_batch_size != settings.mini_batch_size:
         raise ValueError(
             f"batch.global_batch_size={batch.global_batch_size} must equal data.mini_batch_size="
@@ -456,6 +497,24 @@ def check_rollout_config(config) -> None:
         round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
     except SizeError as error:
         raise ValueError(f"data.mini_batch_size: {error}") from None
+    problems = settings.max_operand**2
+    kept_out = -(-problems // 10)  # every tenth problem
+    if settings.held_out > kept_out:
+        raise ValueError(
+            f"data.held_out={settings.held_out}: only every tenth of the {problems:,} problems below "
+            f"data.max_operand={settings.max_operand} is held out, {kept_out:,} of them; set data.held_out={kept_out} "
+            "or less, or raise data.max_operand"
+        )
+    rollout = prompts * settings.group_size
+    round_bytes = rollout * config.data.seq_len * ROUND_BYTES_PER_POSITION
+    memory_bytes, where = memory_limit_bytes()
+    if round_bytes > memory_bytes:
+        raise ValueError(
+            f"data.prompts_per_round={prompts}: a round of {rollout:,} trajectories ({prompts} prompts x group "
+            f"{settings.group_size}) of {config.data.seq_len} positions is held whole on every rank, at least "
+            f"{round_bytes / 2**30:,.1f} GiB, more than the {memory_bytes / 2**30:,.1f} GiB of {where}; lower "
+            "data.prompts_per_round"
+        )
     if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
         raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
     longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")

@@ -9,12 +9,15 @@ the same token.
 """
 
 import json
+import math
+import numbers
 import re
 from dataclasses import dataclass
 
 import torch
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.data.rows import DataError
 from accumulation.data.uniforms import step_uniforms
 
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
@@ -53,6 +56,30 @@ def reward(prompt: str, completion: str) -> float:
     """1 when the completion's last number (after any working, 'a * 40 + ... = 1234') is the true result, else 0."""
     numbers = re.findall(r"-?\d+", completion)
     return float(bool(numbers) and int(numbers[-1]) == answer(prompt))
+
+
+def checked_reward(reward_fn, prompt: str, completion: str) -> float:
+    """reward_fn(prompt, completion) as a float, or a DataError naming the prompt and the completion when the
+    function raises or returns anything but a finite number: a NaN or inf reward would make every advantage of its
+    group non-finite, and the run would skip every update for a "non-finite gradient" without naming the reward."""
+    name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', repr(reward_fn))}"
+    where = f"on prompt {prompt!r} and completion {completion!r}"
+    try:
+        value = reward_fn(prompt, completion)
+    except Exception as error:  # the fork's function, whatever it raises: one line that names the input
+        raise DataError(
+            f"the reward function {name} raised {type(error).__name__}: {error} {where}; fix the function"
+        ) from error
+    if not isinstance(value, numbers.Real):
+        raise DataError(
+            f"the reward function {name} returned {value!r} ({type(value).__name__}) {where}; it must return a float"
+        )
+    if not math.isfinite(value):
+        raise DataError(
+            f"the reward function {name} returned {value} {where}; it must return a finite float (a non-finite "
+            "reward makes its group's advantages, and every gradient, non-finite)"
+        )
+    return float(value)
 
 
 def round_prompts(seed: int, round_index: int, prompts: int, pool: int) -> list[int]:
