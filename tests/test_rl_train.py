@@ -14,7 +14,7 @@ import train
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
-from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
+from accumulation.rl.on_policy import POLICY_LOSS, Rollouts, RolloutSettings, Round, clipped_surrogate_sum
 from accumulation.rl.rollout import addition_problems
 from accumulation.run.batches import StepBatches
 from accumulation.run.checkpoint import save_checkpoint
@@ -111,10 +111,10 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_prompt_and_c
     assert message in error and "and completion '" in error and error.count("\n") == 1, error
 
 
-def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int) -> list[dict]:
+def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:
     """train.py run to each of `stops` in turn (each session resuming the last), on `ranks` ranks; its metrics."""
     for stop in stops:
-        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}")
+        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}", *overrides)
         if ranks == 1:
             assert train.main(argv) == 0
         else:
@@ -160,6 +160,37 @@ def test_stopped_mid_round_and_at_a_round_boundary_the_resumed_run_is_the_uninte
     assert last["approx_kl"] >= 0
     held_out = [line["held_out_reward"] for line in lines if "held_out_reward" in line]
     assert len(held_out) == 3 and all(0.0 <= value <= 1.0 for value in held_out)  # steps 4, 8, 12: eval_every
+
+
+# Every objective setting at once, as a run would set them: GSPO's ratio with an asymmetric clip, a k3 KL penalty to
+# the frozen reference policy (the policy at the end of SFT), an entropy bonus, verl's token-sum.
+OBJECTIVE_OVERRIDES = [
+    'data.importance_level="sequence"',
+    "data.clip_ratio=0.1",
+    "data.clip_ratio_high=0.15",
+    "data.kl_coef=0.05",
+    "data.entropy_coef=0.01",
+    'data.loss_aggregation="token-sum"',
+]
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_objective_settings_train_log_and_resume_bit_for_bit_with_their_reference_policy(
+    tmp_path, monkeypatch, capsys, ranks
+):
+    """The KL penalty's reference policy is saved with the run: a run stopped in round 0 (step 9) and at round 2's
+    start (step 12) and resumed ends with the uninterrupted run's bits and metrics."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    lines = run_in_sessions(tmp_path, "whole", [14], ranks, *OBJECTIVE_OVERRIDES)
+    run_in_sessions(tmp_path, "sessions", [9, 12, 14], ranks, *OBJECTIVE_OVERRIDES)
+    assert_same_run(tmp_path, "sessions", "whole")
+    grpo = lines[8:]
+    assert all(line["normaliser_unit"] == "none (a sum)" and line["normaliser"] == 1.0 for line in grpo)
+    assert all(line["entropy"] > 0 and line["kl_ref"] >= 0 for line in grpo)  # k3 is non-negative
+    # round 0 samples from the reference itself: its KL is 0 but for the rounding of two forwards
+    assert grpo[0]["kl_ref"] < 1e-6 < grpo[-1]["kl_ref"]
+    payload = torch.load(tmp_path / "whole" / "checkpoints" / "latest.pt", weights_only=True)
+    assert set(payload["data"]["rollouts"]["reference"]) == set(payload["model"])
 
 
 def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_path, monkeypatch, capsys):
@@ -292,20 +323,29 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
     drawn = step_rows(model)
     group_ids = torch.arange(12) // 4  # trajectory j answers prompt j // group_size
     advantages = group_relative_advantages(torch.linspace(0.0, 1.0, 12, dtype=torch.float64) ** 2, group_ids)
-    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids)
+    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids, drawn.ref_log_probs)
     errors = {}
-    for mode in MODES:
+    for mode, objective_settings in [(mode, {}) for mode in MODES] + [("token-sum", TRAIN_SETTINGS)]:
         settings = RolloutSettings(
-            mini_batch_size=12, prompts_per_round=3, group_size=4, sft_steps=0, loss_aggregation=mode
+            mini_batch_size=12,
+            prompts_per_round=3,
+            group_size=4,
+            sft_steps=0,
+            loss_aggregation=mode,
+            norm_constant=CONSTANT,
+            **objective_settings,
         )
         rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
-        rollouts.normaliser_constant = CONSTANT
-        rollouts.round = Round(0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages)
+        ref_log_probs = rows.ref_log_probs if settings.kl_coef else None
+        rollouts.round = Round(
+            0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages, ref_log_probs
+        )
         config = SimpleNamespace(
             run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
         )
         context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
-        reference = reference_gradient(model, mode, rows, CONSTANT, 0.2)
+        reference = reference_gradient(model, rows, settings.objective())
+        POLICY_LOSS.objective = settings.objective()  # as bind_policy sets it
         for m in micro_batch_sizes:
             micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
             before = [p.detach().clone() for p in model.parameters()]
@@ -318,15 +358,21 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
                 update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
                 for p, old in zip(model.parameters(), before, strict=True):
                     p.copy_(old)
-            errors[(mode, m)] = (relative_error(update, reference), counts.unit)
+            errors[(mode, bool(objective_settings), m)] = (relative_error(update, reference), counts.unit)
     return errors
+
+
+# Every objective setting at once through train.py's path: asymmetric clip, GSPO, KL (k1), entropy bonus.
+TRAIN_SETTINGS = dict(
+    clip_ratio=0.03, clip_ratio_high=0.04, importance_level="sequence", kl_coef=0.1, kl_estimator="k1", entropy_coef=0.1
+)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_every_aggregation_through_train_pys_path_is_the_objectives_gradient(ranks):
     splits = [1, 2, 3, 4, 6, 12] if ranks == 1 else [2, 3, 6]
     per_rank = [loop_update_errors(0, 1, splits)] if ranks == 1 else run_on_ranks(loop_update_errors, 2, (splits,))
-    for (mode, m), (error, unit) in per_rank[0].items():
+    for (mode, _, m), (error, unit) in per_rank[0].items():
         # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
         assert error <= RELATIVE_TOLERANCE, (mode, m, error)
         assert unit == NORMALISER_UNITS[mode]

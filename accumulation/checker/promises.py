@@ -124,15 +124,19 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
     inner = supervised[(supervised[:, 1] > 0) & (supervised[:, 1] < labels.shape[1] - 1)]
     if len(inner) == 0:
         return NotApplicable("no supervised label between a row's first and last position")
-    # A row whose loss has no gradient shows no pairing (a surrogate's row of advantage 0 reads its outputs with
-    # weight 0): the label is one of a row whose loss has a gradient, where there is such a row.
+    # A label whose loss has no gradient shows no pairing (a surrogate's row of advantage 0 reads its outputs with
+    # weight 0, and so does a token where an off-policy ratio is clipped): the label is the first, from the middle
+    # of a row whose loss has a gradient, whose own loss has one, where there is such a label.
     rows_with_gradient = gradient_per_position(loss_sum_fn, outputs, labels, keywords).sum(dim=1) > 0
     if rows_with_gradient[inner[:, 0]].any():
         inner = inner[rows_with_gradient[inner[:, 0]]]
-    row, position = inner[len(inner) // 2].tolist()
-    one_label = torch.full_like(labels, IGNORE_INDEX)
-    one_label[row, position] = labels[row, position]
-    read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+    for candidate in torch.cat([inner[len(inner) // 2 :], inner[: len(inner) // 2]]).tolist():
+        row, position = candidate
+        one_label = torch.full_like(labels, IGNORE_INDEX)
+        one_label[row, position] = labels[row, position]
+        read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+        if read_per_position.any():
+            break
     if read_per_position[position] > 0:
         return None
     read = read_per_position.nonzero().flatten().tolist()

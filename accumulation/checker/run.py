@@ -336,6 +336,8 @@ def compare_on_main(
     checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
     if gradient_error <= allowed:
         checks["gradient"] = None
+    elif reference.loss_alone is not None:  # a declared objective that the configured loss does not compute
+        checks["gradient"] = reference.loss_alone
     elif baseline_error <= allowed:
         checks["gradient"] = (
             f"the accumulated gradient is off by more than {allowed:.1e}, the same step at {at_once} is within "
@@ -358,6 +360,9 @@ def compare_on_main(
         f"the {config.precision.dtype} tolerance against float64 being {tolerance:g}; "
         "largest |loop - reference| / largest |reference|)",
     }
+    if reference.ratio_figure is not None:  # an off-policy GRPO step: where the importance ratio's clip binds
+        checks["importance ratio"] = None if reference.clipped_tokens else NotApplicable("the clip binds on no token")
+        figures["importance ratio"] = reference.ratio_figure
     return report(checks, notes, figures)
 
 

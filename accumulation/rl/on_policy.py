@@ -25,6 +25,7 @@ row id i is trajectory p·G + i of its round (p: the step's place in its epoch o
 row id i a training problem drawn by step_uniforms(seed, k, i).
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,16 @@ from accumulation.data.rows import DataError, RawExample
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    LOG_SUMS,
     NORMALISER_UNITS,
     PolicyLoss,
+    PolicyObjective,
     aggregation,
     completion_lengths,
     group_relative_advantages,
+    target_log_probs,
 )
 from accumulation.rl.rollout import addition_problems, checked_reward, reward, round_prompts, sample
 from accumulation.rl.sizes import SizeError, round_sizes
@@ -98,21 +104,59 @@ class RolloutSettings:
         0.0, "C of seq-mean-token-sum-norm (Dr. GRPO); 0 = data.max_new_tokens", "tokens", at_least=0
     )
     scale_advantages: bool = setting(True, "divide advantages by their group's standard deviation (false: Dr. GRPO)")
-    clip_ratio: float = setting(0.2, "PPO's clip range ε", above=0, below=1)
+    clip_ratio: float = setting(0.2, "PPO's clip range ε (ε_low when data.clip_ratio_high is set)", above=0, below=1)
+    clip_ratio_high: float = setting(
+        0.0,
+        "ε_high of an asymmetric clip (DAPO's clip-higher): the ratio's upper bound 1 + ε_high; 0 = data.clip_ratio",
+        at_least=0,
+    )
+    importance_level: str = setting(
+        "token", "the importance ratio per token (GRPO) or per sequence (GSPO)", choices=IMPORTANCE_LEVELS
+    )
+    kl_coef: float = setting(
+        0.0, "β of a KL penalty to the frozen reference policy (the policy at the end of SFT); 0 = none", at_least=0
+    )
+    kl_estimator: str = setting(
+        "k3", "the KL penalty's estimator: k1 (log-ratio) or k3 (Schulman's)", choices=KL_ESTIMATORS
+    )
+    entropy_coef: float = setting(0.0, "coefficient of an entropy bonus (the entropy is logged whatever)", at_least=0)
+
+    def objective(self) -> PolicyObjective:
+        """The objective these settings declare (objectives.PolicyObjective)."""
+        return PolicyObjective(
+            aggregation=self.loss_aggregation,
+            constant=self.norm_constant or float(self.max_new_tokens),
+            clip_low=self.clip_ratio,
+            clip_high=self.clip_ratio_high or self.clip_ratio,
+            level=self.importance_level,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+        )
 
 
-# The policy loss of this process: its clip range is the run's data.clip_ratio (set by bind_policy), and it keeps
-# each micro-batch's clip and KL sums for the step's log line.
+# The policy loss of this process: its objective is the run's (set by bind_policy), and it keeps each micro-batch's
+# sums for the step's log line (objectives.LOG_SUMS).
 POLICY_LOSS = PolicyLoss()
 
 
-def clipped_surrogate_sum(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None) -> torch.Tensor:
-    """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities and row
-    weights, and get the clipped surrogate Σ_i w_i Σ_t ℓ_it (objectives.PolicyLoss); an SFT step's rows and the
-    validation rows carry none, and get the token cross-entropy sum."""
+def clipped_surrogate_sum(
+    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None
+) -> torch.Tensor:
+    """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities, row
+    weights (and reference log-probabilities under a KL penalty), and get the objective Σ_i w_i Σ_t ℓ_it
+    (objectives.PolicyLoss); an SFT step's rows and the validation rows carry none, and get the token cross-entropy
+    sum."""
     if advantages is None:
         return token_cross_entropy_sum(outputs, labels)
-    return POLICY_LOSS(outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights)
+    return POLICY_LOSS(
+        outputs,
+        labels,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        row_weights=row_weights,
+        ref_log_probs=ref_log_probs,
+    )
 
 
 def answer_rows(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,6 +214,7 @@ class Round:
     old_log_probs: torch.Tensor  # float32: log π_old of each label at sampling time
     rewards: torch.Tensor  # float64 [rollout]
     advantages: torch.Tensor  # float64 [rollout]
+    ref_log_probs: torch.Tensor | None = None  # float32: log π_ref of each label, under a KL penalty
 
 
 class Rollouts:
@@ -183,8 +228,9 @@ class Rollouts:
         self.rollout = settings.prompts_per_round * settings.group_size
         self.steps_per_round = self.rollout * settings.ppo_epochs // global_batch_size
         self.policy, self.context, self.round = None, None, None
+        self.reference = None  # the frozen reference policy of a KL penalty: the policy as round 0 samples
         self.completion_tokens = 0  # sampled in every round so far
-        self.normaliser_constant = settings.norm_constant or float(settings.max_new_tokens)
+        self.declared = settings.objective()
 
     @property
     def num_rows(self) -> int:
@@ -225,6 +271,8 @@ class Rollouts:
             "old_log_probs": rollout.old_log_probs[rows],
             "row_weights": self.step_aggregation(step).row_weights[rows % self.global_batch],
         }
+        if rollout.ref_log_probs is not None:
+            extras["ref_log_probs"] = rollout.ref_log_probs[rows]
         return rollout.inputs[rows], rollout.labels[rows], extras
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -245,14 +293,17 @@ class Rollouts:
             "old_log_probs": rollout.old_log_probs[trajectory],
             "group": trajectory // self.settings.group_size,
         }
+        if rollout.ref_log_probs is not None:
+            example.extras["ref_log_probs"] = rollout.ref_log_probs[trajectory]
         return example
 
-    def objective(self, step: int) -> tuple[str, float] | None:
-        """(the loss aggregation of GRPO step `step`, Dr. GRPO's C): its objective's definition, which the
-        equivalence checker computes over the raw examples; None for an SFT step (the mean over targets)."""
+    def objective(self, step: int) -> PolicyObjective | None:
+        """The objective GRPO step `step` declares (its aggregation, C, clip, ratio level, KL and entropy terms),
+        which the equivalence checker computes from its definition over the raw examples; None for an SFT step
+        (the mean over targets)."""
         if self.place(step) is None:
             return None
-        return self.settings.loss_aggregation, self.normaliser_constant
+        return self.declared
 
     def step_aggregation(self, step: int):
         """The row weights (over the step's G trajectories, in order) and N of a GRPO step: a function of the
@@ -260,7 +311,7 @@ class Rollouts:
         rollout, rows = self.trajectories(torch.arange(self.global_batch), step)
         group_ids = rows // self.settings.group_size
         lengths = completion_lengths(rollout.labels[rows])
-        return aggregation(self.settings.loss_aggregation, lengths, group_ids, self.normaliser_constant)
+        return aggregation(self.declared.aggregation, lengths, group_ids, self.declared.constant)
 
     def normaliser(self, row_ids: torch.Tensor, step: int) -> tuple[float, str]:
         """N of step `step` (whose rows are `row_ids`, all ranks') and its unit: the supervised targets of an SFT
@@ -275,13 +326,24 @@ class Rollouts:
         """train.py (or the checker), once the model is built: the policy the rounds sample from, the ranks, and a
         resume's round."""
         self.policy, self.context = model, context
-        POLICY_LOSS.clip_ratio = self.settings.clip_ratio
+        POLICY_LOSS.objective = self.declared
         POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left
         state = (resume or {}).get("data", {}).get("rollouts")
-        if state:
+        if state and "reference" in state:
+            self.reference = self.frozen_copy(model)
+            self.reference.load_state_dict(state["reference"])
+        if state and "round" in state:
             self.completion_tokens = state["completion_tokens"]
-            self.round = self.scored(state["round"], state["inputs"], state["labels"], state["old_log_probs"])
+            self.round = self.scored(
+                state["round"], state["inputs"], state["labels"], state["old_log_probs"], state.get("ref_log_probs")
+            )
         place = self.place(resume["counters"]["steps"]) if resume is not None else None
+        if place is not None and self.declared.kl_coef and self.reference is None and place != (0, 0):
+            raise DataError(
+                f"the checkpoint at step {resume['counters']['steps']} holds no reference policy for "
+                f"data.kl_coef={self.declared.kl_coef:g}, which its weights cannot rebuild; resume from another "
+                "checkpoint or start afresh"
+            )
         if place is not None and place[1] > 0 and (self.round is None or self.round.index != place[0]):
             raise DataError(
                 f"the checkpoint at step {resume['counters']['steps']} is in the middle of GRPO round {place[0]} but "
@@ -292,8 +354,7 @@ class Rollouts:
                 f"grpo: rollout {self.rollout} = {self.settings.prompts_per_round} prompts x group "
                 f"{self.settings.group_size} per round; mini-batch {self.global_batch} trajectories per optimizer step "
                 f"(all ranks); {self.steps_per_round} optimizer steps per round after {self.settings.sft_steps} SFT "
-                f"steps; loss {self.settings.loss_aggregation}, N in "
-                f"{NORMALISER_UNITS[self.settings.loss_aggregation]}"
+                f"steps; objective {self.declared.describe()}, N in {NORMALISER_UNITS[self.declared.aggregation]}"
             )
 
     def round_of(self, round_index: int) -> Round:
@@ -301,6 +362,9 @@ class Rollouts:
             return self.round
         if self.policy is None:
             raise DataError("the GRPO rollouts are sampled from the model being trained: bind_policy() first")
+        if self.declared.kl_coef and self.reference is None:  # round 0: the policy GRPO starts from, kept frozen
+            self.reference = self.frozen_copy(self.policy)
+            self.reference.load_state_dict(self.policy.state_dict())
         self.round = self.sample_round(round_index)
         self.completion_tokens += int(completion_lengths(self.round.labels).sum())
         return self.round
@@ -333,9 +397,37 @@ class Rollouts:
             all_gathered(torch.cat([getattr(piece, name) for piece in pieces]), replicas, self.context.device)
             for name in ("tokens", "labels", "old_log_probs")
         )
-        return self.scored(round_index, inputs, labels, old_log_probs)
+        ref_log_probs = None
+        if self.reference is not None:  # log π_ref of the round's tokens: this rank's share, then the exchange
+            mine_tokens, mine_labels = (
+                torch.cat([getattr(piece, name) for piece in pieces]) for name in ("tokens", "labels")
+            )
+            ref_log_probs = all_gathered(
+                self.reference_log_probs(mine_tokens, mine_labels), replicas, self.context.device
+            )
+        return self.scored(round_index, inputs, labels, old_log_probs, ref_log_probs)
 
-    def scored(self, round_index: int, inputs, labels, old_log_probs) -> Round:
+    @staticmethod
+    def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of `model` that never trains: the KL penalty's reference policy."""
+        reference = copy.deepcopy(model).eval()
+        for parameter in reference.parameters():
+            parameter.requires_grad_(False)
+        return reference
+
+    @torch.no_grad()
+    def reference_log_probs(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log π_ref(label) at every position of these rows (0 off the completion), float32, in forwards of
+        data.sample_batch_size rows."""
+        device = next(self.reference.parameters()).device
+        pieces = []
+        for first in range(0, tokens.shape[0], self.settings.sample_batch_size):
+            chunk = slice(first, first + self.settings.sample_batch_size)
+            logits = self.reference(tokens[chunk].to(device))
+            pieces.append(target_log_probs(logits, labels[chunk].to(device)).float().cpu())
+        return torch.cat(pieces)
+
+    def scored(self, round_index: int, inputs, labels, old_log_probs, ref_log_probs=None) -> Round:
         """The round with its rewards (computed from each completion, on every rank) and advantages."""
         asked = round_prompts(self.seed, round_index, self.settings.prompts_per_round, len(self.prompts))
         group_ids = torch.arange(self.rollout) // self.settings.group_size
@@ -347,21 +439,25 @@ class Rollouts:
             dtype=torch.float64,
         )
         advantages = group_relative_advantages(rewards, group_ids, self.settings.scale_advantages)
-        return Round(round_index, inputs, labels, old_log_probs, rewards, advantages)
+        return Round(round_index, inputs, labels, old_log_probs, rewards, advantages, ref_log_probs)
 
     # -------------------------------------------------------------- the checkpoint's part, and the logs
     def state_dict(self) -> dict:
         """What a resume cannot redraw: the round in progress, sampled from weights the checkpoint no longer
         holds, and the completion tokens sampled so far. The rewards and advantages follow from them."""
+        state = {} if self.reference is None else {"reference": self.reference.state_dict()}
         if self.round is None:
-            return {}
-        return {
+            return state
+        state |= {
             "round": self.round.index,
             "inputs": self.round.inputs,
             "labels": self.round.labels,
             "old_log_probs": self.round.old_log_probs,
             "completion_tokens": self.completion_tokens,
         }
+        if self.round.ref_log_probs is not None:
+            state["ref_log_probs"] = self.round.ref_log_probs
+        return state
 
     def step_fields(self, step: int, eval_every: int) -> dict:
         """The metrics of the step just taken (`step` steps done), in RL's units, for its metrics.jsonl line; rank 0
@@ -369,7 +465,8 @@ class Rollouts:
         fields = {"phase": "sft" if self.place(step - 1) is None else "grpo"}
         if fields["phase"] == "grpo":
             round_index, in_round = self.place(step - 1)
-            clipped, kl_sum, tokens = all_reduced(POLICY_LOSS.take_sums(), self.context.device).tolist()
+            sums = dict(zip(LOG_SUMS, all_reduced(POLICY_LOSS.take_sums(), self.context.device).tolist(), strict=True))
+            tokens = max(sums["tokens"], 1.0)
             normaliser = self.step_aggregation(step - 1)
             fields |= {
                 "rounds": round_index + 1,
@@ -378,11 +475,14 @@ class Rollouts:
                 "trajectories": (round_index + 1) * self.rollout,
                 "completion_tokens": self.completion_tokens,
                 "mean_reward": float(self.round.rewards.mean()),
-                "clip_fraction": clipped / max(tokens, 1.0),
-                "approx_kl": kl_sum / max(tokens, 1.0),
+                "clip_fraction": sums["clipped"] / tokens,
+                "approx_kl": sums["approx_kl"] / tokens,
+                "entropy": sums["entropy"] / tokens,
                 "normaliser": normaliser.normaliser,
                 "normaliser_unit": normaliser.unit,
             }
+            if self.declared.kl_coef:
+                fields["kl_ref"] = sums["kl_ref"] / tokens
         if eval_every > 0 and step % eval_every == 0 and self.context.is_main:
             fields["held_out_reward"] = self.held_out_reward()
         round_ends = fields.get("step_in_round") == self.steps_per_round
@@ -409,7 +509,7 @@ def round_line(step: int, fields: dict) -> str:
         return f"step {step}: sft{held_out}"
     return (
         f"step {step}: round {fields['rounds']} | mean reward {fields['mean_reward']:.3f}{held_out} | "
-        f"clip {fields['clip_fraction']:.3f} | kl {fields['approx_kl']:.2e} | "
+        f"clip {fields['clip_fraction']:.3f} | kl {fields['approx_kl']:.2e} | entropy {fields['entropy']:.3f} | "
         f"{fields['optimizer_steps_per_round']} optimizer steps per round, {fields['trajectories']:,} trajectories, "
         f"{fields['completion_tokens']:,} completion tokens"
     )
