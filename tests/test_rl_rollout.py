@@ -5,7 +5,8 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.rl.rollout import answer, read_prompts, reward, round_prompts, sample
+from accumulation.rl.rollout import round_prompts, sample
+from accumulation.rl.task import answer, read_prompts, reward
 
 PROMPTS = ["Q: 12 + 30 =", "Q: 7 * 6 =", "Q: 50 - 8 =", "Q: 365 * 5 ="]
 

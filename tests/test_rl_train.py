@@ -15,7 +15,7 @@ from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
 from accumulation.rl.on_policy import POLICY_LOSS, Rollouts, RolloutSettings, Round, clipped_surrogate_sum
-from accumulation.rl.rollout import addition_problems
+from accumulation.rl.task import addition_problems
 from accumulation.run.batches import StepBatches
 from accumulation.run.checkpoint import save_checkpoint
 from accumulation.step import optimizer_step

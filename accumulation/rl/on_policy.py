@@ -51,13 +51,11 @@ from accumulation.rl.objectives import (
     group_relative_advantages,
     target_log_probs,
 )
-from accumulation.rl.rollout import addition_problems, checked_reward, reward, round_prompts, sample
+from accumulation.rl.rollout import round_prompts, sample
 from accumulation.rl.sizes import SizeError, round_sizes
+from accumulation.rl.task import MAX_OPERAND, AnswerRows, checked_reward, raw_row, reward, split_problems
 from accumulation.step import token_cross_entropy_sum
 
-# Every problem of "Q: a + b =" for a, b < max_operand is built in memory, about 205 bytes each with its answer row:
-# 300 makes 90,000 of them, built in about 2 s; a larger task belongs in a file.
-MAX_OPERAND = 300
 # A round's rollout is held whole on every rank: tokens and labels (int64) and old log-probabilities (float32) per
 # position, twice during the all-gather that assembles it.
 ROUND_BYTES_PER_POSITION = 2 * (8 + 8 + 4)
@@ -157,51 +155,6 @@ def clipped_surrogate_sum(
         row_weights=row_weights,
         ref_log_probs=ref_log_probs,
     )
-
-
-def answer_rows(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """inputs [rows, seq_len] (prompt and answer bytes, then zeros) and labels supervising the answer's bytes."""
-    tokens = torch.zeros(len(pairs), seq_len + 1, dtype=torch.int64)
-    for i, (prompt, response) in enumerate(pairs):
-        text = (prompt + response).encode()
-        tokens[i, : len(text)] = torch.tensor(list(text))
-    labels = tokens[:, 1:].clone()
-    for i, (prompt, response) in enumerate(pairs):
-        prompt_bytes, text_bytes = len(prompt.encode()), len((prompt + response).encode())
-        labels[i, : prompt_bytes - 1] = IGNORE_INDEX  # position j predicts byte j + 1: the answer's bytes only
-        labels[i, text_bytes - 1 :] = IGNORE_INDEX
-    return tokens[:, :-1], labels
-
-
-def raw_row(inputs: torch.Tensor, labels: torch.Tensor) -> RawExample:
-    supervised = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
-    last = max([*supervised, int(inputs.nonzero().max()) if inputs.any() else 0]) + 1
-    return RawExample(inputs[:last].tolist(), {j: int(labels[j]) for j in supervised})
-
-
-class AnswerRows:
-    """Problems with their reference answers, one row each: the SFT steps' rows, and validation's (the step is
-    ignored)."""
-
-    def __init__(self, pairs: list[tuple[str, str]], seq_len: int):
-        self.inputs, self.labels = answer_rows(pairs, seq_len)
-
-    @property
-    def num_rows(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.inputs.shape[1]
-
-    def examples(self, row_ids: torch.Tensor, step: int):
-        return self.inputs[row_ids], self.labels[row_ids]
-
-    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
-        return (self.labels[row_ids] != IGNORE_INDEX).sum(dim=1)
-
-    def raw_example(self, row_id: int, step: int) -> RawExample:
-        return raw_row(self.inputs[row_id], self.labels[row_id])
 
 
 @dataclass
@@ -543,18 +496,9 @@ def all_reduced(sums: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the registered pieces
-def split_problems(settings: RolloutSettings) -> tuple[list, list]:
-    """(prompt, answer) pairs for training and for validation: every tenth problem, up to data.held_out, is held
-    out of both SFT and GRPO."""
-    problems = addition_problems(settings.max_operand)
-    held_out = problems[::10][: settings.held_out]
-    kept = set(held_out)
-    return [pair for pair in problems if pair not in kept], held_out
-
-
 def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     settings = data_config.own
-    training, held_out = split_problems(settings)
+    training, held_out = split_problems(settings.max_operand, settings.held_out)
     train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
     val = AnswerRows(held_out, data_config.seq_len)
     answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()

@@ -1,5 +1,5 @@
-"""Rollouts on a verifiable task: arithmetic prompts, completions sampled from the policy with randomness that is
-a pure function of (seed, round, row), and rewards computed by a function.
+"""Rollouts: a round's prompts and the completions sampled from the policy, with randomness that is a pure function
+of (seed, round, row); the task they answer and its reward are task.py's.
 
 Sampling draws every random number from step_uniforms(seed, round, row ids, ...), never from a global
 generator: trajectory r of round k gets the same uniforms on any rank, in any batch, and after any restart,
@@ -8,78 +8,16 @@ the cumulative distribution of the policy's softmax, in float64, at the uniform:
 the same token.
 """
 
-import json
-import math
-import numbers
-import re
 from dataclasses import dataclass
 
 import torch
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data.rows import DataError
 from accumulation.data.uniforms import step_uniforms
 
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
 PROMPT_STREAM, SAMPLING_STREAM = 11, 12
 END_OF_ANSWER = ord("\n")  # a completion ends at its first newline (or at the token budget)
-PROBLEM = re.compile(r"Q: (-?\d+) ([-+*]) (-?\d+) =")
-
-
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a {"prompt", "response"} JSONL file whose prompts read 'Q: a op b =' (op one of + - *).
-    The responses are not read here: the reward is computed from the prompt."""
-    prompts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            prompt = json.loads(line)["prompt"]
-            if PROBLEM.fullmatch(prompt) is None:
-                raise ValueError(f"{path}:{number}: prompt {prompt!r} is not of the form 'Q: a op b ='")
-            prompts.append(prompt)
-    return prompts
-
-
-def addition_problems(max_operand: int) -> list[tuple[str, str]]:
-    """Every 'Q: a + b =' with 0 <= a, b < max_operand, with its answer as the response (' 57\\n'), in a fixed
-    order: the same problems, in the same format, as data/sft_arithmetic.jsonl's, small enough to learn on a CPU."""
-    return [(f"Q: {a} + {b} =", f" {a + b}\n") for a in range(max_operand) for b in range(max_operand)]
-
-
-def answer(prompt: str) -> int:
-    """The true result of 'Q: a op b ='."""
-    left, operator, right = PROBLEM.fullmatch(prompt).groups()
-    a, b = int(left), int(right)
-    return a + b if operator == "+" else a - b if operator == "-" else a * b
-
-
-def reward(prompt: str, completion: str) -> float:
-    """1 when the completion's last number (after any working, 'a * 40 + ... = 1234') is the true result, else 0."""
-    numbers = re.findall(r"-?\d+", completion)
-    return float(bool(numbers) and int(numbers[-1]) == answer(prompt))
-
-
-def checked_reward(reward_fn, prompt: str, completion: str) -> float:
-    """reward_fn(prompt, completion) as a float, or a DataError naming the prompt and the completion when the
-    function raises or returns anything but a finite number: a NaN or inf reward would make every advantage of its
-    group non-finite, and the run would skip every update for a "non-finite gradient" without naming the reward."""
-    name = f"{getattr(reward_fn, '__module__', '?')}:{getattr(reward_fn, '__qualname__', repr(reward_fn))}"
-    where = f"on prompt {prompt!r} and completion {completion!r}"
-    try:
-        value = reward_fn(prompt, completion)
-    except Exception as error:  # the fork's function, whatever it raises: one line that names the input
-        raise DataError(
-            f"the reward function {name} raised {type(error).__name__}: {error} {where}; fix the function"
-        ) from error
-    if not isinstance(value, numbers.Real):
-        raise DataError(
-            f"the reward function {name} returned {value!r} ({type(value).__name__}) {where}; it must return a float"
-        )
-    if not math.isfinite(value):
-        raise DataError(
-            f"the reward function {name} returned {value} {where}; it must return a finite float (a non-finite "
-            "reward makes its group's advantages, and every gradient, non-finite)"
-        )
-    return float(value)
 
 
 def round_prompts(seed: int, round_index: int, prompts: int, pool: int) -> list[int]:

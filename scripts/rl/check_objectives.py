@@ -40,8 +40,9 @@ from accumulation.rl.objective_check import (
     offset_policy,
 )
 from accumulation.rl.objectives import completion_lengths, group_relative_advantages
-from accumulation.rl.on_policy import BYTE_VOCABULARY, split_problems
-from accumulation.rl.rollout import reward, round_prompts, sample
+from accumulation.rl.on_policy import BYTE_VOCABULARY
+from accumulation.rl.rollout import round_prompts, sample
+from accumulation.rl.task import reward, split_problems
 
 REWARD_STREAM, LENGTH_STREAM = 14, 15  # step_uniforms streams of the replacement rewards and lengths
 
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
     if inject == "gspo-without-length" and objective.level != "sequence":
         print('error: --inject-bug gspo-without-length needs data.importance_level="sequence"', file=sys.stderr)
         return 2
-    training, _ = split_problems(rl)
+    training, _ = split_problems(rl.max_operand, rl.held_out)
     # One optimizer step's rows, and at least one whole group, so that advantages can differ.
     rows_total = max(rl.mini_batch_size, rl.group_size)
     policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed)
