@@ -15,8 +15,9 @@ import pytest
 from accumulation import checker
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.registry import REGISTERED, lookup
+from accumulation.rl import on_policy
 from accumulation.rl.objective_check import WRONG_LOSSES
-from accumulation.rl.on_policy import POLICY_LOSS, clipped_surrogate_sum
+from accumulation.rl.on_policy import clipped_surrogate_sum
 from testkit.ranks import run_main_on_ranks
 from tests.test_check_equivalence import failing_lines
 
@@ -190,6 +191,7 @@ OBJECTIVE_SETTINGS = {
     "kl-k1": ["data.kl_coef=0.1", 'data.kl_estimator="k1"'],
     "entropy": ["data.entropy_coef=0.1"],
     "token-sum": ['data.loss_aggregation="token-sum"'],
+    "fork": ['data.policy_loss="forks.cispo:CISPO"', 'data.loss_aggregation="token-mean"'],
 }
 
 
@@ -213,12 +215,12 @@ def test_the_objective_settings_pass_on_two_ranks(capsys):
 def test_a_loss_that_is_not_the_declared_objective_fails_naming_the_loss(capsys, monkeypatch, plant, settings):
     """A fork's loss with max in place of min, or GSPO's ratio without its 1/|y|: at ρ = 1 the first equals the
     right surrogate; off-policy both FAIL, and the line names the loss, not accumulation."""
-    planted_loss = WRONG_LOSSES[plant]()
+    planted_loss = WRONG_LOSSES[plant]()  # its objective: the run's, read at each call
 
     def planted(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None):
         if advantages is None:
             return clipped_surrogate_sum(outputs, labels)
-        planted_loss.objective = POLICY_LOSS.objective  # the run's declared objective, as bind_policy set it
+        planted_loss.objective = on_policy.POLICY_LOSS.objective  # the run's declared objective, as bound
         return planted_loss(
             outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights
         )

@@ -28,11 +28,13 @@ from accumulation.rl.objective_check import (
 )
 from accumulation.rl.objectives import (
     NORMALISER_UNITS,
+    PolicyLoss,
     PolicyObjective,
     aggregation,
     completion_lengths,
     group_relative_advantages,
 )
+from forks.cispo import CISPO
 from testkit.ranks import run_on_ranks
 
 MODES = sorted(NORMALISER_UNITS)
@@ -225,3 +227,23 @@ def test_two_ranks_are_exact_and_the_wrong_normalisers_fail_there_too():
         0.1,
     )
     assert "at m=3 A=2 D=2" in verdict.line()
+
+
+class CISPOWithoutStopGradient(CISPO):
+    """A planted fork bug: CISPO's truncated weight left in the graph (no sg), so its gradient adds ∂w/∂θ·A·log π."""
+
+    def policy_terms(self, log_probs, log_ratio, advantage, **extras):
+        cap = 1 + self.objective.clip_high
+        return -log_ratio.exp().clamp(max=cap) * advantage * log_probs, log_ratio.exp() > cap
+
+
+def test_a_forks_objective_is_checked_against_its_own_definition():
+    """forks/cispo.py declares CISPO (its loss and its definition) on the shipped source: its update is exact for every
+    split; the clipped surrogate's loss in its place, or CISPO without its stop-gradient, FAILs naming the loss."""
+    model = tiny_policy()
+    rows = step_rows(model)
+    cispo = objective("token-mean", clip_high=0.2, loss_class=CISPO)
+    assert check_objective(model, rows, SPLITS, cispo).passed
+    for wrong in (PolicyLoss(cispo), CISPOWithoutStopGradient(cispo)):
+        result = check_objective(model, rows, SPLITS, cispo, loss_sum_fn=wrong)
+        assert not result.passed and result.line().endswith("the loss, not accumulation"), result.line()

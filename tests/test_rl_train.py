@@ -12,9 +12,10 @@ import torch
 
 import train
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
+from accumulation.rl import on_policy
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
-from accumulation.rl.on_policy import POLICY_LOSS, Rollouts, RolloutSettings, Round, clipped_surrogate_sum
+from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
 from accumulation.rl.task import addition_problems
 from accumulation.run.batches import StepBatches
 from accumulation.run.checkpoint import save_checkpoint
@@ -68,6 +69,8 @@ def arguments(out_dir, *overrides) -> list[str]:
         (["data.group_size=1", "data.prompts_per_round=8"], "data.group_size=1: every advantage is its reward minus"),
         (["data.held_out=2"], "data.held_out=2: only every tenth of the 9 problems below data.max_operand=3 is held"),
         (["data.max_operand=10000"], "data.max_operand: expected an integer >= 2 and <= 300, got 10000"),
+        (['data.policy_loss="forks.cispo:torch"'], 'data.policy_loss="forks.cispo:torch" is not a subclass of'),
+        (['data.policy_loss="no_such_fork:Loss"'], 'data.policy_loss="no_such_fork:Loss": cannot import no_such_fork'),
         (["data.prompts_per_round=1000000000"], "a round of 4,000,000,000 trajectories (1000000000 prompts x group 4)"),
     ],
 )
@@ -191,6 +194,17 @@ def test_the_objective_settings_train_log_and_resume_bit_for_bit_with_their_refe
     assert grpo[0]["kl_ref"] < 1e-6 < grpo[-1]["kl_ref"]
     payload = torch.load(tmp_path / "whole" / "checkpoints" / "latest.pt", weights_only=True)
     assert set(payload["data"]["rollouts"]["reference"]) == set(payload["model"])
+
+
+def test_a_forks_objective_trains_on_the_shipped_source_and_logs_through_its_hook(tmp_path, monkeypatch, capsys):
+    """forks/cispo.py, named by data.policy_loss: GRPO steps through train.py with its loss, its own logged mean
+    (the truncated importance weight) in every GRPO step's metrics line."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    lines = run_in_sessions(tmp_path, "cispo", [12], 1, 'data.policy_loss="forks.cispo:CISPO"')
+    grpo = lines[8:]
+    assert all(0 < line["importance_weight"] <= 1.2 for line in grpo)  # min(ρ, 1 + ε_high)
+    assert any(line["grad_norm"] > 0 for line in grpo)
+    assert "forks.cispo:CISPO" in capsys.readouterr().out  # the start-up line names the objective
 
 
 def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_path, monkeypatch, capsys):
@@ -345,7 +359,7 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
         )
         context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
         reference = reference_gradient(model, rows, settings.objective())
-        POLICY_LOSS.objective = settings.objective()  # as bind_policy sets it
+        on_policy.POLICY_LOSS = rollouts.loss  # as bind_policy binds it
         for m in micro_batch_sizes:
             micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
             before = [p.detach().clone() for p in model.parameters()]

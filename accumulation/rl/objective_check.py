@@ -23,6 +23,7 @@ from accumulation.rl.objectives import (
     NORMALISER_UNITS,
     PolicyLoss,
     PolicyObjective,
+    RowTerms,
     StepAggregation,
     aggregation,
     completion_lengths,
@@ -86,39 +87,10 @@ def objective_from_definition(
     raise ValueError(f"unknown mode {mode!r}")
 
 
-@dataclass(frozen=True)
-class RowTerms:
-    """What the objective's definition reads of one completion: its tokens' log π and the whole distribution's
-    log π at their positions (float64 where the model is), and the row's recorded sampling data."""
-
-    log_probs: torch.Tensor  # [L]: log π(y_t)
-    distributions: torch.Tensor  # [L, vocab]: log π(·) at each completion position
-    old_log_probs: torch.Tensor  # [L]: log π_old(y_t)
-    advantage: torch.Tensor  # scalar
-    ref_log_probs: torch.Tensor | None  # [L]: log π_ref(y_t), or None
-
-
-def definition_token_losses(objective: PolicyObjective, row: RowTerms) -> tuple[torch.Tensor, torch.Tensor]:
-    """ℓ_t of each completion token of one row, written from PolicyObjective's definition at the level the ratio
-    is defined (the token, or GSPO's whole sequence), and whether the clip binds at each token."""
-    log_ratio = row.log_probs - row.old_log_probs
-    if objective.level == "sequence":
-        # GSPO: s = (Π_t ρ_t)^(1/L), one ratio for the sequence, shared by its L tokens
-        ratio = log_ratio.mean().exp().expand_as(log_ratio)
-    else:
-        ratio = log_ratio.exp()
-    low, high = 1 - objective.clip_low, 1 + objective.clip_high
-    advantage = row.advantage
-    losses = -torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage)
-    clipped = ((ratio > high) & (advantage > 0)) | ((ratio < low) & (advantage < 0))
-    if objective.kl_coef:
-        d = row.ref_log_probs - row.log_probs  # log(π_ref / π) at the sampled token
-        kl = -d if objective.kl_estimator == "k1" else d.exp() - d - 1
-        losses = losses + objective.kl_coef * kl
-    if objective.entropy_coef:
-        entropy = -(row.distributions.exp() * row.distributions).sum(dim=-1)
-        losses = losses - objective.entropy_coef * entropy
-    return losses, clipped
+def definition_token_losses(objective: PolicyObjective, row: RowTerms):
+    """ℓ_t of each completion token of one row from the declared objective's definition (its loss class's
+    `definition`: the clipped surrogate's unless a fork's loss declares its own), and where the clip binds."""
+    return (objective.loss_class or PolicyLoss).definition(objective, row)
 
 
 def row_terms(log_softmax_row: torch.Tensor, labels_row: torch.Tensor, rows: StepRows, i: int) -> RowTerms:
@@ -198,7 +170,7 @@ def accumulated_gradient(
         micro_batches_of_rank(rows, declared, micro_batch, rank, ranks),
         optimizer,
         device=torch.device("cpu"),
-        loss_sum_fn=loss_sum_fn or PolicyLoss(objective),
+        loss_sum_fn=loss_sum_fn or (objective.loss_class or PolicyLoss)(objective),
         global_counts=counts,
     )
     with torch.no_grad():

@@ -68,6 +68,7 @@ class PolicyObjective:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    loss_class: type | None = field(default=None, compare=False)  # the PolicyLoss subclass that defines ℓ; None: this
 
     def describe(self) -> str:
         """The objective in one phrase, for start-up lines and check verdicts."""
@@ -76,6 +77,8 @@ class PolicyObjective:
         )
         ratio = "sequence-level ratio (GSPO)" if self.level == "sequence" else "token ratio"
         parts = [f"{self.aggregation}", ratio, clip]
+        if self.loss_class is not None:
+            parts.insert(0, f"{self.loss_class.__module__}:{self.loss_class.__qualname__}")
         if self.kl_coef:
             parts.append(f"KL {self.kl_estimator} x {self.kl_coef:g}")
         if self.entropy_coef:
@@ -168,35 +171,72 @@ def sequence_log_ratio(log_ratio: torch.Tensor, supervised: torch.Tensor) -> tor
     return log_ratio.sum(dim=1, keepdim=True) / lengths
 
 
-# The sums a training forward keeps for the logs, per micro-batch, in this order.
-LOG_SUMS = ("clipped", "approx_kl", "tokens", "kl_ref", "entropy")
+@dataclass(frozen=True)
+class RowTerms:
+    """What an objective's definition reads of one completion: its tokens' log π and the whole distribution's log π
+    at their positions, and the row's recorded sampling data (1-D over its L completion tokens)."""
+
+    log_probs: torch.Tensor  # [L]: log π(y_t)
+    distributions: torch.Tensor  # [L, vocab]: log π(·) at each completion position
+    old_log_probs: torch.Tensor  # [L]: log π_old(y_t)
+    advantage: torch.Tensor  # scalar
+    ref_log_probs: torch.Tensor | None  # [L]: log π_ref(y_t), or None
+
+
+def penalties_from_definition(objective: PolicyObjective, row: RowTerms) -> torch.Tensor:
+    """β·KL_t − c_H·H_t of each completion token of one row, from the definitions (KL_ESTIMATORS; the entropy
+    −Σ_v π(v) log π(v) at the token's position); 0 where β and c_H are."""
+    penalty = torch.zeros_like(row.log_probs)
+    if objective.kl_coef:
+        d = row.ref_log_probs - row.log_probs  # log(π_ref / π) at the sampled token
+        kl = -d if objective.kl_estimator == "k1" else d.exp() - d - 1
+        penalty = penalty + objective.kl_coef * kl
+    if objective.entropy_coef:
+        entropy = -(row.distributions.exp() * row.distributions).sum(dim=-1)
+        penalty = penalty - objective.entropy_coef * entropy
+    return penalty
 
 
 @dataclass
 class PolicyLoss:
-    """The GRPO-family objective (PolicyObjective) as the step's loss: S = Σ_i w_i Σ_t ℓ_it over a micro-batch's
-    completion tokens, called as loss(outputs, labels, advantages=..., old_log_probs=..., row_weights=...[,
-    ref_log_probs=...]), the per-row tensors arriving from the micro-batch. It also keeps, detached, what the logs
-    report (LOG_SUMS): tokens where the clip binds, Σ_t of the approximate KL to the sampling policy, k3 =
-    (ρ − 1) − log ρ (Schulman's unbiased, non-negative estimator of KL(π_old ‖ π) from tokens sampled by π_old),
-    the tokens, Σ_t of the KL estimate to the reference policy (when β > 0) and Σ_t of the entropy."""
+    """A GRPO-family loss on the step's seam: S = Σ_i w_i Σ_t ℓ_it over a micro-batch's completion tokens, with
+
+        ℓ_it = (the policy term of the loss) + β·KL_it − c_H·H_it          (PolicyObjective's settings)
+
+    called as loss(outputs, labels, row_weights=..., <each name of `reads`>=...), the per-row tensors arriving from
+    the micro-batch. This class is the clipped surrogate (PolicyObjective); a new objective of the family subclasses
+    it and declares, each once:
+
+        reads             the round's per-row fields it takes (Round's attributes), which the rollout source hands
+                          both the loop (examples) and the checker (raw_example)
+        policy_terms      its policy term, vectorised over [rows, seq_len], and where its clip binds
+        policy_definition the same term written from its definition for one row, in float64: the reference the
+                          checks compare the loop's update with
+        logged            the per-token means the run logs (each a key of log_terms), all ranks, every GRPO step
+
+    Diagnostics are kept detached, on the device, until the source takes them (take_sums, after the step)."""
 
     objective: PolicyObjective = field(default_factory=PolicyObjective)
-    pending: list = field(default_factory=list, repr=False)  # per micro-batch LOG_SUMS, on device
+    pending: list = field(default_factory=list, repr=False)  # per micro-batch sums of `logged`, then the tokens
 
-    def __call__(self, outputs, labels, *, advantages, old_log_probs, row_weights, ref_log_probs=None):
+    reads = ("advantages", "old_log_probs", "ref_log_probs")
+    # clip_fraction: the tokens where the clip binds; approx_kl: k3 = (ρ − 1) − log ρ, Schulman's unbiased,
+    # non-negative estimator of KL(π_old ‖ π) from tokens sampled by π_old; entropy: of π at each completion token;
+    # kl_ref: the penalty's estimate of KL(π ‖ π_ref) (0 without one).
+    logged = ("clip_fraction", "approx_kl", "entropy", "kl_ref")
+
+    def __call__(self, outputs, labels, *, advantages, old_log_probs, row_weights, ref_log_probs=None, **extras):
         objective = self.objective
         supervised = labels != IGNORE_INDEX
         logits = outputs.to(torch.promote_types(outputs.dtype, torch.float32))
         all_log_probs = F.log_softmax(logits, dim=-1)
         log_probs = torch.gather(all_log_probs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * supervised
-        log_ratio = (log_probs - old_log_probs.to(outputs.device)) * supervised
+        token_log_ratio = (log_probs - old_log_probs.to(outputs.device)) * supervised
+        log_ratio = token_log_ratio
         if objective.level == "sequence":
             log_ratio = self.sequence_log_ratio(log_ratio, supervised).expand_as(log_ratio) * supervised
-        ratio = log_ratio.exp()
-        advantage = advantages.to(ratio.dtype)[:, None]
-        low, high = 1 - objective.clip_low, 1 + objective.clip_high
-        per_token = -self.surrogate(ratio, advantage, low, high)
+        advantage = advantages.to(log_ratio.dtype)[:, None]
+        per_token, clipped = self.policy_terms(log_probs, log_ratio, advantage, **extras)
         kl = None
         if ref_log_probs is not None and objective.kl_coef:
             kl = kl_estimate(log_probs, ref_log_probs.to(outputs.device).to(log_probs.dtype), objective.kl_estimator)
@@ -209,16 +249,27 @@ class PolicyLoss:
         per_token = per_token * supervised
         if torch.is_grad_enabled():  # a training forward's, not a probe's or a check's (those run without gradient)
             with torch.no_grad():  # diagnostics only; kept on the device until the caller asks (no read-back here)
-                # The clip binds where it changes the loss: the ratio past 1 + ε_high with A > 0, or below 1 − ε_low
-                # with A < 0.
-                clipped = ((ratio > high) & (advantage > 0)) | ((ratio < low) & (advantage < 0))
-                token_log_ratio = (log_probs - old_log_probs.to(outputs.device)) * supervised
                 approx_kl = torch.expm1(token_log_ratio) - token_log_ratio
-                kl_ref = kl.detach() if kl is not None else torch.zeros_like(approx_kl)
-                sums = [clipped & supervised, approx_kl * supervised, supervised, kl_ref * supervised]
-                sums.append(entropy.detach() * supervised)
-                self.pending.append(torch.stack([piece.sum().double() for piece in sums]))
+                terms = self.log_terms(
+                    log_ratio=log_ratio.detach(),
+                    clip_fraction=clipped.double(),
+                    approx_kl=approx_kl,
+                    entropy=entropy.detach(),
+                    kl_ref=kl.detach() if kl is not None else torch.zeros_like(approx_kl),
+                )
+                sums = [(terms[name] * supervised).sum().double() for name in self.logged]
+                self.pending.append(torch.stack([*sums, supervised.sum().double()]))
         return (per_token.sum(dim=1) * row_weights.to(per_token.dtype)).sum()
+
+    def policy_terms(self, log_probs, log_ratio, advantage, **extras) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy term of ℓ at every position [rows, seq_len] (masked by the caller) and where the clip binds:
+        PPO's pessimistic bound −min(ρ·A, clip(ρ, 1 − ε_low, 1 + ε_high)·A), ρ = exp(log_ratio) at the objective's
+        level. The clip binds where it changes the loss: ρ past 1 + ε_high with A > 0, or below 1 − ε_low with
+        A < 0."""
+        ratio = log_ratio.exp()
+        low, high = 1 - self.objective.clip_low, 1 + self.objective.clip_high
+        clipped = ((ratio > high) & (advantage > 0)) | ((ratio < low) & (advantage < 0))
+        return -self.surrogate(ratio, advantage, low, high), clipped
 
     def surrogate(self, ratio, advantage, low: float, high: float) -> torch.Tensor:
         """PPO's pessimistic bound: the smaller of the ratio's and the clipped ratio's objective."""
@@ -227,9 +278,39 @@ class PolicyLoss:
     def sequence_log_ratio(self, log_ratio, supervised) -> torch.Tensor:
         return sequence_log_ratio(log_ratio, supervised)
 
+    def log_terms(self, **terms) -> dict[str, torch.Tensor]:
+        """The per-token quantities `logged` names, from those the loss computed (the log-ratio at the objective's
+        level, and those `logged` names): a subclass adds its own."""
+        return terms
+
+    @classmethod
+    def policy_definition(cls, objective: PolicyObjective, row: RowTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy term of ℓ_t of each completion token of one row, written from the definition at the level the
+        ratio is defined (the token, or GSPO's whole sequence), and whether the clip binds at each token."""
+        log_ratio = row.log_probs - row.old_log_probs
+        if objective.level == "sequence":
+            # GSPO: s = (Π_t ρ_t)^(1/L), one ratio for the sequence, shared by its L tokens
+            ratio = log_ratio.mean().exp().expand_as(log_ratio)
+        else:
+            ratio = log_ratio.exp()
+        low, high = 1 - objective.clip_low, 1 + objective.clip_high
+        advantage = row.advantage
+        clipped = ((ratio > high) & (advantage > 0)) | ((ratio < low) & (advantage < 0))
+        return -torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage), clipped
+
+    @classmethod
+    def definition(cls, objective: PolicyObjective, row: RowTerms) -> tuple[torch.Tensor, torch.Tensor]:
+        """ℓ_t of each completion token of one row from the definition (the policy term and the penalties), and
+        where the clip binds: the reference of the objective-level checks."""
+        losses, clipped = cls.policy_definition(objective, row)
+        return losses + penalties_from_definition(objective, row), clipped
+
     def take_sums(self) -> torch.Tensor:
-        """LOG_SUMS over the micro-batches since the last call: float64 on the device, summed over ranks by the
-        caller before the ratios are formed."""
-        sums = torch.stack(self.pending).sum(dim=0) if self.pending else torch.zeros(len(LOG_SUMS), dtype=torch.float64)
+        """The sums of `logged`, then the tokens, over the micro-batches since the last call: float64 on the device,
+        summed over ranks by the caller before the means are formed."""
+        if self.pending:
+            sums = torch.stack(self.pending).sum(dim=0)
+        else:
+            sums = torch.zeros(len(self.logged) + 1, dtype=torch.float64)
         self.pending.clear()
         return sums

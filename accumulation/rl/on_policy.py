@@ -32,17 +32,12 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.memory import memory_limit_bytes
 from accumulation.data.rows import DataError, RawExample
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
-    IMPORTANCE_LEVELS,
-    KL_ESTIMATORS,
-    LOG_SUMS,
     NORMALISER_UNITS,
     PolicyLoss,
     PolicyObjective,
@@ -52,94 +47,21 @@ from accumulation.rl.objectives import (
     target_log_probs,
 )
 from accumulation.rl.rollout import round_prompts, sample
-from accumulation.rl.sizes import SizeError, round_sizes
-from accumulation.rl.task import MAX_OPERAND, AnswerRows, checked_reward, raw_row, reward, split_problems
+from accumulation.rl.settings import RolloutSettings, check_rollout_config
+from accumulation.rl.task import AnswerRows, checked_reward, raw_row, reward, split_problems
 from accumulation.step import token_cross_entropy_sum
 
-# A round's rollout is held whole on every rank: tokens and labels (int64) and old log-probabilities (float32) per
-# position, twice during the all-gather that assembles it.
-ROUND_BYTES_PER_POSITION = 2 * (8 + 8 + 4)
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
 BYTE_VOCABULARY = 256
 
 
-@dataclass(frozen=True)
-class RolloutSettings:
-    """The data.* keys of "arithmetic-rollouts"."""
-
-    mini_batch_size: int = setting(
-        16, "trajectories per optimizer step, all ranks: must equal batch.global_batch_size", "trajectories", at_least=1
-    )
-    max_operand: int = setting(
-        20,
-        "problems are every 'Q: a + b =' with a, b below this (all built in memory: at most 300, 90,000 problems)",
-        "operand",
-        at_least=2,
-        at_most=MAX_OPERAND,
-    )
-    held_out: int = setting(
-        40,
-        "problems kept out of training (every tenth, at most a tenth of them), for validation",
-        "prompts",
-        at_least=1,
-    )
-    sft_steps: int = setting(
-        200, "the run's first optimizer steps, supervised on the reference answers, before GRPO", "steps", at_least=0
-    )
-    prompts_per_round: int = setting(8, "prompts each GRPO round asks, all ranks", "prompts", at_least=1)
-    group_size: int = setting(
-        8, "completions sampled per prompt (2 at least: advantages are group-relative)", "completions", at_least=1
-    )
-    sample_batch_size: int = setting(
-        256, "trajectories per sampling forward, on one rank: memory only", "trajectories", at_least=1
-    )
-    ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
-    max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
-    loss_aggregation: str = setting(
-        "seq-mean-token-mean", "how the policy loss aggregates (docs/rl.md)", choices=tuple(NORMALISER_UNITS)
-    )
-    norm_constant: float = setting(
-        0.0, "C of seq-mean-token-sum-norm (Dr. GRPO); 0 = data.max_new_tokens", "tokens", at_least=0
-    )
-    scale_advantages: bool = setting(True, "divide advantages by their group's standard deviation (false: Dr. GRPO)")
-    clip_ratio: float = setting(0.2, "PPO's clip range ε (ε_low when data.clip_ratio_high is set)", above=0, below=1)
-    clip_ratio_high: float = setting(
-        0.0,
-        "ε_high of an asymmetric clip (DAPO's clip-higher): the ratio's upper bound 1 + ε_high; 0 = data.clip_ratio",
-        at_least=0,
-    )
-    importance_level: str = setting(
-        "token", "the importance ratio per token (GRPO) or per sequence (GSPO)", choices=IMPORTANCE_LEVELS
-    )
-    kl_coef: float = setting(
-        0.0, "β of a KL penalty to the frozen reference policy (the policy at the end of SFT); 0 = none", at_least=0
-    )
-    kl_estimator: str = setting(
-        "k3", "the KL penalty's estimator: k1 (log-ratio) or k3 (Schulman's)", choices=KL_ESTIMATORS
-    )
-    entropy_coef: float = setting(0.0, "coefficient of an entropy bonus (the entropy is logged whatever)", at_least=0)
-
-    def objective(self) -> PolicyObjective:
-        """The objective these settings declare (objectives.PolicyObjective)."""
-        return PolicyObjective(
-            aggregation=self.loss_aggregation,
-            constant=self.norm_constant or float(self.max_new_tokens),
-            clip_low=self.clip_ratio,
-            clip_high=self.clip_ratio_high or self.clip_ratio,
-            level=self.importance_level,
-            kl_coef=self.kl_coef,
-            kl_estimator=self.kl_estimator,
-            entropy_coef=self.entropy_coef,
-        )
-
-
-# The policy loss of this process: its objective is the run's (set by bind_policy), and it keeps each micro-batch's
-# sums for the step's log line (objectives.LOG_SUMS).
+# The policy loss of this process: the run's data.policy_loss with its objective, bound by Rollouts.bind_policy; it
+# keeps each micro-batch's sums for the step's log line (PolicyLoss.logged).
 POLICY_LOSS = PolicyLoss()
 
 
 def clipped_surrogate_sum(
-    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None
+    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None, **extras
 ) -> torch.Tensor:
     """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities, row
     weights (and reference log-probabilities under a KL penalty), and get the objective Σ_i w_i Σ_t ℓ_it
@@ -154,6 +76,7 @@ def clipped_surrogate_sum(
         old_log_probs=old_log_probs,
         row_weights=row_weights,
         ref_log_probs=ref_log_probs,
+        **extras,
     )
 
 
@@ -184,6 +107,7 @@ class Rollouts:
         self.reference = None  # the frozen reference policy of a KL penalty: the policy as round 0 samples
         self.completion_tokens = 0  # sampled in every round so far
         self.declared = settings.objective()
+        self.loss = self.declared.loss_class(self.declared)  # this run's GRPO loss, which bind_policy makes the loop's
 
     @property
     def num_rows(self) -> int:
@@ -219,13 +143,8 @@ class Rollouts:
         if self.place(step) is None:
             return self.answers.examples(self.sft_problems(row_ids, step), step)
         rollout, rows = self.trajectories(row_ids, step)
-        extras = {
-            "advantages": rollout.advantages[rows],
-            "old_log_probs": rollout.old_log_probs[rows],
-            "row_weights": self.step_aggregation(step).row_weights[rows % self.global_batch],
-        }
-        if rollout.ref_log_probs is not None:
-            extras["ref_log_probs"] = rollout.ref_log_probs[rows]
+        extras = {name: value[rows] for name, value in self.read_by_the_loss(rollout).items()}
+        extras["row_weights"] = self.step_aggregation(step).row_weights[rows % self.global_batch]
         return rollout.inputs[rows], rollout.labels[rows], extras
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -242,13 +161,17 @@ class Rollouts:
         example = raw_row(rollout.inputs[trajectory], rollout.labels[trajectory])
         # What the clipped surrogate reads of this trajectory, and the prompt its objective groups it by.
         example.extras = {
-            "advantages": float(rollout.advantages[trajectory]),
-            "old_log_probs": rollout.old_log_probs[trajectory],
-            "group": trajectory // self.settings.group_size,
+            name: float(value[trajectory]) if value.dim() == 1 else value[trajectory]
+            for name, value in self.read_by_the_loss(rollout).items()
         }
-        if rollout.ref_log_probs is not None:
-            example.extras["ref_log_probs"] = rollout.ref_log_probs[trajectory]
+        example.extras["group"] = trajectory // self.settings.group_size
         return example
+
+    def read_by_the_loss(self, rollout: Round) -> dict[str, torch.Tensor]:
+        """The round's per-row fields the loss declares it reads (PolicyLoss.reads), [rollout, ...] each: what
+        examples() hands the loop's loss and raw_example() states for the checker, from this one declaration."""
+        fields = {name: getattr(rollout, name) for name in self.loss.reads}
+        return {name: value for name, value in fields.items() if value is not None}
 
     def objective(self, step: int) -> PolicyObjective | None:
         """The objective GRPO step `step` declares (its aggregation, C, clip, ratio level, KL and entropy terms),
@@ -279,7 +202,8 @@ class Rollouts:
         """train.py (or the checker), once the model is built: the policy the rounds sample from, the ranks, and a
         resume's round."""
         self.policy, self.context = model, context
-        POLICY_LOSS.objective = self.declared
+        global POLICY_LOSS
+        POLICY_LOSS = self.loss
         POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left
         state = (resume or {}).get("data", {}).get("rollouts")
         if state and "reference" in state:
@@ -418,8 +342,8 @@ class Rollouts:
         fields = {"phase": "sft" if self.place(step - 1) is None else "grpo"}
         if fields["phase"] == "grpo":
             round_index, in_round = self.place(step - 1)
-            sums = dict(zip(LOG_SUMS, all_reduced(POLICY_LOSS.take_sums(), self.context.device).tolist(), strict=True))
-            tokens = max(sums["tokens"], 1.0)
+            *sums, tokens = all_reduced(self.loss.take_sums(), self.context.device).tolist()
+            tokens = max(tokens, 1.0)
             normaliser = self.step_aggregation(step - 1)
             fields |= {
                 "rounds": round_index + 1,
@@ -428,14 +352,11 @@ class Rollouts:
                 "trajectories": (round_index + 1) * self.rollout,
                 "completion_tokens": self.completion_tokens,
                 "mean_reward": float(self.round.rewards.mean()),
-                "clip_fraction": sums["clipped"] / tokens,
-                "approx_kl": sums["approx_kl"] / tokens,
-                "entropy": sums["entropy"] / tokens,
                 "normaliser": normaliser.normaliser,
                 "normaliser_unit": normaliser.unit,
             }
-            if self.declared.kl_coef:
-                fields["kl_ref"] = sums["kl_ref"] / tokens
+            # the loss's declared per-token means (clip_fraction, approx_kl, entropy, kl_ref, and a fork's own)
+            fields |= {name: total / tokens for name, total in zip(self.loss.logged, sums, strict=True)}
         if eval_every > 0 and step % eval_every == 0 and self.context.is_main:
             fields["held_out_reward"] = self.held_out_reward()
         round_ends = fields.get("step_in_round") == self.steps_per_round
@@ -518,55 +439,6 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
         val_rows_read=len(held_out),
     )
     return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)
-
-
-def check_rollout_config(config) -> None:
-    """One line for a combination train.py cannot run GRPO with (docs/rl.md, the three sizes)."""
-    settings, batch = config.data.own, config.batch
-    prompts, epochs = settings.prompts_per_round, settings.ppo_epochs
-    if config.model.objective != "clipped-surrogate":
-        raise ValueError('data.source="arithmetic-rollouts" trains with model.objective="clipped-surrogate"')
-    if settings.group_size < 2:
-        raise ValueError(
-            "data.group_size=1: every advantage is its reward minus its group's mean, 0 in a group of one, so GRPO "
-            "would learn nothing; set data.group_size=2 or more"
-        )
-    if batch.global_batch_size != settings.mini_batch_size:
-        raise ValueError(
-            f"batch.global_batch_size={batch.global_batch_size} must equal data.mini_batch_size="
-            f"{settings.mini_batch_size}, the trajectories of one optimizer step (all ranks)"
-        )
-    # The three sizes' rules (sizes.py) over all ranks at once: train.py then checks that G = m · A · D for its D.
-    try:
-        round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
-    except SizeError as error:
-        raise ValueError(f"data.mini_batch_size: {error}") from None
-    problems = settings.max_operand**2
-    kept_out = -(-problems // 10)  # every tenth problem
-    if settings.held_out > kept_out:
-        raise ValueError(
-            f"data.held_out={settings.held_out}: only every tenth of the {problems:,} problems below "
-            f"data.max_operand={settings.max_operand} is held out, {kept_out:,} of them; set data.held_out={kept_out} "
-            "or less, or raise data.max_operand"
-        )
-    rollout = prompts * settings.group_size
-    round_bytes = rollout * config.data.seq_len * ROUND_BYTES_PER_POSITION
-    memory_bytes, where = memory_limit_bytes()
-    if round_bytes > memory_bytes:
-        raise ValueError(
-            f"data.prompts_per_round={prompts}: a round of {rollout:,} trajectories ({prompts} prompts x group "
-            f"{settings.group_size}) of {config.data.seq_len} positions is held whole on every rank, at least "
-            f"{round_bytes / 2**30:,.1f} GiB, more than the {memory_bytes / 2**30:,.1f} GiB of {where}; lower "
-            "data.prompts_per_round"
-        )
-    if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
-        raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
-    longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
-    if longest + settings.max_new_tokens > config.data.seq_len:
-        raise ValueError(
-            f"data.seq_len={config.data.seq_len} cannot hold a {longest}-byte prompt and data.max_new_tokens="
-            f"{settings.max_new_tokens}; set data.seq_len={longest + settings.max_new_tokens}"
-        )
 
 
 register_data("arithmetic-rollouts", build_rollouts, settings=RolloutSettings, check=check_rollout_config)
