@@ -190,6 +190,7 @@ OBJECTIVE_SETTINGS = {
     "kl-k3": ["data.kl_coef=0.1"],
     "kl-k1": ["data.kl_coef=0.1", 'data.kl_estimator="k1"'],
     "entropy": ["data.entropy_coef=0.1"],
+    "temperature": ["data.temperature=0.7", "data.top_p=0.9"],
     "token-sum": ['data.loss_aggregation="token-sum"'],
     "fork": ['data.policy_loss="forks.cispo:CISPO"', 'data.loss_aggregation="token-mean"'],
 }

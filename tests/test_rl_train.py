@@ -166,7 +166,7 @@ def test_stopped_mid_round_and_at_a_round_boundary_the_resumed_run_is_the_uninte
 
 
 # Every objective setting at once, as a run would set them: GSPO's ratio with an asymmetric clip, a k3 KL penalty to
-# the frozen reference policy (the policy at the end of SFT), an entropy bonus, verl's token-sum.
+# the frozen reference policy (the policy at the end of SFT), an entropy bonus, verl's token-sum; and the sampler's.
 OBJECTIVE_OVERRIDES = [
     'data.importance_level="sequence"',
     "data.clip_ratio=0.1",
@@ -174,6 +174,9 @@ OBJECTIVE_OVERRIDES = [
     "data.kl_coef=0.05",
     "data.entropy_coef=0.01",
     'data.loss_aggregation="token-sum"',
+    "data.temperature=0.8",  # and the sampler's settings: π_T in the sampler and the loss, a nucleus, stop tokens
+    "data.top_p=0.95",
+    'data.stop="\\n "',
 ]
 
 

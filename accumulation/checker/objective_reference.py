@@ -131,7 +131,8 @@ def definition_losses(
     """ℓ_it of every supervised target t of every row i, from the objective's definition over the row's whole
     completion (objective_check.definition_token_losses), its raw extras and the model's outputs; one 1-D tensor per
     row, in position order; and the completion tokens where the clip binds, and all of them."""
-    log_softmax = torch.log_softmax(outputs.to(torch.promote_types(outputs.dtype, torch.float32)), dim=-1)
+    logits = outputs.to(torch.promote_types(outputs.dtype, torch.float32)) / objective.temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
     losses, clipped, tokens = [], 0, 0
     for row, (row_log_softmax, row_labels) in enumerate(zip(log_softmax.unbind(0), labels, strict=True)):
         supervised = row_labels != IGNORE_INDEX

@@ -107,7 +107,7 @@ def surrogate_token_losses(
 ) -> tuple[list[torch.Tensor], float]:
     """ℓ_it of every completion token, one tensor per row, from one forward; and the fraction of completion tokens
     where the clip binds (ρ ≠ 1 is what makes the check see the clip and the ratio)."""
-    log_softmax = torch.log_softmax(model(rows.tokens).double(), dim=-1)
+    log_softmax = torch.log_softmax(model(rows.tokens).double() / objective.temperature, dim=-1)
     losses, clipped = [], 0
     for i in range(rows.labels.shape[0]):
         row_losses, row_clipped = definition_token_losses(objective, row_terms(log_softmax[i], rows.labels[i], rows, i))

@@ -68,6 +68,7 @@ class PolicyObjective:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     entropy_coef: float = 0.0
+    temperature: float = 1.0  # π is softmax(logits / temperature), as the sampler draws from it
     loss_class: type | None = field(default=None, compare=False)  # the PolicyLoss subclass that defines ℓ; None: this
 
     def describe(self) -> str:
@@ -228,7 +229,7 @@ class PolicyLoss:
     def __call__(self, outputs, labels, *, advantages, old_log_probs, row_weights, ref_log_probs=None, **extras):
         objective = self.objective
         supervised = labels != IGNORE_INDEX
-        logits = outputs.to(torch.promote_types(outputs.dtype, torch.float32))
+        logits = outputs.to(torch.promote_types(outputs.dtype, torch.float32)) / objective.temperature
         all_log_probs = F.log_softmax(logits, dim=-1)
         log_probs = torch.gather(all_log_probs, -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1) * supervised
         token_log_ratio = (log_probs - old_log_probs.to(outputs.device)) * supervised

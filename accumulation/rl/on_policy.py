@@ -260,13 +260,7 @@ class Rollouts:
             chunk = slice(first, first + settings.sample_batch_size)
             pieces.append(
                 sample(
-                    self.policy,
-                    prompts[chunk],
-                    mine[chunk],
-                    self.seed,
-                    round_index,
-                    settings.max_new_tokens,
-                    self.seq_len,
+                    self.policy, prompts[chunk], mine[chunk], self.seed, round_index, settings.sampling(), self.seq_len
                 )
             )
         self.policy.train(was_training)
@@ -294,14 +288,14 @@ class Rollouts:
 
     @torch.no_grad()
     def reference_log_probs(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """log π_ref(label) at every position of these rows (0 off the completion), float32, in forwards of
-        data.sample_batch_size rows."""
+        """log π_ref(label), at the run's temperature, at every position of these rows (0 off the completion),
+        float32, in forwards of data.sample_batch_size rows."""
         device = next(self.reference.parameters()).device
         pieces = []
         for first in range(0, tokens.shape[0], self.settings.sample_batch_size):
             chunk = slice(first, first + self.settings.sample_batch_size)
             logits = self.reference(tokens[chunk].to(device))
-            pieces.append(target_log_probs(logits, labels[chunk].to(device)).float().cpu())
+            pieces.append(target_log_probs(logits / self.declared.temperature, labels[chunk].to(device)).float().cpu())
         return torch.cat(pieces)
 
     def scored(self, round_index: int, inputs, labels, old_log_probs, ref_log_probs=None) -> Round:
@@ -371,7 +365,7 @@ class Rollouts:
         self.policy.eval()
         prompts = [prompt for prompt, _ in self.held_out]
         rows = torch.arange(len(prompts))
-        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.max_new_tokens, self.seq_len, greedy=True)
+        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.sampling(greedy=True), self.seq_len)
         self.policy.train(was_training)
         return sum(checked_reward(reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
 

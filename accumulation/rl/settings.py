@@ -8,6 +8,7 @@ from accumulation.config.config_keys import setting
 from accumulation.config.fork_import import import_problem
 from accumulation.data.memory import memory_limit_bytes
 from accumulation.rl.objectives import IMPORTANCE_LEVELS, KL_ESTIMATORS, NORMALISER_UNITS, PolicyLoss, PolicyObjective
+from accumulation.rl.rollout import Sampling
 from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.rl.task import MAX_OPERAND
 
@@ -48,6 +49,13 @@ class RolloutSettings:
     )
     ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
     max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
+    temperature: float = setting(
+        1.0, "the sampler's and the loss's π_T = softmax(logits / temperature) (TRL's temperature)", above=0
+    )
+    top_p: float = setting(
+        1.0, "sample from the fewest most likely tokens whose probability reaches this", above=0, at_most=1
+    )
+    stop: str = setting("\n", "characters that end a completion (each a stop token; the newline ends an answer)")
     loss_aggregation: str = setting(
         "seq-mean-token-mean", "how the policy loss aggregates (docs/rl.md)", choices=tuple(NORMALISER_UNITS)
     )
@@ -77,6 +85,11 @@ class RolloutSettings:
     )
     entropy_coef: float = setting(0.0, "coefficient of an entropy bonus (the entropy is logged whatever)", at_least=0)
 
+    def sampling(self, greedy: bool = False) -> Sampling:
+        """How the rounds (or, greedy, the held-out evaluation) draw their completions."""
+        stop = tuple(self.stop.encode())
+        return Sampling(self.max_new_tokens, self.temperature, self.top_p, stop, greedy)
+
     def objective(self) -> PolicyObjective:
         """The objective these settings declare (objectives.PolicyObjective)."""
         return PolicyObjective(
@@ -88,6 +101,7 @@ class RolloutSettings:
             kl_coef=self.kl_coef,
             kl_estimator=self.kl_estimator,
             entropy_coef=self.entropy_coef,
+            temperature=self.temperature,
             loss_class=policy_loss_class(self.policy_loss),
         )
 

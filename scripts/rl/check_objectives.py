@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     pool = [prompt for prompt, _ in training]
     asked = round_prompts(seed, 0, rl.prompts_per_round, len(pool))
     prompts = [pool[asked[j // rl.group_size]] for j in range(rows_total)]
-    drawn = sample(sampling_policy, prompts, torch.arange(rows_total), seed, 0, rl.max_new_tokens, seq_len)
+    drawn = sample(sampling_policy, prompts, torch.arange(rows_total), seed, 0, rl.sampling(), seq_len)
     group_ids = torch.arange(rows_total) // rl.group_size
     rewards = torch.tensor([reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)])
     replacements = torch.from_numpy(step_uniforms(seed, 0, torch.arange(rows_total), 1, REWARD_STREAM)[:, 0])
