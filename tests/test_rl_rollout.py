@@ -1,6 +1,9 @@
 """Rollouts (accumulation/rl/rollout.py): the reward is computed from the prompt, and sampling is a pure function
 of (seed, round, row), so a resumed run or another rank layout draws the same completions."""
 
+import importlib.util
+from pathlib import Path
+
 import torch
 
 from accumulation.batching import IGNORE_INDEX
@@ -98,3 +101,15 @@ def test_temperature_top_p_and_stop_tokens():
     first_bytes = set(int(hot.labels[i][hot.labels[i] != IGNORE_INDEX][0]) for i in range(len(PROMPTS)))
     stopped = sample(model, PROMPTS, rows, 1, 0, Sampling(6, temperature=2.0, stop=tuple(first_bytes)), 32)
     assert ((stopped.labels != IGNORE_INDEX).sum(dim=1) == 1).all()  # each ends at its first token, a stop token
+
+
+def test_the_sampler_benchmark_runs_and_prints_its_ratios(capsys, monkeypatch):
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    spec = importlib.util.spec_from_file_location("bench_sampler", "scripts/rl/bench_sampler.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    toy = ["data.max_operand=3", "data.held_out=1", "data.prompts_per_round=4", "data.group_size=4"]
+    sizes = ["data.mini_batch_size=8", "batch.global_batch_size=8", "batch.micro_batch_size=4"]
+    assert bench.main(["--config", "configs/grpo.toml", *toy, *sizes, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the round's 2 optimizer steps (G 8, m 4)" in out and "sampling / optimizer steps: " in out
