@@ -71,6 +71,9 @@ def arguments(out_dir, *overrides) -> list[str]:
         (["data.max_operand=10000"], "data.max_operand: expected an integer >= 2 and <= 300, got 10000"),
         (['data.policy_loss="forks.cispo:torch"'], 'data.policy_loss="forks.cispo:torch" is not a subclass of'),
         (['data.policy_loss="no_such_fork:Loss"'], 'data.policy_loss="no_such_fork:Loss": cannot import no_such_fork'),
+        (['data.reward="tests.test_rl_train:no_such_reward"'], "tests.test_rl_train has no function no_such_reward"),
+        (['data.prompts="data/sft_arithmetic.jsonl"'], "set data.seq_len=99"),
+        (['data.prompts="data/sft_arithmetic.jsonl"', "data.held_out=281", "data.seq_len=99"], "set data.held_out=280"),
         (["data.prompts_per_round=1000000000"], "a round of 4,000,000,000 trajectories (1000000000 prompts x group 4)"),
     ],
 )
@@ -108,10 +111,21 @@ def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_prompt_and_c
     """A fork's reward function that returns NaN, raises or returns a str: one line at the first round naming the
     function, the prompt and the completion (not every update skipped for a "non-finite gradient")."""
     monkeypatch.chdir(train.Path(train.__file__).parent)
-    monkeypatch.setattr("accumulation.rl.on_policy.reward", reward_fn)
-    assert train.main(arguments(tmp_path, "run.max_steps=9", "run.eval_every=0")) == 2
+    named = f'data.reward="tests.test_rl_train:{reward_fn.__name__}"'  # as a config names a fork's reward
+    assert train.main(arguments(tmp_path, "run.max_steps=9", "run.eval_every=0", named)) == 2
     error = capsys.readouterr().err
     assert message in error and "and completion '" in error and error.count("\n") == 1, error
+
+
+def test_the_task_as_data_prompts_from_jsonl_and_a_named_reward(tmp_path, monkeypatch, capsys):
+    """data.prompts (data/sft_arithmetic.jsonl: + - and * of several digits) and data.reward (the default arithmetic
+    reward named as module:name): SFT on the file's responses, then GRPO rounds on its prompts, resumed bit for bit."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    task = ['data.prompts="data/sft_arithmetic.jsonl"', 'data.reward="accumulation.rl.task:reward"', "data.seq_len=99"]
+    lines = run_in_sessions(tmp_path, "whole", [11], 1, *task)
+    run_in_sessions(tmp_path, "sessions", [9, 11], 1, *task)
+    assert_same_run(tmp_path, "sessions", "whole")
+    assert [line["phase"] for line in lines] == ["sft"] * 8 + ["grpo"] * 3
 
 
 def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:

@@ -48,7 +48,7 @@ from accumulation.rl.objectives import (
 )
 from accumulation.rl.rollout import round_prompts, sample
 from accumulation.rl.settings import RolloutSettings, check_rollout_config
-from accumulation.rl.task import AnswerRows, checked_reward, raw_row, reward, split_problems
+from accumulation.rl.task import AnswerRows, checked_reward, raw_row, read_task, reward_function, split_problems
 from accumulation.step import token_cross_entropy_sum
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
@@ -99,6 +99,7 @@ class Rollouts:
     def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
         self.prompts = [prompt for prompt, _ in pairs]
+        self.reward = reward_function(settings.reward)
         self.held_out = held_out
         self.answers = AnswerRows(pairs, seq_len)
         self.rollout = settings.prompts_per_round * settings.group_size
@@ -304,7 +305,7 @@ class Rollouts:
         group_ids = torch.arange(self.rollout) // self.settings.group_size
         rewards = torch.tensor(
             [
-                checked_reward(reward, self.prompts[asked[int(g)]], completion_text(row))
+                checked_reward(self.reward, self.prompts[asked[int(g)]], completion_text(row))
                 for g, row in zip(group_ids, labels, strict=True)
             ],
             dtype=torch.float64,
@@ -367,7 +368,8 @@ class Rollouts:
         rows = torch.arange(len(prompts))
         drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.sampling(greedy=True), self.seq_len)
         self.policy.train(was_training)
-        return sum(checked_reward(reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
+        rewards = [checked_reward(self.reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)]
+        return sum(rewards) / len(prompts)
 
 
 def round_line(step: int, fields: dict) -> str:
@@ -413,7 +415,20 @@ def all_reduced(sums: torch.Tensor, device: torch.device) -> torch.Tensor:
 # ------------------------------------------------------------------ the registered pieces
 def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     settings = data_config.own
-    training, held_out = split_problems(settings.max_operand, settings.held_out)
+    if settings.prompts:
+        training, held_out = read_task(settings.prompts, settings.held_out)
+        longest = max(len(prompt.encode()) for prompt, _ in training + held_out)
+        # an answer row holds prompt and response, less the last byte (which no position predicts from inside the row)
+        longest_answer = max(len((prompt + response).encode()) - 1 for prompt, response in training + held_out)
+        needed = max(longest + settings.max_new_tokens, longest_answer)
+        if needed > data_config.seq_len:
+            raise DataError(
+                f"data.seq_len={data_config.seq_len} cannot hold {settings.prompts}'s longest prompt ({longest} "
+                f"bytes) and data.max_new_tokens={settings.max_new_tokens}, or its longest prompt and response "
+                f"({longest_answer + 1} bytes); set data.seq_len={needed}"
+            )
+    else:
+        training, held_out = split_problems(settings.max_operand, settings.held_out)
     train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
     val = AnswerRows(held_out, data_config.seq_len)
     answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()
@@ -429,7 +444,7 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
         root=data_config.source,
         seq_len=data_config.seq_len,
         vocab_size=BYTE_VOCABULARY,
-        format=f"'Q: a + b =' below {settings.max_operand}, SFT answers then GRPO rollouts",
+        format=f"{settings.prompts or f'Q: a + b = below {settings.max_operand}'}, SFT answers then GRPO rollouts",
         val_rows_read=len(held_out),
     )
     return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)

@@ -10,7 +10,7 @@ from accumulation.data.memory import memory_limit_bytes
 from accumulation.rl.objectives import IMPORTANCE_LEVELS, KL_ESTIMATORS, NORMALISER_UNITS, PolicyLoss, PolicyObjective
 from accumulation.rl.rollout import Sampling
 from accumulation.rl.sizes import SizeError, round_sizes
-from accumulation.rl.task import MAX_OPERAND
+from accumulation.rl.task import MAX_OPERAND, reward_function
 
 # A round's rollout is held whole on every rank: tokens and labels (int64) and old log-probabilities (float32) per
 # position, twice during the all-gather that assembles it.
@@ -48,6 +48,15 @@ class RolloutSettings:
         256, "trajectories per sampling forward, on one rank: memory only", "trajectories", at_least=1
     )
     ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
+    prompts: str = setting(
+        "",
+        'a JSONL file of {"prompt", "response"} rows, the response the reference answer; "" = every "Q: a + b =" '
+        "below data.max_operand",
+    )
+    reward: str = setting(
+        "accumulation.rl.task:reward",
+        'the reward function, "module:name", called as name(prompt, completion) -> float (TRL\'s reward_funcs)',
+    )
     max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
     temperature: float = setting(
         1.0, "the sampler's and the loss's π_T = softmax(logits / temperature) (TRL's temperature)", above=0
@@ -149,9 +158,10 @@ def check_rollout_config(config) -> None:
         round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
     except SizeError as error:
         raise ValueError(f"data.mini_batch_size: {error}") from None
+    reward_function(settings.reward)
     problems = settings.max_operand**2
     kept_out = -(-problems // 10)  # every tenth problem
-    if settings.held_out > kept_out:
+    if not settings.prompts and settings.held_out > kept_out:
         raise ValueError(
             f"data.held_out={settings.held_out}: only every tenth of the {problems:,} problems below "
             f"data.max_operand={settings.max_operand} is held out, {kept_out:,} of them; set data.held_out={kept_out} "
@@ -170,7 +180,7 @@ def check_rollout_config(config) -> None:
     if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
         raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
     longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
-    if longest + settings.max_new_tokens > config.data.seq_len:
+    if not settings.prompts and longest + settings.max_new_tokens > config.data.seq_len:  # a file's: when read
         raise ValueError(
             f"data.seq_len={config.data.seq_len} cannot hold a {longest}-byte prompt and data.max_new_tokens="
             f"{settings.max_new_tokens}; set data.seq_len={longest + settings.max_new_tokens}"

@@ -1,6 +1,9 @@
-"""The arithmetic task of configs/grpo.toml: "Q: a + b =" problems with their answers, the reward a function
-computes from the prompt, and the problems as rows (the SFT steps' and validation's, one answer each)."""
+"""The task of a GRPO run: its problems (prompts with reference answers), from a JSONL file (data.prompts) or the
+arithmetic of configs/grpo.toml ("Q: a + b =" below data.max_operand); the reward, a function named "module:name"
+(data.reward, TRL's reward_funcs), by default the arithmetic's; and the problems as rows (the SFT steps' and
+validation's, one answer each)."""
 
+import importlib
 import json
 import math
 import numbers
@@ -28,6 +31,50 @@ def read_prompts(path: str) -> list[str]:
                 raise ValueError(f"{path}:{number}: prompt {prompt!r} is not of the form 'Q: a op b ='")
             prompts.append(prompt)
     return prompts
+
+
+def read_task(path: str, held_out: int) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(prompt, answer) pairs for training and for validation from a JSONL file of {"prompt": ..., "response": ...}
+    rows (the response: the reference answer the SFT steps train on): every tenth row, up to `held_out`, is held out.
+    A DataError in one line naming the file and line for a row that is not such an object."""
+    pairs = []
+    try:
+        with open(path, encoding="utf-8") as lines:
+            for number, line in enumerate(lines, start=1):
+                try:
+                    row = json.loads(line)
+                    pair = (row["prompt"], row["response"])
+                except (ValueError, KeyError, TypeError):
+                    pair = None
+                if pair is None or not all(isinstance(text, str) and text for text in pair):
+                    raise DataError(
+                        f'{path}:{number}: expected a JSON object with non-empty "prompt" and "response" strings'
+                    )
+                pairs.append(pair)
+    except OSError as error:
+        raise DataError(f"data.prompts={path!r}: cannot read it ({error.strerror})") from None
+    kept_out = -(-len(pairs) // 10)
+    if held_out > kept_out:
+        raise DataError(
+            f"data.held_out={held_out}: only every tenth of the {len(pairs):,} rows of {path} is held out, "
+            f"{kept_out:,} of them; set data.held_out={kept_out} or less"
+        )
+    validation = pairs[::10][:held_out]
+    kept = set(validation)
+    return [pair for pair in pairs if pair not in kept], validation
+
+
+def reward_function(name: str):
+    """The reward function data.reward names ("module:name", called as name(prompt, completion) -> float), or a
+    ValueError in one line."""
+    from accumulation.config.fork_import import import_problem  # a fork's module, imported only here
+
+    module_name, _, function_name = name.partition(":")
+    problem = import_problem(module_name) if function_name else "expected module:name"
+    function = None if problem else getattr(importlib.import_module(module_name), function_name, None)
+    if problem or not callable(function):
+        raise ValueError(f'data.reward="{name}": {problem or f"{module_name} has no function {function_name}"}')
+    return function
 
 
 def addition_problems(max_operand: int) -> list[tuple[str, str]]:
