@@ -17,7 +17,14 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.promises import NotApplicable
-from accumulation.checker.reference import as_float64, float64_full_batch, map_tensors, one_batch_baseline
+from accumulation.checker.reference import (
+    as_float64,
+    float64_full_batch,
+    gradients,
+    map_tensors,
+    one_batch_baseline,
+    trainable_parameters,
+)
 from accumulation.data.rows import DataError, Rows
 from accumulation.models.factory import build_model
 from accumulation.rl.objective_check import objective_from_definition
@@ -136,7 +143,7 @@ def objective_step(
         value = objective_from_definition(mode, losses, groups, constant)
         size = objective_from_definition(mode, [row.detach().abs() for row in losses], groups, constant)
     value.backward()
-    return [p.grad for p in model.parameters()], value.item(), size.item()
+    return gradients(trainable_parameters(model)), value.item(), size.item()
 
 
 def extras_message(example_extras: dict, extras: list[dict], row_ids: torch.Tensor):

@@ -74,12 +74,24 @@ def as_float64(inputs):
     return map_tensors(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor, inputs)
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an update moves, in the model's order: those with requires_grad. A frozen one (a LoRA
+    base weight, a frozen embedding) gets no gradient (its .grad stays None) and is compared by no check."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def gradients(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each trainable parameter's gradient; zeros for one the loss did not reach (its .grad is None)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+
+
 def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
-    """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
+    """∇ of the mean loss over every supervised target of the step as one float64 batch (the trainable
+    parameters'), and that loss."""
     model.train()
     mean_loss = loss_sum_fn(model(as_float64(inputs)), labels) / count_supervised_tokens(labels)
     mean_loss.backward()
-    return [p.grad for p in model.parameters()], mean_loss.item()
+    return gradients(trainable_parameters(model)), mean_loss.item()
 
 
 def one_batch_baseline(
@@ -94,7 +106,7 @@ def one_batch_baseline(
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
     mean_loss.backward()
-    return [p.grad for p in model.parameters()], mean_loss.item()
+    return gradients(trainable_parameters(model)), mean_loss.item()
 
 
 def max_relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -166,7 +178,8 @@ def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, l
     holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
     apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
     nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
-    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in."""
+    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in.
+    Only the trainable parameters' (trainable_parameters): a frozen one has no gradient to hand."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     handed = []
 
@@ -175,7 +188,7 @@ def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, l
 
     def record_first_gradient(opt, args, kwargs):
         if not handed:
-            handed.append([whole(p.grad) for p in model.parameters()])
+            handed.append([whole(grad) for grad in gradients(trainable_parameters(model))])
 
     optimizer.register_step_pre_hook(record_first_gradient)
     return optimizer, handed

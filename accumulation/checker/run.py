@@ -42,9 +42,11 @@ from accumulation.checker.promises import (
 from accumulation.checker.reference import (
     as_float64,
     first_update_probe,
+    gradients,
     max_relative_error,
     reference_rows,
     switch_off_dropout,
+    trainable_parameters,
     without_dropout,
 )
 from accumulation.checker.self_test import (
@@ -266,9 +268,14 @@ def compare_on_main(
         f"precision {config.precision.dtype}"
     )
     parameters = count_parameters(reference_model)
+    frozen = parameters - sum(p.numel() for p in trainable_parameters(reference_model))
+    if frozen:  # no gradient to compare: requires_grad is off, the update never moves them
+        parameters = f"{parameters:,} parameters ({parameters - frozen:,} train and are compared, {frozen:,} frozen)"
+    else:
+        parameters = f"{parameters:,} parameters"
     dropout_off = "; ".join(found.dropout_off) or "none was on"
     print(
-        f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
+        f"model: {found.model_class} ({config.model.name}), {parameters} "
         f"from accumulation.models.factory.build_model; compared with gradient clipping off and dropout off: "
         f"{dropout_off}"
     )
@@ -556,7 +563,8 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
     handed = []  # per step: this stage's gradients by name
 
     def record(opt, args, kwargs):
-        handed.append({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
+        trainable = trainable_parameters(pipeline.stage_module)
+        handed.append({pipeline.names[id(p)]: grad.detach().cpu() for p, grad in zip(trainable, gradients(trainable))})
 
     optimizer.register_step_pre_hook(record)
     scaler = torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config))
@@ -578,7 +586,7 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
     steps = []
     for step in range(PIPELINED_STEPS):
         whole = {name: grad for part in everyone for name, grad in (part[step].items() if part else ())}
-        steps.append([whole[name] for name, _ in model.named_parameters()])
+        steps.append([whole[name] for name, p in model.named_parameters() if p.requires_grad])
     return steps, result, loss_path
 
 
