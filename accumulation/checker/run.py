@@ -564,7 +564,8 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
 
     def record(opt, args, kwargs):
         trainable = trainable_parameters(pipeline.stage_module)
-        handed.append({pipeline.names[id(p)]: grad.detach().cpu() for p, grad in zip(trainable, gradients(trainable))})
+        pairs = zip(trainable, gradients(trainable), strict=True)
+        handed.append({pipeline.names[id(p)]: grad.detach().cpu() for p, grad in pairs})
 
     optimizer.register_step_pre_hook(record)
     scaler = torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config))
