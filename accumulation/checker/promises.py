@@ -13,6 +13,7 @@ from accumulation.checker.reference import map_tensors
 from accumulation.data.rows import DataError, Rows
 from accumulation.data.sources import StepBatch, check_supervised_counts
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.probe import ignored_outputs_change_the_loss, ignored_targets_line
 
 
 def rows_agree_across_calls_and_ranks(
@@ -257,6 +258,33 @@ def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
     )
 
 
+def stages_message(model: torch.nn.Module, num_stages: int, inputs) -> str | None:
+    """Whether the model's pipeline stages (its pipeline_split, as the pipelined loop cuts it), run one after
+    another on the step's rows, compute its forward (train mode, float64, no gradient); None when they do. The
+    loop trains the stages and the reference the forward, so a stage that computes something else (a block run
+    without its causal mask, positions restarted at 0 on a later stage) would read as an accumulation error."""
+    from accumulation.parallel.pipeline import split_into_stages  # only for dist.pipeline_stages > 1
+
+    model.train()
+    with torch.no_grad():
+        whole = model(inputs)
+        outputs = inputs
+        for stage in split_into_stages(model, num_stages):
+            outputs = stage(outputs)
+    if outputs.shape == whole.shape and relative_difference(outputs, whole) <= ROW_INDEPENDENCE_TOLERANCE:
+        return None
+    found = (
+        f"relative {relative_difference(outputs, whole):.2e}"
+        if outputs.shape == whole.shape
+        else f"outputs {list(outputs.shape)} against {list(whole.shape)}"
+    )
+    return (
+        f"the {num_stages} pipeline stages of the model's pipeline_split, run one after another, compute another "
+        f"function than its forward ({found}; float64, train mode): the loop trains the stages, the reference the "
+        "forward; each stage must run the model's own layers as its forward does (a causal mask, positions, a norm)"
+    )
+
+
 # loss_sum_fn's additivity: the float64 sums over two halves of the step's rows and over all of them agree to
 # rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
 # factor of about 2 a mean gives. A loss that computes in float32 whatever its inputs (HF's losses do) rounds
@@ -333,6 +361,34 @@ def additivity_message(
         "can reproduce it: A·D = 1 or a technique such as GradCache",
         note,
     )
+
+
+# A loss that leaves the positions labelled -100 out of its sum does not move at all when only their outputs move
+# (their terms are dropped, or multiplied by 0); 1e-9 of the loss allows for a masked loss's own rounding and lies
+# far below what one supervised padding position moves it by (a target 0 on noisy logits: about 1e-3 of a loss
+# of a few hundred targets, and far more for the hundreds a padded batch holds).
+IGNORED_TOLERANCE = 1e-9
+
+
+def ignored_targets_message(
+    loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None, pairing_failed: bool = False
+) -> str | None:
+    """Whether the loss leaves out every position whose label is -100: on fixed outputs, its value with and
+    without noise on the outputs at those positions (probe.ignored_outputs_change_the_loss, as train.py's probe
+    asks it); None when it does not move, NotApplicable when no label is -100 or the outputs are not one per label
+    position. Loop and reference call the same loss, and splitting rows keeps each row's padding, so neither the
+    gradient comparison nor the 'is a sum' check sees a loss that trains padding or prompts as targets.
+    `keywords`: what the loss reads of the rows besides their labels, as for additivity_message. `pairing_failed`:
+    loss_alignment_message found label j read off another output, which reads the outputs beside the targets;
+    that line names it, so this one judges only the positions away from every target."""
+    count, away, beside = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, keywords or {})
+    if count == 0:
+        return NotApplicable("no label is -100 here, or the outputs are not one per label position")
+    if pairing_failed and away <= IGNORED_TOLERANCE and beside > IGNORED_TOLERANCE:
+        return NotApplicable(
+            "it reads the outputs beside its targets, as the pairing line's fault does; none away from them"
+        )
+    return ignored_targets_line(count, away, beside, IGNORED_TOLERANCE)
 
 
 def weights_agree_across_builds_and_ranks(

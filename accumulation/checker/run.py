@@ -33,10 +33,12 @@ from accumulation.checker.promises import (
     additivity_message,
     counts_message,
     determinism_message,
+    ignored_targets_message,
     labels_message,
     loss_alignment_message,
     row_independence_message,
     rows_agree_across_calls_and_ranks,
+    stages_message,
     weights_agree_across_builds_and_ranks,
 )
 from accumulation.checker.reference import (
@@ -300,6 +302,7 @@ def compare_on_main(
         fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
     keywords = promise_keywords(rows, batch.step, extras)  # on a GRPO step, the surrogate's advantages and the like
     additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels, keywords)
+    pairing = loss_alignment_message(loss_sum_fn, fixed_outputs, labels, keywords)
     checks = {
         "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
@@ -309,8 +312,17 @@ def compare_on_main(
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
         "rows independent": row_independence_message(reference_model, float_inputs),
         "loss_sum_fn is a sum": additivity,
-        "loss pairs label j with output j": loss_alignment_message(loss_sum_fn, fixed_outputs, labels, keywords),
+        "loss pairs label j with output j": pairing,
+        "loss leaves the positions labelled -100 out": ignored_targets_message(
+            loss_sum_fn,
+            fixed_outputs,
+            labels,
+            keywords,
+            pairing_failed=pairing is not None and not isinstance(pairing, NotApplicable),
+        ),
     }
+    if context.pipelined:  # the loop trains the stages: they must compute the reference's forward
+        checks["pipeline stages compute the forward"] = stages_message(reference_model, stages, float_inputs)
     notes = {"loss_sum_fn is a sum": precision_note}
     if loop_gradients is None:
         checks["update"] = (
@@ -327,6 +339,10 @@ def compare_on_main(
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
     reference_gradients, reference_loss = reference.gradients, reference.loss
+    # A promise that fails (the data's extras, the loss's padding, the stages) changes what loop and reference
+    # compute, so a gradient they disagree on is its consequence, not the accumulation's.
+    failed = [name for name, why in checks.items() if why is not None and not isinstance(why, NotApplicable)]
+    promise_failed = failed[0] if failed else None
     gradient_error = max(max_relative_error(step_gradients, reference_gradients) for step_gradients in loop_gradients)
     baseline_error = max_relative_error(reference.baseline_gradients, reference_gradients)
     loss_error = abs(result.loss - reference_loss) / reference.loss_scale
@@ -343,6 +359,11 @@ def compare_on_main(
     checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
     if gradient_error <= allowed:
         checks["gradient"] = None
+    elif baseline_error <= allowed and promise_failed:  # the loop and the reference ran different objectives
+        checks["gradient"] = (
+            f"the accumulated gradient is off by more than {allowed:.1e}: explained by '{promise_failed}' above, "
+            "which fails first; fix it before judging the accumulation"
+        )
     elif baseline_error <= allowed:
         checks["gradient"] = (
             f"the accumulated gradient is off by more than {allowed:.1e}, the same step at {at_once} is within "
