@@ -107,9 +107,9 @@ def ignored_targets_line(count: int, away: float, beside: float, tolerance: floa
     if away > tolerance:
         return (
             f"the loss reads the outputs at positions whose label is -100 (padding, prompt; {count} here): moving "
-            f"only those away from every target moves it by {away:.2e} relative, so it trains them as targets "
-            "(labels.clamp(min=0) makes each a target 0); leave them out of the SUM: ignore_index=-100, or mask by "
-            "labels != -100"
+            f"only those away from every target moves it by {away:.2e} relative: it trains them as targets "
+            "(labels.clamp(min=0) makes each a target 0) or reads them in another term; leave them out of the SUM: "
+            "ignore_index=-100, or mask by labels != -100"
         )
     if beside > tolerance:
         return (

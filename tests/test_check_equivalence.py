@@ -465,7 +465,7 @@ def test_a_loss_that_supervises_the_padding_fails_naming_the_positions_labelled_
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert failing_lines(stdout)[0] == "loss leaves the positions labelled -100 out", stdout
     line = checker_line(stdout, "loss leaves the positions labelled -100 out")
-    assert "trains them as targets (labels.clamp(min=0) makes each a target 0)" in line, line
+    assert "it trains them as targets (labels.clamp(min=0) makes each a target 0)" in line, line
     # The loop's micro-batches hold other padding than the reference's rows, so their gradients differ too: that
     # line names the promise as the cause, not the accumulation.
     gradient = checker_line(stdout, "gradient")

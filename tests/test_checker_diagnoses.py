@@ -2,12 +2,28 @@
 than the model's forward, an extra of a new objective that its raw examples do not state, and the self-test's
 loss bugs at a GRPO step (whose loss reads extras). A failing promise explains the gradient line that follows it."""
 
+import dataclasses
+import re
+
+import pytest
 import torch
 import torch.nn as nn
 
+from accumulation.batching import IGNORE_INDEX
+from accumulation.checker import run as checker_run
+from accumulation.checker.promises import loss_alignment_message
 from accumulation.config.registry import register_model
 from accumulation.models.gpt import build_gpt
-from tests.test_check_equivalence import checker_line, run_checker
+from accumulation.rl.objectives import target_log_probs
+from accumulation.rl.on_policy import clipped_surrogate_sum
+from tests.test_check_equivalence import checker_line, failing_lines
+from tests.test_check_equivalence import run_checker as run_checker_on_short_documents
+from tests.test_check_equivalence_grpo import (
+    GRPO_STEP,
+    line,
+    run_checker,
+    surrogate_pairing_label_j_with_output_j_plus_1,
+)
 
 
 class StageWithoutCausalMask(nn.Module):
@@ -42,7 +58,7 @@ def test_a_stage_that_computes_another_function_is_named_not_the_accumulation(tm
     """The loop trains the stages, the reference and the A = 1, D = 1 baseline the model's forward: the gradient
     line blamed 'accumulation, not rounding'."""
     arguments = [STAGE_WITHOUT_MASK, "model.n_layer=2", "dist.pipeline_stages=2"]
-    status, stdout = run_checker(tmp_path, arguments, 2, capsys)
+    status, stdout = run_checker_on_short_documents(tmp_path, arguments, 2, capsys)
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     stages = checker_line(stdout, "pipeline stages compute the forward")
     assert stages.startswith(
@@ -52,3 +68,126 @@ def test_a_stage_that_computes_another_function_is_named_not_the_accumulation(tm
     gradient = checker_line(stdout, "gradient")
     assert "accumulation, not rounding" not in gradient
     assert "explained by 'pipeline stages compute the forward' above" in gradient, gradient
+
+
+# ---------------------------------------------------------------------------------------------------
+# A GRPO step: its loss reads extras (advantages, old log-probabilities, row weights)
+# ---------------------------------------------------------------------------------------------------
+
+
+class RolloutsAltered:
+    """A fork's rows: the GRPO rollouts, with either an extra left out of their raw examples (`unstated`) or an
+    extra that examples() hands the loss taken from the next row (`moved`). Everything else is the rollouts'."""
+
+    def __init__(self, rows, *, unstated: str | None = None, moved: str | None = None):
+        self.rows, self.unstated, self.moved = rows, unstated, moved
+
+    def __getattr__(self, name):
+        return getattr(self.rows, name)
+
+    def examples(self, row_ids, step):
+        inputs, labels, *extras = self.rows.examples(row_ids, step)
+        if extras and self.moved:
+            extras = [{**extras[0], self.moved: extras[0][self.moved].roll(1, dims=0)}]
+        return inputs, labels, *extras
+
+    def raw_example(self, row_id, step):
+        example = self.rows.raw_example(row_id, step)
+        extras = {name: value for name, value in example.extras.items() if name != self.unstated}
+        return dataclasses.replace(example, extras=extras)
+
+
+def with_rollouts_altered(monkeypatch, **alteration) -> None:
+    real_build_data = checker_run.build_data
+
+    def build_data(*args, **kwargs):
+        data = real_build_data(*args, **kwargs)
+        return dataclasses.replace(data, train=RolloutsAltered(data.train, **alteration))
+
+    monkeypatch.setattr(checker_run, "build_data", build_data)
+
+
+def test_an_extra_the_raw_examples_do_not_state_is_named(capsys, monkeypatch):
+    """The reference hands the loss what the raw examples state: without old_log_probs it ran another objective,
+    and the checker said 'ok' for the extras and blamed the gradient on the accumulation."""
+    with_rollouts_altered(monkeypatch, unstated="old_log_probs")
+    status, stdout = run_checker(GRPO_STEP, 1, capsys)
+    assert status == 1, stdout
+    extras = line(stdout, "extras of examples() vs the raw examples")
+    assert (
+        extras == "FAIL: examples() hands the loss old_log_probs, which no raw example states: the reference's "
+        "loss would run without it; state it in raw_example's extras"
+    ), stdout
+    # The reference would run another objective: the loss's checks and the figures are not judged on it.
+    assert line(stdout, "loss_sum_fn is a sum").startswith("n/a: the raw examples' extras disagree"), stdout
+    assert "accumulation, not rounding" not in stdout and not re.search("^gradient:", stdout, re.MULTILINE)
+    assert [text for text in stdout.splitlines() if "FAIL: " in text] == [
+        f"extras of examples() vs the raw examples: {extras}"
+    ]
+
+
+def test_an_extra_handed_to_another_row_is_named(capsys, monkeypatch):
+    """The extras detector's own self-test: examples() hands each row the advantage of the row before it."""
+    with_rollouts_altered(monkeypatch, moved="advantages")
+    status, stdout = run_checker(GRPO_STEP, 1, capsys)
+    assert status == 1, stdout
+    extras = line(stdout, "extras of examples() vs the raw examples")
+    assert re.fullmatch(
+        r"FAIL: row \d+: examples\(\) hands the loss another advantages than its raw example states", extras
+    ), stdout
+
+
+@pytest.mark.parametrize(
+    "bug, failing",
+    [
+        ("mean-of-means", "loss"),  # a bug of the loop: the loss and the gradient off, the accumulation named
+        ("mean-loss", "loss_sum_fn is a sum"),
+        ("double-shift", "loss pairs label j with output j"),
+        ("in-batch-negatives", "loss_sum_fn is a sum"),
+    ],
+)
+def test_the_self_tests_loss_bugs_apply_at_a_grpo_step(capsys, bug, failing):
+    """They wrapped a loss of the labels alone: mean-of-means was a traceback at a GRPO step, the others 'the loss
+    raised ... unexpected keyword argument advantages'. Each hands the surrogate its extras and FAILs where it
+    should."""
+    status, stdout = run_checker([*GRPO_STEP, "--inject-bug", bug], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failing_lines(stdout)[0] == failing, stdout
+    if bug == "mean-of-means":
+        assert line(stdout, "gradient").endswith("accumulation, not rounding"), stdout
+
+
+def surrogate_rows(advantages: list[float]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Fixed outputs [rows, 8, 5] and labels supervising positions 2..5 of each row, with the surrogate's extras:
+    the given advantages, old log-probabilities sampled from these outputs (every ratio 1), row weights 1."""
+    rows = len(advantages)
+    generator = torch.Generator().manual_seed(0)
+    outputs = torch.randn(rows, 8, 5, generator=generator, dtype=torch.float64)
+    labels = torch.full((rows, 8), IGNORE_INDEX)
+    labels[:, 2:6] = torch.randint(0, 5, (rows, 4), generator=generator)
+    keywords = {
+        "advantages": torch.tensor(advantages, dtype=torch.float64),
+        "old_log_probs": target_log_probs(outputs, labels),
+        "row_weights": torch.ones(rows, dtype=torch.float64),
+    }
+    return outputs, labels, keywords
+
+
+def test_the_pairing_detector_judges_a_row_with_gradient_when_the_middle_rows_have_advantage_0():
+    """A surrogate's row of advantage 0 reads its outputs with weight 0: a label there shows no pairing at all
+    ('reads outputs []'). Rows 2 to 6 of 8 have advantage 0: the 20 labels around the middle, more than the
+    detector tries one by one, so only its choice of rows with a gradient finds a label to judge."""
+    outputs, labels, keywords = surrogate_rows([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    assert loss_alignment_message(clipped_surrogate_sum, outputs, labels, keywords) is None
+    shifted = loss_alignment_message(surrogate_pairing_label_j_with_output_j_plus_1, outputs, labels, keywords)
+    assert shifted is not None and re.match(
+        r"the loss of label \d+ \(row [017] of the step\) reads outputs \[", shifted
+    )
+
+
+def test_the_pairing_detector_passes_over_a_label_whose_ratio_is_clipped():
+    """A label whose ratio the clip holds has no gradient of its own, in a row that has one: the detector judges
+    the next label instead of reporting that the middle one reads no output."""
+    outputs, labels, keywords = surrogate_rows([1.0, -1.0, 1.0, -1.0])
+    keywords["old_log_probs"][2, 2] -= 5.0  # row 2's first label, the middle of 16: ratio e^5 > 1 + ε, A > 0
+    assert loss_alignment_message(clipped_surrogate_sum, outputs, labels, keywords) is None

@@ -147,11 +147,23 @@ def objective_step(
 
 
 def extras_message(example_extras: dict, extras: list[dict], row_ids: torch.Tensor):
-    """Where the extras examples() hands the loss differ from those the raw examples state (each name both
-    hold), in words; None when they agree. The row weights are the aggregation's, which no raw example states."""
+    """Where the extras examples() hands the loss differ from those the raw examples state, in words; None when
+    they agree. An extra only one side holds is named: the reference hands the loss what the raw examples state,
+    so an extra they leave out makes the reference another objective than the loop's. The row weights are the
+    aggregation's, which no raw example states, and the group is the definition's, which the loss never reads."""
     if not example_extras and not any(extras):
         return NotApplicable("the rows carry no extras: the loss reads the labels alone")
-    for name in sorted(set(example_extras) & set(extras[0] if extras else {})):
+    stated_names = set().union(*(row.keys() for row in extras)) if extras else set()
+    unstated = sorted(set(example_extras) - stated_names - {ROW_WEIGHTS})
+    if unstated:
+        return (
+            f"examples() hands the loss {', '.join(unstated)}, which no raw example states: the reference's loss would "
+            "run without it; state it in raw_example's extras"
+        )
+    unhanded = sorted(stated_names - set(example_extras) - {GROUP})
+    if unhanded:
+        return f"the raw examples state {', '.join(unhanded)}, which examples() does not hand the loss"
+    for name in sorted(set(example_extras) & stated_names):
         stated = torch.stack([torch.as_tensor(row[name], dtype=example_extras[name].dtype) for row in extras])
         differs = (example_extras[name] != stated).reshape(len(row_ids), -1).any(dim=1)
         if differs.any():

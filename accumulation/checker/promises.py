@@ -106,6 +106,11 @@ class NotApplicable(str):
     """Why a check cannot apply to this fork's data: the checker prints "n/a: <why>", neither ok nor a failure."""
 
 
+# How many labels loss_alignment_message tries before it gives up finding one whose loss alone has a gradient: one
+# backward each, on the step's fixed outputs.
+PAIRING_CANDIDATES = 16
+
+
 def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None) -> str | None:
     """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
     when it does, NotApplicable(why) when the labels have no positions to pair. On fixed outputs, one supervised
@@ -130,10 +135,19 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
     rows_with_gradient = gradient_per_position(loss_sum_fn, outputs, labels, keywords).sum(dim=1) > 0
     if rows_with_gradient[inner[:, 0]].any():
         inner = inner[rows_with_gradient[inner[:, 0]]]
-    row, position = inner[len(inner) // 2].tolist()
-    one_label = torch.full_like(labels, IGNORE_INDEX)
-    one_label[row, position] = labels[row, position]
-    read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+    # Nor does a single target whose own term has none (a surrogate's ratio clipped there): from the middle label
+    # outwards, the first of a few whose loss alone has a gradient is judged.
+    middle = len(inner) // 2
+    order = sorted(range(len(inner)), key=lambda index: abs(index - middle))[:PAIRING_CANDIDATES]
+    for index in order:
+        row, position = inner[index].tolist()
+        one_label = torch.full_like(labels, IGNORE_INDEX)
+        one_label[row, position] = labels[row, position]
+        read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+        if read_per_position.sum() > 0:
+            break
+    else:
+        return NotApplicable(f"none of {len(order)} labels near the middle has a loss with a gradient on its own")
     if read_per_position[position] > 0:
         return None
     read = read_per_position.nonzero().flatten().tolist()

@@ -300,34 +300,30 @@ def compare_on_main(
     reference_counts = (labels != IGNORE_INDEX).reshape(len(row_ids), -1).sum(dim=1)
     with torch.no_grad():
         fixed_outputs = reference_model.train()(float_inputs)  # the outputs the additivity check holds fixed
-    keywords = promise_keywords(rows, batch.step, extras)  # on a GRPO step, the surrogate's advantages and the like
-    additivity, precision_note = additivity_message(loss_sum_fn, fixed_outputs, labels, keywords)
-    pairing = loss_alignment_message(loss_sum_fn, fixed_outputs, labels, keywords)
+    extras_check = extras_message(example_extras, extras, row_ids)
     checks = {
         "rows": found.same_rows,
         "examples() vs the raw examples": labels_message(example_inputs, example_labels, inputs, labels, row_ids),
-        "extras of examples() vs the raw examples": extras_message(example_extras, extras, row_ids),
+        "extras of examples() vs the raw examples": extras_check,
         "supervised_counts vs the raw examples' targets": counts_message(batch, reference_counts),
         "supervised_counts vs the labels of examples()": found.labels_as_promised,
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
         "rows independent": row_independence_message(reference_model, float_inputs),
-        "loss_sum_fn is a sum": additivity,
-        "loss pairs label j with output j": pairing,
-        "loss leaves the positions labelled -100 out": ignored_targets_message(
-            loss_sum_fn,
-            fixed_outputs,
-            labels,
-            keywords,
-            pairing_failed=pairing is not None and not isinstance(pairing, NotApplicable),
-        ),
     }
+    # The loss's promises and the reference hand the loss the raw examples' extras: when they disagree with what
+    # examples() hands it, neither would test the loss the loop trains, and one missing would make it raise.
+    extras_differ = extras_check is not None and not isinstance(extras_check, NotApplicable)
+    keywords = promise_keywords(rows, batch.step, extras)  # on a GRPO step, the surrogate's advantages and the like
+    loss_checks, notes = loss_promises(loss_sum_fn, fixed_outputs, labels, keywords, skip=extras_differ)
+    checks.update(loss_checks)
     if context.pipelined:  # the loop trains the stages: they must compute the reference's forward
         checks["pipeline stages compute the forward"] = stages_message(reference_model, stages, float_inputs)
-    notes = {"loss_sum_fn is a sum": precision_note}
     if loop_gradients is None:
         checks["update"] = (
             f"the loop did not apply its update ({result.skip_reason}), so there is no gradient to compare"
         )
+        return report(checks, notes)
+    if extras_differ:  # the reference's objective would not be the loop's: no figure could be judged
         return report(checks, notes)
 
     # The figures, each beside the same step without accumulation (A = 1, D = 1) in the loop's precision.
@@ -357,6 +353,8 @@ def compare_on_main(
     same_n = (result.unit, result.normaliser) == (reference.unit, reference.normaliser)
     checks["normaliser"] = None if same_n else "the loop's N is not the objective's, counted from its definition"
     checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
+    if checks["loss"] and promise_failed:
+        checks["loss"] += f": explained by '{promise_failed}' above"
     if gradient_error <= allowed:
         checks["gradient"] = None
     elif baseline_error <= allowed and promise_failed:  # the loop and the reference ran different objectives
@@ -387,6 +385,19 @@ def compare_on_main(
         "largest |loop - reference| / largest |reference|)",
     }
     return report(checks, notes, figures)
+
+
+def loss_promises(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
+    """(the lines of the loss's own promises on fixed outputs, their notes); with `skip`, each n/a and why."""
+    names = ("loss_sum_fn is a sum", "loss pairs label j with output j", "loss leaves the positions labelled -100 out")
+    if skip:
+        why = NotApplicable("the raw examples' extras disagree with those of examples() (above): the loss is not run")
+        return dict.fromkeys(names, why), {}
+    additivity, precision_note = additivity_message(loss_sum_fn, outputs, labels, keywords)
+    pairing = loss_alignment_message(loss_sum_fn, outputs, labels, keywords)
+    pairing_failed = pairing is not None and not isinstance(pairing, NotApplicable)
+    ignored = ignored_targets_message(loss_sum_fn, outputs, labels, keywords, pairing_failed=pairing_failed)
+    return dict(zip(names, (additivity, pairing, ignored), strict=True)), {names[0]: precision_note}
 
 
 # When the same step without accumulation (A = 1, D = 1) is itself further from the float64 reference than the
