@@ -63,59 +63,42 @@ def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
     return outputs, whole
 
 
-def ignored_outputs_change_the_loss(
-    loss_sum_fn, outputs, labels: torch.Tensor, extras: dict
-) -> tuple[int, float, float]:
-    """(how many positions have label -100; how far the loss moves when only the outputs at those of them that lie
-    away from every target move; the same for those beside a target, at j - 1 or j + 1 of a supervised j): the
-    loss's value on the outputs as they are against its value with noise added there, relative. Both are 0 for a
-    loss that leaves those positions out of its sum, as it must; (0, 0.0, 0.0) when no label is -100 or the outputs
-    are not one per label position ([rows, seq, ...] against labels [rows, seq], or [rows, ...] against one label
-    per row: then no position lies beside another).
-
-    A loss that supervises them (labels.clamp(min=0), a gather at the label without the mask) trains every padding
-    and prompt position as token 0: it moves with the outputs away from the targets. One that pairs label j with
-    output j - 1 or j + 1 (labels shifted twice) reads only the outputs beside its targets. The noise is drawn from
-    a fixed seed, so two runs agree."""
+def ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras: dict) -> tuple[float, float] | None:
+    """How far the loss moves, relative, when noise is added to the outputs at the positions labelled -100 only:
+    (at those away from every target, at those beside one: j ± 1 of a supervised j). Both 0 for a loss that leaves
+    them out of its sum; a clamp(min=0) of the labels trains them all as token 0, a loss that shifts labels again
+    reads those beside its targets. None when no label is -100 or the outputs are not one per label position."""
     ignored = labels == IGNORE_INDEX
-    count = int(ignored.sum())
-    if count == 0 or not isinstance(outputs, torch.Tensor) or outputs.shape[: labels.dim()] != labels.shape:
-        return 0, 0.0, 0.0
+    if not ignored.any() or not isinstance(outputs, torch.Tensor) or outputs.shape[: labels.dim()] != labels.shape:
+        return None
     beside = torch.zeros_like(ignored)
-    if labels.dim() >= 2:  # positions along dimension 1: a neighbour of a supervised position
-        supervised = ~ignored
-        beside[:, 1:] |= supervised[:, :-1]
-        beside[:, :-1] |= supervised[:, 1:]
-    beside &= ignored
+    if labels.dim() >= 2:  # along the positions of a row
+        beside[:, 1:] |= ~ignored[:, :-1]
+        beside[:, :-1] |= ~ignored[:, 1:]
     noise = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    noise = noise.to(device=outputs.device, dtype=outputs.dtype) * (1 + outputs.detach().abs())
-
-    def moved_at(positions: torch.Tensor) -> float:
-        where = positions.reshape(*labels.shape, *[1] * (outputs.dim() - labels.dim())).to(outputs.device)
-        return float(loss_sum_fn(torch.where(where, outputs + noise, outputs), labels, **extras))
-
+    noise = noise.to(outputs.device, outputs.dtype) * (1 + outputs.abs())
     with torch.no_grad():
         as_they_are = float(loss_sum_fn(outputs, labels, **extras))
-        away, next_to = moved_at(ignored & ~beside), moved_at(beside)
-    return count, _relative_difference(as_they_are, away), _relative_difference(as_they_are, next_to)
+        moved = []
+        for positions in (ignored & ~beside, ignored & beside):
+            where = positions.reshape(*labels.shape, *[1] * (outputs.dim() - labels.dim())).to(outputs.device)
+            moved.append(float(loss_sum_fn(torch.where(where, outputs + noise, outputs), labels, **extras)))
+    return _relative_difference(as_they_are, moved[0]), _relative_difference(as_they_are, moved[1])
 
 
-def ignored_targets_line(count: int, away: float, beside: float, tolerance: float) -> str | None:
-    """The line for a loss that reads outputs at some of the `count` positions whose label is -100 (`away` and
-    `beside`: how far it moves, as ignored_outputs_change_the_loss measures), None when neither passes
-    `tolerance`."""
+def ignored_targets_line(away: float, beside: float, tolerance: float) -> str | None:
+    """What a loss that moves with the outputs labelled -100 does wrong (ignored_outputs_change_the_loss), or None."""
     if away > tolerance:
         return (
-            f"the loss reads the outputs at positions whose label is -100 (padding, prompt; {count} here): moving "
-            f"only those away from every target moves it by {away:.2e} relative: it trains them as targets "
-            "(labels.clamp(min=0) makes each a target 0) or reads them in another term; leave them out of the SUM: "
-            "ignore_index=-100, or mask by labels != -100"
+            f"the loss reads the outputs at positions whose label is -100 (padding, prompt): moving only those away "
+            f"from every target moves it by {away:.2e} relative: it trains them as targets (labels.clamp(min=0) makes "
+            "each a target 0) or reads them in another term; leave them out of the SUM (ignore_index=-100)"
         )
     if beside > tolerance:
         return (
-            f"the loss reads the outputs at positions whose label is -100 next to its targets (moving only those "
-            f"moves it by {beside:.2e} relative): label j is read off output j - 1 or j + 1; labels arrive shifted "
-            "(label j = token j + 1): shifted twice, as HF's loss_function does? Pair label j with output j"
+            f"the loss reads the outputs labelled -100 next to its targets (moving them moves it by {beside:.2e}): "
+            "label j read off output j ± 1; labels arrive shifted: shifted twice (HF's loss_function)? Pair label j "
+            "with output j"
         )
     return None
 
@@ -153,13 +136,10 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
         outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
-    # First: a loss that reads the ignored positions also fails the tests below (masking half of the targets
-    # with -100 masks nothing), where it would pass for a mean or for coupled examples.
-    reads_ignored = ignored_targets_line(
-        *ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras), tolerance=ADDITIVE_TOLERANCE
-    )
-    if reads_ignored is not None:
-        raise InexactStep(f"step 0: {reads_ignored}")
+    # First: a loss that reads the positions labelled -100 fails the tests below too, as a mean or a coupling.
+    moved = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras)
+    if moved and ignored_targets_line(*moved, ADDITIVE_TOLERANCE):
+        raise InexactStep(f"step 0: {ignored_targets_line(*moved, ADDITIVE_TOLERANCE)}")
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)

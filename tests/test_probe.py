@@ -137,7 +137,7 @@ def test_train_py_stops_a_loss_that_supervises_the_padding_naming_it(tmp_path, m
         sys.modules.pop("probe_fork", None)
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith(
-        "error: step 0: the loss reads the outputs at positions whose label is -100 (padding, prompt;"
+        "error: step 0: the loss reads the outputs at positions whose label is -100 (padding, prompt): moving only"
     ), errors
     assert "labels.clamp(min=0)" in errors[0] and "in-batch negatives" not in errors[0]
     assert not (tmp_path / "runs" / "sft" / "checkpoints").exists()
@@ -158,7 +158,7 @@ def test_a_loss_that_reads_the_outputs_beside_its_targets_is_named_as_shifted_tw
     def shifted_again(outputs, labels):
         return token_cross_entropy_sum(outputs[:, :-1], labels[:, 1:])
 
-    with pytest.raises(InexactStep, match=r"next to its targets .* label j is read off output j - 1 or j \+ 1"):
+    with pytest.raises(InexactStep, match=r"labelled -100 next to its targets .* label j read off output j ± 1"):
         probe_loss_and_model(embedding, embedding, shifted_again, token_batch(), torch.device("cpu"), "warn")
     assert probe_loss_and_model(embedding, embedding, token_cross_entropy_sum, token_batch(), "cpu", "warn") == []
 

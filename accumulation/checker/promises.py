@@ -395,14 +395,28 @@ def ignored_targets_message(
     `keywords`: what the loss reads of the rows besides their labels, as for additivity_message. `pairing_failed`:
     loss_alignment_message found label j read off another output, which reads the outputs beside the targets;
     that line names it, so this one judges only the positions away from every target."""
-    count, away, beside = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, keywords or {})
-    if count == 0:
+    moved = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, keywords or {})
+    if moved is None:
         return NotApplicable("no label is -100 here, or the outputs are not one per label position")
+    away, beside = moved
     if pairing_failed and away <= IGNORED_TOLERANCE and beside > IGNORED_TOLERANCE:
         return NotApplicable(
             "it reads the outputs beside its targets, as the pairing line's fault does; none away from them"
         )
-    return ignored_targets_line(count, away, beside, IGNORED_TOLERANCE)
+    return ignored_targets_line(away, beside, IGNORED_TOLERANCE)
+
+
+def loss_promises(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
+    """(the lines of the loss's own promises on fixed outputs, their notes); with `skip`, each n/a and why."""
+    names = ("loss_sum_fn is a sum", "loss pairs label j with output j", "loss leaves the positions labelled -100 out")
+    if skip:
+        why = NotApplicable("the raw examples' extras disagree with those of examples() (above): the loss is not run")
+        return dict.fromkeys(names, why), {}
+    additivity, precision_note = additivity_message(loss_sum_fn, outputs, labels, keywords)
+    pairing = loss_alignment_message(loss_sum_fn, outputs, labels, keywords)
+    pairing_failed = pairing is not None and not isinstance(pairing, NotApplicable)
+    ignored = ignored_targets_message(loss_sum_fn, outputs, labels, keywords, pairing_failed=pairing_failed)
+    return dict(zip(names, (additivity, pairing, ignored), strict=True)), {names[0]: precision_note}
 
 
 def weights_agree_across_builds_and_ranks(

@@ -80,6 +80,15 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+def parameters_compared(model: torch.nn.Module) -> str:
+    """The model's parameters in words, and which of them the checker compares when some are frozen."""
+    parameters = sum(p.numel() for p in model.parameters())
+    frozen = parameters - sum(p.numel() for p in trainable_parameters(model))
+    if frozen:  # requires_grad off: no gradient to compare, and no update moves them
+        return f"{parameters:,} parameters ({parameters - frozen:,} train and are compared, {frozen:,} frozen)"
+    return f"{parameters:,} parameters"
+
+
 def gradients(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each trainable parameter's gradient; zeros for one the loss did not reach (its .grad is None)."""
     return [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]

@@ -30,12 +30,10 @@ from accumulation.checker.objective_reference import (
 )
 from accumulation.checker.promises import (
     NotApplicable,
-    additivity_message,
     counts_message,
     determinism_message,
-    ignored_targets_message,
     labels_message,
-    loss_alignment_message,
+    loss_promises,
     row_independence_message,
     rows_agree_across_calls_and_ranks,
     stages_message,
@@ -46,6 +44,7 @@ from accumulation.checker.reference import (
     first_update_probe,
     gradients,
     max_relative_error,
+    parameters_compared,
     reference_rows,
     switch_off_dropout,
     trainable_parameters,
@@ -73,7 +72,6 @@ from accumulation.data.sources import StepBatch, build_data, step_batch
 from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
-    count_parameters,
     decided_model_config,
     loss_sum_fn_for,
     resolved_vocab_size,
@@ -269,12 +267,7 @@ def compare_on_main(
         f"check_equivalence: {described}; step {batch.step}: {len(row_ids)} examples; device {context.device}; "
         f"precision {config.precision.dtype}"
     )
-    parameters = count_parameters(reference_model)
-    frozen = parameters - sum(p.numel() for p in trainable_parameters(reference_model))
-    if frozen:  # no gradient to compare: requires_grad is off, the update never moves them
-        parameters = f"{parameters:,} parameters ({parameters - frozen:,} train and are compared, {frozen:,} frozen)"
-    else:
-        parameters = f"{parameters:,} parameters"
+    parameters = parameters_compared(reference_model)
     dropout_off = "; ".join(found.dropout_off) or "none was on"
     print(
         f"model: {found.model_class} ({config.model.name}), {parameters} "
@@ -310,8 +303,7 @@ def compare_on_main(
         "forward deterministic": determinism_message(reference_model, float_inputs, found.dropout_off),
         "rows independent": row_independence_message(reference_model, float_inputs),
     }
-    # The loss's promises and the reference hand the loss the raw examples' extras: when they disagree with what
-    # examples() hands it, neither would test the loss the loop trains, and one missing would make it raise.
+    # Extras that disagree: the loss's checks and the reference would not run the loss the loop trains.
     extras_differ = extras_check is not None and not isinstance(extras_check, NotApplicable)
     keywords = promise_keywords(rows, batch.step, extras)  # on a GRPO step, the surrogate's advantages and the like
     loss_checks, notes = loss_promises(loss_sum_fn, fixed_outputs, labels, keywords, skip=extras_differ)
@@ -322,8 +314,7 @@ def compare_on_main(
         checks["update"] = (
             f"the loop did not apply its update ({result.skip_reason}), so there is no gradient to compare"
         )
-        return report(checks, notes)
-    if extras_differ:  # the reference's objective would not be the loop's: no figure could be judged
+    if loop_gradients is None or extras_differ:  # no gradient, or a reference of another objective: no figures
         return report(checks, notes)
 
     # The figures, each beside the same step without accumulation (A = 1, D = 1) in the loop's precision.
@@ -335,10 +326,9 @@ def compare_on_main(
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
     reference_gradients, reference_loss = reference.gradients, reference.loss
-    # A promise that fails (the data's extras, the loss's padding, the stages) changes what loop and reference
-    # compute, so a gradient they disagree on is its consequence, not the accumulation's.
-    failed = [name for name, why in checks.items() if why is not None and not isinstance(why, NotApplicable)]
-    promise_failed = failed[0] if failed else None
+    # A failing promise (the loss's padding, the stages) makes loop and reference differ; it, not accumulation.
+    failed = (name for name, why in checks.items() if why is not None and not isinstance(why, NotApplicable))
+    promise_failed = next(failed, None)
     gradient_error = max(max_relative_error(step_gradients, reference_gradients) for step_gradients in loop_gradients)
     baseline_error = max_relative_error(reference.baseline_gradients, reference_gradients)
     loss_error = abs(result.loss - reference_loss) / reference.loss_scale
@@ -357,16 +347,10 @@ def compare_on_main(
         checks["loss"] += f": explained by '{promise_failed}' above"
     if gradient_error <= allowed:
         checks["gradient"] = None
-    elif baseline_error <= allowed and promise_failed:  # the loop and the reference ran different objectives
-        checks["gradient"] = (
-            f"the accumulated gradient is off by more than {allowed:.1e}: explained by '{promise_failed}' above, "
-            "which fails first; fix it before judging the accumulation"
-        )
-    elif baseline_error <= allowed:
-        checks["gradient"] = (
-            f"the accumulated gradient is off by more than {allowed:.1e}, the same step at {at_once} is within "
-            "it: accumulation, not rounding"
-        )
+    elif baseline_error <= allowed:  # after a failing promise, loop and reference ran different objectives
+        cause = f", the same step at {at_once} is within it: accumulation, not rounding"
+        cause = f": explained by '{promise_failed}' above" if promise_failed else cause
+        checks["gradient"] = f"the accumulated gradient is off by more than {allowed:.1e}{cause}"
     else:
         checks["gradient"] = (
             f"the accumulated gradient is off by more than {allowed:.1e}, and so is the same step at {at_once}: "
@@ -385,19 +369,6 @@ def compare_on_main(
         "largest |loop - reference| / largest |reference|)",
     }
     return report(checks, notes, figures)
-
-
-def loss_promises(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
-    """(the lines of the loss's own promises on fixed outputs, their notes); with `skip`, each n/a and why."""
-    names = ("loss_sum_fn is a sum", "loss pairs label j with output j", "loss leaves the positions labelled -100 out")
-    if skip:
-        why = NotApplicable("the raw examples' extras disagree with those of examples() (above): the loss is not run")
-        return dict.fromkeys(names, why), {}
-    additivity, precision_note = additivity_message(loss_sum_fn, outputs, labels, keywords)
-    pairing = loss_alignment_message(loss_sum_fn, outputs, labels, keywords)
-    pairing_failed = pairing is not None and not isinstance(pairing, NotApplicable)
-    ignored = ignored_targets_message(loss_sum_fn, outputs, labels, keywords, pairing_failed=pairing_failed)
-    return dict(zip(names, (additivity, pairing, ignored), strict=True)), {names[0]: precision_note}
 
 
 # When the same step without accumulation (A = 1, D = 1) is itself further from the float64 reference than the
@@ -595,9 +566,8 @@ def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: Dist
     handed = []  # per step: this stage's gradients by name
 
     def record(opt, args, kwargs):
-        trainable = trainable_parameters(pipeline.stage_module)
-        pairs = zip(trainable, gradients(trainable), strict=True)
-        handed.append({pipeline.names[id(p)]: grad.detach().cpu() for p, grad in pairs})
+        stage = trainable_parameters(pipeline.stage_module)  # a frozen parameter has no gradient to hand
+        handed.append({pipeline.names[id(p)]: g.detach().cpu() for p, g in zip(stage, gradients(stage), strict=True)})
 
     optimizer.register_step_pre_hook(record)
     scaler = torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config))
