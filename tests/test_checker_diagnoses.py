@@ -54,6 +54,25 @@ register_model("gpt-stage-without-mask", build_gpt_whose_last_stage_drops_the_ma
 STAGE_WITHOUT_MASK = "model.name=tests.test_checker_diagnoses:gpt-stage-without-mask"
 
 
+def build_gpt_with_a_frozen_embedding(model_config, vocab_size: int, *, seq_len: int, seed: int):
+    model = build_gpt(model_config, vocab_size, seq_len=seq_len, seed=seed)
+    model.token_embedding.weight.requires_grad_(False)
+    return model
+
+
+register_model("gpt-frozen-embedding", build_gpt_with_a_frozen_embedding)
+
+
+def test_a_frozen_embedding_is_left_out_of_the_comparison_and_said_so(tmp_path, capsys):
+    """Without PEFT: a parameter with requires_grad off has no gradient (the checker crashed on its None)."""
+    arguments = ["model.name=tests.test_checker_diagnoses:gpt-frozen-embedding"]
+    status, stdout = run_checker_on_short_documents(tmp_path, arguments, 1, capsys)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    match = re.search(r"([\d,]+) parameters \(([\d,]+) train and are compared, ([\d,]+) frozen\)", stdout)
+    total, trainable, frozen = (int(group.replace(",", "")) for group in match.groups())
+    assert total == trainable + frozen and frozen == 256 * 32, stdout  # the byte vocabulary x TINY_CONFIG's d_model
+
+
 def test_a_stage_that_computes_another_function_is_named_not_the_accumulation(tmp_path, capsys):
     """The loop trains the stages, the reference and the A = 1, D = 1 baseline the model's forward: the gradient
     line blamed 'accumulation, not rounding'."""

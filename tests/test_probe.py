@@ -126,6 +126,7 @@ def test_train_py_stops_a_loss_that_supervises_the_padding_naming_it(tmp_path, m
         "--config",
         "configs/sft.toml",
         "model.objective=probe_fork:clamped",
+        "run.max_steps=2",
         "model.n_layer=1",
         "batch.global_batch_size=8",
         "batch.micro_batch_size=4",
