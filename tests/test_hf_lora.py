@@ -35,6 +35,9 @@ def test_the_checker_compares_the_trainable_parameters_and_passes(capsys, loss):
     assert float(re.search(r"max relative error ([0-9.e+-]+)", out).group(1)) < checker.RELATIVE_TOLERANCE["fp32"]
 
 
+# Each rank imports transformers and PEFT: about 28 s on this machine, so the integration tier; the default tier
+# checks frozen parameters on 2 ranks with a frozen embedding (tests/test_checker_diagnoses.py).
+@pytest.mark.integration
 def test_the_checker_passes_on_two_gloo_ranks():
     per_rank = run_main_on_ranks("accumulation.checker:main", SMALL, world_size=2, timeout_s=180)
     statuses = [status for status, _, _ in per_rank]
