@@ -12,13 +12,13 @@ from accumulation.config.config import (
     Config,
     ConfigError,
     PieceError,
+    allowed_text,
     load_config,
     settings_of,
     unused_model_keys,
+    value_text,
 )
-from accumulation.config.fork_import import config_name
-from accumulation.config.key_text import allowed_text, value_text
-from accumulation.config.registry import BUILT_IN, REGISTERED, Piece
+from accumulation.config.registry import BUILT_IN, REGISTERED, Piece, config_name
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
@@ -74,7 +74,7 @@ def help_text(argv: list[str] = ()) -> str:
                 continue
             lines += [
                 "",
-                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece, BUILT_IN[section_name])}"',
+                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"',
             ]
             for declaration in fields(piece.settings):
                 lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)
