@@ -18,8 +18,8 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import WriteError
-from accumulation.run.run_dir import write_text_atomically
+from accumulation.run.resumed_logs import keep_metrics_up_to
+from accumulation.run.run_dir import WriteError, not_written, os_error_in, why_not_written, write_text_atomically
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
@@ -42,9 +42,9 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import metrics_line_not_written
-
-            raise WriteError(metrics_line_not_written(error, self.path)) from None
+            raise WriteError(
+                f"{not_written(error, self.path)}; its last line was not written and the lines before are untouched"
+            ) from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
@@ -69,10 +69,20 @@ def quiet_tensorboard_thread_errors() -> None:
 
 def tensorboard_write_error(error: Exception, writer) -> Exception:
     """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
-    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
-
     cause = os_error_in(error)
-    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
+    if cause is None:
+        return error
+    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
+    # record cut short, and the resume's purge_step drops the points after the checkpoint.
+    folder = Path(writer.get_logdir()).parent  # the run's tensorboard/
+    metrics_path = folder.parent / "metrics.jsonl"
+    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
+    kept = (
+        "metrics.jsonl holds every step up to here"
+        if metrics_path.exists()
+        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
+    )
+    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -134,12 +144,8 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
-            from accumulation.run.write_errors import not_written
-
             raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
-            from accumulation.run.resumed_logs import keep_metrics_up_to
-
             keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:

@@ -1,12 +1,10 @@
-"""metrics.jsonl as a resume finds it: read and checked line by line, then cut back to the checkpoint's step.
-Imported only when the run directory already holds a metrics file (logs.py) and by a resume (resume.py)."""
+"""metrics.jsonl as a resume finds it: read and checked line by line (restore.py), then cut back to the
+checkpoint's step (logs.py, when the run directory already holds a metrics file)."""
 
 import json
 from pathlib import Path
 
-from accumulation.run.checkpoint import WriteError
-from accumulation.run.run_dir import RunDirectoryError, write_text_atomically
-from accumulation.run.write_errors import why_not_written
+from accumulation.run.run_dir import RunDirectoryError, WriteError, why_not_written, write_text_atomically
 
 
 def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
