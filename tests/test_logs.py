@@ -12,7 +12,7 @@ from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run import logs, resumed_logs
-from accumulation.run.checkpoint import WriteError
+from accumulation.run.run_dir import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
 

@@ -5,6 +5,7 @@ unit and its meaning, then the own keys of every registered model and data sourc
 
 import dataclasses
 import importlib
+import sys
 from dataclasses import fields
 
 from accumulation.config.config import (
@@ -35,6 +36,17 @@ def registered(kind: str) -> dict[str, Piece]:
     for module_name in BUILT_IN[kind].values():
         importlib.import_module(module_name)
     return dict(REGISTERED[kind])
+
+
+def print_help(argv: list[str]) -> int:
+    """Print help_text(argv) and return the exit status: 0, or 2 with one line on stderr when argv names a fork's
+    module that cannot be imported (its keys are unknown)."""
+    try:
+        print(help_text(argv))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def help_text(argv: list[str] = ()) -> str:

@@ -20,6 +20,7 @@ from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.resumed_logs import keep_metrics_up_to
 from accumulation.run.run_dir import WriteError, not_written, os_error_in, why_not_written, write_text_atomically
+from accumulation.run.sample import print_sample
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
@@ -260,8 +261,6 @@ class RunLogs:
         print(f"done: train loss {self.first_loss:.4f} -> {self.last_loss:.4f} this session{validation}")
         print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
         if self.config.run.sample_bytes > 0:
-            from accumulation.run.sample import print_sample
-
             print_sample(self.config, model, self.data.train)  # prompted by the first training example
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
