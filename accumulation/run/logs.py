@@ -1,5 +1,6 @@
-"""The run's logs, written by rank 0: metrics.jsonl (one line per step), TensorBoard, and the terminal's lines
-(progress, the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback."""
+"""The run's logs, written by rank 0: metrics.jsonl (one line per step, read back and cut to the checkpoint's step
+on resume), TensorBoard, and the terminal's lines (progress, the session's summary, its speed). A full disk becomes
+one WriteError line here, never a traceback."""
 
 import json
 import math
@@ -18,8 +19,14 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.resumed_logs import keep_metrics_up_to
-from accumulation.run.run_dir import WriteError, not_written, os_error_in, why_not_written, write_text_atomically
+from accumulation.run.run_dir import (
+    RunDirectoryError,
+    WriteError,
+    not_written,
+    os_error_in,
+    why_not_written,
+    write_text_atomically,
+)
 from accumulation.run.sample import print_sample
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
@@ -52,6 +59,60 @@ class MetricsFile:
 
     def close(self) -> None:
         os.close(self.descriptor)
+
+
+# metrics.jsonl as a resume finds it: read and checked line by line (restore.py), then cut back to the
+# checkpoint's step (RunLogs.begin, when the run directory already holds a metrics file).
+
+
+def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
+    A last line without its newline was cut short by a process killed while writing it: not a record, left
+    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
+    RunDirectoryError naming the line."""
+    if not metrics_path.exists():
+        return []
+    try:
+        text = metrics_path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
+    found, previous_number = [], None  # previous_number: the line of found[-1]
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            record = error
+        if not isinstance(record, dict) or type(record.get("steps")) is not int:
+            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
+                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
+                f"the metrics afresh), then start again"
+            )
+        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
+                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
+                f"file away to start the metrics afresh), then start again"
+            )
+        found.append((record["steps"], line))
+        previous_number = number
+    return found
+
+
+def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
+    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
+    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
+    try:
+        write_text_atomically(metrics_path, "".join(kept))
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
 
 
 def quiet_tensorboard_thread_errors() -> None:

@@ -28,8 +28,8 @@ from accumulation.run.checkpoint_checks import (
     check_weights_finite,
     newest_readable_checkpoint,
 )
+from accumulation.run.logs import metrics_lines
 from accumulation.run.optimizer_state import load_optimizer_state
-from accumulation.run.resumed_logs import metrics_lines
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, few
 from accumulation.schedule import build_scheduler
 
