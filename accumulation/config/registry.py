@@ -1,7 +1,7 @@
 """Where models, losses and data sources are declared: each registers itself in the file that defines it, and a
 config names it by that name or as "module:name" (docs/forking.md, "A fork is one file and a config"). A fork's
-module registers its pieces as it is imported; whatever stops it is one line. accumulation/config/config.py reads
-this module, which imports only the maths' one-line fault text."""
+module registers its pieces as it is imported; whatever stops it is one line (accumulation/probe.py's fault_text,
+the one import of the project here). accumulation/config/config.py reads this module."""
 
 import dataclasses
 import importlib
