@@ -13,7 +13,7 @@ present), and STEPS batches drawn at each G from a pool of rows: printed, for ea
 the share of the batches whose norm exceeds max_norm (the median norm at G = 32, as if tuned there), and the
 mean factor the clip multiplies the gradient by (1 where it does not clip). Also: one batch of G = 128 as one
 micro-batch and as m = 16, A = 8 (token-weighted), whose norms agree to rounding.
-tests/test_clip_threshold.py checks the figures and the guide's quotes of them.
+tests/test_teaching_lessons.py checks the figures and the guide's quotes of them.
 """
 
 import argparse
@@ -83,9 +83,27 @@ def measure() -> dict:
             "mean factor": float(factor.mean()),
         }
     rows = torch.randperm(POOL_ROWS, generator=generator)[:128]
-    whole, accumulated = gradient_norm(net, inputs[rows], labels[rows], 128), gradient_norm(net, inputs[rows], labels[rows], 16)
+    whole, accumulated = (
+        gradient_norm(net, inputs[rows], labels[rows], 128),
+        gradient_norm(net, inputs[rows], labels[rows], 16),
+    )
     results["G=128, m=16 A=8 against one micro-batch"] = abs(accumulated - whole) / whole
     return results
+
+
+def report(results: dict) -> list[str]:
+    """The lines main prints (the guide quotes them)."""
+    lines = []
+    lines.append(f"max_norm = {results['max_norm']:.3g} (the median norm at G = {TUNED_AT})")
+    lines.append("| G | median gradient norm | share of steps clipped | mean clip factor |")
+    lines.append("|---|---|---|---|")
+    for global_batch, row in results["by G"].items():
+        lines.append(
+            f"| {global_batch} | {row['median norm']:.3g} | {row['share clipped']:.2f} | {row['mean factor']:.3g} |"
+        )
+    same = results["G=128, m=16 A=8 against one micro-batch"]
+    lines.append(f"G=128, m=16 A=8 against one micro-batch: {'< 1e-14' if same < 1e-14 else f'{same:.3g}'}")
+    return lines
 
 
 def main(argv: list[str]) -> int:
@@ -97,13 +115,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"max_norm = {results['max_norm']:.3g} (the median norm at G = {TUNED_AT})")
-    print("| G | median gradient norm | share of steps clipped | mean clip factor |")
-    print("|---|---|---|---|")
-    for global_batch, row in results["by G"].items():
-        print(f"| {global_batch} | {row['median norm']:.3g} | {row['share clipped']:.2f} | {row['mean factor']:.3g} |")
-    same = results["G=128, m=16 A=8 against one micro-batch"]
-    print(f"G=128, m=16 A=8 against one micro-batch: {'< 1e-14' if same < 1e-14 else f'{same:.3g}'}")
+    print("\n".join(report(results)))
     return 0
 
 

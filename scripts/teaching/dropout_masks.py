@@ -22,7 +22,7 @@ the sum of S / N, which is what is accumulated here). Three ways to draw the mas
 Printed: each layout's relative gradient difference from the whole batch's (largest entry), for each way; the
 difference between two seeds of the whole-batch layout (what "another mask" costs); and, over SEEDS seeds,
 the difference between the mean gradients of two layouts: the per-rank masks agree in expectation only.
-tests/test_dropout_masks.py checks the printed figures and the guide's quotes of them.
+tests/test_teaching_lessons.py checks the printed figures and the guide's quotes of them.
 """
 
 import argparse
@@ -128,6 +128,22 @@ def shown(value: float) -> str:
     return "< 1e-14" if value < 1e-14 else f"{value:.3g}"  # float64 rounding prints as its bound (guide, section 9)
 
 
+def report(results: dict) -> list[str]:
+    """The lines main prints (the guide quotes them)."""
+    lines = []
+    layouts = [name for name in results["per rank"]]
+    lines.append("| masks | " + " | ".join(layouts) + " |")
+    lines.append("|---|" + "---|" * len(layouts))
+    for masks in ("per rank", "row-keyed", "off"):
+        lines.append(f"| {masks} | " + " | ".join(shown(results[masks][name]) for name in layouts) + " |")
+    expectation = dict(results["per rank, mean over seeds"])
+    seeds = expectation.pop("seeds")
+    lines.append(
+        f"| per rank, mean over {seeds} seeds | " + " | ".join(shown(v) for v in expectation.values()) + " | |"
+    )
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -137,14 +153,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    layouts = [name for name in results["per rank"]]
-    print("| masks | " + " | ".join(layouts) + " |")
-    print("|---|" + "---|" * len(layouts))
-    for masks in ("per rank", "row-keyed", "off"):
-        print(f"| {masks} | " + " | ".join(shown(results[masks][name]) for name in layouts) + " |")
-    expectation = dict(results["per rank, mean over seeds"])
-    seeds = expectation.pop("seeds")
-    print(f"| per rank, mean over {seeds} seeds | " + " | ".join(shown(v) for v in expectation.values()) + " | |")
+    print("\n".join(report(results)))
     return 0
 
 

@@ -9,12 +9,13 @@ gradient entry passes fp16's range, then falls back: at its ceiling the scaler s
 growth_interval, on purpose, to probe. A loss spike (a bad batch) overflows at a scale that was fine, costs
 one skipped update and a halving, and takes growth_interval updates to climb back.
 
-Here a tiny float32 token model trains STEPS updates of A = 2 micro-batches with SGD and the exact
-token-weighted step, unscale_, step and update once per update (section 5). fp16's range is emulated on this CPU: a hook rounds each backward's
-gradient to fp16, so an entry beyond 65,504 becomes inf, as it would in an fp16 backward. Updates SPIKES have
-one micro-batch's loss multiplied by SPIKE_FACTOR. Printed: the skipped updates and why (the scale reached its
-ceiling, or a spike), the scale's path (each change, and at which update), and the share of updates skipped.
-tests/test_scaler_run.py checks the figures and the guide's quotes of them.
+Here a tiny float64 token model (float64, so that no overflow decision depends on a CPU's rounding) trains STEPS
+updates of A = 2 micro-batches with SGD and the exact token- weighted step, unscale_, step and update once per
+update (section 5). fp16's range is emulated on this CPU: a hook rounds each backward's gradient to fp16, so an
+entry beyond 65,504 becomes inf, as it would in an fp16 backward. Updates SPIKES have one micro-batch's loss
+multiplied by SPIKE_FACTOR. Printed: the skipped updates and why (the scale reached its ceiling, or a spike),
+the scale's path (each change, and at which update), and the share of updates skipped.
+tests/test_teaching_lessons.py checks the figures and the guide's quotes of them.
 """
 
 import argparse
@@ -48,9 +49,9 @@ def micro_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def run() -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(VOCAB_SIZE, WIDTH), nn.Tanh(), nn.Linear(WIDTH, VOCAB_SIZE))
+    model = nn.Sequential(nn.Embedding(VOCAB_SIZE, WIDTH), nn.Tanh(), nn.Linear(WIDTH, VOCAB_SIZE)).double()
     for parameter in model.parameters():  # each backward's gradient in fp16's range: beyond 65,504 it is inf
-        parameter.register_hook(lambda gradient: gradient.half().float())
+        parameter.register_hook(lambda gradient: gradient.half().double())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     scales, skipped = [], []
@@ -80,6 +81,20 @@ def run() -> dict:
     }
 
 
+def report(results: dict) -> list[str]:
+    """The lines main prints (the guide quotes them)."""
+    lines = []
+    lines.append(
+        f"updates: {STEPS}, growth_interval: {GROWTH_INTERVAL}, spikes (loss x {SPIKE_FACTOR:g}) at {list(SPIKES)}"
+    )
+    lines.append(f"skipped at a spike: {results['skipped at a spike']}")
+    lines.append(f"skipped at the ceiling: {results['skipped at the ceiling']}")
+    lines.append(f"share skipped: {results['share skipped']:.3f}")
+    lines.append(f"highest scale: 2^{math.log2(results['ceiling']):.0f}")
+    lines.append("scale path: " + ", ".join(f"{step}: 2^{math.log2(s):.0f}" for step, s in results["scale path"]))
+    return lines
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
@@ -89,12 +104,7 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(results, indent=1))
         return 0
-    print(f"updates: {STEPS}, growth_interval: {GROWTH_INTERVAL}, spikes (loss x {SPIKE_FACTOR:g}) at {list(SPIKES)}")
-    print(f"skipped at a spike: {results['skipped at a spike']}")
-    print(f"skipped at the ceiling: {results['skipped at the ceiling']}")
-    print(f"share skipped: {results['share skipped']:.3f}")
-    print(f"highest scale: 2^{math.log2(results['ceiling']):.0f}")
-    print("scale path: " + ", ".join(f"{step}: 2^{math.log2(s):.0f}" for step, s in results["scale path"]))
+    print("\n".join(report(results)))
     return 0
 
 
