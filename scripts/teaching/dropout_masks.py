@@ -12,8 +12,9 @@ the sum of S / N, which is what is accumulated here). Three ways to draw the mas
 - "per rank": torch's global generator, seeded per rank as train.py seeds it (`seed_dropout` in
   accumulation/run/checkpoint.py), and nn.Dropout drawing from it forward after forward. A row's mask then
   depends on which rank holds it and on what was drawn before it: with two dropouts the draws alternate
-  between them micro-batch by micro-batch, so on m and A as well as on D. (With a single dropout, torch's CPU
-  generator happens to hand the rows of A micro-batches the draws of one whole batch; CUDA's does not.)
+  between them micro-batch by micro-batch, so on m and A as well as on D. (With a single dropout layer and
+  D = 1, torch's CPU generator was measured to give the rows of A micro-batches the draws of one whole batch;
+  nothing promises that, and another device's generator was not tried.)
 - "row-keyed": the mask of (row, position, feature) is a pure function of (seed, step, row id) drawn with
   `step_uniforms` (accumulation/data/uniforms.py), the function the project's masked-LM data and RL rollouts
   draw their randomness from. The project's model dropout does not do this; this script shows that it could.
