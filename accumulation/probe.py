@@ -67,10 +67,12 @@ def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
 
 
 def ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras: dict) -> tuple[float, float] | None:
-    """How far the loss moves, relative, when noise is added to the outputs at the positions labelled -100 only:
-    (at those away from every target, at those beside one: j ± 1 of a supervised j). Both 0 for a loss that leaves
-    them out of its sum; a clamp(min=0) of the labels trains them all as token 0, a loss that shifts labels again
-    reads those beside its targets. None when no label is -100 or the outputs are not one per label position."""
+    """How far each row's own loss moves, relative (summed over the rows), when noise is added to its outputs at
+    its positions labelled -100 only: (at those away from every target, at those beside one: j ± 1 of a supervised
+    j). Both 0 for a loss that leaves them out of its sum; a clamp(min=0) of the labels trains them all as token 0,
+    a loss that shifts labels again reads those beside its targets. Row by row, so that a loss coupling the rows
+    (through a mean over them) is left to the split of the rows. None when no label is -100 or the outputs are not
+    one per label position."""
     ignored = labels == IGNORE_INDEX
     if not ignored.any() or not isinstance(outputs, torch.Tensor) or outputs.shape[: labels.dim()] != labels.shape:
         return None
@@ -80,13 +82,18 @@ def ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras: dict) 
         beside[:, :-1] |= ~ignored[:, 1:]
     noise = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     noise = noise.to(outputs.device, outputs.dtype) * (1 + outputs.abs())
+    size, moved = 0.0, [0.0, 0.0]
     with torch.no_grad():
-        as_they_are = float(loss_sum_fn(outputs, labels, **extras))
-        moved = []
-        for positions in (ignored & ~beside, ignored & beside):
-            where = positions.reshape(*labels.shape, *[1] * (outputs.dim() - labels.dim())).to(outputs.device)
-            moved.append(float(loss_sum_fn(torch.where(where, outputs + noise, outputs), labels, **extras)))
-    return _relative_difference(as_they_are, moved[0]), _relative_difference(as_they_are, moved[1])
+        for row in range(len(labels)):
+            one = slice(row, row + 1)
+            row_labels, row_extras = labels[one], {name: value[one] for name, value in extras.items()}
+            as_it_is = float(loss_sum_fn(outputs[one], row_labels, **row_extras))
+            size += abs(as_it_is)
+            for k, positions in enumerate((ignored[one] & ~beside[one], ignored[one] & beside[one])):
+                where = positions.reshape(*positions.shape, *[1] * (outputs.dim() - labels.dim())).to(outputs.device)
+                noisy = torch.where(where, outputs[one] + noise[one], outputs[one])
+                moved[k] += abs(float(loss_sum_fn(noisy, row_labels, **row_extras)) - as_it_is)
+    return moved[0] / max(size, 1e-30), moved[1] / max(size, 1e-30)
 
 
 def ignored_targets_line(away: float, beside: float, tolerance: float) -> str | None:
