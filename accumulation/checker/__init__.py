@@ -59,7 +59,7 @@ The checks, one line each, each named when it fails and each independent of m, A
                     "n/a" and why where there is no position to pair (one label per example: labels [rows]); the
                     label judged is one whose loss alone has a gradient (not a row of advantage 0, a clipped ratio)
     loss leaves the positions labelled -100 out
-                    on fixed outputs, noise added only where the label is -100: the loss must not move. One that
+                    on fixed outputs, noise added only where the label is -100: no row's loss may move. One that
                     supervises them (labels.clamp(min=0) then a sum: padding and prompts trained as token 0) passes
                     every other check, since loop and reference call the same loss and rows split with their padding
     pipeline stages compute the forward
