@@ -377,19 +377,19 @@ def additivity_message(
     )
 
 
-# A loss that leaves the positions labelled -100 out of its sum does not move at all when only their outputs move
-# (their terms are dropped, or multiplied by 0); 1e-9 of the loss allows for a masked loss's own rounding and lies
-# far below what one supervised padding position moves it by (a target 0 on noisy logits: about 1e-3 of a loss
-# of a few hundred targets, and far more for the hundreds a padded batch holds).
+# A row's loss that leaves its positions labelled -100 out of its sum does not move at all when only their outputs
+# move (their terms are dropped, or multiplied by 0); 1e-9 of the rows' losses allows for a masked loss's own
+# rounding and lies far below what one supervised padding position moves them by (a target 0 on noisy logits:
+# about 1e-3 of the loss of a few hundred targets, and far more for the hundreds a padded batch holds).
 IGNORED_TOLERANCE = 1e-9
 
 
 def ignored_targets_message(
     loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None, pairing_failed: bool = False
 ) -> str | None:
-    """Whether the loss leaves out every position whose label is -100: on fixed outputs, its value with and
-    without noise on the outputs at those positions (probe.ignored_outputs_change_the_loss, as train.py's probe
-    asks it); None when it does not move, NotApplicable when no label is -100 or the outputs are not one per label
+    """Whether the loss leaves out every position whose label is -100: on fixed outputs, each row's loss with and
+    without noise on its outputs at those positions (probe.ignored_outputs_change_the_loss, as train.py's probe
+    asks it); None when none moves, NotApplicable when no label is -100 or the outputs are not one per label
     position. Loop and reference call the same loss, and splitting rows keeps each row's padding, so neither the
     gradient comparison nor the 'is a sum' check sees a loss that trains padding or prompts as targets.
     `keywords`: what the loss reads of the rows besides their labels, as for additivity_message. `pairing_failed`:
