@@ -25,7 +25,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
+from accumulation.config.config import ConfigError
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_model
 from forks.hf_causal_lm import HFCausalLM, check_folder
@@ -70,6 +72,13 @@ def build(model_config, vocab_size: int, *, seq_len: int, seed: int) -> HFCausal
     # whether they own the layer: its torchao back-end raises ImportError when torchao < 0.16 is installed, as
     # requirements-cards.txt pins it for torchtune. The layer is the one PEFT's default would choose.
     lora._register_custom_module({torch.nn.Linear: LoRALinear})
+    linear_names = {name.rsplit(".", 1)[-1] for name, module in base.hf.named_modules() if type(module) is nn.Linear}
+    unknown = set(lora.target_modules) - linear_names
+    if unknown or not lora.target_modules:
+        raise ConfigError(
+            f"model.lora_targets: {', '.join(sorted(unknown)) or 'none given'} not among the base model's linear "
+            f"layers ({', '.join(sorted(linear_names))}); name some of them, comma-separated"
+        )
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
         torch.manual_seed(seed + 1)  # PEFT draws A from the global generator: another stream than the base's
         # PEFT 0.21 asks transformers 5.24 for a deprecated attribute; the warning says nothing about this model.

@@ -62,3 +62,11 @@ def test_train_py_moves_the_adapters_only(tmp_path, capsys):
         assert torch.equal(parameter.detach(), trained[name]), f"{name} is frozen, yet training moved it"
     moved = [name for name, p in adapters.items() if not torch.equal(p.detach(), trained[name])]
     assert len(moved) == len(adapters), sorted(set(adapters) - set(moved))
+
+
+def test_a_target_the_base_model_lacks_is_one_line_and_exit_2(tmp_path, capsys):
+    """PEFT's own error for it is a traceback from inside get_peft_model."""
+    assert train.main([*SMALL, "model.lora_targets=q_proj,qproj", f"run.out_dir={tmp_path}"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: model.lora_targets: qproj not among the base model's linear layers (down_proj,")
+    assert not any(tmp_path.iterdir())
