@@ -63,13 +63,17 @@ def build_gpt_with_a_frozen_embedding(model_config, vocab_size: int, *, seq_len:
 register_model("gpt-frozen-embedding", build_gpt_with_a_frozen_embedding)
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_a_frozen_embedding_is_left_out_of_the_comparison_and_said_so(tmp_path, capsys, ranks):
+@pytest.mark.parametrize(
+    "ranks, layout",
+    [(1, []), (2, []), (2, ["dist.strategy=fsdp2"]), (2, ["dist.pipeline_stages=2", "model.n_layer=2"])],
+    ids=["1-rank", "ddp", "fsdp2", "pipeline"],
+)
+def test_a_frozen_embedding_is_left_out_of_the_comparison_and_said_so(tmp_path, capsys, ranks, layout):
     """Without PEFT: a parameter with requires_grad off has no gradient (the checker crashed on its None); on 2
-    ranks DDP reduces the trainable parameters' gradients only."""
-    arguments = ["model.name=tests.test_checker_diagnoses:gpt-frozen-embedding"]
+    ranks DDP, FSDP2's reduce-scatter or the pipeline's stages reduce the trainable parameters' gradients only."""
+    arguments = ["model.name=tests.test_checker_diagnoses:gpt-frozen-embedding", *layout]
     status, stdout = run_checker_on_short_documents(tmp_path, arguments, ranks, capsys)
-    assert f"x ranks {ranks};" in stdout
+    assert f"x ranks {ranks};" in stdout or "2 pipeline stages" in stdout
     assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
     match = re.search(r"([\d,]+) parameters \(([\d,]+) train and are compared, ([\d,]+) frozen\)", stdout)
     total, trainable, frozen = (int(group.replace(",", "")) for group in match.groups())
