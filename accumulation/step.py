@@ -106,18 +106,16 @@ class MicroBatchLoss:
 
 
 class Strategy(Protocol):
-    """How one rank runs its micro-batches and what share of the gradient's norm it holds."""
+    """How one rank runs its micro-batches: `run_micro_batches` does each one's forward and backward through the
+    MicroBatchLoss (S_rk, then ∇(S_rk · D / N) into .grad), the gradient sync off but for the last, and returns
+    this rank's Σ_k S_rk (float64, detached); `squared_norm_share` is this rank's share of ‖∇L‖² (float64): the
+    shares of all ranks sum to it."""
 
     replicas: int  # D: the data-parallel replicas whose gradients are averaged
 
-    def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor:
-        """Each micro-batch's forward and backward through `loss` (S_rk, then ∇(S_rk · D / N) into .grad), the
-        gradient sync off but for the last; returns this rank's Σ_k S_rk, float64 and detached."""
-        ...
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor: ...
 
-    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's share of ‖∇L‖² (float64, on the gradients' device): the shares of all ranks sum to it."""
-        ...
+    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor: ...
 
 
 class DataParallel(Strategy):

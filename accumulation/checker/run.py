@@ -277,7 +277,7 @@ def compare_on_main(
         f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
         f"from accumulation.models.factory.build_model; compared with dropout off: {dropout_off}"
     )
-    clipping = f"clipped at optim.grad_clip = {config.optim.grad_clip:g}" if config.optim.grad_clip > 0 else "off"
+    clipping = f"at optim.grad_clip = {config.optim.grad_clip:g}" if config.optim.grad_clip > 0 else "off"
     print(
         f"the step as train.py runs it: gradient clipping {clipping}, batch.on_oom = {config.batch.on_oom}, "
         f"{'a fused' if found.fused_update else 'an unfused'} optimizer, as configured; "
