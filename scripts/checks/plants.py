@@ -90,7 +90,7 @@ BUGS = [
         "torch.nn.utils.clip_grads_with_norm_(parameters, setup.grad_clip, grad_norm_tensor)",
         "torch.nn.utils.clip_grads_with_norm_(parameters, setup.grad_clip, norm_share.sqrt() / scale)",
         [
-            "tests/test_checker_clipping.py::"
+            "tests/test_checker_configured_step.py::"
             "test_fsdp2_norm_shares_feed_the_clip_on_two_ranks_and_a_clip_by_one_rank_s_norm_fails"
         ],
     ),

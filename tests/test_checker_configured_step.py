@@ -69,7 +69,36 @@ def test_fsdp2_norm_shares_feed_the_clip_on_two_ranks_and_a_clip_by_one_rank_s_n
     clipping = next(line for line in stdout.splitlines() if line.startswith("gradient clipping: "))
     assert "binds" in clipping, clipping
 
-    per_rank = run_main_on_ranks("tests.test_checker_clipping:checker_clipping_by_this_ranks_norm", arguments)
+    per_rank = run_main_on_ranks("tests.test_checker_configured_step:checker_clipping_by_this_ranks_norm", arguments)
     status, stdout = per_rank[0][0], per_rank[0][1]
     assert status == 1 and all(s == 1 for s, _, _ in per_rank), per_rank
     assert stdout.splitlines()[-1] == "FAIL" and "gradient" in failing_lines(stdout), stdout
+
+
+def test_the_checker_runs_the_fused_update_and_the_out_of_memory_retry_as_configured(tmp_path, capsys, monkeypatch):
+    """A fused configured optimizer (AdamW fused, as build_optimizer makes it on CUDA; here on the CPU) makes the
+    checker's recording optimizer fused too, so the step queues its update on the device; batch.on_oom = "shrink"
+    runs the retry's strategy. Both PASS, and each ran."""
+    from accumulation import update_on_device
+    from accumulation.run import build
+    from accumulation.shrink_on_oom import ShrinkOnOutOfMemory
+
+    queued, shrinking = [], []
+    real_queue, real_run = update_on_device.queue_update_unless_non_finite, ShrinkOnOutOfMemory.run_micro_batches
+
+    def queue_and_count(*args):
+        queued.append(1)
+        return real_queue(*args)
+
+    def run_and_count(self, *args):
+        shrinking.append(1)
+        return real_run(self, *args)
+
+    fused_adamw = lambda optim, model, device: torch.optim.AdamW(model.parameters(), lr=optim.lr, fused=True)  # noqa: E731
+    monkeypatch.setattr(build, "build_optimizer", fused_adamw)
+    monkeypatch.setattr(update_on_device, "queue_update_unless_non_finite", queue_and_count)
+    monkeypatch.setattr(ShrinkOnOutOfMemory, "run_micro_batches", run_and_count)
+    status, stdout = run_checker(tmp_path, [*BINDING_CLIP, "batch.on_oom=shrink"], 1, capsys)
+    assert status == 0 and stdout.splitlines()[-1] == "PASS", stdout
+    assert "batch.on_oom = shrink, a fused optimizer, as configured" in stdout
+    assert queued == [1] and shrinking == [1]
