@@ -406,17 +406,25 @@ def ignored_targets_message(
     return ignored_targets_line(away, beside, IGNORED_TOLERANCE)
 
 
-def loss_promises(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
-    """(the lines of the loss's own promises on fixed outputs, their notes); with `skip`, each n/a and why."""
+def first_failure(checks: dict) -> str | None:
+    """The name of the first check that FAILs (neither None nor NotApplicable), or None."""
+    return next((name for name, why in checks.items() if why is not None and not isinstance(why, NotApplicable)), None)
+
+
+def loss_promises(checks: dict, loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
+    """Adds to `checks` the lines of the loss's own promises on fixed outputs (with `skip`, each n/a and why) and
+    returns their notes."""
     names = ("loss_sum_fn is a sum", "loss pairs label j with output j", "loss leaves the positions labelled -100 out")
     if skip:
         why = NotApplicable("the raw examples' extras disagree with those of examples() (above): the loss is not run")
-        return dict.fromkeys(names, why), {}
+        checks.update(dict.fromkeys(names, why))
+        return {}
     additivity, precision_note = additivity_message(loss_sum_fn, outputs, labels, keywords)
     pairing = loss_alignment_message(loss_sum_fn, outputs, labels, keywords)
     pairing_failed = pairing is not None and not isinstance(pairing, NotApplicable)
     ignored = ignored_targets_message(loss_sum_fn, outputs, labels, keywords, pairing_failed=pairing_failed)
-    return dict(zip(names, (additivity, pairing, ignored), strict=True)), {names[0]: precision_note}
+    checks.update(zip(names, (additivity, pairing, ignored), strict=True))
+    return {names[0]: precision_note}
 
 
 def weights_agree_across_builds_and_ranks(

@@ -89,6 +89,12 @@ def parameters_compared(model: torch.nn.Module) -> str:
     return f"{parameters:,} parameters"
 
 
+def trainable_gradients(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, its gradient) for each trainable parameter, in the model's order (gradients' zeros where None)."""
+    parameters = trainable_parameters(model)
+    return list(zip(parameters, gradients(parameters), strict=True))
+
+
 def gradients(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each trainable parameter's gradient; zeros for one the loss did not reach (its .grad is None)."""
     return [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
@@ -182,14 +188,16 @@ def plural(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+def first_update_probe(model: torch.nn.Module, fused: bool = False) -> tuple[torch.optim.Optimizer, list]:
     """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
     holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
     apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
     nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
     are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in.
-    Only the trainable parameters' (trainable_parameters): a frozen one has no gradient to hand."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    Only the trainable parameters' (trainable_parameters): a frozen one has no gradient to hand. `fused`: SGD's
+    fused kernel, so that the step queues the update on the device (accumulation/update_on_device.py) as it does
+    for the configured optimizer when that is fused."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, fused=fused or None)
     handed = []
 
     def whole(grad: torch.Tensor) -> torch.Tensor:

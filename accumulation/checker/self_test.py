@@ -12,6 +12,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens, micro_batch_slices
 from accumulation.checker.objective_reference import declared_objective
+from accumulation.config.config import Config, ConfigError
 from accumulation.data.rows import DataError, RawExample, Rows, RowSet
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
@@ -89,6 +90,16 @@ def refuse_a_bug_this_data_cannot_show(
                 "--inject-bug rank-mask needs rows that change with the step, and this data's do not; "
                 "run it on masked-LM data, e.g. --config configs/mlm.toml"
             )
+
+
+def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
+    """A ConfigError for a self-test bug the layout cannot show: scale-grads needs pipeline stages, and the loop
+    bugs rewrite optimizer_step's inputs, which the pipelined step does not run."""
+    pipelined = config.dist.pipeline_stages > 1
+    if bug in PIPELINE_BUGS and not pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of the pipeline schedule: set dist.pipeline_stages > 1")
+    if bug in LOOP_BUGS and pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of optimizer_step: use dist.pipeline_stages = 1")
 
 
 def targets_per_micro_batch(

@@ -242,7 +242,7 @@ class RunLogs:
         say(
             f"model: {model_description(training.model, config.model.name)}; parameters {trainable:,} train, "
             f"{frozen:,} frozen; precision {config.precision.dtype}, "
-            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"grad scaler {'on' if training.setup.scaler.is_enabled() else 'off'}; "
             f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
         )
         if config.dist.strategy == "fsdp2":
