@@ -172,12 +172,14 @@ def train_in_run_directory(
     try:
         with stop.installed():
             context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
-            if context.world_size > 1:  # each rank looked for the checkpoint itself
+            if context.world_size > 1:  # each rank read its config and data, and looked for the checkpoint, itself
+                from accumulation.parallel.torchrun import check_ranks_agree
                 from accumulation.run.restore import check_ranks_agree_on_resume
 
+                check_ranks_agree(config, data.summary.fingerprint)
                 check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
-    except (CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
+    except (ConfigError, CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
         # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)
         from accumulation.run.failures import exit_status_after  # only a run that fails imports it
 

@@ -1,5 +1,5 @@
-"""What only a launch under torchrun needs: its environment checked, the process group joined, and the line that
-says another rank was lost.
+"""What only a launch under torchrun needs: its environment checked, the process group joined, the ranks' settings
+compared, and the line that says another rank was lost.
 
 Every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, checked first (launch_problem). A
 single process has none of them and never imports this module (accumulation/parallel/distributed.py).
@@ -74,6 +74,37 @@ def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: 
     from accumulation.parallel.mesh import build_layout
 
     return backend, build_layout(device, pipeline_stages)
+
+
+# The keys that may differ from rank to rank. run.out_dir: the path under which each node sees the run's shared
+# storage (mount points differ between nodes); only rank 0 writes there, and restore.py's check_ranks_agree_on_resume
+# compares what each rank found in it. Every other key shapes the step (the model, the batch, the data, the
+# optimizer) or decides when the ranks meet in a collective (run.max_steps, run.checkpoint_every, run.eval_every).
+PER_RANK_KEYS = ("run.out_dir",)
+
+
+def check_ranks_agree(config, data_fingerprint: str) -> None:
+    """Refuse (ConfigError, one line on every rank) ranks launched with different settings: a stale config file on
+    one node, a node-local copy of other data. ONE all-gather of each rank's resolved config (less PER_RANK_KEYS)
+    and its training data's fingerprint; every rank compares the same list, so every rank refuses alike. The
+    first key that differs is named with its value on rank 0 and on the first rank that differs; the data's
+    fingerprint comes last, since a differing data.source already explains it."""
+    from accumulation.config.config import ConfigError, settings_of
+
+    mine = {key: value for key, _, value in settings_of(config) if key not in PER_RANK_KEYS}
+    mine["the training data's fingerprint"] = data_fingerprint
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    keys = list(everyone[0]) + [key for settings in everyone[1:] for key in settings if key not in everyone[0]]
+    for key in keys:
+        for rank, settings in enumerate(everyone[1:], start=1):
+            if settings.get(key, "unset") != everyone[0].get(key, "unset"):
+                first, other = everyone[0].get(key, "unset"), settings.get(key, "unset")
+                raise ConfigError(
+                    f"the ranks were launched with different settings: {key} is {first!r} on rank 0 and {other!r} "
+                    f"on rank {rank}; every rank must get the same config file, command line and data (only "
+                    f"{', '.join(PER_RANK_KEYS)} may differ)"
+                )
 
 
 # How gloo and the TCP store word the failures that mean "another rank is gone or stuck".
