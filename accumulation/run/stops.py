@@ -8,14 +8,20 @@ from pathlib import Path
 from accumulation.config.config import Config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.checkpoint import check_weights_finite
 from accumulation.run.run_dir import STOPPED_FILE
 from accumulation.run.signals import StopRequest
 from accumulation.step import StepResult
 
 
-def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a_row: int) -> str | None:
+def nonfinite_stop_reason(config: Config, result: StepResult, training, skips_in_a_row: int) -> str | None:
     """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or, under
-    optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it."""
+    optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it.
+    Non-finite weights (an earlier update overflowed) stop the run under either optim.on_nonfinite: they raise
+    NonFiniteWeights here, at the first non-finite step they cause, and no checkpoint is written with them."""
+    scaler = training.scaler
+    if not result.applied or not math.isfinite(result.loss):  # the same outcome on every rank: a collective is safe
+        check_weights_finite(config, training.model, training.optimizer)
     if skips_in_a_row >= config.optim.max_consecutive_skips:
         limit = config.optim.max_consecutive_skips
         return f"{skips_in_a_row} skipped updates in a row (optim.max_consecutive_skips={limit})"
