@@ -94,6 +94,13 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
         outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
+    if len(supervised) and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+        with torch.enable_grad():  # the loss of the outputs as a leaf: its own graph alone, not the model's
+            loss = loss_sum_fn(outputs.detach().requires_grad_(True), labels, **extras)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):  # computed outside autograd
+            from accumulation.probe_faults import loss_without_gradient
+
+            raise StepZeroFailed(loss_without_gradient(loss))
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)

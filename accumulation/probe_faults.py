@@ -25,3 +25,11 @@ def loss_raised(outputs, labels, fault: str) -> str:
         f"step 0: the loss raised on the model's outputs {shapes_text(outputs)} and the labels {shapes_text(labels)}: "
         f"{fault}; the model's outputs do not fit the loss (model.name, model.objective)"
     )
+
+
+def loss_without_gradient(loss) -> str:
+    return (
+        f"step 0: the loss returned a {type(loss).__name__} without gradient, so no backward can train the model: it "
+        f"was computed outside autograd (.detach(), .item(), torch.no_grad(), a tensor made anew from numbers); "
+        f"return the sum built from the outputs with torch operations (docs/forking.md)"
+    )

@@ -23,7 +23,7 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "change, named",
     [
-        ({"optim.lr": 1e308}, "optim.lr: expected a number <= 100, got 1e+308"),
+        ({"optim.lr": 1e308}, "optim.lr: expected a number <= 100, got 1e+308 (a minus sign"),
         ({"optim.lr": 3e3}, "optim.lr"),  # 3e-3 without its minus sign
         ({"optim.weight_decay": 1e308}, "optim.lr x optim.weight_decay < 1, got 0.003 x 1e+308"),
         ({"optim.lr": 0.5, "optim.weight_decay": 2.0, "optim.name": "sgd"}, "got 0.5 x 2"),
@@ -112,7 +112,7 @@ def test_non_finite_weights_on_one_rank_stop_every_rank(tmp_path, corpus):
     arguments = tiny_settings(tmp_path, corpus, **{"run.checkpoint_every": 1, "run.sample_bytes": 0})
     results = run_main_on_ranks("tests.test_weights_after_update:main_with_an_overflow_on_rank_1", arguments)
     assert [status for status, _, _ in results] == [2, 2], results
-    assert "in another rank's part of the model" in results[0][2], results[0][2]
+    assert "on another rank" in results[0][2], results[0][2]
     assert "first " in results[1][2], results[1][2]
     latest = torch.load(tmp_path / "runs" / "default" / "checkpoints" / "latest.pt", weights_only=True)
     assert latest["counters"]["steps"] == 1

@@ -212,20 +212,16 @@ def _check_combinations(config: Config) -> None:
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
             f"({batch.global_batch_size}), got {batch.micro_batch_size}"
         )
-    # At most 100: above any published setting (SGD linear probes use up to 30). An AdamW update moves each weight
-    # by about lr, so a larger value is a typo (3e3 for 3e-3), and from ~1e38 it overflows float32 at once.
-    if config.optim.lr > 100:
+    # lr <= 100, above any published setting (SGD linear probes use 30): an AdamW update moves each weight by about
+    # lr. Decay multiplies each decayed weight by 1 - lr * weight_decay per update (AdamW; SGD's L2 term alike).
+    optim = config.optim
+    if optim.lr > 100:
+        raise ConfigError(f"optim.lr: expected a number <= 100, got {optim.lr:g} (a minus sign lost from an exponent?)")
+    if optim.lr * optim.weight_decay >= 1:
         raise ConfigError(
-            f"optim.lr: expected a number <= 100, got {config.optim.lr:g}: an AdamW update moves every weight by "
-            f"about lr; the usual peak is 1e-4 to 1e-2 (a minus sign lost from the exponent?)"
-        )
-    # Decay multiplies each decayed weight by 1 - lr * weight_decay per update (AdamW; SGD's L2 term alike): at 1
-    # or more one update erases or flips every weight, and a huge product overflows them to inf.
-    if config.optim.lr * config.optim.weight_decay >= 1:
-        raise ConfigError(
-            f"optim.weight_decay: expected optim.lr x optim.weight_decay < 1, got {config.optim.lr:g} x "
-            f"{config.optim.weight_decay:g}: each update multiplies every decayed weight by 1 - lr x weight_decay, "
-            f"which must stay positive; lower optim.weight_decay (typically 0 to 0.1) or optim.lr"
+            f"optim.weight_decay: expected optim.lr x optim.weight_decay < 1, got {optim.lr:g} x {optim.weight_decay:g}"
+            f": each update multiplies every decayed weight by 1 - lr x weight_decay, which must stay positive; "
+            f"lower optim.weight_decay (typically 0 to 0.1) or optim.lr"
         )
     # With decay_updates = 0 the horizon is run.max_steps, which may grow on resume: not checked here.
     if schedule.name == "cosine" and schedule.decay_updates > 0 and schedule.warmup_updates > schedule.decay_updates:

@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from accumulation.config.config import ConfigError
+
 # What torchrun sets for every rank; a launcher of its own must set them all (LOCAL_RANK defaults to 0).
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -54,13 +56,23 @@ def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: 
     # works under its own key prefix. Without the agent (a plain launcher that sets the variables), rank 0
     # hosts the store.
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=rank == 0 and not agent_hosts_store,
-        timeout=timeout,
-    )
+    hosts_store = rank == 0 and not agent_hosts_store
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=hosts_store,
+            timeout=timeout,
+        )
+    except dist.DistNetworkError as error:  # a launch problem, one line; train.py then undoes rank 0's run lock
+        if hosts_store and "address already in use" in str(error).lower():
+            raise ConfigError(
+                f"MASTER_PORT={os.environ['MASTER_PORT']} is in use on this host, and rank 0 hosts the ranks' "
+                f"rendezvous there (no torchrun agent holds it): set MASTER_PORT to a free port on every rank, or "
+                f"launch with torchrun --standalone"
+            ) from None
+        raise
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
@@ -89,7 +101,7 @@ def check_ranks_agree(config, data_fingerprint: str) -> None:
     and its training data's fingerprint; every rank compares the same list, so every rank refuses alike. The
     first key that differs is named with its value on rank 0 and on the first rank that differs; the data's
     fingerprint comes last, since a differing data.source already explains it."""
-    from accumulation.config.config import ConfigError, settings_of
+    from accumulation.config.config import settings_of
 
     mine = {key: value for key, _, value in settings_of(config) if key not in PER_RANK_KEYS}
     mine["the training data's fingerprint"] = data_fingerprint

@@ -22,34 +22,24 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
-class NonFiniteWeights(CheckpointError):
-    """An update left inf or nan in the weights: refused before a checkpoint holds them, since no later step can
-    repair them (every forward from them is non-finite, so every later update is skipped) and a resume from such
-    a checkpoint could only skip every step."""
-
-
 def check_weights_finite(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Raise NonFiniteWeights on every rank when any rank's updated weights hold inf or nan. Each rank checks its
-    optimizer's parameters (the whole model, its pipeline stage, or its FSDP2 shards) and one all-reduce tells
-    every rank: a collective, called by every rank before each checkpoint (checkpoint_payload) and after a step
-    whose loss or gradient was non-finite (accumulation/run/stops.py), never on a healthy step. Its cost there,
-    one isfinite pass over the weights and a read-back, is small beside a checkpoint's copy to the host."""
-    names = {id(parameter): name for name, parameter in model.named_parameters()}
+    """A CheckpointError on every rank when any rank's optimizer parameters (the whole model, its stage or its FSDP2
+    shards) hold inf or nan: a collective, run before each checkpoint and after a non-finite step (run/stops.py),
+    never on a healthy step; one isfinite pass and one read-back, small beside a checkpoint's copy to the host."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    local = [parameter.to_local() if hasattr(parameter, "to_local") else parameter for parameter in parameters]
-    finite = [torch.isfinite(tensor).all() for tensor in local]
-    broken = torch.stack(finite).logical_not().any().to(torch.int32) if finite else torch.zeros((), dtype=torch.int32)
+    finite = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in parameters]
+    broken = torch.stack(finite).logical_not().any().int() if finite else torch.zeros((), dtype=torch.int32)
     if dist.is_initialized():
         dist.all_reduce(broken, op=dist.ReduceOp.MAX)
-    if not broken.item():
-        return
-    mine = [names.get(id(parameter), "a parameter") for parameter, ok in zip(parameters, finite, strict=True) if not ok]
-    where = f"first {mine[0]}" if mine else "in another rank's part of the model"
-    raise NonFiniteWeights(
-        f"an update left inf or nan in the weights ({where}), so no checkpoint was written with them; the newest "
-        f"checkpoint holds the last finite weights. The update overflowed: start a new run with a lower optim.lr "
-        f"(now {config.optim.lr:g}) or optim.weight_decay (now {config.optim.weight_decay:g})"
-    )
+    if broken.item():
+        names = {id(parameter): name for name, parameter in model.named_parameters()}
+        mine = [names.get(id(p), "a parameter") for p, ok in zip(parameters, finite, strict=True) if not ok]
+        raise CheckpointError(
+            f"an update left inf or nan in the weights ({f'first {mine[0]}' if mine else 'on another rank'}), so no "
+            f"checkpoint was written with them; the newest checkpoint holds the last finite weights. The update "
+            f"overflowed: start a new run with a lower optim.lr (now {config.optim.lr:g}) or optim.weight_decay "
+            f"(now {config.optim.weight_decay:g})"
+        )
 
 
 class WriteError(Exception):
@@ -117,7 +107,7 @@ def checkpoint_payload(
 ) -> dict:
     """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
     optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module. Non-finite
-    weights are refused here (NonFiniteWeights), never written."""
+    weights are refused here, never written: no later step could repair them."""
     check_weights_finite(config, model, optimizer)
     if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
         from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict

@@ -17,8 +17,8 @@ from accumulation.step import StepResult
 def nonfinite_stop_reason(config: Config, result: StepResult, training, skips_in_a_row: int) -> str | None:
     """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or, under
     optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it.
-    Non-finite weights (an earlier update overflowed) stop the run under either optim.on_nonfinite: they raise
-    NonFiniteWeights here, at the first non-finite step they cause, and no checkpoint is written with them."""
+    Non-finite weights stop the run under either setting: found after the non-finite step they cause, or before a
+    checkpoint (check_weights_finite), they are never written."""
     scaler = training.scaler
     if not result.applied or not math.isfinite(result.loss):  # the same outcome on every rank: a collective is safe
         check_weights_finite(config, training.model, training.optimizer)
