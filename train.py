@@ -90,7 +90,7 @@ from accumulation.run.logs import RunLogs, finite_or_none
 from accumulation.run.resume import check_run_directory, find_resume_point
 from accumulation.run.run_dir import RunDirectoryError, RunLock, run_directory
 from accumulation.run.signals import StopRequest
-from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
+from accumulation.run.stops import all_steps_done, nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
@@ -168,6 +168,8 @@ def train_in_run_directory(
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
     # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/run/signals.py)
+    if all_steps_done(config, resume, say):  # a finished run started again: one line, exit 0, nothing built
+        return 0
     stop = StopRequest()
     try:
         with stop.installed():

@@ -33,6 +33,19 @@ def nonfinite_stop_reason(config: Config, result: StepResult, training, skips_in
     return None
 
 
+def all_steps_done(config: Config, resume: dict | None, say) -> bool:
+    """Whether the checkpoint found holds all run.max_steps steps (a finished run started again): then one line
+    says so and the program exits 0 without building or training anything."""
+    if resume is None or resume["counters"]["steps"] < config.run.max_steps:
+        return False
+    say(
+        f"run.name={config.run.name!r} already finished: its checkpoint holds step {config.run.max_steps} of "
+        f"run.max_steps={config.run.max_steps}, so there is nothing to train; raise run.max_steps to go on, or "
+        f"choose another run.name for a new run"
+    )
+    return True
+
+
 def stopped_at_a_bad_step(counters: Counters, reason: str, run_dir: Path, context: DistributedContext, say) -> int:
     """Exit status 1 after a non-finite step; the checkpoint holds the last good weights (a skipped update left
     them), and the STOPPED file makes a restart refuse to resume past this step until a person removes it."""
