@@ -6,7 +6,6 @@ code behind its setting is broken (the break planted by hand to check it, then r
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.test_checkpoints import run_in_process
 from tests.test_train import read_metrics, tiny_settings, uneven_corpus
