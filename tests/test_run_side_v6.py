@@ -6,9 +6,10 @@ code behind its setting is broken (the break planted by hand to check it, then r
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_checkpoints import run_in_process
-from tests.test_train import read_metrics, tiny_settings, uneven_corpus
+from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, uneven_corpus
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,7 @@ def test_a_finished_run_started_again_says_so_in_one_line(tmp_path, corpus, caps
     arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 2, "run.sample_bytes": 0, "run.name": "twice"})
     assert run_in_process(arguments, capsys)[0] == 0
     run_dir = tmp_path / "runs" / "twice"
+
     def written():  # every file but run.lock, which each job takes (and writes its holder into)
         return {path: path.stat().st_mtime_ns for path in run_dir.rglob("*") if path.name != "run.lock"}
 
@@ -36,3 +38,94 @@ def test_a_finished_run_started_again_says_so_in_one_line(tmp_path, corpus, caps
     status, out, error = run_in_process([*arguments, "run.max_steps=3"], capsys)
     assert status == 0, error
     assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
+
+
+def weights_close(found: dict, expected: dict, initial: dict, relative: float) -> None:
+    """Each tensor within `relative` of its largest change over the run (plus a floor for tensors that barely
+    move), so the bound scales with the update rather than with the weights."""
+    for key, value in expected.items():
+        tolerance = relative * (value - initial[key]).abs().max().item() + 1e-8
+        assert (found[key] - value).abs().max().item() <= tolerance, key
+
+
+def test_fsdp2_with_clipping_on_follows_ddp(tmp_path, corpus):
+    """Clipping scales every gradient by grad_clip / ‖g‖, so under FSDP2 the norm assembled from the shards must
+    be the whole gradient's: 0.05 is far below the tiny model's norms (about 1 to 3), so every step clips.
+    Before, FSDP2 ran only with clipping off, where a wrong norm changed nothing but the log."""
+    from tests.test_train import train_forked
+
+    common = {"run.max_steps": 3, "run.sample_bytes": 0, "run.eval_every": 0, "optim.grad_clip": 0.05}
+    common |= {"optim.name": "sgd", "optim.lr": 0.5, "optim.momentum": 0.0, "optim.weight_decay": 0.0}
+    runs = {}
+    for strategy in ("ddp", "fsdp2"):
+        arguments = tiny_settings(tmp_path, corpus, **common, **{"dist.strategy": strategy, "run.name": strategy})
+        status, _, error = train_forked(arguments, ranks=2)
+        assert status == 0, error
+        runs[strategy] = tmp_path / "runs" / strategy
+    ddp, fsdp2 = (read_metrics(runs[name]) for name in ("ddp", "fsdp2"))
+    assert all(line["grad_norm"] > 0.05 for line in ddp)  # every step clipped
+    for ddp_line, fsdp2_line in zip(ddp, fsdp2, strict=True):
+        # the same D = 2 terms per entry in another collective: rounding only (tests/test_fsdp.py's FP32_RTOL)
+        assert fsdp2_line["grad_norm"] == pytest.approx(ddp_line["grad_norm"], rel=1e-5)
+        assert fsdp2_line["loss"] == pytest.approx(ddp_line["loss"], rel=1e-6)
+    initial = torch.load(runs["ddp"] / "checkpoints" / "step_000000.pt", weights_only=True)["model"]
+    weights_close(final_weights(runs["fsdp2"]), final_weights(runs["ddp"]), initial, relative=1e-4)
+
+
+def test_a_resume_keeps_the_grad_scalers_state(tmp_path, corpus, capsys, monkeypatch):
+    """A skipped step (its loss made nan) halves the GradScaler's scale at step 2; the run stopped at step 2 and
+    resumed must go on from the halved scale, as the uninterrupted run does: the logged scale of every step and
+    the checkpoint's scaler state equal. Before, no test resumed a run that had a GradScaler (its scale differing
+    from the initial one), so a resume that dropped the scaler's state passed."""
+    from tests.test_nonfinite_steps import make_loss_nan_at
+
+    make_loss_nan_at(monkeypatch, {2})
+    common = {"precision.grad_scaler": "true", "run.sample_bytes": 0, "run.checkpoint_every": 2}
+    straight = tiny_settings(tmp_path, corpus, **common, **{"run.name": "straight"})
+    assert run_in_process(straight, capsys)[0] == 0
+    resumed = tiny_settings(tmp_path, corpus, **common, **{"run.name": "resumed"})
+    assert run_in_process([*resumed, "run.max_steps=2"], capsys)[0] == 0
+    assert run_in_process(resumed, capsys)[0] == 0
+    expected, found = (read_metrics(tmp_path / "runs" / name) for name in ("straight", "resumed"))
+    assert expected[2]["scale"] == expected[0]["scale"] / 2  # the skip at step 2 halved it
+    assert comparable(found) == comparable(expected)
+    straight_state, resumed_state = (
+        torch.load(tmp_path / "runs" / name / "checkpoints" / "latest.pt", weights_only=True)
+        for name in ("straight", "resumed")
+    )
+    assert resumed_state["scaler"] == straight_state["scaler"]
+
+
+def test_a_non_finite_stop_writes_its_checkpoint_between_the_regular_ones(tmp_path, corpus, capsys, monkeypatch):
+    """optim.on_nonfinite = "stop" at step 2 with checkpoints every 5 steps: the stop writes step 2's checkpoint
+    itself (the last good weights, those of step 1's update). Before, every stop test checkpointed every step,
+    so a stop that wrote nothing of its own passed."""
+    from tests.test_nonfinite_steps import make_loss_nan_at
+
+    make_loss_nan_at(monkeypatch, {2})
+    settings = {"optim.on_nonfinite": "stop", "run.checkpoint_every": 5, "run.sample_bytes": 0, "run.max_steps": 8}
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **settings), capsys)
+    assert status == 1 and "stopping at step 2" in error, error
+    run_dir = tmp_path / "runs" / "default"
+    latest = torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)
+    assert latest["counters"]["steps"] == 2 and latest["counters"]["updates"] == 1
+    assert (run_dir / "STOPPED").is_file()
+
+
+def test_a_partial_tail_that_the_global_batch_divides_adds_no_step(tmp_path, capsys):
+    """16 one-row documents and G = 8: every epoch is exactly 2 full steps, so batch.tail = "partial" must run
+    the same steps as "drop" (no empty or short third step). Before, every partial-tail test had a row count
+    the global batch does not divide."""
+    corpus = tmp_path / "sixteen"
+    corpus.mkdir()
+    for index in range(16):
+        (corpus / f"doc{index:02d}.txt").write_text("abcdefghij"[: 4 + index % 6])
+    runs = {}
+    for tail in ("drop", "partial"):
+        change = {"batch.tail": tail, "run.name": tail, "data.val_fraction": 0.0, "data.layout": "documents"}
+        arguments = tiny_settings(tmp_path, corpus, **change, **{"run.max_steps": 5, "run.sample_bytes": 0})
+        status, out, error = run_in_process(arguments, capsys)
+        assert status == 0, error
+        runs[tail] = read_metrics(tmp_path / "runs" / tail)
+    assert [line["examples"] for line in runs["partial"]] == [8, 16, 24, 32, 40]  # 5 full steps over 2.5 epochs
+    assert comparable(runs["partial"]) == comparable(runs["drop"])
