@@ -129,3 +129,41 @@ def test_a_partial_tail_that_the_global_batch_divides_adds_no_step(tmp_path, cap
         runs[tail] = read_metrics(tmp_path / "runs" / tail)
     assert [line["examples"] for line in runs["partial"]] == [8, 16, 24, 32, 40]  # 5 full steps over 2.5 epochs
     assert comparable(runs["partial"]) == comparable(runs["drop"])
+
+
+def test_a_resume_on_another_number_of_ranks_with_dropout_starts_the_promised_streams(
+    tmp_path, corpus, capsys, monkeypatch
+):
+    """2 ranks for steps 1-2 with dropout, then 1 rank (A = 4) from the step-2 checkpoint: the saved per-rank
+    streams no longer fit, so the rank must start the fresh stream of (run.seed, step 2, rank 0), and with the
+    same number of ranks the saved one. The generator is read as the resume hands over to the training section,
+    and compared with seed_dropout's stream computed here. Before, the change-of-D resume ran without dropout,
+    where any stream (the build's of step 0, the saved rank 0's) gave the same bits."""
+    from accumulation.run import restore
+    from accumulation.run.checkpoint import seed_dropout
+    from tests.test_train import train_forked
+
+    common = {"model.dropout": 0.2, "run.sample_bytes": 0, "run.checkpoint_every": 2}
+    arguments = tiny_settings(tmp_path, corpus, **common, **{"run.max_steps": 2})
+    status, _, error = train_forked(arguments, ranks=2)
+    assert status == 0, error
+    saved = torch.load(tmp_path / "runs" / "default" / "checkpoints" / "latest.pt", weights_only=True)["rng"]
+    handed_over = []
+    real_restore = restore.restore_training_state
+
+    def restore_and_read_the_generator(*args, **kwargs):
+        result = real_restore(*args, **kwargs)
+        handed_over.append(torch.get_rng_state())
+        return result
+
+    monkeypatch.setattr(restore, "restore_training_state", restore_and_read_the_generator)
+    status, out, error = run_in_process(tiny_settings(tmp_path, corpus, **common, **{"run.max_steps": 3}), capsys)
+    assert status == 0 and "x accum 4 x ranks 1" in out, error
+    seed_dropout(1337, rank=0, steps=2)  # tiny_settings' run.seed (the default)
+    assert torch.equal(handed_over[0], torch.get_rng_state())
+    assert not torch.equal(handed_over[0], saved["per_rank"][0]["cpu"])
+    # One rank again, from the 1-rank checkpoint of step 3: the saved stream goes on.
+    saved = torch.load(tmp_path / "runs" / "default" / "checkpoints" / "latest.pt", weights_only=True)["rng"]
+    status, _, error = run_in_process(tiny_settings(tmp_path, corpus, **common, **{"run.max_steps": 4}), capsys)
+    assert status == 0, error
+    assert torch.equal(handed_over[1], saved["per_rank"][0]["cpu"])
