@@ -172,10 +172,10 @@ def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
 
 # The template's budget: the lines of the project's own code one default run imports, train.py included. Issue
 # 33 asks for 4,000 at most (one step, no sample: 4,000); this run adds the end-of-run sample and validation, and
-# the ceiling is the size it has reached (4,074), so that it can only shrink. Issue 42 added 57 lines of guards a
+# the ceiling is the size it has reached (4,074), so that it can only shrink. Issue 42 added 72 lines of guards a
 # default run needs (non-finite weights before a checkpoint, absurd optim.lr / weight_decay, a loss without
-# gradient at step 0, a model build that raises): 4,131.
-DEFAULT_RUN_LINES_CEILING = 4_135
+# gradient at step 0, a model build that raises, a finished run started again): 4,146.
+DEFAULT_RUN_LINES_CEILING = 4_150
 
 
 def lines_of_module(name: str) -> int:
