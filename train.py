@@ -161,6 +161,8 @@ def train_in_run_directory(
 ) -> int:
     """main's second half, once the run directory is this job's: set up the ranks, train, and turn each way a
     run can fail into its line and exit status."""
+    if all_steps_done(config, resume, say):  # a finished run started again: one line, exit 0, nothing built
+        return 0
 
     # Fail fast: a rank that raises says why and returns its status WITHOUT tearing down the process group.
     # run_and_exit then ends the process at once; the other ranks' next collective fails (gloo) or torchrun's
@@ -168,8 +170,6 @@ def train_in_run_directory(
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
     # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/run/signals.py)
-    if all_steps_done(config, resume, say):  # a finished run started again: one line, exit 0, nothing built
-        return 0
     stop = StopRequest()
     try:
         with stop.installed():

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from accumulation.config.config import ConfigError
+from accumulation.config.config import Config, ConfigError, settings_of
 
 # What torchrun sets for every rank; a launcher of its own must set them all (LOCAL_RANK defaults to 0).
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -95,14 +95,12 @@ def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: 
 PER_RANK_KEYS = ("run.out_dir",)
 
 
-def check_ranks_agree(config, data_fingerprint: str) -> None:
+def check_ranks_agree(config: Config, data_fingerprint: str) -> None:
     """Refuse (ConfigError, one line on every rank) ranks launched with different settings: a stale config file on
     one node, a node-local copy of other data. ONE all-gather of each rank's resolved config (less PER_RANK_KEYS)
     and its training data's fingerprint; every rank compares the same list, so every rank refuses alike. The
     first key that differs is named with its value on rank 0 and on the first rank that differs; the data's
     fingerprint comes last, since a differing data.source already explains it."""
-    from accumulation.config.config import settings_of
-
     mine = {key: value for key, _, value in settings_of(config) if key not in PER_RANK_KEYS}
     mine["the training data's fingerprint"] = data_fingerprint
     everyone = [None] * dist.get_world_size()
