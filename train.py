@@ -7,7 +7,7 @@ Units: m = batch.micro_batch_size examples per forward/backward per rank, A = ac
 D = data-parallel replicas, global batch G = m·A·D examples per optimizer step. A "step" is one optimizer step
 attempt (one accumulation group); an "update" is a step whose update was applied.
 
-Read top to bottom: the config, the data and everything else a user can get wrong (`main`); the build
+Read top to bottom: `main`; the config, the data and everything else a user can get wrong (`prepare`); the build
 (`build_training`); the training section in `train`, whose one call to accumulation/step.py's optimizer_step is the
 maths of a step; then validation and the logs (accumulation/run/logs.py writes them), and checkpoints. A fork adds a
 model, a loss or a data source in its own file, registered by name (accumulation/config/registry.py), and names it
@@ -16,8 +16,6 @@ in the config; no file here is edited. docs/forking.md walks through it.
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
 
-import functools
-import os
 import signal
 import sys
 import time
@@ -25,30 +23,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-
-def interrupted_while_starting(signum: int, frame) -> None:
-    """Ctrl-C while torch is imported (seconds, the first thing the program does): one line and exit 130,
-    instead of a KeyboardInterrupt traceback from deep inside torch. Nothing has been read or written yet."""
-    os.write(2, b"interrupted (Ctrl-C) while starting, before anything was written\n")
-    os._exit(130)
-
+from accumulation.run.signals import interrupted_while_starting  # imports no torch
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, interrupted_while_starting)
+    signal.signal(signal.SIGINT, interrupted_while_starting)  # Ctrl-C while torch is imported: one line, exit 130
 
 import torch
 
 from accumulation.batching import MicroBatch, describe_batch
 from accumulation.config.config import (
     Config,
-    ConfigError,
     ModelConfig,
     load_config,
     resolved_compile,
     resolved_grad_scaler,
 )
 from accumulation.counters import Counters
-from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data, steps_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import (
@@ -60,15 +50,8 @@ from accumulation.models.factory import (
     resolved_vocab_size,
     training_forward_and_loss,
 )
-from accumulation.parallel.distributed import (
-    DistributedContext,
-    LaunchError,
-    launch_environment,
-    run_and_exit,
-    setup_distributed,
-    teardown_distributed,
-)
-from accumulation.probe import InexactStep, probe_loss_and_model
+from accumulation.parallel.distributed import DistributedContext, run_and_exit
+from accumulation.probe import probe_loss_and_model
 from accumulation.run.batches import StepBatches
 from accumulation.run.build import (
     autocast_dtype_for,
@@ -79,18 +62,13 @@ from accumulation.run.build import (
     step_strategy,
     wrap_for_training,
 )
-from accumulation.run.checkpoint import (
-    CheckpointError,
-    WriteError,
-    checkpoint_payload,
-    save_checkpoint,
-    seed_dropout,
-)
+from accumulation.run.checkpoint import checkpoint_payload, save_checkpoint, seed_dropout
+from accumulation.run.entry import Job, Prepared, run_job
 from accumulation.run.logs import RunLogs, finite_or_none
-from accumulation.run.resume import check_run_directory, find_resume_point
-from accumulation.run.run_dir import RunDirectoryError, RunLock, run_directory
+from accumulation.run.restore import find_resume_point, restore_training_state
+from accumulation.run.run_dir import check_run_directory, run_directory
 from accumulation.run.signals import StopRequest
-from accumulation.run.stops import all_steps_done, nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
+from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
 from accumulation.schedule import build_scheduler
 from accumulation.step import optimizer_step
@@ -99,95 +77,43 @@ from accumulation.step import optimizer_step
 
 
 def main(argv: list[str]) -> int:
+    """The program: read the config, the data and the run directory (`prepare`), then build and train (`train`).
+    run_job (accumulation/run/entry.py) runs the two under the failure policy: bad input is one line on stderr and
+    exit status 2 with nothing left behind, a run that fails ends at once with status 1, Ctrl-C exits 130."""
     if "--help" in argv or "-h" in argv:
-        from accumulation.config.help import help_text  # only --help lists every piece's keys
+        from accumulation.config.help import print_help  # only --help lists every piece's keys
 
-        try:
-            print(help_text(argv))
-        except ConfigError as error:  # a fork's module named in argv that cannot be imported: its keys are unknown
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        return 0
-    # Everything a user can get wrong is checked before anything is written: a bad launch environment,
-    # config, data or checkpoint ends here with one line on stderr and exit status 2. Every rank finds the
-    # same error and every rank prints it: under torchrun the first rank to exit gets the others stopped,
-    # and a line left to rank 0 alone could die with it.
-    lock = None  # rank 0's hold on the run directory (accumulation/run/run_dir.py), for this job's whole life
-    try:
-        rank, world_size = launch_environment()
-        say = print if rank == 0 else (lambda *args, **kwargs: None)  # only rank 0 prints
-        config = load_config(argv)
-        check_config_for_world(config, world_size)
-        # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
-        # The data's vocabulary and the loss are not known yet: one token and no logits are lower bounds.
-        one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
-        check_fits_in_memory(config, count_parameters(one_token_model), vocab_size=1, chunked_loss=True)
-        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
-        # a DataError when the rows cannot fill one global batch
-        steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
-        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
-        run_dir = run_directory(config)  # inside run.out_dir, links resolved
-        check_run_directory(run_dir)  # this program's own files only; a fresh run in a folder of no other run
-        model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
-        # model.loss = "chunked" for a model without an output head: refused here, before anything is written
-        # (on the meta device "auto" is plain; build_training decides it on the run's device)
-        chunked_loss = decided_model_config(config, model_on_meta, torch.device("meta")).loss == "chunked"
-        if config.dist.pipeline_stages > 1:  # the model's pipeline_split, P <= layers
-            from accumulation.parallel.pipeline import check_model_splits
-
-            check_model_splits(model_on_meta, config)
-        check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
-        if rank == 0:  # before the run directory is read: what a resume finds there stays this job's alone
-            lock = RunLock(run_dir)
-            lock.acquire()
-        warn = functools.partial(say, file=sys.stderr)  # rank 0's warnings, on stderr
-        resume = find_resume_point(config, data.summary, model_on_meta, run_dir, warn, say)
-    except (LaunchError, ConfigError, DataError, CheckpointError, RunDirectoryError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        if lock is not None:
-            lock.release(undo=True)  # a refused run leaves no folder or lock file it created
-        return 2
-    status = 1  # if train_in_run_directory raises
-    try:
-        status = train_in_run_directory(config, data, vocab_size, run_dir, resume, rank, world_size, say)
-        return status
-    finally:
-        if lock is not None:
-            lock.release(undo=status == 2)  # bad input (ranks that disagree): the lock file it created goes
+        return print_help(argv)
+    return run_job(argv, prepare, train)
 
 
-def train_in_run_directory(
-    config: Config, data: Data, vocab_size: int, run_dir: Path, resume: dict | None, rank: int, world_size: int, say
-) -> int:
-    """main's second half, once the run directory is this job's: set up the ranks, train, and turn each way a
-    run can fail into its line and exit status."""
-    if all_steps_done(config, resume, say):  # a finished run started again: one line, exit 0, nothing built
-        return 0
+def prepare(argv: list[str], job: Job) -> Prepared:
+    """Everything a user can get wrong, checked before anything is written: the config, the data, the model's
+    shapes and size, the run directory and the checkpoint to continue from."""
+    config = load_config(argv)
+    check_config_for_world(config, job.world_size)
+    # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
+    # The data's vocabulary and the loss are not known yet: one token and no logits are lower bounds.
+    one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
+    check_fits_in_memory(config, count_parameters(one_token_model), vocab_size=1, chunked_loss=True)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    # a DataError when the rows cannot fill one global batch
+    steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
+    vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+    run_dir = run_directory(config)  # inside run.out_dir, links resolved
+    check_run_directory(run_dir)  # this program's own files only; a fresh run in a folder of no other run
+    model_on_meta = build_model_on_meta(config.model, vocab_size, config.data.seq_len)  # shapes, no memory
+    # model.loss = "chunked" for a model without an output head: refused here, before anything is written
+    # (on the meta device "auto" is plain; build_training decides it on the run's device)
+    chunked_loss = decided_model_config(config, model_on_meta, torch.device("meta")).loss == "chunked"
+    if config.dist.pipeline_stages > 1:  # the model's pipeline_split, P <= layers
+        from accumulation.parallel.pipeline import check_model_splits
 
-    # Fail fast: a rank that raises says why and returns its status WITHOUT tearing down the process group.
-    # run_and_exit then ends the process at once; the other ranks' next collective fails (gloo) or torchrun's
-    # agent, which sees a worker gone, stops them (NCCL: they would otherwise wait for its watchdog, and a
-    # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
-    # every rank reaches together, destroys the process group.
-    # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit (accumulation/run/signals.py)
-    stop = StopRequest()
-    try:
-        with stop.installed():
-            context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
-            if context.world_size > 1:  # each rank read its config and data, and looked for the checkpoint, itself
-                from accumulation.parallel.torchrun import check_ranks_agree
-                from accumulation.run.restore import check_ranks_agree_on_resume
-
-                check_ranks_agree(config, data.summary.fingerprint)
-                check_ranks_agree_on_resume(context, resume, run_dir)
-            status = train(config, data, vocab_size, run_dir, resume, context, say, stop)
-    except (ConfigError, CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
-        # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)
-        from accumulation.run.failures import exit_status_after  # only a run that fails imports it
-
-        return exit_status_after(error, config, rank, world_size)
-    teardown_distributed()
-    return status
+        check_model_splits(model_on_meta, config)
+    check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
+    job.hold(run_dir)  # rank 0 locks it before a resume reads it
+    resume = find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say)
+    return Prepared(config, data, vocab_size, run_dir, resume)
 
 
 # ================================================================== 2. The build
@@ -277,8 +203,6 @@ def train(
     if resume is None:
         counters, skips_in_a_row = Counters(), 0  # a fresh run
     else:  # the optimizer, scheduler, scaler and random states of the checkpoint
-        from accumulation.run.restore import restore_training_state
-
         counters, skips_in_a_row = restore_training_state(training, resume, config, context)
     batches = StepBatches(config, data, context)  # each step's micro-batches, built one step ahead
     if counters.steps == 0:  # a fresh run, before anything is written: what would make the step inexact
@@ -428,5 +352,4 @@ class Checkpointer:
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C raises KeyboardInterrupt
     run_and_exit(main, sys.argv[1:])

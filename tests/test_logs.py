@@ -11,8 +11,8 @@ import torch
 from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run import logs, resumed_logs
-from accumulation.run.checkpoint import WriteError
+from accumulation.run import logs
+from accumulation.run.run_dir import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
 
@@ -50,9 +50,9 @@ def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"steps": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
     path.write_text("".join(lines) + '{"steps": 4, "lo')  # a process killed in the middle of writing step 4
-    resumed_logs.keep_metrics_up_to(path, 3)
+    logs.keep_metrics_up_to(path, 3)
     assert path.read_text() == "".join(lines)
-    resumed_logs.keep_metrics_up_to(path, 2)
+    logs.keep_metrics_up_to(path, 2)
     assert path.read_text() == "".join(lines[:2])
 
 
@@ -80,7 +80,7 @@ def test_rewriting_metrics_on_a_full_disk_leaves_the_file_unchanged(tmp_path):
         path.write_text(text)
         fill_disk(disk, leave_free_bytes=0)
         with pytest.raises(WriteError, match="could not be rewritten for the resume: the disk is full"):
-            resumed_logs.keep_metrics_up_to(path, 20)
+            logs.keep_metrics_up_to(path, 20)
         assert path.read_text() == text
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]  # no temporary file
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import train
 from tests.test_checkpoints import run_in_process
 from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, uneven_corpus
 
@@ -139,7 +140,6 @@ def test_a_resume_on_another_number_of_ranks_with_dropout_starts_the_promised_st
     same number of ranks the saved one. The generator is read as the resume hands over to the training section,
     and compared with seed_dropout's stream computed here. Before, the change-of-D resume ran without dropout,
     where any stream (the build's of step 0, the saved rank 0's) gave the same bits."""
-    from accumulation.run import restore
     from accumulation.run.checkpoint import seed_dropout
     from tests.test_train import train_forked
 
@@ -149,14 +149,14 @@ def test_a_resume_on_another_number_of_ranks_with_dropout_starts_the_promised_st
     assert status == 0, error
     saved = torch.load(tmp_path / "runs" / "default" / "checkpoints" / "latest.pt", weights_only=True)["rng"]
     handed_over = []
-    real_restore = restore.restore_training_state
+    real_restore = train.restore_training_state
 
     def restore_and_read_the_generator(*args, **kwargs):
         result = real_restore(*args, **kwargs)
         handed_over.append(torch.get_rng_state())
         return result
 
-    monkeypatch.setattr(restore, "restore_training_state", restore_and_read_the_generator)
+    monkeypatch.setattr(train, "restore_training_state", restore_and_read_the_generator)
     status, out, error = run_in_process(tiny_settings(tmp_path, corpus, **common, **{"run.max_steps": 3}), capsys)
     assert status == 0 and "x accum 4 x ranks 1" in out, error
     seed_dropout(1337, rank=0, steps=2)  # tiny_settings' run.seed (the default)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from accumulation.config.config import DataConfig
-from accumulation.config.registry import lookup
+from accumulation.config.registry import fork_raised, lookup
 from accumulation.data.rows import DataError, Rows
 from accumulation.data.splits import Data, DataSummary
 
@@ -87,8 +87,6 @@ def built_by_a_registered_source(settings: DataConfig, model_vocab_size: int, se
     except (DataError, torch.OutOfMemoryError):
         raise
     except Exception as error:  # the fork's own fault: one line, after its traceback when it is a bug
-        from accumulation.config.fork_import import fork_raised
-
         raise DataError(f"{name} raised {fork_raised(error)}; fix the build or the source's keys") from None
     if not isinstance(built, Data):
         raise DataError(

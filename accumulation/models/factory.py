@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from accumulation.config.config import Config, ConfigError, ModelConfig
-from accumulation.config.registry import lookup
+from accumulation.config.registry import fork_raised, lookup
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -35,8 +35,6 @@ def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, see
     except (ConfigError, torch.OutOfMemoryError):
         raise
     except Exception as error:  # the fork's own fault: one line, after its traceback when it is a bug
-        from accumulation.config.fork_import import fork_raised
-
         raise ConfigError(f"model.name: {model_config.name}'s build ({build}) raised {fork_raised(error)}") from None
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(
