@@ -7,11 +7,12 @@ Units: m = batch.micro_batch_size examples per forward/backward per rank, A = ac
 D = data-parallel replicas, global batch G = m·A·D examples per optimizer step. A "step" is one optimizer step
 attempt (one accumulation group); an "update" is a step whose update was applied.
 
-Read top to bottom: `main`; the config, the data and everything else a user can get wrong (`prepare`); the build
-(`build_training`); the training section in `train`, whose one call to accumulation/step.py's optimizer_step is the
-maths of a step; then validation and the logs (accumulation/run/logs.py writes them), and checkpoints. A fork adds a
-model, a loss or a data source in its own file, registered by name (accumulation/config/registry.py), and names it
-in the config; no file here is edited. docs/forking.md walks through it.
+Read top to bottom: `main`; the config, the data and everything else a user can get wrong (`prepare`); the training
+section in `train`, after the one build of everything a step needs (accumulation/run/build.py's `build_training`),
+whose one call to accumulation/step.py's optimizer_step is the maths of a step; then validation and the logs
+(accumulation/run/logs.py writes them), and checkpoints. A fork adds a model, a loss or a data source in its own
+file, registered by name (accumulation/config/registry.py), and names it in the config; no file here is edited.
+docs/forking.md walks through it.
 """
 
 # ruff: noqa: E402 (the imports after the first block wait for the Ctrl-C handler below, on purpose)
@@ -19,9 +20,7 @@ in the config; no file here is edited. docs/forking.md walks through it.
 import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 from accumulation.run.signals import interrupted_while_starting  # imports no torch
 
@@ -33,36 +32,22 @@ import torch
 from accumulation.batching import MicroBatch, describe_batch
 from accumulation.config.config import (
     Config,
-    ModelConfig,
     load_config,
-    resolved_compile,
-    resolved_grad_scaler,
 )
 from accumulation.counters import Counters
 from accumulation.data.sources import build_data, steps_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import (
-    build_model,
     build_model_on_meta,
     count_parameters,
     decided_model_config,
-    loss_sum_fn_for,
     resolved_vocab_size,
-    training_forward_and_loss,
 )
 from accumulation.parallel.distributed import DistributedContext, run_and_exit
 from accumulation.probe import probe_loss_and_model
 from accumulation.run.batches import StepBatches
-from accumulation.run.build import (
-    autocast_dtype_for,
-    build_optimizer,
-    check_config_for_world,
-    check_fits_in_memory,
-    set_tf32,
-    step_strategy,
-    wrap_for_training,
-)
-from accumulation.run.checkpoint import checkpoint_payload, save_checkpoint, seed_dropout
+from accumulation.run.build import Training, build_training, check_config_for_world, check_fits_in_memory
+from accumulation.run.checkpoint import checkpoint_payload, save_checkpoint
 from accumulation.run.entry import Job, Prepared, run_job
 from accumulation.run.logs import RunLogs, finite_or_none
 from accumulation.run.restore import find_resume_point, restore_training_state
@@ -70,8 +55,6 @@ from accumulation.run.run_dir import check_run_directory, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
-from accumulation.schedule import build_scheduler
-from accumulation.step import optimizer_step
 
 # ================================================================== 1. The config, the data, and what can go wrong
 
@@ -116,72 +99,7 @@ def prepare(argv: list[str], job: Job) -> Prepared:
     return Prepared(config, data, vocab_size, run_dir, resume)
 
 
-# ================================================================== 2. The build
-
-
-class Training(NamedTuple):
-    """What the training section runs. Two names for the model: `model` is the whole unwrapped model (checkpoints
-    hold its state dict); `module` is what optimizer_step runs, the model as training wraps it (compiled, in DDP,
-    sharded by FSDP2, its loss inside it when compiled, or this rank's pipeline stage)."""
-
-    model: torch.nn.Module
-    model_config: ModelConfig  # config.model with model.loss decided ("plain" or "chunked")
-    module: torch.nn.Module
-    loss_sum_fn: Callable | None  # the loss of module's outputs; None: module computes it (compiled with it)
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
-    compiled: bool
-    strategy: object = None  # how the step runs the micro-batches: FSDP2's, the pipeline, or None (one process, DDP)
-    pipeline: object = None  # dist.pipeline_stages > 1: this rank's stage and the schedule (parallel/pipeline.py)
-
-
-def build_training(config: Config, vocab_size: int, resume: dict | None, context: DistributedContext) -> Training:
-    """The model (with a resume's weights), the module the step runs, the loss, the optimizer, the schedule and
-    the scaler."""
-    device = context.device
-    # the same initial weights on every rank
-    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
-    # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
-    # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
-    seed_dropout(config.run.seed, context.rank)
-    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
-        model.load_state_dict(resume["model"])
-    compiled = resolved_compile(config, device.type)
-    pipeline = None
-    # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
-    # (accumulation/models/factory.py); the probe and validation use the same loss.
-    model_config = decided_model_config(config, model, device)
-    if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
-        from accumulation.parallel.pipeline import build_pipeline, optimizer_order
-
-        loss_sum_fn = loss_sum_fn_for(config.model)
-        accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
-        pipeline = build_pipeline(model, context.layout, device, loss_sum_fn, accum, config.dist.pipeline_schedule)
-        # The optimizer over the stage's parameters alone; checkpoints number them as one over the whole model.
-        optimizer = build_optimizer(config.optim, pipeline.stage_module, device)
-        pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
-        module, strategy = pipeline.wrapped, pipeline
-    else:
-        forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
-        # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
-        # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
-        param_dtype = autocast_dtype_for(config.precision)  # under fsdp2, the shards' compute dtype
-        module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
-        strategy = step_strategy(config.dist, module)
-        optimizer = build_optimizer(config.optim, model, device)
-    decay_updates = config.schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(
-        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
-    )
-    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
-    set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
-    return Training(
-        model, model_config, module, loss_sum_fn, optimizer, scheduler, scaler, compiled, strategy, pipeline
-    )
-
-
-# ================================================================== 3. The training section
+# ================================================================== 2. The training section
 
 
 def train(
@@ -216,10 +134,6 @@ def train(
         checkpointer.save(counters, skips_in_a_row)  # step 0: a run killed before its first checkpoint resumes
     logs.open(counters, resumed=resume is not None)
     logs.header(training, counters)
-    step_function = optimizer_step
-    if config.batch.on_oom == "shrink":  # a step that runs out of memory is redone with fewer rows per micro-batch
-        from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom as step_function
-    autocast_dtype = autocast_dtype_for(config.precision)
     micro_batch_size = config.batch.micro_batch_size  # m; batch.on_oom = "shrink" may lower it
     record = {}
     try:
@@ -232,19 +146,13 @@ def train(
             # and pinned while the device ran the step before.
             micro_batches, global_counts = batches.take(counters.steps, micro_batch_size)
             # Dropout on: a model may arrive in eval mode (from_pretrained), and a resume has no step-0 probe.
-            training.module.train()
-            result = step_function(
-                training.module,
+            training.setup.module.train()
+            result = training.step(  # optimizer_step (accumulation/step.py), or its out-of-memory retry
+                training.setup,
                 micro_batches,
                 training.optimizer,
-                device=device,
-                scaler=training.scaler,
-                loss_sum_fn=training.loss_sum_fn,
-                grad_clip=config.optim.grad_clip,
-                autocast_dtype=autocast_dtype,
                 global_counts=global_counts,
                 stop_requested=lambda: stop.requested,  # read at the step's boundary
-                strategy=training.strategy,
                 # while the device runs this step, the host builds the next one's micro-batches
                 before_read_back=lambda step=counters.steps + 1, m=micro_batch_size: batches.build(step, m),
             )
@@ -283,20 +191,20 @@ def train(
 
 
 def probe_step_zero(
-    config: Config, training: "Training", context: DistributedContext, micro_batch: MicroBatch, say
+    config: Config, training: Training, context: DistributedContext, micro_batch: MicroBatch, say
 ) -> None:
     """accumulation/probe.py on this rank's first micro-batch of step 0: a mean loss is an InexactStep (exit 2);
     BatchNorm in train mode or a loss that couples examples is one warning line (an error with
     batch.on_inexact = "error")."""
     # Training's model.loss, uncompiled (as validation runs it): the probe compares losses, not kernels.
-    forward_module, loss_sum_fn = training_forward_and_loss(training.model_config, training.model)
+    forward_module, loss_sum_fn = training.evaluation
     for line in probe_loss_and_model(
         forward_module, training.model, loss_sum_fn, micro_batch, context.device, config.batch.on_inexact
     ):
         say(f"warning: not exact: {line}", file=sys.stderr)
 
 
-# ================================================================== 4. Validation
+# ================================================================== 3. Validation
 
 
 class Validator:
@@ -311,14 +219,13 @@ class Validator:
         return self.data.val is not None and every > 0 and steps % every == 0
 
     def loss(self, micro_batch_size: int) -> float:
-        model, model_config, pipeline = self.training.model, self.training.model_config, self.training.pipeline
-        return validation_loss(model, self.data, self.config, self.context, micro_batch_size, model_config, pipeline)
+        return validation_loss(self.training, self.data, self.config, self.context, micro_batch_size)
 
     def final_loss(self, micro_batch_size: int) -> float | None:
         return finite_or_none(self.loss(micro_batch_size)) if self.data.val is not None else None
 
 
-# ================================================================== 5. Checkpoints, and the ways a run stops
+# ================================================================== 4. Checkpoints, and the ways a run stops
 
 
 class Checkpointer:
@@ -335,7 +242,7 @@ class Checkpointer:
 
     def save(self, counters: Counters, skips_in_a_row: int) -> None:
         training, context = self.training, self.context
-        states = training.model, training.optimizer, training.scheduler, training.scaler
+        states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
         if hasattr(self.data.train, "state_dict"):  # what a resume cannot redraw (RL: the round's rollout)
             payload["data"]["rollouts"] = self.data.train.state_dict()

@@ -232,7 +232,7 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
     from accumulation.data.sources import build_data
     from accumulation.models.factory import build_model
     from accumulation.models.forward_and_loss import ForwardAndLoss
-    from accumulation.step import token_cross_entropy_sum
+    from accumulation.step import StepSetup, token_cross_entropy_sum
 
     config = load_config(["model.n_layer=1", "model.d_model=16", "data.seq_len=16"])
     data = build_data(config.data, model_vocab_size=0, seed=0)
@@ -241,9 +241,7 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
     training = SimpleNamespace(  # the module the step runs is not the model; the loss is the plain one
         model=model,
         model_config=config.model.__class__(**{**vars(config.model), "loss": "plain"}),
-        module=compiled_module,
-        forward_module=compiled_module,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        setup=StepSetup(compiled_module, torch.device("cpu"), loss_sum_fn=None),
         compiled=True,
     )
     context = DistributedContext(0, 0, 1, torch.device("cpu"), None)

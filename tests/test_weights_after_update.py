@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import train
+from accumulation.run import build
 from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import run_in_process
 from tests.test_train import read_metrics, tiny_settings, uneven_corpus
@@ -48,7 +49,7 @@ def test_the_largest_allowed_learning_rate_and_decay_start(tmp_path, corpus, cap
 def overflow_after_update(monkeypatch, update: int) -> None:
     """The optimizer's `update`-th update (counted from 1) leaves inf in one weight of the first matrix, as an
     update that overflows does; every other update is the real one."""
-    real_build_optimizer = train.build_optimizer
+    real_build_optimizer = build.build_optimizer
 
     def build_optimizer(optim, model, device):
         optimizer = real_build_optimizer(optim, model, device)
@@ -63,7 +64,7 @@ def overflow_after_update(monkeypatch, update: int) -> None:
         optimizer.register_step_post_hook(after_step)
         return optimizer
 
-    monkeypatch.setattr(train, "build_optimizer", build_optimizer)
+    monkeypatch.setattr(build, "build_optimizer", build_optimizer)
 
 
 def assert_stopped_before_checkpointing(status, error, run_dir: Path, last_checkpoint: int) -> None:

@@ -239,7 +239,7 @@ class RunLogs:
         say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
         say(
             f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
-            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"grad scaler {'on' if training.setup.scaler.is_enabled() else 'off'}; "
             f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
         )
         if config.dist.strategy == "fsdp2":

@@ -298,7 +298,7 @@ def restore_training_state(training, resume: dict, config: Config, context: Dist
         load_optimizer_state(training.optimizer, saved_optimizer, sharded=config.dist.strategy == "fsdp2")
         training.scheduler.load_state_dict(resume["scheduler"])
         if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
-            training.scaler.load_state_dict(resume["scaler"])
+            training.setup.scaler.load_state_dict(resume["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error}); {OLDER_CHECKPOINT}"

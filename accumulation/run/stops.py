@@ -19,7 +19,7 @@ def nonfinite_stop_reason(config: Config, result: StepResult, training, skips_in
     optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it.
     Non-finite weights stop the run under either setting: found after the non-finite step they cause, or before a
     checkpoint (check_weights_finite), they are never written."""
-    scaler = training.scaler
+    scaler = training.setup.scaler
     if not result.applied or not math.isfinite(result.loss):  # the same outcome on every rank: a collective is safe
         check_weights_finite(config, training.model, training.optimizer)
     if skips_in_a_row >= config.optim.max_consecutive_skips:

@@ -84,6 +84,17 @@ BUGS = [
         ["tests/test_reference_checks.py::test_clipping_with_a_grad_scaler_on_equals_the_clipped_float64_gradient"],
     ),
     Bug(
+        "clip-by-local-norm-share",
+        "clipping by this rank's share of the squared norm, not the all-reduced whole: FSDP2 shards clip apart",
+        "accumulation/step.py",
+        "torch.nn.utils.clip_grads_with_norm_(parameters, setup.grad_clip, grad_norm_tensor)",
+        "torch.nn.utils.clip_grads_with_norm_(parameters, setup.grad_clip, norm_share.sqrt() / scale)",
+        [
+            "tests/test_checker_configured_step.py::"
+            "test_fsdp2_norm_shares_feed_the_clip_on_two_ranks_and_a_clip_by_one_rank_s_norm_fails"
+        ],
+    ),
+    Bug(
         "examples-per-rank",
         "the step reports this rank's examples, not all ranks': the examples counter is short",
         "accumulation/batching.py",
