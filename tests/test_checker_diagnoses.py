@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from accumulation import checker
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker import run as checker_run
 from accumulation.checker.promises import loss_alignment_message
@@ -16,6 +17,7 @@ from accumulation.config.registry import register_model
 from accumulation.models.gpt import build_gpt
 from accumulation.rl.objectives import target_log_probs
 from accumulation.rl.on_policy import clipped_surrogate_sum
+from accumulation.step import token_cross_entropy_sum
 from tests.test_check_equivalence import checker_line, failing_lines
 from tests.test_check_equivalence import run_checker as run_checker_on_short_documents
 from tests.test_check_equivalence_grpo import (
@@ -94,6 +96,36 @@ def test_a_stage_that_computes_another_function_is_named_not_the_accumulation(tm
     gradient = checker_line(stdout, "gradient")
     assert "accumulation, not rounding" not in gradient
     assert "explained by 'pipeline stages compute the forward' above" in gradient, gradient
+
+
+def test_a_loss_that_supervises_the_padding_fails_naming_the_positions_labelled_100(tmp_path, capsys, monkeypatch):
+    """labels.clamp(min=0) then a sum: every padding position is trained as token 0. Loop and reference call the
+    same loss (their gradients agree) and each half of the rows keeps its own padding (the loss is a sum over rows),
+    so only the check that moves the outputs at the positions labelled -100 sees it."""
+
+    def clamped_loss_sum_fn_for(model_config):
+        return lambda outputs, labels: token_cross_entropy_sum(outputs, labels.clamp(min=0))
+
+    monkeypatch.setattr(checker_run, "loss_sum_fn_for", clamped_loss_sum_fn_for)
+    status, stdout = run_checker_on_short_documents(tmp_path, [], 1, capsys)
+    assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
+    assert failing_lines(stdout)[0] == "loss leaves the positions labelled -100 out", stdout
+    line = checker_line(stdout, "loss leaves the positions labelled -100 out")
+    assert "it trains them as targets (labels.clamp(min=0) makes each a target 0)" in line, line
+    # The loop's micro-batches hold other padding than the reference's rows, so their gradients differ too: that
+    # line names the promise as the cause, not the accumulation.
+    gradient = checker_line(stdout, "gradient")
+    assert gradient.endswith(": ok") or "explained by 'loss leaves the positions labelled -100 out' above" in gradient
+
+
+def test_a_loss_that_shifts_again_is_named_by_the_pairing_line_not_as_supervised_padding(capsys):
+    """On prompt/response rows a loss that shifts again reads the output of each response's first label at the
+    prompt's last position, labelled -100: that is the pairing line's fault, which names it."""
+    status = checker.main(["--config", "configs/sft.toml", "model.n_layer=1", "--inject-bug", "double-shift"])
+    stdout = capsys.readouterr().out
+    assert status == 1 and failing_lines(stdout) == ["loss pairs label j with output j"], stdout
+    line = checker_line(stdout, "loss leaves the positions labelled -100 out")
+    assert line.startswith("n/a: it reads the outputs beside its targets, as the pairing line's fault does"), line
 
 
 # ---------------------------------------------------------------------------------------------------

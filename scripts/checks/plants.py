@@ -586,7 +586,7 @@ BUGS = [
         "    return ignored_targets_line(away, beside, IGNORED_TOLERANCE)",
         "    return None",
         [
-            "tests/test_check_equivalence.py::test_a_loss_that_supervises_the_padding_fails_naming_the_positions_labelled_100"
+            "tests/test_checker_diagnoses.py::test_a_loss_that_supervises_the_padding_fails_naming_the_positions_labelled_100"
         ],
     ),
     Bug(
