@@ -88,16 +88,12 @@ def build(model_config, vocab_size: int, *, seq_len: int, seed: int) -> HFCausal
     return HFCausalLM(peft_model, f"LoRA r {own.lora_rank} on {own.lora_targets} ({trainable:,} train), {base.source}")
 
 
-def fingerprint(model_config) -> str:
-    """The base folder's fingerprint: the adapters' settings are own keys, compared on resume as they are."""
-    return base_fingerprint(model_config)
-
-
+# The base folder's fingerprint: the adapters' settings are own keys, compared on resume as they are.
 register_model(
     "hf-lora",
     build,
     settings=LoRASettings,
-    fingerprint=fingerprint,
+    fingerprint=base_fingerprint,
     check=check_folder,
     generic_keys=(),
     generic_keys_note="its size comes from config.json in model.path, and its dropout from that file's *_pdrop / "
