@@ -174,8 +174,8 @@ def test_a_surrogate_that_pairs_label_j_with_output_j_plus_1_fails_on_its_own(ca
     status, stdout = run_checker(GRPO_STEP, 1, capsys)
     assert status == 1, stdout
     # The reference is the objective's definition, which pairs label j with output j: the pairing probe, the loss
-    # and the gradient fail, and the gradient's line names the loss, not accumulation.
-    assert failing_lines(stdout) == ["loss pairs label j with output j", "loss", "gradient"], stdout
+    # the gradient norm and the gradient fail, and the gradient's line names the loss, not accumulation.
+    assert failing_lines(stdout) == ["loss pairs label j with output j", "loss", "gradient norm", "gradient"], stdout
     assert line(stdout, "gradient").endswith("the loss is not the objective it declares, not an accumulation bug")
     pairing = line(stdout, "loss pairs label j with output j")
     match = re.match(r"FAIL: the loss of label (\d+) \(row \d+ of the step\) reads outputs \[(\d+)\], not", pairing)

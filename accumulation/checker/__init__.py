@@ -7,15 +7,17 @@ from the command line or from a fork's own tests:
     python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG] [--step S]
     torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
 
-The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
-train.py uses), the rows of step 0 as `step_batch` builds them for train.py (the step's row ids, the rows as
-step 0 sees them, this rank's A micro-batches of m rows), and `optimizer_step` with the configured loss and
-precision and with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it.
-The gradient is read when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce and
-unscaling. Two settings are switched off, because no reference could reproduce them: gradient clipping
-(it rescales the gradient by the step's own norm) and dropout (its random masks): model.dropout, and after
-every build each Dropout-family module's p, float attributes named like a dropout and a Hugging Face config's
-*_pdrop / *_dropout (reference.switch_off_dropout); the model line says what was switched off.
+The loop side is one optimizer step exactly as train.py runs it: what `build_training` (accumulation/run/build.py,
+train.py's own assembly) builds from the config around the model from `build_model` (the loss, the wrapper, the
+strategy, the scaler, optim.grad_clip, batch.on_oom's retry), the rows of step 0 as `step_batch` builds them for
+train.py (the step's row ids, the rows as step 0 sees them, this rank's A micro-batches of m rows), and the step
+with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it. The gradient is read
+when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce, unscaling and clipping (a fused
+recording optimizer where the configured one is fused, so that the update is queued on the device as train.py's);
+the reference is clipped by its own norm, and the norm before clipping is compared on a line of its own. One
+setting is switched off, because no reference could reproduce it: dropout (its random masks): model.dropout, and
+after every build each Dropout-family module's p, float attributes named like a dropout and a Hugging Face
+config's *_pdrop / *_dropout (reference.switch_off_dropout); the model line says what was switched off.
 
 The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (each
 row's input tokens and its targets, position by position: accumulation/data/rows.py, RawExample) with the
@@ -56,19 +58,31 @@ The checks, one line each, each named when it fails and each independent of m, A
     loss pairs label j with output j
                     one label kept, the gradient of the loss must land on output j: a loss that shifts labels
                     that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees;
-                    "n/a" and why where there is no position to pair (one label per example: labels [rows])
+                    "n/a" and why where there is no position to pair (one label per example: labels [rows]); the
+                    label judged is one whose loss alone has a gradient (not a row of advantage 0, a clipped ratio)
+    loss leaves the positions labelled -100 out
+                    on fixed outputs, noise added only where the label is -100: no row's loss may move. One that
+                    supervises them (labels.clamp(min=0) then a sum: padding and prompts trained as token 0) passes
+                    every other check, since loop and reference call the same loss and rows split with their padding
+    pipeline stages compute the forward
+                    with dist.pipeline_stages > 1: the stages of pipeline_split, run one after another, give the
+                    model's forward (float64); the loop trains the stages and the reference the forward
     examples, supervised targets, normaliser, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
                     floor is the model's rounding, one above it the accumulation's; the floor widens the
                     allowed error to 4 times itself, never past run.ROUNDING_FLOOR_CAP; the normaliser line
                     names N and its unit on both sides, the reference's counted from the objective's definition
-The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
+The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference,
+and, for a model with frozen parameters (requires_grad off: LoRA's base, a frozen embedding), how many parameters
+train and are compared and how many are frozen: those have no gradient, and no check reads them. A promise that
+fails explains the loss and gradient lines after it (they name it, not "accumulation, not rounding"); extras that
+disagree between examples() and the raw examples stop the check before the loss is run on them.
 
 What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and logged
 loss equal the full-batch ones within the precision's tolerance, every rank starts from the same weights, the step
 saw the same examples and supervised tokens as the reference, and the promises above hold for the step checked
-(step 0 unless --step says). What it does not: anything about clipping, dropout, other steps or trained weights,
+(step 0 unless --step says). What it does not: anything about dropout, TF32, other steps or trained weights,
 the optimizer's update rule, or the correctness of the loss function itself (the reference uses the same loss; it
 checks how the loop weights and masks it).
 

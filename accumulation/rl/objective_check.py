@@ -28,7 +28,7 @@ from accumulation.rl.objectives import (
     aggregation,
     completion_lengths,
 )
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 # How far the sampling policy is from the checked weights: each weight tensor moved by this fraction of its root mean
 # square along a seeded random direction. An untrained GPT's logits are small, so its ratios move little with its
@@ -166,11 +166,11 @@ def accumulated_gradient(
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     counts = GlobalCounts(declared.normaliser, rows.labels.shape[0])  # N in the declared unit
     optimizer_step(
-        model,
+        StepSetup(
+            model, torch.device("cpu"), loss_sum_fn=loss_sum_fn or (objective.loss_class or PolicyLoss)(objective)
+        ),
         micro_batches_of_rank(rows, declared, micro_batch, rank, ranks),
         optimizer,
-        device=torch.device("cpu"),
-        loss_sum_fn=loss_sum_fn or (objective.loss_class or PolicyLoss)(objective),
         global_counts=counts,
     )
     with torch.no_grad():

@@ -78,7 +78,7 @@ class PolicyObjective:
         )
         ratio = "sequence-level ratio (GSPO)" if self.level == "sequence" else "token ratio"
         parts = [f"{self.aggregation}", ratio, clip]
-        if self.loss_class is not None:
+        if self.loss_class not in (None, PolicyLoss):
             parts.insert(0, f"{self.loss_class.__module__}:{self.loss_class.__qualname__}")
         if self.kl_coef:
             parts.append(f"KL {self.kl_estimator} x {self.kl_coef:g}")

@@ -5,7 +5,7 @@ import importlib
 from dataclasses import dataclass
 
 from accumulation.config.config_keys import setting
-from accumulation.config.fork_import import import_problem
+from accumulation.config.registry import import_problem
 from accumulation.data.memory import memory_limit_bytes
 from accumulation.rl.objectives import IMPORTANCE_LEVELS, KL_ESTIMATORS, NORMALISER_UNITS, PolicyLoss, PolicyObjective
 from accumulation.rl.rollout import Sampling

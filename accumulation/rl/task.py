@@ -12,6 +12,7 @@ import re
 import torch
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.config.registry import import_problem
 from accumulation.data.rows import DataError, RawExample
 
 PROBLEM = re.compile(r"Q: (-?\d+) ([-+*]) (-?\d+) =")
@@ -67,8 +68,6 @@ def read_task(path: str, held_out: int) -> tuple[list[tuple[str, str]], list[tup
 def reward_function(name: str):
     """The reward function data.reward names ("module:name", called as name(prompt, completion) -> float), or a
     ValueError in one line."""
-    from accumulation.config.fork_import import import_problem  # a fork's module, imported only here
-
     module_name, _, function_name = name.partition(":")
     problem = import_problem(module_name) if function_name else "expected module:name"
     function = None if problem else getattr(importlib.import_module(module_name), function_name, None)

@@ -25,7 +25,7 @@ from accumulation.rl.objectives import PolicyLoss, aggregation, completion_lengt
 from accumulation.rl.on_policy import BYTE_VOCABULARY
 from accumulation.rl.rollout import END_OF_ANSWER, SAMPLING_STREAM, round_prompts, sample
 from accumulation.rl.task import split_problems
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 
 @torch.no_grad()
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> int:
                 batches.append(MicroBatch(tokens[part], labels[part], micro, extras))
             counts = GlobalCounts(declared.normaliser, global_batch)
             optimizer_step(
-                policy, batches, optimizer, device=torch.device("cpu"), loss_sum_fn=loss, global_counts=counts
+                StepSetup(policy, torch.device("cpu"), loss_sum_fn=loss), batches, optimizer, global_counts=counts
             )
             loss.take_sums()
 
