@@ -76,7 +76,7 @@ class FullForward:
 
     def logits(self, tokens: torch.Tensor, ends: torch.Tensor, first: bool) -> torch.Tensor:
         """The logits [rows, vocab] predicting position ends[i] of each row (tokens on the model's device)."""
-        return self.model(tokens[:, : int(ends.max())])[torch.arange(len(ends)), ends - 1]
+        return self.model(tokens[:, : int(ends.max())])[torch.arange(len(ends), device=ends.device), ends - 1]
 
 
 class GPTKeyValueCache:
@@ -93,7 +93,8 @@ class GPTKeyValueCache:
         self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
 
     def logits(self, tokens: torch.Tensor, ends: torch.Tensor, first: bool) -> torch.Tensor:
-        model, rows = self.model, len(ends)
+        model = self.model
+        rows = torch.arange(len(ends), device=ends.device)  # every row, indexing tensors where the model is
         if first:  # every prompt's positions at once, causal: a position never sees the padding after it
             width = int(ends.max())
             positions = torch.arange(width, device=tokens.device)
@@ -102,13 +103,13 @@ class GPTKeyValueCache:
                 q, k, v = self.heads(block, block.attn_norm(x))
                 keys[:, :, :width], values[:, :, :width] = k, v
                 x = self.after_attention(block, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
-            return model.lm_head(model.final_norm(x))[torch.arange(rows), ends - 1]
+            return model.lm_head(model.final_norm(x))[rows, ends - 1]
         position = ends - 1  # each row's newest token
-        x = (model.token_embedding(tokens[torch.arange(rows), position]) + model.position_embedding(position))[:, None]
+        x = (model.token_embedding(tokens[rows, position]) + model.position_embedding(position))[:, None]
         seen = torch.arange(self.keys[0].shape[2], device=tokens.device)[None, :] <= position[:, None]
         for block, keys, values in zip(model.blocks, self.keys, self.values, strict=True):
             q, k, v = self.heads(block, block.attn_norm(x))
-            keys[torch.arange(rows), :, position], values[torch.arange(rows), :, position] = k[:, :, 0], v[:, :, 0]
+            keys[rows, :, position], values[rows, :, position] = k[:, :, 0], v[:, :, 0]
             attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None, None, :])
             x = self.after_attention(block, x, attended)
         return model.lm_head(model.final_norm(x))[:, 0]
