@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-KINDS = ("model", "loss", "data")
+KINDS = ("model", "loss", "data", "sink")
 
 # The built-in pieces: name -> the module that registers it, imported when a config names it.
 BUILT_IN = {
@@ -19,6 +19,12 @@ BUILT_IN = {
     },
     "loss": {"clipped-surrogate": "accumulation.rl.on_policy"},
     "data": {"arithmetic-rollouts": "accumulation.rl.on_policy"},
+    "sink": {
+        "tensorboard": "accumulation.run.sinks",
+        "jsonl": "accumulation.run.sinks",
+        "wandb": "accumulation.run.external_sinks",
+        "mlflow": "accumulation.run.external_sinks",
+    },
 }
 
 # The generic model keys a registered model may leave unused (register_model(generic_keys=...)): one whose size comes
@@ -38,7 +44,8 @@ class Piece:
     """One registered model, loss or data source (docs/forking.md, "A fork is one file and a config").
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
-                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused;
+                  sink: build(config, run_dir, counters, resumed) -> an object with write(record), flush(), close()
     settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/own_keys.py)
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
@@ -94,6 +101,12 @@ def register_loss(name, loss_sum_fn) -> Piece:
 def register_data(name, build, *, settings=None, check=None) -> Piece:
     """Declare a data source: `data.source = name` builds it with build(data_config, model_vocab_size=, seed=)."""
     return _register(Piece("data", name, build, settings, check=check))
+
+
+def register_sink(name, build, *, check=None) -> Piece:
+    """Declare a logger sink: `log.sinks` naming it makes rank 0 call build(config, run_dir, counters, resumed) once
+    per session and hand the result each step's record (accumulation/run/sinks.py)."""
+    return _register(Piece("sink", name, build, check=check))
 
 
 def is_piece_name(kind: str, name: str) -> bool:

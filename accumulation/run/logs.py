@@ -1,11 +1,8 @@
-"""The run's logs, written by rank 0: metrics.jsonl (one line per step), TensorBoard, and the terminal's lines
-(progress, the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback."""
+"""The run's logs, written by rank 0: each step's record to the sinks log.sinks names (metrics.jsonl and TensorBoard
+by default: accumulation/run/sinks.py), and the terminal's lines (progress, the session's summary, its speed)."""
 
-import json
 import math
-import os
 import resource
-import threading
 import time
 from pathlib import Path
 
@@ -13,6 +10,7 @@ import torch
 
 from accumulation.batching import describe_batch
 from accumulation.config.config import Config, config_to_toml
+from accumulation.config.registry import lookup
 from accumulation.counters import Counters
 from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
@@ -24,55 +22,6 @@ from accumulation.run.run_dir import write_text_atomically
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
 WARMUP_STEPS = 2
-
-
-class MetricsFile:
-    """metrics.jsonl opened for appending whole lines: a line is on disk whole or not at all, so the file
-    never holds a half line that a resume would keep, even when the disk fills in the middle of one."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, line: str) -> None:
-        size_before = os.fstat(self.descriptor).st_size
-        remaining = memoryview(line.encode())
-        try:
-            while remaining:  # a full disk takes part of a write, then refuses the rest
-                remaining = remaining[os.write(self.descriptor, remaining) :]
-        except OSError as error:
-            os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import metrics_line_not_written
-
-            raise WriteError(metrics_line_not_written(error, self.path)) from None
-
-    def flush(self) -> None:
-        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
-
-    def close(self) -> None:
-        os.close(self.descriptor)
-
-
-def quiet_tensorboard_thread_errors() -> None:
-    """Keep the traceback of TensorBoard's writer thread, ended by a failed write, off the terminal: the error is
-    raised again at the next add_scalar or flush, where it becomes one line (tensorboard_write_error)."""
-    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
-
-    print_traceback = threading.excepthook
-
-    def hook(arguments) -> None:
-        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
-            print_traceback(arguments)
-
-    threading.excepthook = hook
-
-
-def tensorboard_write_error(error: Exception, writer) -> Exception:
-    """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
-    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
-
-    cause = os_error_in(error)
-    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -122,9 +71,10 @@ class RunLogs:
     def __init__(self, config: Config, data: Data, run_dir: Path, context: DistributedContext, say) -> None:
         self.config, self.data, self.run_dir, self.context, self.say = config, data, run_dir, context, say
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.metrics_file, self.writers = None, []  # opened by open(), after the step-0 checkpoint
+        self.sinks = []  # opened by open(), after the step-0 checkpoint
         self.session_steps, self.window = [], []
         self.first_loss = self.last_loss = None
+        self.flops_per_position = self.peak_tflops = None  # MFU's, set by header() when there is a peak
 
     def begin(self, counters: Counters) -> None:
         """config.toml written, and the metrics of steps after the checkpoint dropped (a resume runs them again)."""
@@ -143,19 +93,16 @@ class RunLogs:
             keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:
-        """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0
-        only. On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+        """The sinks log.sinks names, in its order, rank 0 only (metrics.jsonl and TensorBoard by default)."""
         if not self.context.is_main:
             return
-        from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+        from accumulation.run.sinks import SinkSession  # only rank 0 writes sinks
 
-        self.metrics_file = MetricsFile(self.metrics_path)
-        quiet_tensorboard_thread_errors()
-        tensorboard = self.run_dir / "tensorboard"
-        self.writers = [
-            SummaryWriter(tensorboard / "by_updates", purge_step=counters.updates + 1 if resumed else None),
-            SummaryWriter(tensorboard / "by_tokens", purge_step=counters.tokens + 1 if resumed else None),
-        ]
+        # a data source's own fields (GRPO's rewards) are grouped under the group it declares
+        source_group = getattr(self.data.train, "log_group", "data") if self.data is not None else "data"
+        session = SinkSession(self.config, self.run_dir, counters, resumed, source_group)
+        for name in self.config.log.sinks.split(","):
+            self.sinks.append(lookup("sink", name.strip()).build(session))
 
     def header(self, training, counters: Counters) -> None:
         """The session's first lines: the batch, the model and its precision, the data, the run directory.
@@ -183,6 +130,16 @@ class RunLogs:
         used = f"{dropped} training rows per epoch are not used" if dropped else "every row is used each epoch"
         say(f"batch.tail={config.batch.tail}: {used}")
         say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
+        declares_flops = hasattr(training.model, "flops_per_token") and data.train.seq_len is not None
+        if declares_flops and (config.log.peak_tflops > 0 or context.device.type == "cuda"):
+            from accumulation.run.mfu import run_peak  # MFU: a peak to measure against
+
+            self.peak_tflops, source = run_peak(config, context.device)
+            if self.peak_tflops is None:
+                say(f"mfu: not computed, {source}")
+            else:
+                self.flops_per_position = training.model.flops_per_token()
+                say(f"mfu: against {self.peak_tflops:g} TFLOPS per device ({source}) x {context.world_size}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
         """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
@@ -200,6 +157,13 @@ class RunLogs:
             "peak_mem_bytes": peak_memory_bytes(self.context.device),
             "time_s": step_seconds,
         }
+        if self.flops_per_position is not None:  # every position of the step's rows runs through the model
+            from accumulation.run.mfu import model_flops_utilisation
+
+            positions = result.examples * self.data.train.seq_len
+            record["mfu"] = model_flops_utilisation(
+                self.flops_per_position, positions, step_seconds, self.peak_tflops, self.context.world_size
+            )
         if not result.applied:
             record["skip_reason"] = result.skip_reason
             self.say(f"step {counters.steps}: update skipped: {result.skip_reason}")
@@ -225,25 +189,13 @@ class RunLogs:
             self.window = []
 
     def write_metrics(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        by_updates, by_tokens = self.writers
-        try:
-            for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-                if record.get(name) is not None:
-                    by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-                    by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
-        except Exception as error:
-            raise tensorboard_write_error(error, by_updates) from None
+        for sink in self.sinks:
+            sink.write(record)
 
     def flush(self) -> None:
-        """Every line written so far on the disk (TensorBoard buffers for up to 2 minutes)."""
-        if self.metrics_file is not None:
-            self.metrics_file.flush()
-        try:
-            for writer in self.writers:
-                writer.flush()
-        except Exception as error:
-            raise tensorboard_write_error(error, self.writers[0]) from None
+        """Every record written so far on the disk, in every sink (before each checkpoint)."""
+        for sink in self.sinks:
+            sink.flush()
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
         """The session's last lines: losses, counters, a sample from the model when it has generate(), the speed."""
@@ -260,8 +212,5 @@ class RunLogs:
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
     def close(self) -> None:
-        self.flush()
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-        for writer in self.writers:
-            writer.close()
+        for sink in self.sinks:
+            sink.close()

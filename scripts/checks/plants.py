@@ -54,15 +54,15 @@ BUGS = [
     Bug(
         "tb-purge-off-by-one",
         "TensorBoard's purge step on resume one too early: the checkpoint's own point is dropped",
-        "accumulation/run/logs.py",
-        "purge_step=counters.updates + 1 if resumed else None",
-        "purge_step=counters.updates if resumed else None",
+        "accumulation/run/sinks.py",
+        "purge_step=counters.steps + 1 if resumed else None",
+        "purge_step=counters.steps if resumed else None",
         [TENSORBOARD_TEST],
     ),
     Bug(
         "tb-no-purge-on-tokens",
         "no purge on the token axis: points of steps run twice appear twice",
-        "accumulation/run/logs.py",
+        "accumulation/run/sinks.py",
         "purge_step=counters.tokens + 1 if resumed else None",
         "purge_step=None",
         [TENSORBOARD_TEST],
@@ -94,7 +94,7 @@ BUGS = [
     Bug(
         "half-metrics-line",
         "a full disk leaves half a metrics line that a resume would keep as a record",
-        "accumulation/run/logs.py",
+        "accumulation/run/sinks.py",
         "            os.ftruncate(self.descriptor, size_before)",
         "            pass",
         ["tests/test_logs.py::test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all"],
