@@ -136,6 +136,8 @@ OPTION_MODULES = {
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
     "accumulation.probe_faults",  # a forward or a loss that raises at step 0
+    "accumulation.run.external_sinks",  # log.sinks naming wandb or mlflow
+    "accumulation.run.mfu",  # a CUDA run, or log.peak_tflops set
     "torch.distributed.pipelining",
 }
 
