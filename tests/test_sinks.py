@@ -5,6 +5,7 @@ one line before anything is written."""
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,6 +79,29 @@ def test_the_final_validation_loss_of_an_uneven_run_is_in_metrics_and_tensorboar
     assert [step for step, _ in tensorboard_points(run_dir, "by_steps")["loss/validation"]] == [2, 3]
 
 
+def test_a_run_extended_past_its_validated_last_step_logs_what_an_uninterrupted_run_logs(tmp_path):
+    """3 steps (validated at 2, and at 3 as the last), then extended to 5: step 3 is no longer the last, so its
+    validation leaves metrics.jsonl and TensorBoard, and both equal a 5-step run's (timings aside)."""
+    from tests.test_logs import assert_tensorboard_matches_metrics
+    from tests.test_train import comparable
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    common = {"run.sample_bytes": 0, "schedule.decay_updates": 5, "run.checkpoint_every": 100}
+    assert train.main(tiny_settings(tmp_path, corpus, **common, **{"run.max_steps": 5, "run.name": "whole"})) == 0
+    for max_steps in (3, 5):
+        settings = {**common, "run.max_steps": max_steps, "run.name": "extended"}
+        assert train.main(tiny_settings(tmp_path, corpus, **settings)) == 0
+        # TensorBoard reads a folder's event files in the order of their names, which start with the second they
+        # were created in (then host, pid, a counter): two sessions of one process in one second could swap.
+        time.sleep(1.1)
+    whole, extended = tmp_path / "runs" / "whole", tmp_path / "runs" / "extended"
+    assert [line["steps"] for line in read_metrics(extended) if "val_loss" in line] == [2, 4, 5]
+    assert comparable(read_metrics(extended)) == comparable(read_metrics(whole))
+    assert_tensorboard_matches_metrics(extended)
+    validation = tensorboard_points(extended, "by_steps")["loss/validation"]
+    assert validation == tensorboard_points(whole, "by_steps")["loss/validation"]
+
+
 # ------------------------------------------------------------------------------------------ choosing the sinks
 
 RECORDS_FOLDER = "ECO44_SINK_TEST_FOLDER"  # where the fork's sink below writes: the test's temporary folder
@@ -148,12 +172,23 @@ def test_a_sink_whose_package_is_missing_names_the_requirements_file(tmp_path, c
 
 
 def wandb_history(run_file: Path) -> list[dict]:
-    """The history rows of a W&B offline run file (run-ID.wandb): a 7-byte header (":W&B", magic, version), then
-    records in the LevelDB log format (32 KiB blocks; each chunk: CRC-32 (4 bytes), length (2, little-endian), kind
-    (1: whole, 2 first, 3 middle, 4 last)), each record a protobuf wandb_internal_pb2.Record."""
+    """The history rows of a W&B offline run file (run-ID.wandb), once it holds the run's exit record: W&B's service
+    process writes the file, and can still be writing it when finish() has returned."""
+    for _ in range(150):
+        rows, finished = wandb_records(run_file)
+        if finished:
+            return rows
+        time.sleep(0.2)
+    raise AssertionError(f"{run_file} holds no exit record after 30 s")
+
+
+def wandb_records(run_file: Path) -> tuple[list[dict], bool]:
+    """(history rows, whether the exit record is there) of a run file: a 7-byte header (":W&B", magic, version),
+    then records in the LevelDB log format (32 KiB blocks; each chunk: CRC-32 (4 bytes), length (2, little-endian),
+    kind (1: whole, 2 first, 3 middle, 4 last)), each record a protobuf wandb_internal_pb2.Record."""
     from wandb.proto import wandb_internal_pb2
 
-    data, block_bytes, offset, pending, rows = run_file.read_bytes(), 32 * 1024, 7, b"", []
+    data, block_bytes, offset, pending, rows, finished = run_file.read_bytes(), 32 * 1024, 7, b"", [], False
     while offset + 7 <= len(data):
         room = block_bytes - offset % block_bytes
         if room < 7:  # a block's tail too short for a chunk header is padding
@@ -166,12 +201,13 @@ def wandb_history(run_file: Path) -> list[dict]:
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
+            finished = finished or record.HasField("exit")
             if record.HasField("history"):
                 items = {
                     item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item
                 }
                 rows.append({key: value for key, value in items.items() if not key.startswith("_")})
-    return rows
+    return rows, finished
 
 
 def test_weights_and_biases_offline_gets_every_tagged_field_of_every_step(tmp_path, monkeypatch):

@@ -72,6 +72,7 @@ class RunLogs:
         self.config, self.data, self.run_dir, self.context, self.say = config, data, run_dir, context, say
         self.metrics_path = run_dir / "metrics.jsonl"
         self.sinks = []  # opened by open(), after the step-0 checkpoint
+        self.revised = None  # the checkpoint's step's record when a resume revised it (begin), for the sinks
         self.session_steps, self.window = [], []
         self.first_loss = self.last_loss = None
         self.flops_per_position = self.peak_tflops = None  # MFU's, set by header() when there is a peak
@@ -88,9 +89,11 @@ class RunLogs:
 
             raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
-            from accumulation.run.resumed_logs import keep_metrics_up_to
+            from accumulation.run.resumed_logs import drop_last_step_validation, keep_metrics_up_to
 
             keep_metrics_up_to(self.metrics_path, counters.steps)
+            if counters.steps < self.config.run.max_steps:  # the run goes on past the step where it ended
+                self.revised = drop_last_step_validation(self.metrics_path, counters.steps, self.config.run.eval_every)
 
     def open(self, counters: Counters, resumed: bool) -> None:
         """The sinks log.sinks names, in its order, rank 0 only (metrics.jsonl and TensorBoard by default)."""
@@ -100,7 +103,7 @@ class RunLogs:
 
         # a data source's own fields (GRPO's rewards) are grouped under the group it declares
         source_group = getattr(self.data.train, "log_group", "data") if self.data is not None else "data"
-        session = SinkSession(self.config, self.run_dir, counters, resumed, source_group)
+        session = SinkSession(self.config, self.run_dir, counters, resumed, source_group, self.revised)
         for name in self.config.log.sinks.split(","):
             self.sinks.append(lookup("sink", name.strip()).build(session))
 

@@ -57,3 +57,25 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
             f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
             f"the file is unchanged"
         ) from None
+
+
+def drop_last_step_validation(metrics_path: Path, steps: int, eval_every: int) -> dict | None:
+    """A run extended past its old run.max_steps, resumed from the checkpoint of its old last step: that step's line
+    holds a val_loss only because it was the last (train.py validates the last step). Off the run.eval_every cadence
+    it goes, so that the extended run's lines are an uninterrupted run's. Returns the revised record (the sinks
+    write it again), or None when the line is left as it was."""
+    lines = metrics_lines(metrics_path)
+    if not lines or lines[-1][0] != steps or (eval_every > 0 and steps % eval_every == 0):
+        return None
+    record = json.loads(lines[-1][1])
+    if "val_loss" not in record:
+        return None
+    del record["val_loss"]
+    try:
+        write_text_atomically(metrics_path, "".join(line for _, line in lines[:-1]) + json.dumps(record) + "\n")
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
+    return record

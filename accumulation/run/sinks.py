@@ -26,6 +26,9 @@ class SinkSession(NamedTuple):
     counters: Counters  # where this session starts: a resume's checkpoint, or zeros
     resumed: bool  # a resume rewrites the steps after `counters` (a sink that can drop its later points should)
     source_group: str  # the group of the data source's own fields ("rl" for GRPO's rewards; "data" by default)
+    # The record of the checkpoint's step as a resume revised it (its last-step validation dropped when the run is
+    # extended, resumed_logs.py), or None: a sink that can drop points replaces that step's with it.
+    revised: dict | None = None
 
 
 class Sink(Protocol):
@@ -142,8 +145,11 @@ class TensorBoardEvents:
         quiet_tensorboard_thread_errors()
         folder, counters, resumed = session.run_dir / "tensorboard", session.counters, session.resumed
         self.source_group = session.source_group
-        self.by_steps = SummaryWriter(folder / "by_steps", purge_step=counters.steps + 1 if resumed else None)
-        self.by_tokens = SummaryWriter(folder / "by_tokens", purge_step=counters.tokens + 1 if resumed else None)
+        after = 1 if session.revised is None else 0  # a revised record: its own step's points go too, then come back
+        self.by_steps = SummaryWriter(folder / "by_steps", purge_step=counters.steps + after if resumed else None)
+        self.by_tokens = SummaryWriter(folder / "by_tokens", purge_step=counters.tokens + after if resumed else None)
+        if session.revised is not None:
+            self.write(session.revised)
 
     def write(self, record: dict) -> None:
         try:
