@@ -174,8 +174,9 @@ def modules_a_run_imports(tmp_path: Path, arguments: list[str]) -> set[str]:
 
 # The template's budget: the lines of the project's own code one default run imports, train.py included. Issue
 # 33 asks for 4,000 at most (one step, no sample: 4,000); this run adds the end-of-run sample and validation, and
-# the ceiling is the size it has reached (4,074), so that it can only shrink.
-DEFAULT_RUN_LINES_CEILING = 4_080
+# issue 44 the logger sinks (every figure to TensorBoard, run/sinks.py) and the sampler the end-of-run sample shares
+# with scripts/operations/sample.py. The ceiling is the size it has reached (4,348), so that it can only shrink.
+DEFAULT_RUN_LINES_CEILING = 4_350
 
 
 def lines_of_module(name: str) -> int:
