@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 import train
+from accumulation.config.config import load_config
 from accumulation.config.registry import register_sink
+from accumulation.models.factory import build_model
 from accumulation.run.sinks import TOKEN_AXIS_TAGS, tagged
 from tests.test_logs import tensorboard_points
 from tests.test_train import read_metrics, tiny_settings, train_forked, uneven_corpus
@@ -54,7 +56,7 @@ def test_a_default_run_puts_every_numeric_field_in_tensorboard_and_the_final_val
     assert {"throughput/tokens_per_s", "throughput/mfu", "counters/tokens", "counters/skipped"} <= tags
     # MFU from its definition: the step's positions (rows x seq_len) x the GPT's FLOPs per position, per second,
     # over the peak; the record's seconds are the ones it divides by, so only rounding separates the two.
-    model = train.build_model(train.load_config(tiny_settings(tmp_path, corpus)).model, 256, seq_len=16, seed=0)
+    model = build_model(load_config(tiny_settings(tmp_path, corpus)).model, 256, seq_len=16, seed=0)
     for line in metrics:
         assert line["mfu"] == pytest.approx(8 * 16 * model.flops_per_token() / line["time_s"] / 0.5e12, rel=1e-12)
 

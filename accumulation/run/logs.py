@@ -1,6 +1,8 @@
 """The run's logs, written by rank 0: each step's record to the sinks log.sinks names (metrics.jsonl and TensorBoard
-by default: accumulation/run/sinks.py), and the terminal's lines (progress, the session's summary, its speed)."""
+by default: accumulation/run/sinks.py; metrics.jsonl read back and cut to the checkpoint's step on resume), and the
+terminal's lines (progress, the session's summary, its speed)."""
 
+import json
 import math
 import resource
 import time
@@ -16,12 +18,94 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import WriteError
-from accumulation.run.run_dir import write_text_atomically
+from accumulation.run.run_dir import (
+    RunDirectoryError,
+    WriteError,
+    not_written,
+    why_not_written,
+    write_text_atomically,
+)
+from accumulation.run.sample import print_sample
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
 WARMUP_STEPS = 2
+
+
+# metrics.jsonl as a resume finds it: read and checked line by line (restore.py), then cut back to the
+# checkpoint's step (RunLogs.begin, when the run directory already holds a metrics file).
+
+
+def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
+    A last line without its newline was cut short by a process killed while writing it: not a record, left
+    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
+    RunDirectoryError naming the line."""
+    if not metrics_path.exists():
+        return []
+    try:
+        text = metrics_path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
+    found, previous_number = [], None  # previous_number: the line of found[-1]
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            record = error
+        if not isinstance(record, dict) or type(record.get("steps")) is not int:
+            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
+                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
+                f"the metrics afresh), then start again"
+            )
+        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
+                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
+                f"file away to start the metrics afresh), then start again"
+            )
+        found.append((record["steps"], line))
+        previous_number = number
+    return found
+
+
+def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
+    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
+    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
+    try:
+        write_text_atomically(metrics_path, "".join(kept))
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
+
+
+def drop_last_step_validation(metrics_path: Path, steps: int, eval_every: int) -> dict | None:
+    """A run extended past its old run.max_steps, resumed from the checkpoint of its old last step: that step's line
+    holds a val_loss only because it was the last (train.py validates the last step). Off the run.eval_every cadence
+    it goes, so that the extended run's lines are an uninterrupted run's. Returns the revised record (the sinks
+    write it again), or None when the line is left as it was."""
+    lines = metrics_lines(metrics_path)
+    if not lines or lines[-1][0] != steps or (eval_every > 0 and steps % eval_every == 0):
+        return None
+    record = json.loads(lines[-1][1])
+    if "val_loss" not in record:
+        return None
+    del record["val_loss"]
+    try:
+        write_text_atomically(metrics_path, "".join(line for _, line in lines[:-1]) + json.dumps(record) + "\n")
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
+    return record
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -85,12 +169,8 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
-            from accumulation.run.write_errors import not_written
-
             raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
-            from accumulation.run.resumed_logs import drop_last_step_validation, keep_metrics_up_to
-
             keep_metrics_up_to(self.metrics_path, counters.steps)
             if counters.steps < self.config.run.max_steps:  # the run goes on past the step where it ended
                 self.revised = drop_last_step_validation(self.metrics_path, counters.steps, self.config.run.eval_every)
@@ -121,7 +201,7 @@ class RunLogs:
         say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
         say(
             f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
-            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"grad scaler {'on' if training.setup.scaler.is_enabled() else 'off'}; "
             f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
         )
         if config.dist.strategy == "fsdp2":
@@ -201,7 +281,7 @@ class RunLogs:
             sink.flush()
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
-        """The session's last lines: losses, counters, a sample from the model when it has generate(), the speed."""
+        """The session's last lines: losses, counters, a sample when the model predicts the next token, the speed."""
         if not self.context.is_main:
             return
         wall_seconds = time.perf_counter() - session_start
@@ -209,8 +289,6 @@ class RunLogs:
         print(f"done: train loss {self.first_loss:.4f} -> {self.last_loss:.4f} this session{validation}")
         print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
         if self.config.run.sample_bytes > 0:
-            from accumulation.run.sample import print_sample
-
             print_sample(self.config, model, self.data.train)  # prompted by the first training example
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 

@@ -14,8 +14,7 @@ from typing import NamedTuple, Protocol
 from accumulation.config.config import Config
 from accumulation.config.registry import register_sink
 from accumulation.counters import Counters
-from accumulation.run.checkpoint import WriteError
-from accumulation.run.run_dir import METRICS_FILE
+from accumulation.run.run_dir import METRICS_FILE, WriteError, not_written, os_error_in, why_not_written
 
 
 class SinkSession(NamedTuple):
@@ -27,7 +26,7 @@ class SinkSession(NamedTuple):
     resumed: bool  # a resume rewrites the steps after `counters` (a sink that can drop its later points should)
     source_group: str  # the group of the data source's own fields ("rl" for GRPO's rewards; "data" by default)
     # The record of the checkpoint's step as a resume revised it (its last-step validation dropped when the run is
-    # extended, resumed_logs.py), or None: a sink that can drop points replaces that step's with it.
+    # extended, logs.py), or None: a sink that can drop points replaces that step's with it.
     revised: dict | None = None
 
 
@@ -92,9 +91,9 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import metrics_line_not_written
-
-            raise WriteError(metrics_line_not_written(error, self.path)) from None
+            raise WriteError(
+                f"{not_written(error, self.path)}; its last line was not written and the lines before are untouched"
+            ) from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
@@ -128,10 +127,20 @@ def quiet_tensorboard_thread_errors() -> None:
 
 def tensorboard_write_error(error: Exception, writer) -> Exception:
     """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
-    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
-
     cause = os_error_in(error)
-    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
+    if cause is None:
+        return error
+    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
+    # record cut short, and the resume's purge_step drops the points after the checkpoint.
+    folder = Path(writer.get_logdir()).parent  # the run's tensorboard/
+    metrics_path = folder.parent / METRICS_FILE
+    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
+    kept = (
+        "metrics.jsonl holds every step up to here"
+        if metrics_path.exists()
+        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
+    )
+    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
 
 
 class TensorBoardEvents:

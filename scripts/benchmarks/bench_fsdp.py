@@ -40,14 +40,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accumulation.config.config import Config, load_config, resolved_compile
+from accumulation.config.config import Config, load_config
 from accumulation.data.rows import BYTE_VOCAB_SIZE, RowSet, make_rows
 from accumulation.data.sources import step_row_ids
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import autocast_dtype_for, build_optimizer, step_strategy, wrap_for_training
-from accumulation.step import optimizer_step
+from accumulation.run.build import build_training
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks
 from testkit.reference import counting_allreduce_hook
@@ -116,14 +115,16 @@ def padded_gradient_bytes(model_config: Config, world_size: int) -> int:
     return total
 
 
-def bench_config(strategy: str) -> Config:
-    """The default model and optimizer; the batch of this benchmark."""
+def bench_config(strategy_name: str, overrides: tuple[str, ...] = ()) -> Config:
+    """The default model and optimizer; the batch of this benchmark. `overrides`: more section.key=value settings
+    (tests/test_fsdp.py runs the benchmark on a smaller model)."""
     global_batch_size = MICRO_BATCH_SIZE * ACCUMULATION_STEPS * RANKS
     return load_config(
         [
-            f"dist.strategy={strategy}",
+            f"dist.strategy={strategy_name}",
             f"batch.micro_batch_size={MICRO_BATCH_SIZE}",
             f"batch.global_batch_size={global_batch_size}",
+            *overrides,
         ]
     )
 
@@ -142,20 +143,16 @@ def step_batches(config: Config, rows: RowSet, step: int, world_size: int, rank:
     )
 
 
-def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
-    """One rank's figures for one strategy (run by run_on_ranks)."""
-    config = bench_config(strategy)
+def measure_on_rank(rank: int, world_size: int, strategy_name: str, overrides: tuple[str, ...] = ()) -> dict:
+    """One rank's figures for one strategy, "ddp" or "fsdp2" (run by run_on_ranks)."""
+    config = bench_config(strategy_name, overrides)
     rows = source_rows(config.data.seq_len)
-    model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
-    compiled = resolved_compile(config, CPU.type)
-    param_dtype = autocast_dtype_for(config.precision)
-    wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    strategy = step_strategy(config.dist, wrapped)  # FSDP2's, or None for DDP
-    optimizer = build_optimizer(config.optim, model, CPU)
+    training = build_training(config, BYTE_VOCAB_SIZE, None, context)  # train.py's assembly: DDP or FSDP2's shards
+    model, wrapped, optimizer, setup = training.model, training.setup.module, training.optimizer, training.setup
     figures = {}
     batches = iter(step_batches(config, rows, step, world_size, rank) for step in range(4))
-    optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)  # warm-up: AdamW creates its state
+    training.step(setup, next(batches), optimizer)  # warm-up: AdamW creates its state
 
     def held_at_optimizer_step(opt, args, kwargs):
         parameters = list(model.parameters())
@@ -166,35 +163,33 @@ def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
         )
 
     hook = optimizer.register_step_pre_hook(held_at_optimizer_step)
-    if strategy == "ddp":
+    if strategy_name == "ddp":
         allreduced = {"bytes": 0}
         wrapped.register_comm_hook(allreduced, counting_allreduce_hook)
-        optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+        training.step(setup, next(batches), optimizer)
         figures["ddp_allreduce_bytes_per_update"] = allreduced["bytes"]
     else:
         counts, seen_at_forward = {}, []
         wrapped.register_forward_pre_hook(lambda module, args: seen_at_forward.append(counts["reduce_scatters"]))
         with counting_fsdp_collectives(counts):
-            optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+            training.step(setup, next(batches), optimizer)
         figures["reduce_scatters_per_update"] = counts["reduce_scatters"]
         figures["reduce_scatter_bytes_per_update"] = counts["reduce_scatter_bytes"]
         figures["all_gather_bytes_per_update"] = counts["all_gather_bytes"]
         figures["reduce_scatters_before_last"] = seen_at_forward[-1]  # done before the last forward began
         with counting_fsdp_collectives(counts), sync_in_every_micro_batch():
-            optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+            training.step(setup, next(batches), optimizer)
         figures["sync_every_bytes_per_update"] = counts["reduce_scatter_bytes"]
     hook.remove()
-    _, figures["peak_step_bytes"] = peak_memory_bytes_of(
-        lambda: optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy), CPU
-    )
+    _, figures["peak_step_bytes"] = peak_memory_bytes_of(lambda: training.step(setup, next(batches), optimizer), CPU)
     figures["state_bytes_per_rank"] = (
         figures["param_bytes"] + figures["grad_bytes_held"] + figures["optimizer_state_bytes"]
     )
     return figures
 
 
-def measure() -> dict:
-    config = bench_config("fsdp2")
+def measure(overrides: tuple[str, ...] = ()) -> dict:
+    config = bench_config("fsdp2", overrides)
     with torch.device("meta"):
         model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     parameters = sum(p.numel() for p in model.parameters())
@@ -204,10 +199,10 @@ def measure() -> dict:
         "grad_bytes": parameters * 4,
         "padded_grad_bytes": padded_gradient_bytes(config, RANKS),
     }
-    for strategy in ("ddp", "fsdp2"):
-        per_rank = run_on_ranks(measure_on_rank, world_size=RANKS, args=(strategy,), timeout_s=600)
-        results[strategy] = per_rank[0]
-        results[strategy]["state_bytes_per_rank_max"] = max(r["state_bytes_per_rank"] for r in per_rank)
+    for strategy_name in ("ddp", "fsdp2"):
+        per_rank = run_on_ranks(measure_on_rank, world_size=RANKS, args=(strategy_name, overrides), timeout_s=600)
+        results[strategy_name] = per_rank[0]
+        results[strategy_name]["state_bytes_per_rank_max"] = max(r["state_bytes_per_rank"] for r in per_rank)
     return results
 
 

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.models.gpt import GPT
 from accumulation.rl.objectives import aggregation
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from scripts.teaching.pitfall_setup import CPU, MODEL, SEQ_LEN, WORLD_SIZE, Measurement, gpt, gradient_measurement
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients
@@ -187,12 +187,12 @@ def correct_gradient(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     optimizer_step(
-        model,
+        StepSetup(
+            model, CPU, loss_sum_fn=weighted_distillation_sum if loss == "distillation" else weighted_surrogate_sum
+        ),
         micro_batches(rows, weights, bounds or fixed_bounds(0, len(COMPLETION_TOKENS)), loss),
         optimizer,
-        device=CPU,
-        loss_sum_fn=weighted_distillation_sum if loss == "distillation" else weighted_surrogate_sum,
-        global_counts=GlobalCounts(declared.normaliser, int(lengths.numel())),  # N in the mode's unit
+        global_counts=GlobalCounts(declared.normaliser, int(lengths.numel())),
     )
     return captured[0]
 
@@ -290,8 +290,10 @@ def token_mean_over_generation_batch() -> Measurement:
     """29. A token-mean (DAPO) loss divided by the completion tokens of the whole generation batch, which here
     feeds two optimizer steps (steps_per_generation = 2 x gradient_accumulation_steps): each step's gradient is
     scaled by its tokens over the generation batch's, a factor that changes from step to step. TRL's "dapo"
-    normaliser, num_items_in_batch, is counted over the generation batch
-    (https://github.com/huggingface/trl/issues/5619). Measured on the first of the two steps."""
+    normaliser, num_items_in_batch, is counted over the generation batch, and before TRL PR #6024 (merged June
+    2026, in TRL 1.16.0) it divided each step by it as it stood (https://github.com/huggingface/trl/issues/5619).
+    Since #6024 TRL divides by the mean step's tokens instead (the framework cards measure it). Measured on the
+    first of the two steps."""
     rows, model = rollout(), gpt()
     generation_tokens = (rows["labels"] != IGNORE_INDEX).sum()
     for first, last in fixed_bounds(0, STEP_ROWS):
@@ -302,7 +304,7 @@ def token_mean_over_generation_batch() -> Measurement:
     step_losses = token_losses(reference_model, rows, first_step)
     objective_from_definition("token-mean", step_losses, rows["labels"][first_step], None).backward()
     return objective_measurement(
-        "29. RL token-mean over 2 steps' tokens (TRL #5619)",
+        "29. RL token-mean over 2 steps' tokens (TRL #5619, pre-#6024)",
         gradient_of(model),
         correct_gradient("token-mean", bounds=fixed_bounds(0, STEP_ROWS), step_rows=first_step),
         gradient_of(reference_model),
