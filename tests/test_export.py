@@ -131,3 +131,20 @@ def test_a_failed_write_leaves_no_folder(gpt_run, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         export.export(gpt_run, tmp_path / "hf")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_of_sharded_training_exports_like_any_other(tmp_path, capsys):
+    """dist.strategy = "fsdp2" on 2 gloo ranks: rank 0 gathers the shards into one whole checkpoint, which export
+    reads as it reads one process's."""
+    from tests.test_train import train_forked
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"run.max_steps": 2, "run.sample_bytes": 0, "dist.strategy": "fsdp2", "model.n_layer": 2}
+    status, _, stderr = train_forked(tiny_settings(tmp_path, corpus, **settings), ranks=2)
+    assert status == 0, stderr
+    run_dir, out = tmp_path / "runs" / "default", tmp_path / "hf"
+    assert export.main([str(run_dir), str(out)]) == 0
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf_model(input_ids=TOKENS).logits
+    assert_same_logits_as_float32_rounding_allows(load_trained_run(run_dir).model, theirs)
