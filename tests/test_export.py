@@ -148,3 +148,51 @@ def test_a_checkpoint_of_sharded_training_exports_like_any_other(tmp_path, capsy
     with torch.no_grad():
         theirs = hf_model(input_ids=TOKENS).logits
     assert_same_logits_as_float32_rounding_allows(load_trained_run(run_dir).model, theirs)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """configs/hf_lora.toml, 3 steps at a high learning rate: adapters (B starts at 0) far from zero."""
+    pytest.importorskip("peft", reason="peft is not installed (requirements-hf.txt)")
+    out = tmp_path_factory.mktemp("lora")
+    settings = ["run.max_steps=3", "run.eval_every=0", "run.sample_bytes=0", "optim.lr=3e-2", f"run.out_dir={out}"]
+    assert train.main(["--config", "configs/hf_lora.toml", "batch.global_batch_size=8", *settings]) == 0
+    return out / "hf-lora"
+
+
+def test_a_lora_fork_exports_merged_with_the_logits_of_base_and_adapters(lora_run, tmp_path, capsys):
+    ours = load_trained_run(lora_run).model
+    assert any(name.endswith("lora_B.default.weight") and p.abs().max() > 0 for name, p in ours.named_parameters())
+    assert export.main([str(lora_run), str(tmp_path / "merged")]) == 0
+    assert "as LlamaForCausalLM, the LoRA adapters merged into its weights" in capsys.readouterr().out
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", local_files_only=True)
+    with torch.no_grad():  # W + s B A in one matrix against W x + s B (A x): rounding apart
+        assert_same_logits_as_float32_rounding_allows(ours, merged(input_ids=TOKENS).logits)
+
+
+def test_a_lora_fork_exports_its_adapter_beside_its_frozen_base(lora_run, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft.tuners.lora import Linear as LoRALinear
+    from safetensors.torch import load_file
+
+    out = tmp_path / "adapter"
+    assert export.main([str(lora_run), str(out), "--adapter"]) == 0
+    assert "as a LoRA adapter, its frozen LlamaForCausalLM base in base/" in capsys.readouterr().out
+    assert {"adapter_config.json", "adapter_model.safetensors", "base"} <= {path.name for path in out.iterdir()}
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base", local_files_only=True)
+    # PeftModel.from_pretrained(base, out), step by step: its layer dispatch asks torchao, which the pin of
+    # requirements-cards.txt (0.13) makes it refuse; forks/hf_lora.py names PEFT's own LoRA layer the same way.
+    lora = LoraConfig.from_pretrained(out)
+    lora._register_custom_module({torch.nn.Linear: LoRALinear})
+    model = get_peft_model(base, lora)
+    set_peft_model_state_dict(model, load_file(out / "adapter_model.safetensors"))
+    with torch.no_grad():  # the same modules and weights as train.py's: the same bits
+        assert torch.equal(model(input_ids=TOKENS).logits, load_trained_run(lora_run).model(TOKENS))
+    assert export.main([str(lora_run.parent.parent), str(tmp_path / "x"), "--adapter"]) == 2  # not a run directory
+    capsys.readouterr()
+
+
+def test_adapter_is_refused_for_a_model_without_adapters(gpt_run, tmp_path, capsys):
+    assert export.main([str(gpt_run), str(tmp_path / "hf"), "--adapter"]) == 2
+    assert capsys.readouterr().err == "error: --adapter: model.name=gpt has no LoRA adapters; leave --adapter out\n"
+    assert not (tmp_path / "hf").exists()

@@ -1,4 +1,4 @@
-"""A trained run as a Hugging Face folder: python scripts/operations/export.py RUN_DIR OUT_DIR
+"""A trained run as a Hugging Face folder: python scripts/operations/export.py RUN_DIR OUT_DIR [--adapter]
 
     RUN_DIR   a run directory (<run.out_dir>/<run.name>, e.g. runs/default): its newest readable checkpoint
     OUT_DIR   a new (or empty) folder; it receives model.safetensors and config.json (save_pretrained), and the
@@ -11,7 +11,10 @@ positions, biases on every linear layer but the head, LayerNorm eps 1e-5) with t
 states: the activation is the exact (erf) GELU, `activation_function = "gelu"`, not GPT-2's tanh approximation,
 and the output head is a matrix of its own, `tie_word_embeddings = False`. Its weights map one to one (GPT2_NAMES),
 the linear layers' transposed (GPT-2's Conv1D stores [in, out]). A fork that wraps a Hugging Face model in `.hf`
-(forks/hf_causal_lm.py) is saved as its own class. Then
+(forks/hf_causal_lm.py) is saved as its own class; a LoRA fork (forks/hf_lora.py, PEFT) with its adapters
+merged into the weights (each adapted W becomes W + (lora_alpha / r) B A), or with --adapter as PEFT's adapter
+folder (adapter_config.json, adapter_model.safetensors) beside its frozen base in OUT_DIR/base/, which
+PeftModel.from_pretrained puts back together. Then
 
     AutoModelForCausalLM.from_pretrained(OUT_DIR)
 
@@ -97,19 +100,32 @@ def as_gpt2(model: GPT, dropout: float):
     return hf_model
 
 
-def hugging_face_model(run):
-    """The run's model as a transformers PreTrainedModel, or ExportError naming what it is."""
-    if isinstance(run.model, GPT):
-        return as_gpt2(run.model, run.config.model.dropout)
+def save_model(run, folder: Path, adapter: bool) -> str:
+    """The run's model saved into `folder` by transformers' (or PEFT's) save_pretrained; what it was saved as. An
+    ExportError before anything is written when the model has no Hugging Face class (or no adapters, --adapter)."""
     from transformers import PreTrainedModel
 
-    wrapped = getattr(run.model, "hf", None)
-    if isinstance(wrapped, PreTrainedModel):
-        return wrapped
-    raise ExportError(
-        f"model.name={run.config.model.name} has no Hugging Face class to export to: export.py writes the built-in "
-        f"gpt (as GPT2LMHeadModel) and forks that keep a transformers model in `.hf` (forks/hf_causal_lm.py)"
-    )
+    wrapped = run.model if isinstance(run.model, GPT) else getattr(run.model, "hf", None)
+    is_lora = hasattr(wrapped, "merge_and_unload")  # a PEFT model (forks/hf_lora.py)
+    if adapter and not is_lora:
+        raise ExportError(f"--adapter: model.name={run.config.model.name} has no LoRA adapters; leave --adapter out")
+    if isinstance(wrapped, GPT):
+        wrapped = as_gpt2(run.model, run.config.model.dropout)
+    elif is_lora and adapter:
+        wrapped.save_pretrained(folder)  # adapter_config.json and adapter_model.safetensors: A and B only
+        base = wrapped.unload()  # the frozen base, the adapters taken out unmerged
+        base.save_pretrained(folder / "base")  # a base built from run.seed exists only in the checkpoint
+        return f"a LoRA adapter, its frozen {type(base).__name__} base in base/"
+    elif is_lora:
+        wrapped = wrapped.merge_and_unload()  # each adapted W becomes W + (lora_alpha / r) B A
+    elif not isinstance(wrapped, PreTrainedModel):
+        raise ExportError(
+            f"model.name={run.config.model.name} has no Hugging Face class to export to: export.py writes the "
+            f"built-in gpt (as GPT2LMHeadModel) and forks that keep a transformers model in `.hf` "
+            f"(forks/hf_causal_lm.py; forks/hf_lora.py's adapters merged, or with --adapter apart)"
+        )
+    wrapped.save_pretrained(folder)
+    return type(wrapped).__name__ + (", the LoRA adapters merged into its weights" if is_lora else "")
 
 
 def write_tokenizer(tokenizer, folder: Path) -> str:
@@ -132,7 +148,7 @@ def check_out_dir(out_dir: Path) -> None:
         raise ExportError(f"OUT_DIR {out_dir}: its parent folder {out_dir.parent} does not exist")
 
 
-def export(run_dir: Path, out_dir: Path) -> str:
+def export(run_dir: Path, out_dir: Path, adapter: bool = False) -> str:
     """Write the Hugging Face folder; returns the summary line."""
     check_out_dir(out_dir)
     try:
@@ -141,17 +157,15 @@ def export(run_dir: Path, out_dir: Path) -> str:
         raise ExportError("export.py needs transformers: pip install -r requirements-hf.txt") from None
     transformers.utils.logging.disable_progress_bar()  # stderr keeps to errors
     run = load_trained_run(run_dir)
-    hf_model = hugging_face_model(run)
     staging = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
     try:
-        hf_model.save_pretrained(staging, safe_serialization=True)
+        kind = save_model(run, staging, adapter)
         tokenizer = write_tokenizer(run.tokenizer, staging)
         if out_dir.exists():
             out_dir.rmdir()  # empty (check_out_dir): the rename takes its place
         os.rename(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    kind = type(hf_model).__name__
     return f"exported {run.checkpoint} (step {run.steps}) to {out_dir} as {kind}; {tokenizer}"
 
 
@@ -159,11 +173,15 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    if len(argv) != 2 or any(argument.startswith("-") for argument in argv):
-        print(f"error: expected RUN_DIR OUT_DIR, got {' '.join(argv) or 'nothing'}; --help says more", file=sys.stderr)
+    paths = [argument for argument in argv if argument != "--adapter"]
+    if len(paths) != 2 or any(argument.startswith("-") for argument in paths):
+        print(
+            f"error: expected RUN_DIR OUT_DIR [--adapter], got {' '.join(argv) or 'nothing'}; --help says more",
+            file=sys.stderr,
+        )
         return 2
     try:
-        print(export(Path(argv[0]), Path(argv[1])))
+        print(export(Path(paths[0]), Path(paths[1]), adapter="--adapter" in argv))
     except (ExportError, TrainedRunError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
