@@ -179,9 +179,8 @@ def train(
             if result.stop_requested and counters.steps < config.run.max_steps:
                 return stopped_by_a_signal(counters, stop, say)
         # ---------------------------------------------------------------- TRAINING SECTION END
-        if logs.session_steps:  # the last step's validation loss when it had one, else one more pass
-            final_val_loss = record["val_loss"] if "val_loss" in record else validator.final_loss(micro_batch_size)
-            logs.summary(counters, final_val_loss, session_start, training.model)
+        if logs.session_steps:  # the last step is validated (should_validate): its record holds the final loss
+            logs.summary(counters, record.get("val_loss"), session_start, training.model)
     finally:
         # After an error the process ends at once (fail fast); closing a writer that failed would raise a
         # second error and hide the first.
@@ -208,21 +207,20 @@ def probe_step_zero(
 
 
 class Validator:
-    """The validation loss on its own cadence of steps (run.eval_every), never depending on where a session
-    happens to end, so that an interrupted and resumed run writes the same lines as an uninterrupted one."""
+    """The validation loss on its own cadence of steps (run.eval_every) and at the run's last step, never depending
+    on where a session happens to end, so that an interrupted and resumed run writes the same lines as an
+    uninterrupted one."""
 
     def __init__(self, config: Config, data: Data, context: DistributedContext, training: Training) -> None:
         self.config, self.data, self.context, self.training = config, data, context, training
 
     def should_validate(self, steps: int) -> bool:
         every = self.config.run.eval_every
-        return self.data.val is not None and every > 0 and steps % every == 0
+        last = steps == self.config.run.max_steps  # the final loss, logged like the others
+        return self.data.val is not None and (last or every > 0 and steps % every == 0)
 
     def loss(self, micro_batch_size: int) -> float:
         return validation_loss(self.training, self.data, self.config, self.context, micro_batch_size)
-
-    def final_loss(self, micro_batch_size: int) -> float | None:
-        return finite_or_none(self.loss(micro_batch_size)) if self.data.val is not None else None
 
 
 # ================================================================== 4. Checkpoints, and the ways a run stops

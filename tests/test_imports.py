@@ -125,6 +125,8 @@ OPTION_MODULES = {
     "accumulation.models.gpt_stages",  # dist.pipeline_stages > 1 with the GPT
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
+    "accumulation.run.external_sinks",  # log.sinks naming wandb or mlflow
+    "accumulation.run.mfu",  # a CUDA run, or log.peak_tflops set
     "torch.distributed.pipelining",
 }
 

@@ -96,6 +96,8 @@ class Round:
 class Rollouts:
     """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout."""
 
+    log_group = "rl"  # the group of step_fields' figures in TensorBoard and the other sinks (rl/mean_reward, ...)
+
     def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
         self.prompts = [prompt for prompt, _ in pairs]
