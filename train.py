@@ -215,7 +215,9 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
     seed_dropout(config.run.seed, context.rank)
-    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+    # the whole weights on every rank, before any sharding (find_resume_point checked them); a sharded checkpoint's
+    # are read after it, with the optimizer's (accumulation/run/restore.py)
+    if resume is not None and "sharded" not in resume:
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type)
     pipeline = None
@@ -399,11 +401,19 @@ class Checkpointer:
     def __init__(self, config, data: Data, run_dir: Path, context: DistributedContext, training, logs: RunLogs):
         self.config, self.data, self.run_dir, self.context = config, data, run_dir, context
         self.training, self.logs = training, logs
+        self.sharded = None  # fsdp2: each rank writes its own shards, in the background
+        if config.dist.strategy == "fsdp2":
+            from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
+
+            keep = config.run.keep_checkpoints
+            self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", keep, context.is_main)
 
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
             self.save(counters, skips_in_a_row)
+            if self.sharded is not None and (finished or now):  # the last checkpoint is on the disk before exit
+                self.sharded.finish()
 
     def save(self, counters: Counters, skips_in_a_row: int) -> None:
         training, context = self.training, self.context
@@ -420,6 +430,9 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
+        if self.sharded is not None:
+            self.sharded.save(payload, training.optimizer, counters.steps)
+        elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 
 

@@ -16,6 +16,7 @@ from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
 
 STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
+SHARDED_STEP = re.compile(r"step_(\d{6,})\.dcp")  # fsdp2's: a folder (accumulation/run/sharded_checkpoint.py)
 
 
 class CheckpointError(ValueError):
@@ -87,14 +88,10 @@ def checkpoint_payload(
 ) -> dict:
     """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
     optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module."""
-    if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
-        from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
-
-        model_state, optimizer_state = full_model_state_dict(model), full_optimizer_state_dict(optimizer)
-    else:
-        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-        if context.is_main:  # the rank that writes the file
-            model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
+    model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+    # fsdp2: each rank's DTensor shards, which it writes itself (accumulation/run/sharded_checkpoint.py)
+    if context.is_main and config.dist.strategy != "fsdp2":  # the rank that writes the file
+        model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
     return {
         "model": model_state,
         "optimizer": optimizer_state,

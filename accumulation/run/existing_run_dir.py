@@ -4,7 +4,7 @@ the folder is there."""
 import re
 from pathlib import Path
 
-from accumulation.run.checkpoint import STEP_FILE
+from accumulation.run.checkpoint import SHARDED_STEP, STEP_FILE
 from accumulation.run.failures import few
 from accumulation.run.run_dir import (
     LOCK_FILE,
@@ -26,7 +26,7 @@ RUN_ENTRIES = {
 }
 # Left by a write that was killed before its rename (metrics.jsonl and config.toml are rewritten atomically).
 TEMPORARY_FILES = (".metrics.jsonl.tmp", ".config.toml.tmp")
-CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp")
+CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp|\.step_\d{6,}\.dcp\.tmp")
 
 
 def check_existing_run_directory(run_dir: Path) -> None:
@@ -51,7 +51,8 @@ def check_existing_run_directory(run_dir: Path) -> None:
                 f"(a {kind}); move it away (or choose another run.name), then start again"
             )
     holds_checkpoint = (checkpoint_dir / "latest.pt").exists() or any(
-        STEP_FILE.fullmatch(path.name) for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
+        STEP_FILE.fullmatch(path.name) or SHARDED_STEP.fullmatch(path.name)
+        for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
     )
     if holds_checkpoint:
         return  # a run to continue (or one a fresh run refuses, in find_resume_point): its own files only matter
