@@ -24,6 +24,7 @@ Resharding is DCP's: a resume allocates the tensors it wants (this run's shards 
 tensors under ddp or on one process) and `dcp.load` reads the overlapping pieces of every rank's file.
 """
 
+import copy
 import json
 import os
 import shutil
@@ -72,10 +73,12 @@ def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict
             if torch.is_tensor(value) and value.shape == parameters[number].shape:
                 tensors[f"optimizer/{number}/{key}"] = value
             else:
-                small_state[number][key] = value.cpu() if torch.is_tensor(value) else value
+                small_state[number][key] = value
     rest = {key: value for key, value in payload.items() if key not in ("model", "optimizer")}
     rest["optimizer"] = {"state": small_state, "param_groups": payload["optimizer"]["param_groups"]}
-    return tensors, rest
+    # A copy: rank 0 writes it only once the shards are on the disk, and training changes the live values
+    # before that (AdamW's step counters are updated in place).
+    return tensors, copy.deepcopy(rest)
 
 
 class ShardedCheckpointWriter:
@@ -169,6 +172,8 @@ def publish(temporary: Path, path: Path, rest: dict, shard_sums: dict) -> None:
         json.dump(sums, file, sort_keys=True)
         file.flush()
         os.fsync(file.fileno())
+    if path.exists():  # a checkpoint of this step that the resume passed over (damaged): the new one replaces it
+        shutil.rmtree(path)
     os.replace(temporary, path)
     descriptor = os.open(path.parent, os.O_RDONLY)  # the rename lives in the parent folder's data: flush it too
     try:

@@ -1,0 +1,180 @@
+"""fsdp2's sharded checkpoints (accumulation/run/sharded_checkpoint.py): a resume from step 0 or mid-run is bit
+for bit, a damaged shard falls back to the older checkpoint, the state comes back bit for bit at another world
+size or strategy, and a run continues there within fp32 reordering."""
+
+import shutil
+
+import pytest
+import torch
+
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data
+from accumulation.models.factory import build_model, resolved_vocab_size
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.run.build import build_optimizer, wrap_for_training
+from accumulation.run.optimizer_state import load_optimizer_state
+from accumulation.run.sharded_checkpoint import load_sharded_state, read_sharded_checkpoint, whole_state
+from testkit.ranks import run_on_ranks
+from testkit.reference import max_relative_error
+from tests.test_train import comparable, read_metrics, tiny_settings, train_forked, uneven_corpus
+
+CPU = torch.device("cpu")
+
+
+def train_run(tmp_path, corpus, name: str, ranks: int, strategy: str, steps: int, **overrides) -> tuple[int, str, str]:
+    settings = {"run.name": name, "dist.strategy": strategy, "run.max_steps": steps, "run.checkpoint_every": 1}
+    return train_forked(tiny_settings(tmp_path, corpus, **settings, **{"run.keep_checkpoints": 10, **overrides}), ranks)
+
+
+def newest(run_dir, kind: str = "dcp"):
+    return sorted((run_dir / "checkpoints").glob(f"step_*.{kind}"))[-1]
+
+
+def whole(run_dir) -> dict:
+    """The newest checkpoint of a run as whole tensors, sharded folder or single file."""
+    folders = sorted((run_dir / "checkpoints").glob("step_*.dcp"))
+    files = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    if folders and (not files or folders[-1].name[:11] > files[-1].name[:11]):
+        return whole_state(folders[-1])
+    return torch.load(files[-1], weights_only=True)
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert a["model"].keys() == b["model"].keys()
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for number, entries in a["optimizer"]["state"].items():
+        assert entries.keys() == b["optimizer"]["state"][number].keys(), number
+        for key, value in entries.items():
+            assert torch.equal(value, b["optimizer"]["state"][number][key]), (number, key)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """4 AdamW steps of fsdp2 on 2 ranks, a checkpoint after every step, all kept: the reference below."""
+    tmp_path = tmp_path_factory.mktemp("sharded_straight")
+    corpus = uneven_corpus(tmp_path / "corpus")
+    status, _, stderr = train_run(tmp_path, corpus, "straight", 2, "fsdp2", 4)
+    assert status == 0, stderr
+    return tmp_path, corpus
+
+
+def resumed_copy(tmp_path, name: str, keep_steps: list[int]):
+    """A copy of the straight run's directory holding only the checkpoints of `keep_steps`."""
+    source, target = tmp_path / "runs" / "straight", tmp_path / "runs" / name
+    shutil.copytree(source, target)
+    for folder in (target / "checkpoints").glob("step_*.dcp"):
+        if int(folder.name[5:11]) not in keep_steps:
+            shutil.rmtree(folder)
+    return target
+
+
+def test_a_sharded_checkpoint_is_one_folder_with_every_rank_s_shards_and_their_checksums(straight):
+    tmp_path, _ = straight
+    folder = newest(tmp_path / "runs" / "straight")
+    names = {path.name for path in folder.iterdir()}
+    assert names == {".metadata", "__0_0.distcp", "__1_0.distcp", "state.pt", "checksums.json"}
+    assert not (folder.parent / "latest.pt").exists() and not list(folder.parent.glob(".*tmp"))
+    state = whole_state(folder)
+    # AdamW counted each of the 4 updates once, in every parameter's state
+    assert {entry["step"].item() for entry in state["optimizer"]["state"].values()} == {4.0}
+    assert state["counters"]["steps"] == 4 and set(state["optimizer"]["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("from_step", [0, 2])
+def test_a_resume_from_a_sharded_checkpoint_is_bit_exact_and_counts_each_adamw_step_once(straight, from_step):
+    """From the step-0 checkpoint (a fresh optimizer's, whose state must stay empty: DCP's get_optimizer_state_dict
+    would run a zero-gradient step on it, AdamW's step then 1 and every later update other) and from step 2."""
+    tmp_path, corpus = straight
+    run_dir = resumed_copy(tmp_path, f"from{from_step}", [from_step])
+    if from_step == 0:
+        assert read_sharded_checkpoint(newest(run_dir))["optimizer"]["state"] == {}
+    status, stdout, stderr = train_run(tmp_path, corpus, f"from{from_step}", 2, "fsdp2", 4)
+    assert status == 0 and f"resuming from {newest(run_dir).parent}/step_{from_step:06d}.dcp" in stdout, stderr
+    assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
+    assert comparable(read_metrics(run_dir)) == comparable(read_metrics(tmp_path / "runs" / "straight"))
+
+
+def test_a_damaged_shard_is_passed_over_for_the_older_checkpoint_and_a_killed_save_is_ignored(straight):
+    """A flipped bit in one rank's shard file of the newest checkpoint: warned about, the step-2 checkpoint used, the
+    result that of the uninterrupted run. A temporary folder (a save killed before its rename) is no checkpoint and
+    the next save removes it. keep_checkpoints = 2 leaves two folders."""
+    tmp_path, corpus = straight
+    run_dir = resumed_copy(tmp_path, "damaged", [2, 3])
+    shard = run_dir / "checkpoints" / "step_000003.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    shutil.copytree(run_dir / "checkpoints" / "step_000002.dcp", run_dir / "checkpoints" / ".step_000009.dcp.tmp")
+    status, stdout, stderr = train_run(tmp_path, corpus, "damaged", 2, "fsdp2", 4, **{"run.keep_checkpoints": 2})
+    assert status == 0, stderr
+    assert "__1_0.distcp does not match the size and CRC-32" in stderr and "passed over" in stderr
+    assert "step_000002.dcp at step 2" in stdout
+    assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_000003.dcp", "step_000004.dcp"]
+
+
+def test_a_run_whose_only_checkpoint_is_damaged_is_refused_with_one_line(straight):
+    tmp_path, corpus = straight
+    run_dir = resumed_copy(tmp_path, "only_damaged", [4])
+    (run_dir / "checkpoints" / "step_000004.dcp" / "__0_0.distcp").write_bytes(b"")
+    status, _, stderr = train_run(tmp_path, corpus, "only_damaged", 2, "fsdp2", 6)
+    assert status == 2
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert lines and "none of the 1 checkpoints" in lines[0] and "__0_0.distcp" in lines[0]
+
+
+def reload_worker(rank: int, world_size: int, arguments: list[str], folder: str, strategy: str) -> dict:
+    """A sharded checkpoint read as a resume reads it, into a fresh model and optimizer held under `strategy` on
+    `world_size` ranks; the whole model and optimizer state gathered back on rank 0."""
+    config = load_config(arguments + [f"dist.strategy={strategy}"])
+    context = DistributedContext(rank, rank, world_size, CPU, "gloo")
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed + 1)
+    wrap_for_training(model, config.dist, context, compile=False, param_dtype=None)
+    optimizer = build_optimizer(config.optim, model, CPU)
+    resume = read_sharded_checkpoint(__import__("pathlib").Path(folder))
+    load_sharded_state(resume, model, optimizer)
+    load_optimizer_state(optimizer, resume["optimizer"])
+    return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(optimizer)}
+
+
+@pytest.mark.slow
+def test_the_state_comes_back_bit_for_bit_at_another_world_size_and_strategy(straight):
+    """Resharding is a copy: the step-2 checkpoint of 2 fsdp2 ranks read by 4 fsdp2 ranks, by 2 ddp ranks and by
+    1 process (a model built from another seed, so nothing comes from the build), and a 4-rank checkpoint by 2."""
+    tmp_path, corpus = straight
+    arguments = tiny_settings(tmp_path, corpus)
+    folder = tmp_path / "runs" / "straight" / "checkpoints" / "step_000002.dcp"
+    saved = whole_state(folder)
+    for world_size, strategy in [(4, "fsdp2"), (2, "ddp"), (1, "ddp")]:
+        assert_same_state(run_on_ranks(reload_worker, world_size, (arguments, str(folder), strategy))[0], saved)
+    status, _, stderr = train_run(tmp_path, corpus, "four", 4, "fsdp2", 2)
+    assert status == 0, stderr
+    four = newest(tmp_path / "runs" / "four")
+    assert_same_state(run_on_ranks(reload_worker, 2, (arguments, str(four), "fsdp2"))[0], whole_state(four))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, strategy", [(4, "fsdp2"), (2, "ddp"), (1, "ddp")])
+def test_a_run_continues_from_a_sharded_checkpoint_at_another_world_size_or_strategy(straight, ranks, strategy):
+    """Steps 3 and 4 from the 2-rank fsdp2 checkpoint of step 2 at another D or strategy, against the straight run.
+    The state is loaded bit for bit (the test above); what differs is the order of fp32 sums: another D regroups
+    the same per-example gradients (A = 8/(2·D) micro-batches of m = 2), DDP all-reduces where FSDP2
+    reduce-scatters, and the clipping norm is summed over other pieces. Each such sum is exact to a few ulps of
+    its largest term, and two AdamW updates carry that through m/√v: 1e-5 of the largest weight bounds it by far,
+    while a moment lost or misplaced on the way moves the weights of steps 3 and 4 by about the learning rate
+    (~1e-3), 1e-2 of the largest weight."""
+    tmp_path, corpus = straight
+    name = f"moved_{ranks}_{strategy}"
+    run_dir = resumed_copy(tmp_path, name, [2])
+    status, stdout, stderr = train_run(tmp_path, corpus, name, ranks, strategy, 4)
+    assert status == 0 and "resuming from" in stdout, stderr
+    moved, reference = whole(run_dir), whole(tmp_path / "runs" / "straight")
+    assert max_relative_error(list(moved["model"].values()), list(reference["model"].values())) < 1e-5
+    assert {entry["step"].item() for entry in moved["optimizer"]["state"].values()} == {4.0}
+    losses = [line["loss"] for line in read_metrics(run_dir)]
+    assert losses == pytest.approx([line["loss"] for line in read_metrics(tmp_path / "runs" / "straight")], rel=1e-5)
