@@ -125,6 +125,7 @@ OPTION_MODULES = {
     "accumulation.run.restore",  # a run directory that holds a run (run.resume)
     "accumulation.run.checkpoint_checks",  # reading a checkpoint back (run.resume)
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.run.sharded_checkpoint",  # dist.strategy = "fsdp2"'s checkpoints, or a resume from one
     "accumulation.parallel.torchrun",  # a launch under torchrun
     "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
     "accumulation.run.existing_run_dir",  # a run directory that exists already

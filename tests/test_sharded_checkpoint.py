@@ -142,7 +142,7 @@ def reload_worker(rank: int, world_size: int, arguments: list[str], folder: str,
     return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(optimizer)}
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # 4 ranks and 5 launches: a minute on 2 cores
 def test_the_state_comes_back_bit_for_bit_at_another_world_size_and_strategy(straight):
     """Resharding is a copy: the step-2 checkpoint of 2 fsdp2 ranks read by 4 fsdp2 ranks, by 2 ddp ranks and by
     1 process (a model built from another seed, so nothing comes from the build), and a 4-rank checkpoint by 2."""
@@ -159,7 +159,9 @@ def test_the_state_comes_back_bit_for_bit_at_another_world_size_and_strategy(str
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, strategy", [(4, "fsdp2"), (2, "ddp"), (1, "ddp")])
+@pytest.mark.parametrize(
+    "ranks, strategy", [pytest.param(4, "fsdp2", marks=pytest.mark.integration), (2, "ddp"), (1, "ddp")]
+)
 def test_a_run_continues_from_a_sharded_checkpoint_at_another_world_size_or_strategy(straight, ranks, strategy):
     """Steps 3 and 4 from the 2-rank fsdp2 checkpoint of step 2 at another D or strategy, against the straight run.
     The state is loaded bit for bit (the test above); what differs is the order of fp32 sums: another D regroups
