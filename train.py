@@ -215,9 +215,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
     seed_dropout(config.run.seed, context.rank)
-    # the whole weights on every rank, before any sharding (find_resume_point checked them); a sharded checkpoint's
-    # are read after it, with the optimizer's (accumulation/run/restore.py)
-    if resume is not None and "sharded" not in resume:
+    if resume is not None and "sharded" not in resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type)
     pipeline = None
@@ -405,8 +403,7 @@ class Checkpointer:
         if config.dist.strategy == "fsdp2":
             from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
 
-            keep = config.run.keep_checkpoints
-            self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", keep, context.is_main)
+            self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", config.run.keep_checkpoints, context)
 
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps

@@ -89,8 +89,7 @@ def checkpoint_payload(
     """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
     optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module."""
     model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-    # fsdp2: each rank's DTensor shards, which it writes itself (accumulation/run/sharded_checkpoint.py)
-    if context.is_main and config.dist.strategy != "fsdp2":  # the rank that writes the file
+    if context.is_main and config.dist.strategy != "fsdp2":  # the file's writer (fsdp2: sharded_checkpoint.py)
         model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
     return {
         "model": model_state,

@@ -38,6 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 
+from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import SHARDED_STEP, STEP_FILE, CheckpointError, WriteError
 
 STATE_FILE, CHECKSUMS_FILE = "state.pt", "checksums.json"
@@ -88,8 +89,8 @@ class ShardedCheckpointWriter:
     The writing thread's collectives run on a process group of their own, so they never interleave with the
     training step's."""
 
-    def __init__(self, checkpoint_dir: Path, keep: int, is_main: bool):
-        self.checkpoint_dir, self.keep, self.is_main = checkpoint_dir, keep, is_main
+    def __init__(self, checkpoint_dir: Path, keep: int, context: DistributedContext):
+        self.checkpoint_dir, self.keep, self.is_main = checkpoint_dir, keep, context.is_main
         self.group = dist.new_group(backend="gloo")  # every rank creates it, in the same order: a collective
         self.pending: tuple[Future, Path, int, dict] | None = None
 
