@@ -2,7 +2,9 @@
 for bit, a damaged shard falls back to the older checkpoint, the state comes back bit for bit at another world
 size or strategy, and a run continues there within fp32 reordering."""
 
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_sta
 from accumulation.run.build import build_optimizer, wrap_for_training
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.run.sharded_checkpoint import load_sharded_state, read_sharded_checkpoint, whole_state
-from testkit.ranks import run_on_ranks
+from testkit.ranks import run_main_on_ranks, run_on_ranks
 from testkit.reference import max_relative_error
 from tests.test_train import comparable, read_metrics, tiny_settings, train_forked, uneven_corpus
 
@@ -180,3 +182,37 @@ def test_a_run_continues_from_a_sharded_checkpoint_at_another_world_size_or_stra
     assert {entry["step"].item() for entry in moved["optimizer"]["state"].values()} == {4.0}
     losses = [line["loss"] for line in read_metrics(run_dir)]
     assert losses == pytest.approx([line["loss"] for line in read_metrics(tmp_path / "runs" / "straight")], rel=1e-5)
+
+
+def main_signalled_at_step_3(argv: list[str]) -> int:
+    """train.main with SIGTERM to rank 0 as step 3 begins (a stop request every rank learns of at that step)."""
+    import train
+
+    real_optimizer_step, calls = train.optimizer_step, []
+
+    def optimizer_step_signalled_at_step_3(*args, **options):
+        calls.append(len(calls) + 1)
+        if len(calls) == 3 and os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_optimizer_step(*args, **options)
+
+    train.optimizer_step = optimizer_step_signalled_at_step_3
+    return train.main(argv)
+
+
+def test_a_stop_signal_s_sharded_checkpoint_is_complete_before_exit_and_the_restart_is_bit_exact(straight):
+    """SIGTERM as step 3 begins, checkpoints every 2 steps: the step-2 checkpoint is written in the background while
+    step 3 trains; step 3's (off the cadence) is published before the ranks exit with 143; the restart ends with the
+    state of the uninterrupted run."""
+    tmp_path, corpus = straight
+    settings = {"run.name": "signalled", "dist.strategy": "fsdp2", "run.max_steps": 4, "run.checkpoint_every": 2}
+    arguments = tiny_settings(tmp_path, corpus, **settings, **{"run.keep_checkpoints": 10})
+    per_rank = run_main_on_ranks("tests.test_sharded_checkpoint:main_signalled_at_step_3", arguments, world_size=2)
+    assert [status for status, _, _ in per_rank] == [143, 143], per_rank
+    run_dir = tmp_path / "runs" / "signalled"
+    names = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert names == ["step_000000.dcp", "step_000002.dcp", "step_000003.dcp"]
+    assert read_sharded_checkpoint(run_dir / "checkpoints" / "step_000003.dcp")["counters"]["steps"] == 3
+    status, stdout, stderr = train_forked(arguments, 2)
+    assert status == 0 and "at step 3" in stdout, stderr
+    assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
