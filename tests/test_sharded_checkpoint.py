@@ -5,6 +5,7 @@ size or strategy, and a run continues there within fp32 reordering."""
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
 from accumulation.run.build import build_optimizer, wrap_for_training
 from accumulation.run.optimizer_state import load_optimizer_state
-from accumulation.run.sharded_checkpoint import load_sharded_state, read_sharded_checkpoint, whole_state
+from accumulation.run.sharded_checkpoint import load_sharded_state, read_sharded_checkpoint, verify_files, whole_state
+from testkit.disk import small_disk
 from testkit.ranks import run_main_on_ranks, run_on_ranks
 from testkit.reference import max_relative_error
 from tests.test_train import comparable, read_metrics, tiny_settings, train_forked, uneven_corpus
@@ -138,7 +140,7 @@ def reload_worker(rank: int, world_size: int, arguments: list[str], folder: str,
     model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed + 1)
     wrap_for_training(model, config.dist, context, compile=False, param_dtype=None)
     optimizer = build_optimizer(config.optim, model, CPU)
-    resume = read_sharded_checkpoint(__import__("pathlib").Path(folder))
+    resume = read_sharded_checkpoint(Path(folder))
     load_sharded_state(resume, model, optimizer)
     load_optimizer_state(optimizer, resume["optimizer"])
     return {"model": full_model_state_dict(model), "optimizer": full_optimizer_state_dict(optimizer)}
@@ -216,3 +218,47 @@ def test_a_stop_signal_s_sharded_checkpoint_is_complete_before_exit_and_the_rest
     status, stdout, stderr = train_forked(arguments, 2)
     assert status == 0 and "at step 3" in stdout, stderr
     assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
+
+
+def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
+    """Two sharded saves of a small FSDP2 model with AdamW state into `disk`, the second after the disk was filled:
+    the second's WriteError, as each rank sees it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from accumulation.run.checkpoint import WriteError
+    from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
+    from testkit.disk import fill_disk
+
+    torch.manual_seed(0)
+    model = fully_shard(torch.nn.Linear(200, 200), mesh=init_device_mesh("cpu", (world_size,)))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 200)).sum().backward()
+    optimizer.step()
+    context = DistributedContext(rank, rank, world_size, CPU, "gloo")
+    writer = ShardedCheckpointWriter(Path(disk) / "checkpoints", 3, context)
+    payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
+    writer.save(payload, optimizer, 2)
+    writer.finish()
+    if rank == 0:
+        fill_disk(Path(disk), leave_free_bytes=40_000)  # under one rank's shards (about 160 kB each)
+    torch.distributed.barrier()
+    try:
+        writer.save(payload | {"counters": {"steps": 4}}, optimizer, 4)
+        writer.finish()
+    except WriteError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_sharded_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_path):
+    """A real full disk (a small tmpfs) under the second save: every rank raises WriteError with one line naming
+    the full disk and the newest complete checkpoint; no temporary folder is left and step 2's folder is whole."""
+    with small_disk(tmp_path / "disk", 2**20) as disk:
+        messages = run_on_ranks(full_disk_worker, 2, (str(disk),))
+        folder = disk / "checkpoints"
+        assert sorted(path.name for path in folder.iterdir()) == ["step_000002.dcp"]
+        verify_files(folder / "step_000002.dcp")
+    for message in messages:
+        assert "could not be written: the disk is full" in message and "\n" not in message, message
+        assert "the newest complete checkpoint is step_000002.dcp" in message

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
@@ -82,6 +82,24 @@ def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict
     return tensors, copy.deepcopy(rest)
 
 
+class ShardWriter(FileSystemWriter):
+    """DCP's file writer, keeping the OSError of a failed write: DCP hands the other ranks only the exception
+    raised by torch.save, which a full disk makes a RuntimeError without the OSError behind it."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.os_error = None
+
+    def write_data(self, plan, planner):
+        from accumulation.run.write_errors import os_error_in
+
+        try:
+            return super().write_data(plan, planner)
+        except Exception as error:
+            self.os_error = os_error_in(error)
+            raise
+
+
 class ShardedCheckpointWriter:
     """Writes sharded checkpoints, each in the background (`dcp.async_save`): a save blocks only while the shards
     are copied to the host, then training goes on while a thread writes them. The next save, and `finish`
@@ -104,8 +122,9 @@ class ShardedCheckpointWriter:
                 for leftover in self.checkpoint_dir.glob(".step_*.dcp.tmp"):  # a save killed before its rename
                     shutil.rmtree(leftover)
             dist.barrier(group=self.group)
-            future = dcp.async_save(tensors, checkpoint_id=temporary, process_group=self.group)
-        except Exception as error:
+            self.writer = ShardWriter(temporary)
+            future = dcp.async_save(tensors, storage_writer=self.writer, process_group=self.group)
+        except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
             self.failed(error, temporary)
         self.pending = (future, temporary, steps, rest)
 
@@ -126,7 +145,7 @@ class ShardedCheckpointWriter:
                 publish(temporary, path, rest, {name: sums for sums in everyone for name, sums in sums.items()})
                 self.prune()
             dist.barrier(group=self.group)  # no rank goes on (or exits) before the checkpoint is in place
-        except Exception as error:
+        except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
             self.failed(error, temporary)
         return path
 
@@ -144,9 +163,11 @@ class ShardedCheckpointWriter:
         from accumulation.run.write_errors import os_error_in, why_not_written
 
         cause = os_error_in(error)
-        if cause is None and isinstance(error, dcp.api.CheckpointException):  # a rank's OSError, wrapped by DCP
-            causes = [os_error_in(failure) for failure in error.failures.values() if isinstance(failure, BaseException)]
-            cause = next((c for c in causes if c is not None), None)
+        if isinstance(error, dcp.api.CheckpointException):  # every rank has it; the OSError is the failed rank's
+            mine = self.writer.os_error
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, None if mine is None else (mine.errno, mine.strerror), group=self.group)
+            cause = next((OSError(*found) for found in everyone if found is not None), None)
         if cause is None:
             raise error
         if self.is_main:
