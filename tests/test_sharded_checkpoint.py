@@ -262,3 +262,16 @@ def test_a_sharded_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay
     for message in messages:
         assert "could not be written: the disk is full" in message and "\n" not in message, message
         assert "the newest complete checkpoint is step_000002.dcp" in message
+
+
+def test_the_checkpoint_benchmark_measures_both_paths():
+    """scripts/benchmarks/bench_checkpoint.py on one small model and 2 ranks: every figure of both paths present,
+    a sharded save's blocked part within its whole, and the table printed from them."""
+    from scripts.benchmarks.bench_checkpoint import measure, table
+
+    [row] = measure(world_sizes=(2,), sizes=[(1, 32)])
+    for path in ("old", "sharded"):
+        for key in ("save_blocked_s", "save_total_s", "save_rise", "resume_s", "resume_rise"):
+            assert row[f"{path} {key}"] >= 0, (path, key)
+    assert row["sharded save_blocked_s"] <= row["sharded save_total_s"]
+    assert "sharded blocked / old blocked" in table([row])

@@ -212,12 +212,23 @@ def read_sharded_checkpoint(path: Path) -> dict:
     from accumulation.run.checkpoint_checks import REQUIRED_KEYS, structure_problem
 
     verify_files(path)
+    payload = described(path)
+    if any(key not in payload for key in REQUIRED_KEYS):
+        raise CheckpointError(f"checkpoint {path}: its {STATE_FILE} lacks keys; it was not written by this program")
+    problem = structure_problem(payload)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
+    return payload
+
+
+def described(path: Path) -> dict:
+    """state.pt's payload with `model` and the optimizer's tensors as meta tensors (DCP's metadata), and `sharded`."""
     try:
         payload = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
         metadata = FileSystemReader(path).read_metadata()
     except Exception as error:
         raise CheckpointError(f"checkpoint {path} cannot be read ({str(error).splitlines()[0]})") from None
-    if not isinstance(payload, dict) or any(key not in payload for key in REQUIRED_KEYS if key != "model"):
+    if not isinstance(payload, dict) or not isinstance(payload.get("optimizer"), dict):
         raise CheckpointError(f"checkpoint {path}: its {STATE_FILE} lacks keys; it was not written by this program")
     payload["model"] = {}
     for key, stored in metadata.state_dict_metadata.items():
@@ -228,9 +239,6 @@ def read_sharded_checkpoint(path: Path) -> dict:
         else:
             number, _, entry = name.partition("/")
             payload["optimizer"]["state"].setdefault(int(number), {})[entry] = meta
-    problem = structure_problem(payload)
-    if problem:
-        raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
     payload["sharded"] = str(path)
     return payload
 
