@@ -23,8 +23,8 @@ from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
 from accumulation.probe import InexactStep, StepZeroFailed, probe_loss_and_model
 from accumulation.run.run_dir import LOCK_FILE
-from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.shrink_on_oom import ShrinkOnOutOfMemory, optimizer_step_shrinking_on_oom
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import pretend_launched, run_main_on_ranks, run_on_ranks
 from tests.test_oom import MODEL as OOM_MODEL
 from tests.test_oom import RaisesAboveRows, corpus_rows
@@ -377,19 +377,15 @@ def fused_adamw_steps(shrink: bool):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     module = RaisesAboveRows(model, max_rows=2) if shrink else model
     step_function = optimizer_step_shrinking_on_oom if shrink else optimizer_step
+    strategy = ShrinkOnOutOfMemory(module) if shrink else None
     history = []
     for step in range(3):
         factor = math.nan if step == 1 else 1.0
         row_ids = step_row_ids(rows.num_rows, 8, 5, step, "drop")
         batches = build_micro_batches(rows, row_ids, 8, 8, 1, 0, step=step)  # m = 8, A = 1
-        result = step_function(
-            module,
-            batches,
-            optimizer,
-            device=CPU,
-            scaler=scaler,
-            loss_sum_fn=lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor,
-        )
+        loss_sum_fn = lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor  # noqa: E731
+        setup = StepSetup(module, CPU, loss_sum_fn=loss_sum_fn, scaler=scaler, strategy=strategy)
+        result = step_function(setup, batches, optimizer)
         state = [value.clone() for values in optimizer.state.values() for value in values.values()]
         history.append((result, [p.detach().clone() for p in model.parameters()], state, scaler.get_scale()))
     return history, module

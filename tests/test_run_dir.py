@@ -20,8 +20,7 @@ import accumulation.run.restore as restore
 import accumulation.run.run_dir as run_dir_module
 import train
 from accumulation.config.config import ConfigError, load_config
-from accumulation.run.lock_refusals import RunDirectoryBusy
-from accumulation.run.run_dir import LOCK_FILE, RunLock, write_text_atomically
+from accumulation.run.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
 from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process, snapshot

@@ -245,10 +245,16 @@ def check_supervised_counts(batch: StepBatch) -> None:
         held = (micro_batch.labels != IGNORE_INDEX).reshape(len(micro_batch.labels), -1).sum(dim=1)
         expected = torch.zeros_like(held)
         expected[: len(promised)] = promised
-        if not torch.equal(held, expected):
-            from accumulation.data.failures import count_mismatch_error
-
-            raise count_mismatch_error(batch.step, batch.row_ids[positions], held, expected)
+        if not torch.equal(held, expected):  # one line naming the first row that breaks the promise
+            row = int((held != expected).nonzero()[0])
+            row_ids = batch.row_ids[positions]  # the micro-batch's real rows; the rest are padding
+            where = f"row {int(row_ids[row])}" if row < len(row_ids) else "a padding row"
+            raise DataError(
+                f"step {batch.step}: the labels of {where} hold {int(held[row])} supervised targets, but "
+                f"supervised_counts promised {int(expected[row])}; every update would be divided by a wrong N: "
+                f"make supervised_counts(row_ids, step) count the labels != -100 of examples(row_ids, step) "
+                f"(docs/forking.md)"
+            )
 
 
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:

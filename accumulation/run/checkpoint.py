@@ -2,7 +2,6 @@
 "Checkpoints and resume"); reading one back is accumulation/run/restore.py's."""
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -14,18 +13,11 @@ from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-
-STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
-SHARDED_STEP = re.compile(r"step_(\d{6,})\.dcp")  # fsdp2's: a folder (accumulation/run/sharded_checkpoint.py)
+from accumulation.run.run_dir import STEP_FILE, WriteError, disk_full, os_error_in, why_not_written
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
-
-
-class WriteError(Exception):
-    """A file of the run could not be written (a full disk, a lost mount, no permission): one line naming the file,
-    why, and what was kept (accumulation/run/write_errors.py); the program exits 1 (accumulation/run/failures.py)."""
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
@@ -59,20 +51,38 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
         for old in step_checkpoints(checkpoint_dir)[:-keep]:
             old.unlink()
     except Exception as error:
-        from accumulation.run.write_errors import checkpoint_not_written, os_error_in
-
         cause = os_error_in(error)
         if cause is None:
             raise  # not the file system: a bug, whose traceback is the useful message
+        for leftover in (temporary, latest_temporary):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder itself is unreachable: there is nothing to clean up
         try:
             complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
         except OSError:
             complete = []
-        temporaries = (temporary, latest_temporary)
-        raise WriteError(checkpoint_not_written(cause, path, temporaries, complete, payload)) from None
+        kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
+        raise WriteError(
+            f"checkpoint {path} could not be written: {why_not_written(cause, path.parent, tensor_bytes(payload))}; "
+            f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
+            f"and a restart resumes from the newest checkpoint"
+        ) from None
     finally:
         torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
     return path
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors in a nested payload: close to its size on disk (the rest is small metadata)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
 
 
 def step_checkpoints(checkpoint_dir: Path) -> list[Path]:

@@ -39,7 +39,8 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import SHARDED_STEP, STEP_FILE, CheckpointError, WriteError
+from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.run_dir import SHARDED_STEP, STEP_FILE, WriteError, os_error_in, why_not_written
 
 STATE_FILE, CHECKSUMS_FILE = "state.pt", "checksums.json"
 
@@ -91,8 +92,6 @@ class ShardWriter(FileSystemWriter):
         self.os_error = None
 
     def write_data(self, plan, planner):
-        from accumulation.run.write_errors import os_error_in
-
         try:
             return super().write_data(plan, planner)
         except Exception as error:
@@ -160,8 +159,6 @@ class ShardedCheckpointWriter:
 
     def failed(self, error: Exception, temporary: Path):
         """A write that failed: the temporary folder removed, the older checkpoints kept, one line (WriteError)."""
-        from accumulation.run.write_errors import os_error_in, why_not_written
-
         cause = os_error_in(error)
         if isinstance(error, dcp.api.CheckpointException):  # every rank has it; the OSError is the failed rank's
             mine = self.writer.os_error
