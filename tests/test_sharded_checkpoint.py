@@ -189,8 +189,9 @@ def test_a_run_continues_from_a_sharded_checkpoint_at_another_world_size_or_stra
 def main_signalled_at_step_3(argv: list[str]) -> int:
     """train.main with SIGTERM to rank 0 as step 3 begins (a stop request every rank learns of at that step)."""
     import train
+    from accumulation.run import build
 
-    real_optimizer_step, calls = train.optimizer_step, []
+    real_optimizer_step, calls = build.optimizer_step, []
 
     def optimizer_step_signalled_at_step_3(*args, **options):
         calls.append(len(calls) + 1)
@@ -198,7 +199,7 @@ def main_signalled_at_step_3(argv: list[str]) -> int:
             os.kill(os.getpid(), signal.SIGTERM)
         return real_optimizer_step(*args, **options)
 
-    train.optimizer_step = optimizer_step_signalled_at_step_3
+    build.optimizer_step = optimizer_step_signalled_at_step_3
     return train.main(argv)
 
 
