@@ -276,3 +276,18 @@ def test_the_checkpoint_benchmark_measures_both_paths():
             assert row[f"{path} {key}"] >= 0, (path, key)
     assert row["sharded save_blocked_s"] <= row["sharded save_total_s"]
     assert "sharded blocked / old blocked" in table([row])
+
+
+def test_a_killed_sharded_save_s_folder_is_this_program_s_and_a_sharded_checkpoint_is_a_run(tmp_path):
+    """What a first fsdp2 attempt killed while writing its step-0 folder leaves (`.step_000000.dcp.tmp`) does not
+    make the directory foreign to a fresh run; a published `step_000000.dcp` makes it a run to continue."""
+    from accumulation.run.run_dir import RunDirectoryError, check_run_directory
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / ".step_000000.dcp.tmp").mkdir(parents=True)
+    check_run_directory(tmp_path / "run")
+    (checkpoints / "notes.txt").write_text("a user's file")
+    with pytest.raises(RunDirectoryError, match="notes.txt"):
+        check_run_directory(tmp_path / "run")
+    (checkpoints / "step_000000.dcp").mkdir()
+    check_run_directory(tmp_path / "run")
