@@ -291,3 +291,25 @@ def test_a_killed_sharded_save_s_folder_is_this_program_s_and_a_sharded_checkpoi
         check_run_directory(tmp_path / "run")
     (checkpoints / "step_000000.dcp").mkdir()
     check_run_directory(tmp_path / "run")
+
+
+def test_a_sharded_checkpoint_with_non_finite_weights_is_refused_with_one_line(straight):
+    """A folder whose files all match their checksums but whose weights hold a NaN (written so, not damaged after):
+    the shards' check as they load refuses it, exit 2, on 2 fsdp2 ranks."""
+    import torch.distributed.checkpoint as dcp
+
+    from accumulation.run.sharded_checkpoint import crc32_of, publish, split_payload
+
+    tmp_path, corpus = straight
+    run_dir = resumed_copy(tmp_path, "nan", [])
+    state = whole_state(tmp_path / "runs" / "straight" / "checkpoints" / "step_000002.dcp")
+    state["model"]["token_embedding.weight"][3, 5] = float("nan")
+    moments = state["optimizer"]["state"]  # stand-ins numbered as the optimizer numbers its parameters
+    optimizer = torch.optim.SGD([torch.nn.Parameter(moments[number]["exp_avg"]) for number in sorted(moments)])
+    tensors, rest = split_payload(state, optimizer)
+    temporary = run_dir / "checkpoints" / ".step_000002.dcp.tmp"
+    dcp.save(tensors, checkpoint_id=temporary, no_dist=True)
+    sums = {p.name: [p.stat().st_size, crc32_of(p)] for p in temporary.glob("__*.distcp")}
+    publish(temporary, run_dir / "checkpoints" / "step_000002.dcp", rest, sums)
+    status, _, stderr = train_run(tmp_path, corpus, "nan", 2, "fsdp2", 4)
+    assert status == 2 and "its weights hold NaN or inf" in stderr, stderr

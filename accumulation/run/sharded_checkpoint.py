@@ -312,7 +312,8 @@ def load_sharded_state(resume: dict, model: torch.nn.Module, optimizer: torch.op
             number, _, entry = name.partition("/")
             resume["optimizer"]["state"][int(number)][entry] = value
     local = [value.to_local() if isinstance(value, DTensor) else value for value in model.state_dict().values()]
-    broken = torch.tensor(float(any(t.is_floating_point() and not t.isfinite().all() for t in local)))
+    found = any(t.is_floating_point() and not t.isfinite().all() for t in local)
+    broken = torch.tensor(float(found), device=local[0].device)  # on the device: NCCL reduces nothing else
     if dist.is_initialized():
         dist.all_reduce(broken, op=dist.ReduceOp.MAX)
     if broken.item():
