@@ -172,7 +172,7 @@ def train(
             if validator.should_validate(counters.steps):
                 record["val_loss"] = finite_or_none(validator.loss(micro_batch_size))
             logs.write(counters, record)
-            stop_reason = nonfinite_stop_reason(config, result, training.setup.scaler, skips_in_a_row)
+            stop_reason = nonfinite_stop_reason(config, result, training, skips_in_a_row)
             checkpointer.maybe_save(counters, skips_in_a_row, now=stop_reason is not None or result.stop_requested)
             if stop_reason is not None:
                 return stopped_at_a_bad_step(counters, stop_reason, run_dir, context, say)

@@ -106,6 +106,15 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
         outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
+    if len(supervised) and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+        with torch.enable_grad():  # the loss of the outputs as a leaf: its own graph alone, not the model's
+            loss = loss_sum_fn(outputs.detach().requires_grad_(True), labels, **extras)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            raise StepZeroFailed(
+                f"step 0: the loss returned a {type(loss).__name__} without gradient, so no backward can train the "
+                f"model: it was computed outside autograd (.detach(), .item(), torch.no_grad(), a tensor made anew "
+                f"from numbers); return the sum built from the outputs with torch operations (docs/forking.md)"
+            )
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)

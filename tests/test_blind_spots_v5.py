@@ -410,7 +410,7 @@ def test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one
 
 # ------------------------------------------------------------------ 8. The run directory deleted mid-run
 
-# A loss that deletes the run directory on its 40th call (the step-0 probe's 5, then 4 micro-batches a step:
+# A loss that deletes the run directory on its 41st call (the step-0 probe's 6, then 4 micro-batches a step:
 # during step 9), as a person cleaning up the wrong folder would.
 DELETES_THE_RUN = """
 import shutil
@@ -423,7 +423,7 @@ calls = []
 
 def deleting_sum(outputs, labels):
     calls.append(1)
-    if len(calls) == 40:
+    if len(calls) == 41:
         shutil.rmtree({run_dir!r})
     return token_cross_entropy_sum(outputs, labels)
 

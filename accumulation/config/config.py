@@ -280,6 +280,17 @@ def _check_combinations(config: Config) -> None:
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
             f"({batch.global_batch_size}), got {batch.micro_batch_size}"
         )
+    # lr <= 100, above any published setting (SGD linear probes use 30): an AdamW update moves each weight by about
+    # lr. Decay multiplies each decayed weight by 1 - lr * weight_decay per update (AdamW; SGD's L2 term alike).
+    optim = config.optim
+    if optim.lr > 100:
+        raise ConfigError(f"optim.lr: expected a number <= 100, got {optim.lr:g} (a minus sign lost from an exponent?)")
+    if optim.lr * optim.weight_decay >= 1:
+        raise ConfigError(
+            f"optim.weight_decay: expected optim.lr x optim.weight_decay < 1, got {optim.lr:g} x {optim.weight_decay:g}"
+            f": each update multiplies every decayed weight by 1 - lr x weight_decay, which must stay positive; "
+            f"lower optim.weight_decay (typically 0 to 0.1) or optim.lr"
+        )
     # With decay_updates = 0 the horizon is run.max_steps, which may grow on resume: not checked here.
     if schedule.name == "cosine" and schedule.decay_updates > 0 and schedule.warmup_updates > schedule.decay_updates:
         raise ConfigError(

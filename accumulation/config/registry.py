@@ -6,6 +6,7 @@ the one import of the project here). accumulation/config/config.py reads this mo
 import dataclasses
 import importlib
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,6 +147,17 @@ def import_problem(module_name: str) -> str | None:
     except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
         return f"cannot import {module_name}: {fault_text(error)}"
     return None
+
+
+def fork_raised(error: Exception) -> str:
+    """The words for an exception a fork's function (its model's or data's build) raised, for the one line that
+    names the function: fault_text's "TypeError: message (at fork.py:12)". A ValueError is the fork refusing its
+    input, and its message says all; any other exception is a bug in the fork's code, whose traceback is printed
+    first, from the fork's own frame on (the caller's frame, which caught it, and this program's above it are
+    left out: they say nothing about the bug)."""
+    if not isinstance(error, ValueError):
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+    return fault_text(error)
 
 
 def config_name(piece: Piece) -> str:

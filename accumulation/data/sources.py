@@ -11,7 +11,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config.config import DataConfig
-from accumulation.config.registry import is_piece_name, lookup
+from accumulation.config.registry import is_piece_name
 from accumulation.data import text_corpus
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64
 from accumulation.data.splits import Data
@@ -40,7 +40,9 @@ def build_data(settings: DataConfig, *, model_vocab_size: int, seed: int) -> Dat
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it)."""
     source, seq_len = settings.source, settings.seq_len
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
-        built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
+        from accumulation.data.custom import built_by_a_registered_source
+
+        built = built_by_a_registered_source(settings, model_vocab_size, seed)
     elif source == "stdlib" and settings.tokenizer == "bytes" and settings.task == "next-token":  # the default
         built = text_corpus.load_stdlib(seq_len, settings.val_fraction, settings.layout == "packed")
     else:  # a path, a tokenizer or a masked task: path_sources tells token files, JSONL and text apart

@@ -20,6 +20,26 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
+def check_weights_finite(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A CheckpointError on every rank when any rank's optimizer parameters (the whole model, its stage or its FSDP2
+    shards) hold inf or nan: a collective, run before each checkpoint and after a non-finite step (run/stops.py),
+    never on a healthy step; one isfinite pass and one read-back, small beside a checkpoint's copy to the host."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    finite = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in parameters]
+    broken = torch.stack(finite).logical_not().any().int() if finite else torch.zeros((), dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+    if broken.item():
+        names = {id(parameter): name for name, parameter in model.named_parameters()}
+        mine = [names.get(id(p), "a parameter") for p, ok in zip(parameters, finite, strict=True) if not ok]
+        raise CheckpointError(
+            f"an update left inf or nan in the weights ({f'first {mine[0]}' if mine else 'on another rank'}), so no "
+            f"checkpoint was written with them; the newest checkpoint holds the last finite weights. The update "
+            f"overflowed: start a new run with a lower optim.lr (now {config.optim.lr:g}) or optim.weight_decay "
+            f"(now {config.optim.weight_decay:g})"
+        )
+
+
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
     """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files, each one
     renamed into place from a temporary file flushed to the disk (a reader sees the old or the whole new file, even
@@ -97,7 +117,9 @@ def checkpoint_payload(
     config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
     """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
-    optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module."""
+    optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module. Non-finite
+    weights are refused here, never written: no later step could repair them."""
+    check_weights_finite(config, model, optimizer)
     model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     if context.is_main and config.dist.strategy != "fsdp2":  # the file's writer (fsdp2: sharded_checkpoint.py)
         model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)

@@ -21,6 +21,7 @@ from accumulation.run.checkpoint import CheckpointError
 from accumulation.run.restore import check_ranks_agree_on_resume
 from accumulation.run.run_dir import RunDirectoryError, RunLock, WriteError
 from accumulation.run.signals import StopRequest
+from accumulation.run.stops import all_steps_done
 
 # Bad input: a launch environment, config, data, checkpoint or run directory a user can fix.
 BAD_INPUT_STATUS = 2
@@ -99,14 +100,19 @@ def train_in_run_directory(prepared: Prepared, train: Callable[..., int], job: J
     # rank tearing down while the others wait in a collective can hang itself). Only a clean return, which
     # every rank reaches together, destroys the process group.
     config, run_dir, resume = prepared.config, prepared.run_dir, prepared.resume
+    if all_steps_done(config, resume, job.say):  # a finished run started again: one line, exit 0, nothing built
+        return 0
     stop = StopRequest()
     try:
         with stop.installed():  # SIGTERM, SIGUSR1, Ctrl-C, SIGHUP: finish the step, checkpoint, exit
             context = setup_distributed(config.device, config.dist.timeout_s, config.dist.pipeline_stages)
-            if context.world_size > 1:  # each rank looked for the checkpoint itself
+            if context.world_size > 1:  # each rank read its config and data, and looked for the checkpoint, itself
+                from accumulation.parallel.torchrun import check_ranks_agree
+
+                check_ranks_agree(config, prepared.data.summary.fingerprint)
                 check_ranks_agree_on_resume(context, resume, run_dir)
             status = train(config, prepared.data, prepared.vocab_size, run_dir, resume, context, job.say, stop)
-    except (CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
+    except (ConfigError, CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
         # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)
         return exit_status_after(error, config, job.rank, job.world_size)
     teardown_distributed()
