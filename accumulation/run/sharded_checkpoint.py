@@ -102,7 +102,7 @@ class ShardWriter(FileSystemWriter):
 class ShardedCheckpointWriter:
     """Writes sharded checkpoints, each in the background (`dcp.async_save`): a save blocks only while the shards
     are copied to the host, then training goes on while a thread writes them. The next save, and `finish`
-    (called after a run's last checkpoint and a stop's), first waits for the write before and publishes it.
+    (called after a run's last checkpoint and a stop's), waits for the write in flight and publishes it.
     The writing thread's collectives run on a process group of their own, so they never interleave with the
     training step's."""
 
@@ -110,6 +110,7 @@ class ShardedCheckpointWriter:
         self.checkpoint_dir, self.keep, self.is_main = checkpoint_dir, keep, context.is_main
         self.group = dist.new_group(backend="gloo")  # every rank creates it, in the same order: a collective
         self.pending: tuple[Future, Path, int, dict] | None = None
+        self.writer: ShardWriter | None = None  # the write in flight's
 
     def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int) -> None:
         self.finish()
@@ -127,10 +128,10 @@ class ShardedCheckpointWriter:
             self.failed(error, temporary)
         self.pending = (future, temporary, steps, rest)
 
-    def finish(self) -> Path | None:
+    def finish(self) -> None:
         """Wait for the write in flight, if any, checksum this rank's files, and (rank 0) publish it."""
         if self.pending is None:
-            return None
+            return
         future, temporary, steps, rest = self.pending
         self.pending = None
         path = self.checkpoint_dir / f"step_{steps:06d}.dcp"
@@ -146,7 +147,6 @@ class ShardedCheckpointWriter:
             dist.barrier(group=self.group)  # no rank goes on (or exits) before the checkpoint is in place
         except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
             self.failed(error, temporary)
-        return path
 
     def prune(self) -> None:
         """Delete all but the newest `keep` checkpoints, sharded folders and single files alike (a run that
