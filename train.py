@@ -243,11 +243,9 @@ class Checkpointer:
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
-            self.save(counters, skips_in_a_row)
-            if self.sharded is not None and (finished or now):  # the last checkpoint is on the disk before exit
-                self.sharded.finish()
+            self.save(counters, skips_in_a_row, background=not (finished or now))  # the last: on the disk at once
 
-    def save(self, counters: Counters, skips_in_a_row: int) -> None:
+    def save(self, counters: Counters, skips_in_a_row: int, background: bool = True) -> None:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
@@ -262,8 +260,8 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
-        if self.sharded is not None:
-            self.sharded.save(payload, training.optimizer, counters.steps)
+        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
+            self.sharded.save(payload, training.optimizer, counters.steps, background)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

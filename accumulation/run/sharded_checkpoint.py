@@ -100,9 +100,10 @@ class ShardWriter(FileSystemWriter):
 
 
 class ShardedCheckpointWriter:
-    """Writes sharded checkpoints, each in the background (`dcp.async_save`): a save blocks only while the shards
-    are copied to the host, then training goes on while a thread writes them. The next save, and `finish`
-    (called after a run's last checkpoint and a stop's), waits for the write in flight and publishes it.
+    """Writes sharded checkpoints, in the background (`dcp.async_save`): a save blocks only while the shards are
+    copied to the host, then training goes on while a thread writes them; the next save waits for the write in
+    flight and publishes it (`finish`). A run's last checkpoint and a stop's are written at once instead, from the
+    shards where they are (`dcp.save`: no host copy, nothing left in flight at exit).
     The writing thread's collectives run on a process group of their own, so they never interleave with the
     training step's."""
 
@@ -112,7 +113,10 @@ class ShardedCheckpointWriter:
         self.pending: tuple[Future, Path, int, dict] | None = None
         self.writer: ShardWriter | None = None  # the write in flight's
 
-    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, background: bool = True) -> None:
+        """Start writing `payload` (checkpoint_payload's, this rank's shards) as step `steps`'s checkpoint. In the
+        background, the shards are first copied to the host; otherwise (a run's last checkpoint, a stop's) they
+        are written from where they are, no copy, and published before this returns."""
         self.finish()
         tensors, rest = split_payload(payload, optimizer)
         temporary = self.checkpoint_dir / f".step_{steps:06d}.dcp.tmp"
@@ -123,10 +127,16 @@ class ShardedCheckpointWriter:
                     shutil.rmtree(leftover)
             dist.barrier(group=self.group)
             self.writer = ShardWriter(temporary)
-            future = dcp.async_save(tensors, storage_writer=self.writer, process_group=self.group)
+            if background:
+                future = dcp.async_save(tensors, storage_writer=self.writer, process_group=self.group)
+            else:
+                future = Future()
+                future.set_result(dcp.save(tensors, storage_writer=self.writer, process_group=self.group))
         except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
             self.failed(error, temporary)
         self.pending = (future, temporary, steps, rest)
+        if not background:
+            self.finish()
 
     def finish(self) -> None:
         """Wait for the write in flight, if any, checksum this rank's files, and (rank 0) publish it."""
