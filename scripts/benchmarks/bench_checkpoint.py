@@ -22,6 +22,8 @@ Figures per rank, the largest over the ranks:
     save_blocked_s           how long training is held up: the whole save for the old path (every rank waits for
                              rank 0's write), save() for the sharded one
     save_total_s             save() + finish(): until the checkpoint is published
+    at-once                  the sharded save of a run's last checkpoint and a stop's: written from the shards
+                             where they are (dcp.save, no host copy) and published before it returns
     async_share              1 - blocked/total: the part of a sharded save that runs while training goes on
     resume_s                 the resume, every rank done
 
@@ -139,6 +141,15 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
             writer.finish()
             figures["sharded save_total_s"] = ranks_done(start)
         figures["sharded save_rise"] = memory.rise
+        # a run's last checkpoint and a stop's: written at once from the shards, no host copy
+        dist.barrier()
+        with PeakRise() as memory:
+            start = time.perf_counter()
+            payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
+            writer.save(payload, optimizer, 2, background=False)
+            del payload
+            figures["at-once save_blocked_s"] = figures["at-once save_total_s"] = ranks_done(start)
+        figures["at-once save_rise"] = memory.rise
         # resumes, each into a fresh sharded model and optimizer
         for path in ("old", "sharded"):
             del model, optimizer
@@ -152,8 +163,8 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
                     model.load_state_dict(sharded_like(model, payload["model"]))
                     load_optimizer_state(optimizer, payload["optimizer"], sharded=True)
                 else:
-                    verify_files(root / "sharded" / "step_000001.dcp")  # read_sharded_checkpoint without them
-                    payload = described(root / "sharded" / "step_000001.dcp")
+                    verify_files(root / "sharded" / "step_000002.dcp")  # read_sharded_checkpoint without them
+                    payload = described(root / "sharded" / "step_000002.dcp")
                     load_sharded_state(payload, model, optimizer)
                     load_optimizer_state(optimizer, payload["optimizer"])
                 del payload
@@ -195,13 +206,17 @@ def table(rows: list[dict]) -> str:
         f"{'async':>6} {'resume B/param':>14} {'(MB)':>7} {'resume s':>8}"
     ]
     for row in rows:
-        for path in ("old", "sharded"):
+        for path in ("old", "sharded", "at-once"):
             blocked, total = row[f"{path} save_blocked_s"], row[f"{path} save_total_s"]
-            save, resume = row[f"{path} save_rise"], row[f"{path} resume_rise"]
+            save, resume = row[f"{path} save_rise"], row.get(f"{path} resume_rise")
+            resumed = (
+                ""
+                if resume is None
+                else (f" {resume / row['parameters']:>14.2f} {resume / 2**20:>7.1f} {row[f'{path} resume_s']:>8.3f}")
+            )
             lines.append(
                 f"{row['world_size']:>2} {row['parameters']:>11,} {path:<8} {save / row['parameters']:>12.2f} "
-                f"{save / 2**20:>7.1f} {blocked:>9.3f} {total:>8.3f} {1 - blocked / total:>6.0%} "
-                f"{resume / row['parameters']:>14.2f} {resume / 2**20:>7.1f} {row[f'{path} resume_s']:>8.3f}"
+                f"{save / 2**20:>7.1f} {blocked:>9.3f} {total:>8.3f} {1 - blocked / total:>6.0%}" + resumed
             )
         ratio = row["sharded save_blocked_s"] / row["old save_blocked_s"]
         lines.append(f"{'':>24}sharded blocked / old blocked = {ratio:.2f}")
