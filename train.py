@@ -232,13 +232,18 @@ class Checkpointer:
     def __init__(self, config, data: Data, run_dir: Path, context: DistributedContext, training, logs: RunLogs):
         self.config, self.data, self.run_dir, self.context = config, data, run_dir, context
         self.training, self.logs = training, logs
+        self.sharded = None  # fsdp2: each rank writes its own shards, in the background
+        if config.dist.strategy == "fsdp2":
+            from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
+
+            self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", config.run.keep_checkpoints, context)
 
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
-            self.save(counters, skips_in_a_row)
+            self.save(counters, skips_in_a_row, background=not (finished or now))  # the last: on the disk at once
 
-    def save(self, counters: Counters, skips_in_a_row: int) -> None:
+    def save(self, counters: Counters, skips_in_a_row: int, background: bool = True) -> None:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
@@ -253,6 +258,9 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
+        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
+            self.sharded.save(payload, training.optimizer, counters.steps, background)
+        elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 
 
