@@ -247,3 +247,26 @@ def test_a_forks_objective_is_checked_against_its_own_definition():
     for wrong in (PolicyLoss(cispo), CISPOWithoutStopGradient(cispo)):
         result = check_objective(model, rows, SPLITS, cispo, loss_sum_fn=wrong)
         assert not result.passed and result.line().endswith("the loss, not accumulation"), result.line()
+
+
+@pytest.mark.parametrize("scale_by_std", [True, False], ids=["grpo", "dr-grpo"])
+def test_group_relative_advantages_follow_their_definition(scale_by_std):
+    """A_i = r_i − the mean reward of i's group, divided by that group's unbiased standard deviation + 1e-6 when
+    scaled (GRPO; Dr. GRPO leaves the division out): written here group by group with torch.mean and torch.std,
+    on groups of 4, 3 and 1 rows listed out of order, so that a mean over the whole batch, a biased std or rows
+    read in the wrong group each give other numbers."""
+    rewards = torch.tensor([0.5, 1.0, 0.0, 2.0, 0.25, 1.5, 3.0, -1.0], dtype=torch.float64)
+    group_ids = torch.tensor([7, 2, 7, 2, 2, 9, 7, 7])
+    expected = torch.empty_like(rewards)
+    for group in group_ids.unique():
+        members = group_ids == group
+        group_rewards = rewards[members]
+        centred = group_rewards - group_rewards.mean()
+        if scale_by_std:
+            std = group_rewards.std() if len(group_rewards) > 1 else torch.zeros((), dtype=torch.float64)
+            centred = centred / (std + 1e-6)
+        expected[members] = centred
+    # Both sides are a few float64 operations on numbers of order 1: they agree to rounding (~1e-16).
+    torch.testing.assert_close(
+        group_relative_advantages(rewards, group_ids, scale_by_std), expected, rtol=0, atol=1e-12
+    )
