@@ -89,14 +89,17 @@ def wrap_for_training(
     *,
     compile: bool,
     param_dtype: torch.dtype | None,
+    whole_model: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """The module the step runs: `model` (training_forward_and_loss's module) compiled when `compile` is on, then
     in DistributedDataParallel over more than one rank (docs/performance.md). With dist.strategy = "fsdp2" the
-    model is sharded in place instead: build the optimizer after this call."""
+    model is sharded in place instead (`whole_model`, the model `model` runs: itself, or the chunked loss's module of
+    its hidden states), each of its units compiled when `compile` is on: build the optimizer after this call."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         from accumulation.parallel.fsdp import shard_model
 
-        return shard_model(model, context, param_dtype=param_dtype)
+        shard_model(whole_model or model, context, param_dtype=param_dtype, compile_units=compile)
+        return model
     wrapped = torch.compile(model) if compile else model
     if context.world_size == 1:
         return wrapped
@@ -166,14 +169,17 @@ def build_training(
         pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
         module, strategy = pipeline.wrapped, pipeline
     else:
-        if loss_sum_fn is None:
-            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
+        if loss_sum_fn is None:  # fsdp2 compiles each of its units, not one region (parallel/fsdp.py, shard_model)
+            one_region = compiled and config.dist.strategy != "fsdp2"
+            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=one_region)
         else:
             forward_module, step_loss_sum_fn = evaluation
         # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
         # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
-        module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype)
-        strategy = step_strategy(config, module)
+        module = wrap_for_training(
+            forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype, whole_model=model
+        )
+        strategy = step_strategy(config, module, model)
         optimizer = build_optimizer(config.optim, model, device)
     decay_updates = config.schedule.decay_updates or config.run.max_steps
     scheduler = build_scheduler(
@@ -188,13 +194,13 @@ def build_training(
     return Training(model, model_config, compiled, optimizer, scheduler, setup, step, evaluation, pipeline)
 
 
-def step_strategy(config: Config, module: torch.nn.Module) -> Strategy:
+def step_strategy(config: Config, module: torch.nn.Module, model: torch.nn.Module) -> Strategy:
     """How the step runs `module`'s micro-batches: FSDP2's under dist.strategy = "fsdp2", the out-of-memory retry's
     under batch.on_oom = "shrink", else DataParallel (one process, DDP)."""
     if config.dist.strategy == "fsdp2":
         from accumulation.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(module)
+        return FullyShardedDataParallel(module, model)
     if config.batch.on_oom == "shrink":
         from accumulation.shrink_on_oom import ShrinkOnOutOfMemory
 
