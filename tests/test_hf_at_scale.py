@@ -87,7 +87,7 @@ def test_a_family_it_cannot_cut_is_one_line():
     "family, settings, named",
     [
         ("llama", ["dist.strategy=fsdp2"], "fsdp2: 4 groups (3 from fsdp_units() and the root)"),
-        ("gpt2", ["dist.pipeline_stages=2", "dist.pipeline_schedule=gpipe"], "pipeline"),
+        ("gpt2", ["dist.pipeline_stages=2"], "2 pipeline stages (1f1b), 2 ranks"),
     ],
 )
 def test_sharded_and_pipelined_the_hf_model_trains_and_the_checker_passes(tmp_path, family, settings, named):
