@@ -112,9 +112,12 @@ class ShrinkOnOutOfMemory:
 
 
 def optimizer_step_shrinking_on_oom(
-    model, micro_batches: list[MicroBatch], optimizer, *, device, **options
+    model, micro_batches: list[MicroBatch], optimizer, *, device, strategy=None, **options
 ) -> StepResult:
-    """optimizer_step, redone with smaller micro-batches while some rank runs out of memory."""
+    """optimizer_step, redone with smaller micro-batches while some rank runs out of memory. `strategy`: None (one
+    process or DDP, whose micro-batches this module runs itself); FSDP2 and pipeline stages cannot be retried."""
+    if strategy is not None:
+        raise ValueError("batch.on_oom = 'shrink' retries one process or DDP only, not FSDP2 or pipeline stages")
     dropout_states = generator_states(device)
     while True:
         try:

@@ -273,3 +273,22 @@ def test_running_out_of_memory_in_train_py_is_one_line(tmp_path, capsys, monkeyp
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: out of memory at batch.micro_batch_size=2 ("), lines
         assert "lower batch.micro_batch_size" in lines[0] and "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_batch_on_oom_shrink_trains_through_train_py_as_the_default_does(tmp_path, capsys, ranks):
+    """The option as a user sets it, through train.main for 3 steps: without an out-of-memory error the retry
+    changes nothing, so its metrics lines and final weights equal the default run's."""
+    from tests.test_train import comparable, final_weights, read_metrics, tiny_settings, train_as, uneven_corpus
+
+    corpus = uneven_corpus(tmp_path / "corpus")
+    runs = {}
+    for on_oom in ("fail", "shrink"):
+        settings = {"run.max_steps": 3, "run.name": on_oom, "batch.on_oom": on_oom}
+        status, _, stderr = train_as("in-process", tiny_settings(tmp_path, corpus, **settings), ranks, capsys)
+        assert status == 0, stderr
+        runs[on_oom] = tmp_path / "runs" / on_oom
+    assert [line["steps"] for line in read_metrics(runs["shrink"])] == [1, 2, 3]
+    assert comparable(read_metrics(runs["shrink"])) == comparable(read_metrics(runs["fail"]))
+    shrunk, default = final_weights(runs["shrink"]), final_weights(runs["fail"])
+    assert all(torch.equal(shrunk[name], default[name]) for name in default)
