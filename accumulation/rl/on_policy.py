@@ -34,7 +34,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample
+from accumulation.data.rows import DataError, RawExample, RowHooks
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
@@ -149,8 +149,9 @@ class Round:
     advantages: torch.Tensor  # float64 [rollout]
 
 
-class Rollouts:
-    """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout."""
+class Rollouts(RowHooks):
+    """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout. Rows
+    sampled from the policy: it declares all five of the optional RowHooks (accumulation/data/rows.py)."""
 
     def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
