@@ -92,7 +92,7 @@ from accumulation.run.run_dir import RunDirectoryError, RunLock, run_directory
 from accumulation.run.signals import StopRequest
 from accumulation.run.stops import nonfinite_stop_reason, stopped_at_a_bad_step, stopped_by_a_signal
 from accumulation.run.validation import validation_loss
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 from accumulation.step import optimizer_step
 
 # ================================================================== 1. The config, the data, and what can go wrong
@@ -240,10 +240,7 @@ def build_training(config: Config, vocab_size: int, resume: dict | None, context
         module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
         strategy = step_strategy(config.dist, module)
         optimizer = build_optimizer(config.optim, model, device)
-    decay_updates = config.schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(
-        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
-    )
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
     return Training(

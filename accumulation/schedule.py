@@ -5,6 +5,8 @@ import math
 
 import torch
 
+from accumulation.config.config_keys import ScheduleConfig
+
 
 def lr_multiplier(updates: int, name: str, warmup_updates: int, decay_updates: int, min_lr_ratio: float) -> float:
     """The factor on the base learning rate after `updates` applied updates.
@@ -31,3 +33,10 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda updates: lr_multiplier(updates, name, warmup_updates, decay_updates, min_lr_ratio)
     )
+
+
+def run_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleConfig, max_steps: int):
+    """The run's schedule (config.schedule): its cosine horizon is schedule.decay_updates, or run.max_steps
+    (`max_steps`) when that is 0, so a resume that raises run.max_steps stretches it (docs/training.md)."""
+    decay_updates = schedule.decay_updates or max_steps
+    return build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)

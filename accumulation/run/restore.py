@@ -33,7 +33,7 @@ from accumulation.run.failures import few
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.run.resumed_logs import metrics_lines
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -163,11 +163,9 @@ def load_resume_point(
 def check_state_fits(path: Path, payload: dict, config: Config, model: torch.nn.Module) -> None:
     """Refuse model, optimizer, scheduler and GradScaler state that does not fit this run, compared with
     `model` (built on the meta device: shapes without memory) and the optimizer and schedule that
-    build_optimizer and build_scheduler make for it, so everything is as training has it."""
+    build_optimizer and run_scheduler make for it, so everything is as training has it."""
     optimizer = build_optimizer(config.optim, model, torch.device("meta"))
-    schedule = config.schedule
-    decay_updates = schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     check_model_state(path, payload["model"], model.state_dict())
     check_weights_finite(path, payload["model"])
     check_optimizer_state(path, payload["optimizer"], [group["params"] for group in optimizer.param_groups])
