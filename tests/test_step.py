@@ -21,7 +21,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
+from accumulation.batching import (
+    IGNORE_INDEX,
+    MicroBatch,
+    accumulation_steps,
+    collective_device,
+    describe_batch,
+    micro_batch_slices,
+)
 from accumulation.config.config_keys import ScheduleConfig
 from accumulation.counters import Counters
 from accumulation.models.gpt import GPT, GPTConfig
@@ -339,3 +346,11 @@ def test_the_runs_cosine_horizon_is_decay_updates_or_else_run_max_steps(decay_up
         rates.append(optimizer.param_groups[0]["lr"])
     assert rates[horizon // 2] == pytest.approx(0.55)  # 0.1 + 0.9 · (1 + cos(π/2)) / 2
     assert rates[horizon - 1] > 0.1 and rates[horizon] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("nccl", "cuda"), ("gloo", "cpu")])
+def test_a_collective_runs_on_the_device_under_nccl_and_on_the_host_under_gloo(backend, expected, monkeypatch):
+    """batching.collective_device: the one copy of the rule (the counts' all-reduce, the chunked loss's free-memory
+    minimum, GRPO's exchange and the micro-batch sweep's peak use it)."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: backend)
+    assert collective_device(torch.device("cuda", 0)).type == expected

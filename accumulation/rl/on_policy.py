@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, collective_device
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
@@ -383,11 +383,6 @@ def round_line(step: int, fields: dict) -> str:
 def completion_text(labels: torch.Tensor) -> str:
     """The completion a row of labels supervises, decoded."""
     return bytes(labels[labels != IGNORE_INDEX].tolist()).decode("utf-8", errors="replace")
-
-
-def collective_device(device: torch.device) -> torch.device:
-    """NCCL reduces device tensors only; gloo takes host tensors."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_gathered(tensor: torch.Tensor, replicas: int, device: torch.device) -> torch.Tensor:
