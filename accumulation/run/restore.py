@@ -64,12 +64,16 @@ MUST_MATCH_ON_RESUME = [
 
 
 def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
-    """What the optimizer keeps per parameter once it has applied an update: in words, and its state keys."""
+    """What the optimizer keeps per parameter once it has applied an update: in words, and its state keys. An
+    optimizer not named here is refused: a resume would load its state unchecked."""
     if optim.name == "adamw":
         return "AdamW's moments", ("step", "exp_avg", "exp_avg_sq")
-    if optim.name == "sgd" and optim.momentum != 0:
-        return "SGD's momentum buffers", ("momentum_buffer",)
-    return "", ()  # SGD without momentum keeps nothing
+    if optim.name == "sgd":
+        return ("SGD's momentum buffers", ("momentum_buffer",)) if optim.momentum != 0 else ("", ())  # or nothing
+    raise CheckpointError(
+        f'optim.name: the resume check does not know what "{optim.name}" keeps per parameter, so it cannot check a '
+        "checkpoint's optimizer state; name its state keys in optimizer_moments (accumulation/run/restore.py)"
+    )
 
 
 def load_resume_point(
