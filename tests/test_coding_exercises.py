@@ -204,3 +204,30 @@ def test_the_frontier_checkers_fail_on_realistic_wrong_answers(name, mistake):
     check, _, function = EXERCISES[name]
     with pytest.raises(AssertionError, match=re.escape(message)):
         check(namespace[function])
+
+
+# Exercise 15: in float64, dropping the loss scale gives the right Adam update, so the checker also reads .grad
+# after the backwards, which must hold loss_scale times the true gradient. Each edit of the key must fail there.
+ADAM_MISTAKES = {
+    "the loss scale deleted": [
+        ("(loss_sum / tokens * loss_scale).backward()", "(loss_sum / tokens).backward()"),
+        ("        parameter.grad /= loss_scale", "        pass  #"),
+    ],
+    "the loss scaled and divided back before the backward": [
+        ("(loss_sum / tokens * loss_scale).backward()", "(loss_sum / tokens * loss_scale / loss_scale).backward()"),
+        ("        parameter.grad /= loss_scale", "        pass  #"),
+    ],
+}
+
+
+@pytest.mark.parametrize("mistake", ADAM_MISTAKES)
+def test_the_adam_checker_fails_when_the_loss_is_not_scaled(mistake):
+    key = (REPO / "docs" / "exercises_key.md").read_text()
+    [source] = re.findall(r"```python\n(# key: adam_eps\n.*?)```", key, flags=re.DOTALL)
+    for old, new in ADAM_MISTAKES[mistake]:
+        assert old in source, f"the key no longer holds {old!r}"
+        source = source.replace(old, new)
+    namespace = {}
+    exec(compile(source, f"exercises_key.md:adam_eps ({mistake})", "exec"), namespace)
+    with pytest.raises(AssertionError, match=re.escape(".grad after the backwards is off by")):
+        checks.check_adam_eps(namespace["update"])

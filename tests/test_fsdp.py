@@ -333,3 +333,16 @@ def test_bad_fsdp2_combinations_are_one_line_exit_2_nothing_written(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and named in lines[0]
     assert not out_dir.exists()
+
+
+def test_the_fsdp_benchmark_measures_both_strategies_and_its_marks_pass():
+    """scripts/benchmarks/bench_fsdp.py's own measuring and table on a small model (the README's command ran into a
+    KeyError once, when the DDP branch stopped running): every figure present, DDP's all-reduce is the whole
+    gradient, and every target the table marks holds."""
+    from scripts.benchmarks.bench_fsdp import measure, table
+
+    small = ("model.n_layer=1", "model.n_head=2", "model.d_model=16", "data.seq_len=16")
+    results = measure(small)
+    assert results["ddp"]["ddp_allreduce_bytes_per_update"] == results["grad_bytes"]
+    marks = {name: mark for name, _, _, mark in table(results) if mark}
+    assert marks and set(marks.values()) == {"PASS"}, marks

@@ -78,3 +78,28 @@ def test_every_number_the_script_prints_stands_in_its_sentence_of_the_guide(caps
 
 def test_readme_links_the_guide():
     assert "docs/accumulation.md" in (REPO / "README.md").read_text()
+
+
+# The gallery's rows that cite the issue thread or pull request where a project met the bug, read from the row's
+# docstring or comment in the pitfall cases; the guide, teaching.md, README and tools.md state their number.
+THREAD_CITED_ROWS = (1, 2, 6, 14, 16, 21, 23, 24, 25, 26, 27, 28, 29, 30, 31)
+
+
+def test_the_count_of_thread_cited_gallery_rows_is_the_same_everywhere_and_matches_the_rows():
+    import re
+
+    sources = "".join(
+        (REPO / "scripts" / "teaching" / f"pitfall_cases_{part}.py").read_text()
+        for part in ("one_process", "two_ranks", "pipeline", "rl")
+    )
+    # Each row's text runs from its marker ('"""N. ' or '# N. ') to the next row's.
+    pieces = re.split(r'(?:"""|# )(\d+)\. ', sources)
+    cited = {int(number) for number, text in zip(pieces[1::2], pieces[2::2], strict=True) if "github.com" in text}
+    # Row 15 cites TRL doing it right and row 20 nanoGPT's deliberate estimate: not threads where users met a bug.
+    assert cited - {15, 20} == set(THREAD_CITED_ROWS)
+    count = len(THREAD_CITED_ROWS)
+    guide = (REPO / "docs" / "accumulation.md").read_text()
+    assert f"{count} rows cite\n   the issue thread or pull request" in guide
+    assert f"31 accumulation bugs, {count} of them citing" in (REPO / "docs" / "teaching.md").read_text()
+    assert f"31 accumulation bugs ({count} citing" in (REPO / "README.md").read_text()
+    assert f"31 accumulation bugs ({count} citing" in (REPO / "docs" / "tools.md").read_text()

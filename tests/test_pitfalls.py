@@ -252,6 +252,16 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
     from PIL import Image
 
     assert Image.open(png_path).width <= pitfalls.GUIDE_WIDTH_PX
+    # Every text lies inside the figure: a title wider than its panel once ran past the right edge and was cut.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(figure)
+    canvas.draw()  # lays the texts out at the figure's own dpi, as savefig does at its
+    renderer, width = canvas.get_renderer(), figure.bbox.width
+    written = [*figure.texts, *(t for axes in figure.axes for t in (axes.title, *axes.texts))]  # not the ticks
+    for text in (t for t in written if t.get_text().strip()):
+        extent = text.get_window_extent(renderer)
+        assert extent.x0 >= 0 and extent.x1 <= width, (text.get_text(), extent.x0, extent.x1, width)
     error_axes, cosine_axes, scale_axes = figure.axes[:3]
     row_labels = [label.get_text() for label in error_axes.get_yticklabels()]
     vector_rows = [m for m in measurements if m.metric in pitfalls.RELATIVE_ERRORS]
@@ -272,7 +282,8 @@ def test_the_figure_names_each_rows_metric_anchors_ratios_at_1_and_is_readable(g
     error_texts = [t.get_text() for t in error_axes.texts]
     for m in exact:
         assert pitfalls.exact_marker_text(m.metric, m.correct) in error_texts
-    assert any(text.startswith("< 1e-14") and text.endswith("(exact)") for text in error_texts)
+    assert any(text.startswith("< 1e-14") and text.endswith("(rounding)") for text in error_texts)
+    assert not any(text.startswith("<") and "exact" in text for text in error_texts)  # a bound is not exact
 
 
 # ---------------------------------------------------------------------------------------------------------

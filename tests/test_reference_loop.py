@@ -1,10 +1,11 @@
 """docs/reference_loop.md, the printable page: its code block, run as printed, matches the project's
 optimizer_step on 2 gloo ranks (same weights, micro-batches, scaler, clipping and schedule), and skips an
-update with an inf in the gradient as optimizer_step does."""
+update with an inf in the gradient as optimizer_step does, and one whose finite entries' squares overflow."""
 
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from accumulation.batching import MicroBatch
@@ -47,29 +48,30 @@ def rank_batches(step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor]
     return batches
 
 
-def train_both(rank: int, world_size: int, source: str) -> dict:
-    """On each rank: the page's loop and optimizer_step, each on its own DDP copy of the same model."""
+def train_both(rank: int, world_size: int, source: str, planted: float, momentum: float) -> dict:
+    """On each rank: the page's loop and optimizer_step, each on its own DDP copy of the same model. Step 1's
+    gradient holds `planted` in one entry of rank 0 (after the loss scale and the two ranks' average)."""
     namespace = {}
     exec(compile(source, "reference_loop.md", "exec"), namespace)
     reference_update = namespace["reference_update"]
     runs = {}
     for name in ("page", "optimizer_step"):
         model = torch.nn.parallel.DistributedDataParallel(make_model())
-        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (WARMUP_UPDATES + 1)))
         scaler = torch.amp.GradScaler("cpu", init_scale=LOSS_SCALE)
         max_norm = 0.27  # the first update's true gradient norm is 0.278: clipping bites there
         applied, scales = [], []
         for step in range(STEPS + 1):
             batches = rank_batches(step, rank)
-            if step == 1:  # an fp16-like overflow in one entry of rank 0's first micro-batch gradient
+            if step == 1:  # an overflow in one entry of rank 0's first micro-batch gradient
                 handle = []
                 weight = model.module[-1].weight
 
                 def overflow(grad, handle=handle):
                     handle[0].remove()
                     grad = grad.clone()
-                    grad[0, 0] = float("inf") if rank == 0 else grad[0, 0]
+                    grad[0, 0] = planted * LOSS_SCALE * world_size if rank == 0 else grad[0, 0]
                     return grad
 
                 handle.append(weight.register_hook(overflow))
@@ -93,11 +95,15 @@ def train_both(rank: int, world_size: int, source: str) -> dict:
     return runs
 
 
-def test_the_pages_loop_matches_optimizer_step_on_two_ranks_and_skips_an_overflow():
-    results = run_on_ranks(train_both, world_size=2, args=(page_code(),))
+# An inf entry (fp16's overflow), and a finite entry of 1e20 whose square overflows float32: the norm is inf while
+# the scaler's unscale_ finds no inf, so scaler.step would apply the (clipped to zero) gradient, and momentum would
+# move the weights with it. Both must skip as optimizer_step does.
+@pytest.mark.parametrize("planted, momentum", [(float("inf"), 0.0), (1e20, 0.9)], ids=["inf", "finite-1e20"])
+def test_the_pages_loop_matches_optimizer_step_on_two_ranks_and_skips_an_overflow(planted, momentum):
+    results = run_on_ranks(train_both, world_size=2, args=(page_code(), planted, momentum))
     for rank, runs in enumerate(results):
         page, reference = runs["page"], runs["optimizer_step"]
-        # Step 1 holds an inf: skipped by both, the scale halved once, the schedule left where it was.
+        # Step 1 overflows: skipped by both, the scale halved once, the schedule left where it was.
         assert page["applied"] == reference["applied"] == [True, False, True, True], rank
         assert page["scales"] == reference["scales"] == [LOSS_SCALE, LOSS_SCALE / 2, LOSS_SCALE / 2, LOSS_SCALE / 2]
         assert page["lr"] == reference["lr"] == LR * (3 + 1) / (WARMUP_UPDATES + 1), rank  # 3 applied updates

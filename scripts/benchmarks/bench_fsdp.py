@@ -116,14 +116,16 @@ def padded_gradient_bytes(model_config: Config, world_size: int) -> int:
     return total
 
 
-def bench_config(strategy: str) -> Config:
-    """The default model and optimizer; the batch of this benchmark."""
+def bench_config(strategy_name: str, overrides: tuple[str, ...] = ()) -> Config:
+    """The default model and optimizer; the batch of this benchmark. `overrides`: more section.key=value settings
+    (tests/test_fsdp.py runs the benchmark on a smaller model)."""
     global_batch_size = MICRO_BATCH_SIZE * ACCUMULATION_STEPS * RANKS
     return load_config(
         [
-            f"dist.strategy={strategy}",
+            f"dist.strategy={strategy_name}",
             f"batch.micro_batch_size={MICRO_BATCH_SIZE}",
             f"batch.global_batch_size={global_batch_size}",
+            *overrides,
         ]
     )
 
@@ -142,9 +144,9 @@ def step_batches(config: Config, rows: RowSet, step: int, world_size: int, rank:
     )
 
 
-def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
-    """One rank's figures for one strategy (run by run_on_ranks)."""
-    config = bench_config(strategy)
+def measure_on_rank(rank: int, world_size: int, strategy_name: str, overrides: tuple[str, ...] = ()) -> dict:
+    """One rank's figures for one strategy, "ddp" or "fsdp2" (run by run_on_ranks)."""
+    config = bench_config(strategy_name, overrides)
     rows = source_rows(config.data.seq_len)
     model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
@@ -166,7 +168,7 @@ def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
         )
 
     hook = optimizer.register_step_pre_hook(held_at_optimizer_step)
-    if strategy == "ddp":
+    if strategy_name == "ddp":
         allreduced = {"bytes": 0}
         wrapped.register_comm_hook(allreduced, counting_allreduce_hook)
         optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
@@ -193,8 +195,8 @@ def measure_on_rank(rank: int, world_size: int, strategy: str) -> dict:
     return figures
 
 
-def measure() -> dict:
-    config = bench_config("fsdp2")
+def measure(overrides: tuple[str, ...] = ()) -> dict:
+    config = bench_config("fsdp2", overrides)
     with torch.device("meta"):
         model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     parameters = sum(p.numel() for p in model.parameters())
@@ -204,10 +206,10 @@ def measure() -> dict:
         "grad_bytes": parameters * 4,
         "padded_grad_bytes": padded_gradient_bytes(config, RANKS),
     }
-    for strategy in ("ddp", "fsdp2"):
-        per_rank = run_on_ranks(measure_on_rank, world_size=RANKS, args=(strategy,), timeout_s=600)
-        results[strategy] = per_rank[0]
-        results[strategy]["state_bytes_per_rank_max"] = max(r["state_bytes_per_rank"] for r in per_rank)
+    for strategy_name in ("ddp", "fsdp2"):
+        per_rank = run_on_ranks(measure_on_rank, world_size=RANKS, args=(strategy_name, overrides), timeout_s=600)
+        results[strategy_name] = per_rank[0]
+        results[strategy_name]["state_bytes_per_rank_max"] = max(r["state_bytes_per_rank"] for r in per_rank)
     return results
 
 

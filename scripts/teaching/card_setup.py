@@ -18,6 +18,9 @@ LR = 1.0  # plain SGD: the update is -LR times the gradient the framework leaves
 IGNORE_INDEX = -100
 MODEL_SEED = 7
 ADVANTAGES = (1.0, -0.5, 2.0, -1.5, 0.5, -2.0, 1.5, -1.0)  # GRPO's per-row advantages, fixed here
+# TRL's card with steps_per_generation = 2A: the completion tokens of the generation batch's second step, against
+# this step's 61. Unequal on purpose: TRL 1.16.0's "dapo" is exact only when the steps hold equal tokens.
+OTHER_STEP_TARGETS = 39
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -171,3 +174,12 @@ def sequence_mean() -> torch.Tensor:
 def constant_denominator() -> torch.Tensor:
     """GRPO's loss_type="dr_grpo": every row's sum over rows · max_completion_length, whatever N is."""
     return torch.full((len(SUPERVISED_TARGETS),), 1 / (len(SUPERVISED_TARGETS) * (ROW_TOKENS - 1)), dtype=torch.float64)
+
+
+def over_mean_step() -> torch.Tensor:
+    """TRL 1.16.0's "dapo" with steps_per_generation = 2A: num_items_in_batch counts the generation batch's T_gen
+    completion tokens (both steps), and since PR #6024 each micro-batch's sum is divided by T_gen · A /
+    steps_per_generation = T_gen / 2, the mean step's tokens: the step's update is its token mean times T_step /
+    (T_gen / 2), exact only when the two steps hold equal tokens."""
+    generation_tokens = sum(targets_per_micro_batch()) + OTHER_STEP_TARGETS
+    return per_row([2 / generation_tokens] * ACCUMULATION_STEPS)

@@ -50,6 +50,7 @@ from scripts.teaching.card_setup import (  # noqa: E402
     IGNORE_INDEX,
     LR,
     MICRO_BATCH_SIZE,
+    OTHER_STEP_TARGETS,
     ROW_TOKENS,
     constant_denominator,
     divided_twice,
@@ -59,6 +60,7 @@ from scripts.teaching.card_setup import (  # noqa: E402
     mean_of_means,
     means_summed,
     micro_batches,
+    over_mean_step,
     row_gradients,
     sequence_mean,
     shifted_targets,
@@ -253,11 +255,14 @@ def torchtitan_train_step(model: torch.nn.Module) -> None:
     optimizer.step()
 
 
-def trl_grpo(loss_type: str) -> Callable[[torch.nn.Module], None]:
+def trl_grpo(loss_type: str, generation_steps: int = 1) -> Callable[[torch.nn.Module], None]:
     """TRL's GRPOTrainer._compute_loss on each micro-batch (prompt: the first token; completion: the rest,
     masked where a row has no target), one backward each, one SGD step: the Trainer's training_step does not
     divide GRPO's loss by A (GRPOTrainer.loss_is_scaled_for_ga). Its generation loop needs a sampler and reward
-    functions, so a stand-in carries the attributes _compute_loss reads, set from a GRPOConfig as __init__ does."""
+    functions, so a stand-in carries the attributes _compute_loss reads, set from a GRPOConfig as __init__ does.
+    generation_steps = 2 sets steps_per_generation = 2A: the generation batch then feeds this step and a second
+    one of OTHER_STEP_TARGETS completion tokens, whose count enters num_items_in_batch (its rows are not run:
+    only the first step's update is measured, and only the second step's count reaches it)."""
 
     def run(model: torch.nn.Module) -> None:
         from trl import GRPOConfig, GRPOTrainer
@@ -269,6 +274,7 @@ def trl_grpo(loss_type: str) -> Callable[[torch.nn.Module], None]:
                 gradient_accumulation_steps=ACCUMULATION_STEPS,
                 per_device_train_batch_size=MICRO_BATCH_SIZE,
                 max_completion_length=ROW_TOKENS - 1,
+                steps_per_generation=generation_steps * ACCUMULATION_STEPS,
                 use_cpu=True,
                 report_to="none",
             )
@@ -276,6 +282,8 @@ def trl_grpo(loss_type: str) -> Callable[[torch.nn.Module], None]:
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
         input_ids, labels = step_rows()
         completion_tokens = int((shifted_targets(labels) != IGNORE_INDEX).sum())
+        if generation_steps == 2:
+            completion_tokens += OTHER_STEP_TARGETS
         for start in range(0, len(input_ids), MICRO_BATCH_SIZE):
             rows = slice(start, start + MICRO_BATCH_SIZE)
             inputs = {
@@ -372,14 +380,16 @@ CARDS = [
          llama, lightning_accumulate(model_mean), mean_of_means),
     Card("Lightning", "accumulate_grad_batches, loss S · A / N", "-",
          llama, lightning_accumulate(model_sum_over_n_times_a), token_mean),
-    Card("torchtune", "recipe, labels = tokens (text completion)", "11",
+    Card("torchtune", "recipe's lines rebuilt: labels = tokens (text completion)", "11",
          llama, torchtune_recipe(mask_position_0=False), unshifted_count),
-    Card("torchtune", "recipe, first label masked (Llama 3 chat)", "-",
+    Card("torchtune", "recipe's lines rebuilt: first label masked (Llama 3 chat)", "-",
          llama, torchtune_recipe(mask_position_0=True), token_mean),
-    Card("torchtitan", "train_step, global_valid_tokens", "-",
+    Card("torchtitan", "train_step's lines rebuilt: global_valid_tokens", "-",
          llama, torchtitan_train_step, token_mean),
     Card("TRL GRPO", 'loss_type "dapo" (default)', "-",
          llama, trl_grpo("dapo"), token_mean, policy_gradient=True),
+    Card("TRL GRPO", 'loss_type "dapo", steps_per_generation = 2A, steps of 61 and 39 tokens', "none",
+         llama, trl_grpo("dapo", generation_steps=2), over_mean_step, policy_gradient=True),
     Card("TRL GRPO", 'loss_type "bnpo"', "1",
          llama, trl_grpo("bnpo"), mean_of_means, policy_gradient=True),
     Card("TRL GRPO", 'loss_type "grpo": a sequence mean', "none",

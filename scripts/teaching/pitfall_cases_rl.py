@@ -290,8 +290,10 @@ def token_mean_over_generation_batch() -> Measurement:
     """29. A token-mean (DAPO) loss divided by the completion tokens of the whole generation batch, which here
     feeds two optimizer steps (steps_per_generation = 2 x gradient_accumulation_steps): each step's gradient is
     scaled by its tokens over the generation batch's, a factor that changes from step to step. TRL's "dapo"
-    normaliser, num_items_in_batch, is counted over the generation batch
-    (https://github.com/huggingface/trl/issues/5619). Measured on the first of the two steps."""
+    normaliser, num_items_in_batch, is counted over the generation batch, and before TRL PR #6024 (merged June
+    2026, in TRL 1.16.0) it divided each step by it as it stood (https://github.com/huggingface/trl/issues/5619).
+    Since #6024 TRL divides by the mean step's tokens instead (the framework cards measure it). Measured on the
+    first of the two steps."""
     rows, model = rollout(), gpt()
     generation_tokens = (rows["labels"] != IGNORE_INDEX).sum()
     for first, last in fixed_bounds(0, STEP_ROWS):
@@ -302,7 +304,7 @@ def token_mean_over_generation_batch() -> Measurement:
     step_losses = token_losses(reference_model, rows, first_step)
     objective_from_definition("token-mean", step_losses, rows["labels"][first_step], None).backward()
     return objective_measurement(
-        "29. RL token-mean over 2 steps' tokens (TRL #5619)",
+        "29. RL token-mean over 2 steps' tokens (TRL #5619, pre-#6024)",
         gradient_of(model),
         correct_gradient("token-mean", bounds=fixed_bounds(0, STEP_ROWS), step_rows=first_step),
         gradient_of(reference_model),

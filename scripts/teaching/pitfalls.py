@@ -27,6 +27,7 @@ nine pitfalls need 2 gloo ranks (three of them as 2 pipeline stages), which it s
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -141,6 +142,7 @@ FONT_PT, TITLE_PT = 11, 12
 # pixel on the page, so FONT_PT points stay FONT_PT pixels where the guide shows them.
 GUIDE_WIDTH_PX, DPI = 900, 72
 ERROR_FLOOR, ERROR_CEILING = 1e-18, 1e4  # the error panel's log axis
+COUNTS_TITLE_CHARS = 30  # the counts panel's title, wrapped to fit its third of the figure's width
 
 
 def matplotlib_defaults() -> None:
@@ -152,19 +154,20 @@ def matplotlib_defaults() -> None:
 
 def exact_marker_text(metric: str, value: float) -> str | None:
     """What a correct twin at rounding level or exactly 0 is drawn as: a marker and this text, never a bar, since
-    a bar from the axis's floor would give its length a meaning it does not have. None for any other value."""
+    a bar from the axis's floor would give its length a meaning it does not have. None for any other value.
+    Only an exact 0 (identical computations) is called exact; a rounding-level value is a bound (guide, section 9)."""
     if value == 0:
         return "0 (exact)"
     bound = ROUNDING_BOUND.get(metric)
     if bound is not None and value < bound:
-        return f"< {bound:.0e} (exact)"
+        return f"< {bound:.0e} (rounding)"
     return None
 
 
 def draw(measurements: list[Measurement], png_path: str):
     """Five panels, stacked to fit the guide's column. On top, one line per pitfall measured as a relative error,
     named with its metric: the buggy twin as a bar (log scale), the correct twin as a bar too unless it is
-    exact (rounding level or 0), which is a marker at its bound with the text "< 1e-14 (exact)" or "0 (exact)".
+    at rounding level or 0, which is a marker at its bound with the text "< 1e-14 (rounding)" or "0 (exact)".
     Below, for the rows with vectors, the buggy twin's direction (cosine with the correct vector) and scale
     (norm ratio, log scale), each a bar from the ideal 1 to the value, so that 0.000977 and 5.94 read as
     deviations to opposite sides; red only where the buggy twin deviates, grey where it equals the ideal. At
@@ -246,7 +249,10 @@ def draw(measurements: list[Measurement], png_path: str):
         axes.invert_yaxis()
     panels["bytes"].set_yticks(range(len(byte_rows)), [f"{m.pitfall}\n{m.metric}" for m in byte_rows], fontsize=FONT_PT)
     panels["counts"].set_yticks([])  # one row: named in the title
-    panels["counts"].set_title("\n".join(f"{m.pitfall}\n{m.metric}" for m in count_rows), fontsize=FONT_PT)
+    # Wrapped to the narrow right panel: an unwrapped title runs past the figure's right edge and is cut off.
+    panels["counts"].set_title(
+        "\n".join(textwrap.fill(f"{m.pitfall}: {m.metric}", COUNTS_TITLE_CHARS) for m in count_rows), fontsize=FONT_PT
+    )
     for axes in panels.values():
         axes.tick_params(labelsize=FONT_PT)
     figure.suptitle("Gradient-accumulation pitfalls: the buggy twin against the correct one", fontsize=TITLE_PT)

@@ -248,13 +248,22 @@ def check_two_ranks(accumulate) -> None:
 def check_adam_eps(update) -> None:
     """Exercise 15: update(model, micro_batches, optimizer, loss_scale) backpropagates the token-mean loss
     times loss_scale, and applies one Adam update from the true gradient. Adam divides by the gradient's own
-    size, so a forgotten division by the scale would cancel, but for eps: here eps is the gradient's median
-    entry, as large against the entries as the default eps is wherever a scale factor shrinks them (gallery row 8,
-    accumulation.md section 13)."""
+    size, so a scale left in the gradient cancels but for eps: s·g / (s·√v + eps) = g / (√v + eps / s), the eps
+    in effect divided by s. That shows only where eps is not far below the entries: here eps is the gradient's
+    median entry. The loss must stay scaled (in fp16 the scale is what keeps small gradients from flushing to
+    zero): a hook reads .grad after every backward, and after the last one it must hold loss_scale times the
+    true gradient, so dropping the scale, which in float64 gives the right update, fails too."""
     lr, loss_scale = 1e-2, 2.0**16
     model = make_model()
     micro_batches = make_step(seed=9)
     reference = reference_gradient(model, micro_batches)
+    after_backward = {}  # parameter index -> .grad as the last backward left it, before any unscaling
+
+    def record(index):
+        return lambda parameter: after_backward.__setitem__(index, parameter.grad.detach().clone())
+
+    for index, parameter in enumerate(model.parameters()):
+        parameter.register_post_accumulate_grad_hook(record(index))
     eps = float(torch.cat([g.flatten() for g in reference]).abs().median())
     expected_model = make_model()  # the same weights: one Adam update from the float64 reference gradient
     for parameter, gradient in zip(expected_model.parameters(), reference, strict=True):
@@ -263,6 +272,12 @@ def check_adam_eps(update) -> None:
     before = [p.detach().clone() for p in model.parameters()]
     expected = [e.detach() - b for e, b in zip(expected_model.parameters(), before, strict=True)]
     update(model, micro_batches, torch.optim.Adam(model.parameters(), lr=lr, eps=eps), loss_scale)
+    assert len(after_backward) == len(reference), "no backward reached every parameter"
+    scaled = relative_error([after_backward[i] for i in range(len(reference))], [loss_scale * g for g in reference])
+    assert scaled <= RTOL, (
+        f".grad after the backwards is off by {scaled:.3g} from loss_scale times the true gradient (allowed "
+        f"{RTOL:g}): the loss must be scaled by loss_scale before each backward, and the scale divided out after"
+    )
     applied = [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)]
     error = relative_error(applied, expected)
     assert error <= RTOL, (
