@@ -5,8 +5,6 @@ import math
 
 import torch
 
-from accumulation.config.config_keys import ScheduleConfig
-
 
 def lr_multiplier(updates: int, name: str, warmup_updates: int, decay_updates: int, min_lr_ratio: float) -> float:
     """The factor on the base learning rate after `updates` applied updates.
@@ -35,7 +33,7 @@ def build_scheduler(
     )
 
 
-def run_scheduler(optimizer: torch.optim.Optimizer, schedule: ScheduleConfig, max_steps: int):
+def run_scheduler(optimizer: torch.optim.Optimizer, schedule, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The run's schedule (config.schedule): its cosine horizon is schedule.decay_updates, or run.max_steps
     (`max_steps`) when that is 0, so a resume that raises run.max_steps stretches it (docs/training.md)."""
     decay_updates = schedule.decay_updates or max_steps
