@@ -24,7 +24,7 @@ DOCS = ["README.md", "docs/tools.md"]  # the order a new user reads them in
 # why: each keeps the command's code path (the same script, the same kind of run) and cuts its size or length.
 # "{tmp}" is a folder of the test's own.
 TINY_RUN = "run.max_steps=3 run.eval_every=2 run.sample_bytes=8 run.out_dir={tmp}/runs"  # 600 steps: ~10 minutes
-CHAOS = "--steps 12 --faults 3"  # 300 steps and 12 faults take minutes; 3 faults is the script's least
+CHAOS = "--steps 50 --faults 3"  # 300 steps and 12 faults take minutes; its least: 3 faults, 10 x (3 + 2) steps
 LOSS_SIZES = "--positions 256 --vocab 512 --repeats 1"  # a CPU times the default sizes 5 times over
 SHORTER = {
     "python train.py": TINY_RUN,
@@ -97,13 +97,17 @@ COMMANDS = documented_commands()
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory) -> Path:
-    """A copy of the repository's tracked files: what the commands write (runs/, figures, data) stays in it."""
+    """A copy of the repository's tracked files, tracked in a repository of its own: what the commands write (runs/,
+    figures, data) stays in it."""
     copy = tmp_path_factory.mktemp("checkout")
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     for name in tracked.decode().split("\0"):
         if name and (REPO / name).is_file():
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, copy / name)
+    # a repository of its own: plant_bugs.py copies the files git tracks
+    for git in (["init", "-q"], ["add", "-A"]):
+        subprocess.run(["git", *git], cwd=copy, capture_output=True, check=True)
     return copy
 
 
