@@ -47,18 +47,30 @@ def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            from accumulation.probe_faults import forward_raised
-
-            raise StepZeroFailed(forward_raised(inputs, fault_text(error))) from None
+            raise StepZeroFailed(
+                f"step 0: the model's forward raised on the first micro-batch (inputs {shapes_text(inputs)}): "
+                f"{fault_text(error)}; the model does not fit this data (model.name, data.source)"
+            ) from None
         try:
             whole = float(loss_sum_fn(outputs, labels, **extras))
         except torch.OutOfMemoryError:
             raise
         except Exception as error:
-            from accumulation.probe_faults import loss_raised
-
-            raise StepZeroFailed(loss_raised(outputs, labels, fault_text(error))) from None
+            raise StepZeroFailed(
+                f"step 0: the loss raised on the model's outputs {shapes_text(outputs)} and the labels "
+                f"{shapes_text(labels)}: {fault_text(error)}; the model's outputs do not fit the loss (model.name, "
+                f"model.objective)"
+            ) from None
     return outputs, whole
+
+
+def shapes_text(value) -> str:
+    """ "float32 [2, 3, 16, 16]" for a tensor, each one's for a tuple, the type's name for anything else."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, tuple):
+        return f"({', '.join(shapes_text(item) for item in value)})"
+    return type(value).__name__
 
 
 def coupling_modules(model: torch.nn.Module) -> list[str]:
@@ -94,6 +106,15 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
         outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)
     finally:
         model.train()
+    if len(supervised) and isinstance(outputs, torch.Tensor) and outputs.is_floating_point():
+        with torch.enable_grad():  # the loss of the outputs as a leaf: its own graph alone, not the model's
+            loss = loss_sum_fn(outputs.detach().requires_grad_(True), labels, **extras)
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad):
+            raise StepZeroFailed(
+                f"step 0: the loss returned a {type(loss).__name__} without gradient, so no backward can train the "
+                f"model: it was computed outside autograd (.detach(), .item(), torch.no_grad(), a tensor made anew "
+                f"from numbers); return the sum built from the outputs with torch operations (docs/forking.md)"
+            )
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)

@@ -1,6 +1,7 @@
 """batch.on_oom = "shrink": a step that runs out of memory is redone with micro-batches of fewer rows.
 
-train.py imports this only when the config asks. `optimizer_step_shrinking_on_oom` takes optimizer_step's
+train.py's build (accumulation/run/build.py) imports this only when the config asks: the StepSetup's strategy is
+then ShrinkOnOutOfMemory, and the step function `optimizer_step_shrinking_on_oom`, which takes optimizer_step's
 arguments; on torch.OutOfMemoryError in the micro-batches of any rank, every rank redoes the step from its start
 with micro-batches of the next smaller m (the largest divisor of m up to m/2: A grows, the examples do not
 change), gradients cleared and the dropout generators restored. `StepResult.micro_batch_size` is the m that
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import MicroBatch, divisors
-from accumulation.step import DataParallel, MicroBatchLoss, StepResult, optimizer_step
+from accumulation.step import DataParallel, MicroBatchLoss, StepResult, StepSetup, Strategy, optimizer_step
 
 
 def smaller_micro_batch_size(micro_batch_size: int) -> int | None:
@@ -56,7 +57,7 @@ class OutOfMemoryOnSomeRank(Exception):
     """Some rank ran out of memory in this step's micro-batches: every rank redoes the step."""
 
 
-class ShrinkOnOutOfMemory:
+class ShrinkOnOutOfMemory(Strategy):
     """DataParallel's micro-batches, with an out-of-memory error caught, joined and shared (see above)."""
 
     def __init__(self, model: torch.nn.Module):
@@ -112,17 +113,20 @@ class ShrinkOnOutOfMemory:
 
 
 def optimizer_step_shrinking_on_oom(
-    model, micro_batches: list[MicroBatch], optimizer, *, device, strategy=None, **options
+    setup: StepSetup, micro_batches: list[MicroBatch], optimizer, **step_options
 ) -> StepResult:
-    """optimizer_step, redone with smaller micro-batches while some rank runs out of memory. `strategy`: None (one
-    process or DDP, whose micro-batches this module runs itself); FSDP2 and pipeline stages cannot be retried."""
-    if strategy is not None:
-        raise ValueError("batch.on_oom = 'shrink' retries one process or DDP only, not FSDP2 or pipeline stages")
-    dropout_states = generator_states(device)
+    """optimizer_step, redone with smaller micro-batches while some rank runs out of memory. `setup.strategy` must
+    be ShrinkOnOutOfMemory (accumulation/run/build.py builds it for batch.on_oom = "shrink"); `step_options`:
+    optimizer_step's global_counts, stop_requested and before_read_back."""
+    if not isinstance(setup.strategy, ShrinkOnOutOfMemory):
+        raise TypeError(
+            "the out-of-memory retry runs ShrinkOnOutOfMemory's micro-batches: build the StepSetup with "
+            "strategy=ShrinkOnOutOfMemory(module) (one process or DDP; FSDP2 and pipeline stages cannot be retried)"
+        )
+    dropout_states = generator_states(setup.device)
     while True:
         try:
-            strategy = ShrinkOnOutOfMemory(model)
-            return optimizer_step(model, micro_batches, optimizer, device=device, strategy=strategy, **options)
+            return optimizer_step(setup, micro_batches, optimizer, **step_options)
         except OutOfMemoryOnSomeRank:
             micro_batch_size = micro_batches[0].labels.shape[0]
             smaller = smaller_micro_batch_size(micro_batch_size)
@@ -131,7 +135,7 @@ def optimizer_step_shrinking_on_oom(
                     f"out of memory with micro-batches of {micro_batch_size} row on some rank"
                 ) from None
             optimizer.zero_grad(set_to_none=True)
-            restore_generator_states(dropout_states, device)
+            restore_generator_states(dropout_states, setup.device)
             micro_batches = split_micro_batches(micro_batches, smaller)
 
 

@@ -17,10 +17,10 @@ over the D replicas (DDP's all-reduce, FSDP2's reduce-scatter). So each replica 
 N is known before the first forward and costs no collective: the data order is a pure function of (seed, step, G),
 so every rank counts the step's supervised targets from its row ids on the host (train.py's `global_counts`).
 
-One step function serves every layout; how the micro-batches run is a strategy's: DataParallel below (one process
-or DDP), FullyShardedDataParallel (parallel/fsdp.py), Pipeline (parallel/pipeline.py). A strategy has `replicas`
-(D), `run_micro_batches(micro_batches, loss)` (each forward and backward through the MicroBatchLoss, gradient sync
-off but for the last; returns this rank's Σ_k S_rk) and `squared_norm_share(gradients)` (its share of ‖∇L‖²).
+One step function serves every layout; how the micro-batches run is a Strategy's (below): DataParallel (one
+process or DDP), FullyShardedDataParallel (parallel/fsdp.py), Pipeline (parallel/pipeline.py). What stays the same
+from step to step (the module, the device, the loss, the scaler, the clip, the autocast dtype, the strategy) is one
+StepSetup, built once per run (accumulation/run/build.py's build_training for train.py, the checker and the scripts).
 
 The loss: `loss_sum_fn(outputs, labels, **extras)` returns the SUM of the supervised targets' losses; the extras are
 the micro-batch's per-row tensors (MicroBatch.extras; none for most losses). None: `module(inputs, labels, **extras)`
@@ -31,6 +31,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -104,7 +105,20 @@ class MicroBatchLoss:
         self.weighted(loss_sum).backward()  # adds ∇(S_rk · D / N) (times the scale) into .grad
 
 
-class DataParallel:
+class Strategy(Protocol):
+    """How one rank runs its micro-batches: `run_micro_batches` does each one's forward and backward through the
+    MicroBatchLoss (S_rk, then ∇(S_rk · D / N) into .grad), the gradient sync off but for the last, and returns
+    this rank's Σ_k S_rk (float64, detached); `squared_norm_share` is this rank's share of ‖∇L‖² (float64): the
+    shares of all ranks sum to it."""
+
+    replicas: int  # D: the data-parallel replicas whose gradients are averaged
+
+    def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor: ...
+
+    def squared_norm_share(self, gradients: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+class DataParallel(Strategy):
     """The default strategy: one process, or DistributedDataParallel where every rank is one replica."""
 
     def __init__(self, model: torch.nn.Module):
@@ -131,40 +145,54 @@ class DataParallel:
         return squared_norm(gradients) / self.replicas
 
 
+@dataclass
+class StepSetup:
+    """What every optimizer step of a run shares, built once: optimizer_step's first argument."""
+
+    module: torch.nn.Module  # what runs each micro-batch: the model as training wraps it (compiled, in DDP over
+    # more than one rank, sharded by FSDP2, or this rank's pipeline stage), with its loss inside when compiled
+    device: torch.device  # where the micro-batches go and the step's float64 scalars live
+    loss_sum_fn: Callable | None = token_cross_entropy_sum  # S of (outputs, labels, **extras); None: module returns S
+    scaler: torch.amp.GradScaler | None = None  # fp16's GradScaler; None: a disabled one (every scale is 1)
+    grad_clip: float = 0.0  # the largest L2 norm of the whole unscaled gradient ∇L (the loss's unit per parameter
+    # unit); a larger one is scaled down to it; 0: no clipping
+    autocast_dtype: torch.dtype | None = None  # torch.bfloat16 or torch.float16 autocast; None: plain fp32
+    strategy: Strategy | None = None  # how the micro-batches run; None: DataParallel(module)
+
+    def __post_init__(self):
+        if self.scaler is None:
+            self.scaler = torch.amp.GradScaler(self.device.type, enabled=False)
+        if self.strategy is None:
+            self.strategy = DataParallel(self.module)
+
+
 def optimizer_step(
-    model: torch.nn.Module,
+    setup: StepSetup,
     micro_batches: list[MicroBatch],
     optimizer: torch.optim.Optimizer,
     *,
-    device: torch.device,
-    scaler: torch.amp.GradScaler | None = None,
-    loss_sum_fn: Callable | None = token_cross_entropy_sum,
-    grad_clip: float = 0.0,
-    autocast_dtype: torch.dtype | None = None,
     global_counts: GlobalCounts | None = None,
     stop_requested: Callable[[], bool] | None = None,
-    strategy=None,
     before_read_back: Callable[[], None] | None = None,
 ) -> StepResult:
     """One accumulation group (this rank's A micro-batches) and at most one optimizer update.
 
-    `model`: the module the step runs (in DDP over more than one rank); `strategy`: how the micro-batches run
-    (default DataParallel(model)). `scaler`: fp16's GradScaler or None; `grad_clip` > 0 clips the total norm.
+    `setup`: the run's module, device, loss, scaler, clip, autocast dtype and strategy (StepSetup above).
     Every rank calls this with as many micro-batches: the collectives are matched across ranks. `global_counts`:
     the step's targets and examples over all replicas, when the caller knows them. `stop_requested`: asked at the
     boundary; its answer travels in the boundary's all-reduce, so all ranks learn it at the same step.
     `before_read_back`: host work (train.py builds the next step's batches) run while the device works."""
     if not micro_batches:
         raise ValueError("an optimizer step needs at least one micro-batch")
-    strategy = strategy if strategy is not None else DataParallel(model)
-    scaler = scaler if scaler is not None else torch.amp.GradScaler(device.type, enabled=False)
+    strategy, scaler, device = setup.strategy, setup.scaler, setup.device
 
     # 1. The global denominator N, before any forward.
     if global_counts is None:  # the fallback: one collective on host-side counts
         global_counts = counts_over_replicas(micro_batches, strategy.replicas, device)
     # A step without a supervised token still runs its micro-batches (adding exactly zero) so that all ranks take
     # part in the same collectives; its update is skipped. N = 0 becomes 1 only to avoid dividing by zero.
-    loss = MicroBatchLoss(loss_sum_fn, strategy.replicas / (global_counts.n or 1), scaler, device, autocast_dtype)
+    multiplier = strategy.replicas / (global_counts.n or 1)  # D / N
+    loss = MicroBatchLoss(setup.loss_sum_fn, multiplier, scaler, device, setup.autocast_dtype)
 
     # 2. The micro-batches, gradient sync off but for the last: Σ_k ∇(S_rk · D / N) in .grad, averaged over D.
     loss_sum_local = strategy.run_micro_batches(micro_batches, loss)
@@ -193,8 +221,8 @@ def optimizer_step(
         part = part.to_local() if hasattr(part, "to_local") else part  # an FSDP2 DTensor: this rank's shard
         part.view(-1)[:1].add_(torch.where(torch.isfinite(grad_norm_tensor), 0.0, math.inf))
     scaler.unscale_(optimizer)  # once per step, so clipping sees true gradient values
-    if grad_clip > 0:  # scale every gradient by grad_clip / (norm + 1e-6) when that is below 1
-        torch.nn.utils.clip_grads_with_norm_(parameters, grad_clip, grad_norm_tensor)
+    if setup.grad_clip > 0:  # scale every gradient by grad_clip / (norm + 1e-6) when that is below 1
+        torch.nn.utils.clip_grads_with_norm_(parameters, setup.grad_clip, grad_norm_tensor)
     update_queued = False
     if global_counts.tokens > 0 and all(group.get("fused") for group in optimizer.param_groups):
         from accumulation.update_on_device import queue_update_unless_non_finite

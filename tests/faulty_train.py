@@ -111,7 +111,7 @@ def step_row_ids_noting_the_step(num_rows, global_batch_size, seed, step, tail):
     return real_step_row_ids(num_rows, global_batch_size, seed, step, tail)
 
 
-def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
+def optimizer_step_with_fault(setup, micro_batches, optimizer, **options):
     step = step_running
     if FAULT.get("hang_at_step") == step:
         log_fault(FAULT)
@@ -146,9 +146,9 @@ def optimizer_step_with_fault(model, micro_batches, optimizer, **options):
                 strike()
             forwards_started += 1
 
-        hook = model.register_forward_pre_hook(before_forward)
+        hook = setup.module.register_forward_pre_hook(before_forward)
     try:
-        result = real_optimizer_step(model, micro_batches, optimizer, **options)
+        result = real_optimizer_step(setup, micro_batches, optimizer, **options)
     finally:
         if hook is not None:
             hook.remove()

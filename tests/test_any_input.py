@@ -12,7 +12,7 @@ from accumulation.checker.reference import reference_rows
 from accumulation.data.rows import RawExample
 from accumulation.data.sources import step_batch
 from accumulation.shrink_on_oom import split_micro_batches
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients
 
 FEATURES, IDS, CLASSES = 6, 3, 4
@@ -71,7 +71,7 @@ def test_tuple_inputs_are_padded_split_and_stepped_exactly():
     reference = copy.deepcopy(model).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, batch.micro_batches, optimizer, device=torch.device("cpu"))
+    result = optimizer_step(StepSetup(model, torch.device("cpu")), batch.micro_batches, optimizer)
     (features, ids), labels = reference_rows(rows, batch.row_ids, 0, seq_len=None)
     mean_loss = token_cross_entropy_sum(reference((features.double(), ids)), labels) / (labels != -100).sum()
     mean_loss.backward()

@@ -25,6 +25,7 @@ from accumulation.checker.promises import (
 from accumulation.data.rows import RawExample
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run import build
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import run_main_on_ranks
 from tests.conformance.tokens import write_token_folder
@@ -112,6 +113,7 @@ CHECK_LINES = [
     "examples",
     "supervised targets",
     "loss",
+    "gradient norm",
     "gradient",
 ]
 
@@ -148,7 +150,7 @@ def test_an_injected_mean_of_means_fails(tmp_path, capsys, ranks, launched):
     # It fails on the gradient itself (this bug leaves the counts and the fork's promises alone), and by far;
     # the A = 1, D = 1 step beside it is within the tolerance, so the line blames the accumulation.
     assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
-    assert failing_lines(stdout) == ["loss", "gradient"]
+    assert failing_lines(stdout) == ["loss", "gradient norm", "gradient"]
     assert checker_line(stdout, "gradient").endswith("accumulation, not rounding")
     if launched:
         # torchrun's failure summary shows the first failing check instead of advice on enabling tracebacks.
@@ -187,7 +189,7 @@ def test_the_chunked_loss_passes_and_a_mean_of_means_through_it_fails(tmp_path, 
     assert "loss path: the loop ran model.loss = chunked as chunked: the final hidden states" in stdout
     status, stdout = run_checker(tmp_path / "fail", ["model.loss=chunked", "--inject-bug", "mean-of-means"], 1, capsys)
     assert status == 1 and reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
-    assert failing_lines(stdout) == ["loss", "gradient"]
+    assert failing_lines(stdout) == ["loss", "gradient norm", "gradient"]
 
 
 def test_under_model_loss_auto_the_checker_checks_the_loss_train_py_chooses(tmp_path, capsys, monkeypatch):
@@ -196,9 +198,9 @@ def test_under_model_loss_auto_the_checker_checks_the_loss_train_py_chooses(tmp_
     the plain one: here the decision is made to say chunked."""
     status, stdout = run_checker(tmp_path, [], 1, capsys)
     assert status == 0 and "loss path: the loop ran model.loss = auto as plain: the model's outputs" in stdout
-    decide = checker_run.decided_model_config
+    decide = build.decided_model_config  # build_training's decision, which train.py takes too
     chunked = lambda *arguments: dataclasses.replace(decide(*arguments), loss="chunked")  # noqa: E731
-    monkeypatch.setattr(checker_run, "decided_model_config", chunked)
+    monkeypatch.setattr(build, "decided_model_config", chunked)
     (tmp_path / "chunked").mkdir()
     status, stdout = run_checker(tmp_path / "chunked", [], 1, capsys)
     assert status == 0 and reported_relative_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"], stdout
@@ -368,8 +370,13 @@ def test_supervised_counts_that_disagree_with_the_labels_fail(tmp_path, capsys):
     assert status == 1 and stdout.splitlines()[-1] == "FAIL", stdout
     assert checker_line(stdout, "supervised_counts vs the raw examples' targets").startswith("FAIL: row ")
     assert checker_line(stdout, "supervised_counts vs the labels of examples()").startswith("FAIL: rank 0, step 0")
-    # The loop used N from supervised_counts, as train.py does: every gradient is scaled wrong.
-    assert reported_relative_error(stdout) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
+    # The loop used N from supervised_counts, as train.py does: every gradient is scaled wrong. Clipped (optim.
+    # grad_clip = 1 binds here) its direction is right, and its norm before clipping shows the factor.
+    norm_line = checker_line(stdout, "gradient norm")
+    assert (
+        float(re.search(r"relative error ([0-9.e+-]+)", norm_line).group(1)) > 100 * checker.RELATIVE_TOLERANCE["fp32"]
+    )
+    assert norm_line.endswith("FAIL: the norm before clipping is off by more than 3.0e-05"), norm_line
     # Every row's count off by one, up and down in turn: the step's N is right, so the gradient is, and only
     # the two checks that compare the counts row by row see it (a comparison of the step's totals passes it).
     status, stdout = run_on_mlm(tmp_path / "right_total", ["--inject-bug", "count-rows"], 1, capsys)
@@ -408,8 +415,8 @@ def test_a_gradient_wrong_by_a_little_fails_on_its_own(tmp_path, capsys, monkeyp
     gradient line alone fails, and with it the verdict (33 times the fp32 tolerance of 3e-5)."""
     real_probe = checker_run.first_update_probe
 
-    def scaling_probe(model):
-        optimizer, handed = real_probe(model)
+    def scaling_probe(model, fused=False):
+        optimizer, handed = real_probe(model, fused)
 
         def scale(opt, args, kwargs):
             for gradient in handed[0]:

@@ -13,6 +13,7 @@ import torch
 
 from accumulation import checker
 from accumulation.checker import run as checker_run
+from accumulation.run import build
 from testkit.ranks import run_main_on_ranks
 from tests.test_check_equivalence import (
     TINY_CONFIG,
@@ -42,14 +43,14 @@ def test_the_loop_s_n_is_compared_with_the_raw_examples_count_and_an_n_off_by_on
     assert checker.main(arguments) == 0
     stdout = capsys.readouterr().out
     assert checker_line(stdout, "supervised targets") == f"loop {STEP_0_TARGETS}, reference {STEP_0_TARGETS}: ok"
-    real_optimizer_step = checker_run.optimizer_step
+    real_optimizer_step = build.optimizer_step  # the step build_training hands the checker, as train.py
     for offset in (1, -1):
 
         def optimizer_step_with_n_off(*args, offset=offset, **kwargs):
             result = real_optimizer_step(*args, **kwargs)
             return dataclasses.replace(result, tokens=result.tokens + offset)
 
-        monkeypatch.setattr(checker_run, "optimizer_step", optimizer_step_with_n_off)
+        monkeypatch.setattr(build, "optimizer_step", optimizer_step_with_n_off)
         assert checker.main(arguments) == 1
         stdout = capsys.readouterr().out
         assert failing_lines(stdout) == ["supervised targets"], stdout

@@ -22,7 +22,7 @@ from accumulation.chunked_loss import (
 from accumulation.config.config import ConfigError, load_config
 from accumulation.models.factory import build_model, decided_model_config, training_forward_and_loss
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
     capture_gradients,
@@ -115,7 +115,7 @@ def chunked_step_gradient(model, micro_batches, global_counts=None) -> list[torc
     captured = capture_gradients(optimizer)
     loss_sum_fn = ChunkedCrossEntropySum(model.output_head, CHUNK_POSITIONS)
     optimizer_step(
-        forward_module, micro_batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, global_counts=global_counts
+        StepSetup(forward_module, CPU, loss_sum_fn=loss_sum_fn), micro_batches, optimizer, global_counts=global_counts
     )
     return captured[0]
 
@@ -138,7 +138,7 @@ def bf16_step(model, micro_batches, chunked: bool) -> tuple[float, list[torch.Te
     forward_module = FinalHiddenStates(model) if chunked else model
     loss_sum_fn = ChunkedCrossEntropySum(model.output_head, CHUNK_POSITIONS) if chunked else token_cross_entropy_sum
     result = optimizer_step(
-        forward_module, micro_batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, autocast_dtype=torch.bfloat16
+        StepSetup(forward_module, CPU, loss_sum_fn=loss_sum_fn, autocast_dtype=torch.bfloat16), micro_batches, optimizer
     )
     return result.loss, captured[0]
 
@@ -265,7 +265,7 @@ def test_with_model_compile_the_model_and_the_loss_compile_and_the_step_stays_ex
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     assert loss_sum_fn is None  # the module computes S itself
-    optimizer_step(torch.compile(forward_module), batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
+    optimizer_step(StepSetup(torch.compile(forward_module), CPU, loss_sum_fn=loss_sum_fn), batches, optimizer)
     assert max_relative_error(captured[0], reference) < FLOAT32_RTOL
 
 

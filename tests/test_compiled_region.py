@@ -20,7 +20,7 @@ from accumulation.config.config import load_config
 from accumulation.models.factory import training_forward_and_loss
 from accumulation.models.forward_and_loss import ForwardAndLoss
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 
@@ -63,7 +63,7 @@ def compiled_region_worker(rank: int, world_size: int, backend: str) -> dict:
         captured = capture_gradients(optimizer)
         frames = []  # Dynamo's frame counts after each step
         for _ in range(2):
-            optimizer_step(wrapped, mine, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, global_counts=counts)
+            optimizer_step(StepSetup(wrapped, CPU, loss_sum_fn=loss_sum_fn), mine, optimizer, global_counts=counts)
             frames.append(dict(counters["frames"]))
         results[loss] = {
             "module_is_one_region": isinstance(module, ForwardAndLoss) and loss_sum_fn is None,

@@ -156,8 +156,9 @@ def main_where_rank_1_fails(argv: list[str]) -> int:
     """train.main for a forked rank (testkit/ranks.py) where rank 1, as its step 2 begins, raises
     (RANK_1_FAILS=raise) or stalls for 15 s (RANK_1_FAILS=stall), longer than the tests' dist.timeout_s."""
     import train
+    from accumulation.run import build
 
-    real_optimizer_step, calls = train.optimizer_step, []
+    real_optimizer_step, calls = build.optimizer_step, []
 
     def optimizer_step(*args, **options):
         calls.append(len(calls) + 1)
@@ -167,7 +168,7 @@ def main_where_rank_1_fails(argv: list[str]) -> int:
             time.sleep(15)
         return real_optimizer_step(*args, **options)
 
-    train.optimizer_step = optimizer_step
+    build.optimizer_step = optimizer_step
     return train.main(argv)
 
 

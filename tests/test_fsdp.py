@@ -10,13 +10,13 @@ from torch.distributed.tensor import DTensor
 
 import train
 from accumulation import checker as check_equivalence
-from accumulation.config.config import load_config, resolved_compile
+from accumulation.config.config import load_config
 from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.parallel.fsdp import FullyShardedDataParallel, full_model_state_dict, full_optimizer_state_dict
-from accumulation.run.build import autocast_dtype_for, build_optimizer, step_strategy, wrap_for_training
+from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
+from accumulation.run.build import build_optimizer, build_training
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.step import optimizer_step
 from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_gradient_bytes, sync_in_every_micro_batch
@@ -71,22 +71,13 @@ def one_update_worker(rank: int, world_size: int, cases: dict) -> dict:
             seq_len=config.data.seq_len,
             seed=config.run.seed,
         ).to(dtype)
-        compiled, param_dtype = resolved_compile(config, "cpu"), autocast_dtype_for(config.precision)
-        wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
-        optimizer = build_optimizer(config.optim, model, CPU)
+        training = build_training(config, data.vocab_size, None, context, model=model)  # train.py's assembly
+        optimizer = training.optimizer
         row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
         micro_batches = build_micro_batches(
             data.train, row_ids, GLOBAL_BATCH_SIZE, config.batch.micro_batch_size, world_size, rank, step=0
         )
-        autocast_dtype = torch.bfloat16 if config.precision.dtype == "bf16" else None
-        optimizer_step(
-            wrapped,
-            micro_batches,
-            optimizer,
-            device=CPU,
-            autocast_dtype=autocast_dtype,
-            strategy=step_strategy(config.dist, wrapped),
-        )
+        training.step(training.setup, micro_batches, optimizer)
         weights[name] = full_model_state_dict(model)
         weights[f"{name} optimizer"] = full_optimizer_state_dict(optimizer)
         if name == "fsdp2 adamw":
@@ -194,20 +185,19 @@ def communication_worker(rank: int, world_size: int, arguments: list[str]) -> di
         seq_len=config.data.seq_len,
         seed=config.run.seed,
     )
-    compiled, param_dtype = resolved_compile(config, "cpu"), autocast_dtype_for(config.precision)
-    wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    optimizer = build_optimizer(config.optim, model, CPU)
+    training = build_training(config, data.vocab_size, None, context, model=model)  # train.py's assembly
+    wrapped, optimizer, setup = training.setup.module, training.optimizer, training.setup
     row_ids = step_row_ids(data.train.num_rows, GLOBAL_BATCH_SIZE, config.run.seed, 0, config.batch.tail)
     micro_batches = build_micro_batches(data.train, row_ids, GLOBAL_BATCH_SIZE, 1, world_size, rank, step=0)
     found = {}
     counts, seen_at_forward = {}, []
     hook = wrapped.register_forward_pre_hook(lambda module, args: seen_at_forward.append(counts["reduce_scatters"]))
     with counting_fsdp_collectives(counts):
-        optimizer_step(wrapped, micro_batches, optimizer, device=CPU, strategy=FullyShardedDataParallel(wrapped))
+        optimizer_step(setup, micro_batches, optimizer)
     found["synced"] = dict(counts, seen_at_forward=seen_at_forward)
     hook.remove()
     with counting_fsdp_collectives(counts), sync_in_every_micro_batch():
-        optimizer_step(wrapped, micro_batches, optimizer, device=CPU, strategy=FullyShardedDataParallel(wrapped))
+        optimizer_step(setup, micro_batches, optimizer)
     found["sync_every"] = dict(counts)
 
     # GradScaler: the inf check runs on each rank's shards; FSDP2's DTensor gradients reduce the found-inf flag

@@ -11,8 +11,8 @@ import torch
 from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run import logs, resumed_logs
-from accumulation.run.checkpoint import WriteError
+from accumulation.run import logs
+from accumulation.run.run_dir import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
 
@@ -50,9 +50,9 @@ def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [json.dumps({"steps": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)]
     path.write_text("".join(lines) + '{"steps": 4, "lo')  # a process killed in the middle of writing step 4
-    resumed_logs.keep_metrics_up_to(path, 3)
+    logs.keep_metrics_up_to(path, 3)
     assert path.read_text() == "".join(lines)
-    resumed_logs.keep_metrics_up_to(path, 2)
+    logs.keep_metrics_up_to(path, 2)
     assert path.read_text() == "".join(lines[:2])
 
 
@@ -80,7 +80,7 @@ def test_rewriting_metrics_on_a_full_disk_leaves_the_file_unchanged(tmp_path):
         path.write_text(text)
         fill_disk(disk, leave_free_bytes=0)
         with pytest.raises(WriteError, match="could not be rewritten for the resume: the disk is full"):
-            resumed_logs.keep_metrics_up_to(path, 20)
+            logs.keep_metrics_up_to(path, 20)
         assert path.read_text() == text
         assert sorted(p.name for p in disk.iterdir()) == ["filler", "metrics.jsonl"]  # no temporary file
 
@@ -232,7 +232,7 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
     from accumulation.data.sources import build_data
     from accumulation.models.factory import build_model
     from accumulation.models.forward_and_loss import ForwardAndLoss
-    from accumulation.step import token_cross_entropy_sum
+    from accumulation.step import StepSetup, token_cross_entropy_sum
 
     config = load_config(["model.n_layer=1", "model.d_model=16", "data.seq_len=16"])
     data = build_data(config.data, model_vocab_size=0, seed=0)
@@ -241,9 +241,7 @@ def test_the_run_header_names_the_loss_training_runs_also_when_compiled(capsys):
     training = SimpleNamespace(  # the module the step runs is not the model; the loss is the plain one
         model=model,
         model_config=config.model.__class__(**{**vars(config.model), "loss": "plain"}),
-        module=compiled_module,
-        forward_module=compiled_module,
-        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        setup=StepSetup(compiled_module, torch.device("cpu"), loss_sum_fn=None),
         compiled=True,
     )
     context = DistributedContext(0, 0, 1, torch.device("cpu"), None)

@@ -21,7 +21,7 @@ from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, optimizer_order
 from accumulation.probe import probe_loss_and_model
 from accumulation.shrink_on_oom import split_micro_batches
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 from tests.test_pipeline import new_model as new_pipeline_model
@@ -71,7 +71,7 @@ def test_a_weighted_loss_with_weights_from_the_batch_equals_the_float64_objectiv
     micro_batches = micro_batches_of_rank(batch, micro_batch_size, replicas=1, replica=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, micro_batches, optimizer, device=CPU, loss_sum_fn=weighted_token_sum)
+    result = optimizer_step(StepSetup(model, CPU, loss_sum_fn=weighted_token_sum), micro_batches, optimizer)
     assert result.applied and result.tokens == sum(ROW_COUNTS)
     reference = reference_gradient(new_model(), batch)
     assert max_relative_error(captured[0], reference) < FLOAT64_RTOL
@@ -96,7 +96,7 @@ def two_rank_weighted_worker(rank: int, world_size: int) -> dict:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         captured = capture_gradients(optimizer)
         mine = micro_batches_of_rank(batch, micro_batch_size, replicas=world_size, replica=rank)
-        result = optimizer_step(ddp, mine, optimizer, device=CPU, loss_sum_fn=weighted_token_sum)
+        result = optimizer_step(StepSetup(ddp, CPU, loss_sum_fn=weighted_token_sum), mine, optimizer)
         error = max_relative_error(captured[0], reference_gradient(new_model(), batch))
         results[micro_batch_size] = (error, result.tokens, result.loss)
     # Pipeline stages (P = 2, D = 1): the schedule cuts the rows, the loss reads each micro-batch's own weights.
@@ -117,7 +117,7 @@ def pipelined_gradient_error(model, batch: MicroBatch, layout, accumulation_step
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     micro_batches = split_micro_batches([batch], batch.labels.shape[0] // accumulation_steps)
-    optimizer_step(pipeline.stage_module, micro_batches, optimizer, device=CPU, strategy=pipeline)
+    optimizer_step(StepSetup(pipeline.stage_module, CPU, strategy=pipeline), micro_batches, optimizer)
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
     return max_relative_error(captured[0], [reference[name] for name in names])
 
@@ -181,7 +181,9 @@ def test_dict_inputs_and_extras_travel_together_through_the_step():
     model = TwoInputs()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    optimizer_step(model, split_micro_batches([dict_batch], 2), optimizer, device=CPU, loss_sum_fn=weighted_token_sum)
+    optimizer_step(
+        StepSetup(model, CPU, loss_sum_fn=weighted_token_sum), split_micro_batches([dict_batch], 2), optimizer
+    )
     # The reference: the same objective with the scale folded into a copy of the model's outputs.
     reference_model = TwoInputs()
     logits = reference_model({"tokens": batch.inputs, "scale": scale})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from accumulation.noise_scale import MicroBatchGradients, NoiseScale
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.reference import float64_reference_gradient, full_batch_mean_loss
 from tests.test_step import CPU, micro_batches, new_model
 
@@ -121,7 +121,7 @@ def test_the_gradients_read_off_grad_are_each_micro_batch_own_mean_and_the_step_
 
     gradients = MicroBatchGradients(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer_step(model, batches, optimizer, device=CPU)
+    optimizer_step(StepSetup(model, CPU), batches, optimizer)
     micro_squared, step_squared = gradients.finish_step([sum(c) for c in counts])
     gradients.remove()
 
@@ -136,6 +136,6 @@ def test_finish_step_refuses_tokens_of_a_different_number_of_micro_batches():
     model = new_model()
     batches = micro_batches([[4], [2]], seed=1)
     gradients = MicroBatchGradients(model)
-    optimizer_step(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), device=CPU)
+    optimizer_step(StepSetup(model, CPU), batches, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="saw 2 backwards"):
         gradients.finish_step([4, 2, 1])

@@ -1,14 +1,14 @@
 """Non-finite steps: a NaN loss is skipped or stops the run (optim.on_nonfinite), and a streak of skipped
 steps carries across a resume. train.main runs in this process with the loss of chosen steps made NaN."""
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
 import torch
 
-import train
-from accumulation.run import batches
+from accumulation.run import batches, build
 from tests.test_checkpoints import run_in_process
 from tests.test_train import final_weights, read_metrics, tiny_settings, uneven_corpus
 
@@ -25,22 +25,21 @@ def corpus(tmp_path_factory) -> Path:
 
 def make_loss_nan_at(monkeypatch, bad_steps: set[int]) -> None:
     """The loss of each step in bad_steps (counted from 1) is multiplied by nan, and so is every gradient."""
-    real_optimizer_step, real_step_batch = train.optimizer_step, batches.step_batch
+    real_optimizer_step, real_step_batch = build.optimizer_step, batches.step_batch
     step_running = []  # the step whose examples were fetched last, counted from 1
 
     def step_batch(rows, step, **layout):
         step_running.append(step + 1)
         return real_step_batch(rows, step, **layout)
 
-    def optimizer_step(model, micro_batches, optimizer, *, loss_sum_fn, **options):
+    def optimizer_step(setup, micro_batches, optimizer, **options):
         if step_running[-1] in bad_steps:
-            return real_optimizer_step(
-                model, micro_batches, optimizer, loss_sum_fn=lambda *args: loss_sum_fn(*args) * math.nan, **options
-            )
-        return real_optimizer_step(model, micro_batches, optimizer, loss_sum_fn=loss_sum_fn, **options)
+            nan_loss = dataclasses.replace(setup, loss_sum_fn=lambda *args: setup.loss_sum_fn(*args) * math.nan)
+            return real_optimizer_step(nan_loss, micro_batches, optimizer, **options)
+        return real_optimizer_step(setup, micro_batches, optimizer, **options)
 
     monkeypatch.setattr(batches, "step_batch", step_batch)
-    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(build, "optimizer_step", optimizer_step)
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,13 @@ from accumulation.data.rows import make_rows
 from accumulation.data.sources import step_row_ids
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom, smaller_micro_batch_size, split_micro_batches
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.shrink_on_oom import (
+    ShrinkOnOutOfMemory,
+    optimizer_step_shrinking_on_oom,
+    smaller_micro_batch_size,
+    split_micro_batches,
+)
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 
@@ -64,8 +69,12 @@ def step_batches(rows, global_batch_size, micro_batch_size, world_size=1, rank=0
 def sgd_step(model, batches, shrink_on_oom=False):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    step = optimizer_step_shrinking_on_oom if shrink_on_oom else optimizer_step
-    result = step(model, batches, optimizer, device=CPU)
+    if shrink_on_oom:
+        result = optimizer_step_shrinking_on_oom(
+            StepSetup(model, CPU, strategy=ShrinkOnOutOfMemory(model)), batches, optimizer
+        )
+    else:
+        result = optimizer_step(StepSetup(model, CPU), batches, optimizer)
     return captured[0], result
 
 
@@ -137,9 +146,9 @@ def test_a_grad_scaler_step_redone_after_an_oom_leaves_the_scale_as_it_was():
     model = GPT(MODEL, seed=3)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # grows after every good step
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = optimizer_step_shrinking_on_oom(
-        RaisesAboveRows(model, max_rows=2), batches, optimizer, device=CPU, scaler=scaler
-    )
+    limited = RaisesAboveRows(model, max_rows=2)
+    setup = StepSetup(limited, CPU, scaler=scaler, strategy=ShrinkOnOutOfMemory(limited))
+    result = optimizer_step_shrinking_on_oom(setup, batches, optimizer)
     assert result.applied and result.micro_batch_size == 2
     assert scaler.get_scale() == 2.0**9  # one growth, for the one applied update
 
@@ -258,6 +267,7 @@ def test_running_out_of_memory_in_train_py_is_one_line(tmp_path, capsys, monkeyp
     """The CPU allocator's failure is a plain RuntimeError, CUDA's a torch.OutOfMemoryError: either ends train.py
     with one line naming m and what to do, exit 2, instead of an allocator traceback."""
     import train
+    from accumulation.run import build
     from tests.test_train import tiny_settings, uneven_corpus
 
     corpus = uneven_corpus(tmp_path / "corpus")
@@ -269,7 +279,7 @@ def test_running_out_of_memory_in_train_py_is_one_line(tmp_path, capsys, monkeyp
         def out_of_memory(*args, error=error, **kwargs):
             raise error
 
-        monkeypatch.setattr(train, "optimizer_step", out_of_memory)
+        monkeypatch.setattr(build, "optimizer_step", out_of_memory)
         out_dir = tmp_path / type(error).__name__
         assert train.main(tiny_settings(tmp_path, corpus, **{"run.out_dir": out_dir})) == 2
         lines = capsys.readouterr().err.strip().splitlines()
@@ -313,19 +323,15 @@ def fused_adamw_steps(shrink: bool):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     module = RaisesAboveRows(model, max_rows=2) if shrink else model
     step_function = optimizer_step_shrinking_on_oom if shrink else optimizer_step
+    strategy = ShrinkOnOutOfMemory(module) if shrink else None
     history = []
     for step in range(3):
         factor = math.nan if step == 1 else 1.0
         row_ids = step_row_ids(rows.num_rows, 8, 5, step, "drop")
         batches = build_micro_batches(rows, row_ids, 8, 8, 1, 0, step=step)  # m = 8, A = 1
-        result = step_function(
-            module,
-            batches,
-            optimizer,
-            device=CPU,
-            scaler=scaler,
-            loss_sum_fn=lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor,
-        )
+        loss_sum_fn = lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor  # noqa: E731
+        setup = StepSetup(module, CPU, loss_sum_fn=loss_sum_fn, scaler=scaler, strategy=strategy)
+        result = step_function(setup, batches, optimizer)
         state = [value.clone() for values in optimizer.state.values() for value in values.values()]
         history.append((result, [p.detach().clone() for p in model.parameters()], state, scaler.get_scale()))
     return history, module

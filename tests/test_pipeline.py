@@ -19,7 +19,7 @@ from accumulation.parallel.pipeline import (
     pipelined_loss_sum,
     stage_optimizer_state,
 )
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient
 from tests.test_step import CPU, FLOAT64_RTOL, micro_batches
@@ -66,16 +66,8 @@ def pipelined_gradient(layout, model, replica_batches, all_batches, schedule, gr
     pipeline = build_pipeline(model, layout, CPU, token_cross_entropy_sum, len(replica_batches), schedule)
     optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = optimizer_step(
-        pipeline.stage_module,
-        replica_batches,
-        optimizer,
-        device=CPU,
-        strategy=pipeline,
-        global_counts=counts_of(all_batches),
-        grad_clip=grad_clip,
-        **options,
-    )
+    setup = StepSetup(pipeline.stage_module, CPU, strategy=pipeline, grad_clip=grad_clip, **options)
+    result = optimizer_step(setup, replica_batches, optimizer, global_counts=counts_of(all_batches))
     names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
     handed = dict(zip(names, captured[0], strict=True)) if captured else {}
     return handed, result
@@ -127,11 +119,9 @@ def pipeline_worker(rank, world_size):
         for _ in range(3):
             before = reduced["bytes"]
             optimizer_step(
-                pipeline.stage_module,
+                StepSetup(pipeline.stage_module, CPU, strategy=pipeline),
                 empty_replica[layout.replica],
                 optimizer,
-                device=CPU,
-                strategy=pipeline,
                 global_counts=counts_of(all_rows),
             )
             per_step.append(reduced["bytes"] - before)
@@ -146,11 +136,9 @@ def pipeline_worker(rank, world_size):
     # Checkpoint state: the whole model's, under its own names, and the optimizer's mapped back.
     optimizer = torch.optim.AdamW(pipeline.stage_module.parameters(), lr=0.01)
     optimizer_step(
-        pipeline.stage_module,
+        StepSetup(pipeline.stage_module, CPU, strategy=pipeline),
         batches[layout.replica],
         optimizer,
-        device=CPU,
-        strategy=pipeline,
         global_counts=counts_of(everything),
     )
     pipeline.whole_order = optimizer_order(torch.optim.AdamW(model.parameters(), lr=0.01), pipeline.names)
@@ -167,7 +155,7 @@ def pipeline_worker(rank, world_size):
 def one_process_gradient(model, batches, grad_clip=0.0):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    optimizer_step(model, batches, optimizer, device=CPU, grad_clip=grad_clip)
+    optimizer_step(StepSetup(model, CPU, grad_clip=grad_clip), batches, optimizer)
     return dict(zip((name for name, _ in model.named_parameters()), captured[0], strict=True))
 
 
@@ -219,7 +207,7 @@ def check_grad_scaler(per_rank: list, replicas: int) -> None:
     optimizer = torch.optim.SGD((model := new_model(torch.float32)).parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    optimizer_step(model, everything, optimizer, device=CPU, scaler=scaler, autocast_dtype=torch.float16)
+    optimizer_step(StepSetup(model, CPU, scaler=scaler, autocast_dtype=torch.float16), everything, optimizer)
     one_process = dict(zip((name for name, _ in model.named_parameters()), captured[0], strict=True))
     # fp16 keeps 11 bits (2.4e-4 per rounding); the two runs round in other places: the checker's fp16 bound.
     assert relative_error(whole_gradient(per_rank, "fp16"), one_process) < 1e-2

@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config.config import load_config
 from accumulation.counters import Counters
@@ -24,7 +23,9 @@ from accumulation.data.sources import VALIDATION_STEP, build_data
 from accumulation.models.factory import build_model
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.run.build import build_training
+from accumulation.run.validation import validation_loss
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, full_batch_mean_loss, max_relative_error
 
@@ -69,10 +70,9 @@ def validation_worker(
     for micro_batch_size in micro_batch_sizes:
         config = load_config(settings(corpus, micro_batch_size))
         data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
-        torch.manual_seed(0)
-        model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
         context = DistributedContext(rank, rank, world_size, CPU, "gloo" if world_size > 1 else None)
-        losses.append(train.validation_loss(model, data, config, context, config.batch.micro_batch_size))
+        training = build_training(config, data.vocab_size, None, context)
+        losses.append(validation_loss(training, data, config, context, config.batch.micro_batch_size))
     return losses
 
 
@@ -180,7 +180,7 @@ def two_rank_step_worker(rank: int, world_size: int) -> dict:
     model = DistributedDataParallel(GPT(MODEL, seed=7).double())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handed = capture_gradients(optimizer)
-    result = optimizer_step(model, rank_batches(rank), optimizer, device=CPU)
+    result = optimizer_step(StepSetup(model, CPU), rank_batches(rank), optimizer)
     counters = Counters()
     counters.add(result)
     return {"result": result, "gradient": handed[0], "counters": counters}
@@ -225,7 +225,7 @@ def test_bf16_step_against_the_float64_full_batch():
         trained = copy.deepcopy(model)
         optimizer = torch.optim.SGD(trained.parameters(), lr=0.1)
         handed = capture_gradients(optimizer)
-        return optimizer_step(trained, batches, optimizer, device=CPU, **options), handed[0]
+        return optimizer_step(StepSetup(trained, CPU, **options), batches, optimizer), handed[0]
 
     result, gradient = handed_gradient(autocast_dtype=torch.bfloat16)
     assert max_relative_error(gradient, reference) < 5e-2
@@ -251,7 +251,7 @@ def test_clipping_with_a_grad_scaler_on_equals_the_clipped_float64_gradient():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     handed = capture_gradients(optimizer)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    result = optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=grad_clip)
+    result = optimizer_step(StepSetup(model, CPU, scaler=scaler, grad_clip=grad_clip), batches, optimizer)
     assert result.applied and scaler.get_scale() == 2.0**16
     # fp32 against float64: a few hundred terms per entry, each with relative rounding 6e-8
     assert result.grad_norm == pytest.approx(reference_norm, rel=1e-5)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from accumulation.batching import MicroBatch
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 
 REPO = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def train_both(rank: int, world_size: int, source: str, planted: float, momentum
             else:
                 micro_batches = [MicroBatch(inputs, labels, MICRO_BATCH_SIZE) for inputs, labels in batches]
                 result = optimizer_step(
-                    model, micro_batches, optimizer, device=torch.device("cpu"), scaler=scaler, grad_clip=max_norm
+                    StepSetup(model, torch.device("cpu"), scaler=scaler, grad_clip=max_norm), micro_batches, optimizer
                 )
                 if result.applied:
                     scheduler.step()

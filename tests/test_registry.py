@@ -14,6 +14,7 @@ from accumulation.config.config import ConfigError, config_to_toml, load_config
 from accumulation.config.help import help_text
 from accumulation.models.factory import build_model, loss_sum_fn_for
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.build import build_training
 from accumulation.run.checkpoint import seed_dropout
 
 # A fork in one file: a GRU of a width its own setting multiplies, whose build seeds the global generator (as
@@ -118,7 +119,7 @@ def test_dropout_is_seeded_per_rank_after_the_build(fork, rank):
     """The fork's build calls torch.manual_seed(0); each rank's dropout stream must still be its own."""
     config = load_config([NAME, *TINY, "device=cpu"])
     context = DistributedContext(rank=rank, local_rank=rank, world_size=1, device=torch.device("cpu"), backend=None)
-    train.build_training(config, 256, None, context)
+    build_training(config, 256, None, context)
     after_build = torch.get_rng_state()
     seed_dropout(config.run.seed, rank)
     assert torch.equal(after_build, torch.get_rng_state())

@@ -18,7 +18,7 @@ from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_
 from accumulation.rl.rollout import addition_problems
 from accumulation.run.batches import StepBatches
 from accumulation.run.checkpoint import save_checkpoint
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import finish, read_fault_log, start_torchrun
 from tests.test_rl_objectives import CONSTANT, MODES, SEQ_LEN, step_rows, tiny_policy
@@ -206,10 +206,9 @@ def test_the_steps_normaliser_carries_its_unit_and_the_gradient_is_the_objective
     micro_batches = [MicroBatch(inputs[:2], labels[:2], 2), MicroBatch(inputs[2:], labels[2:], 3)]
     counts = GlobalCounts(tokens=9, examples=5, normaliser=5.0, unit="sequences")
     result = optimizer_step(
-        model,
+        StepSetup(model, torch.device("cpu")),
         micro_batches,
         torch.optim.SGD(model.parameters(), lr=1.0),
-        device=torch.device("cpu"),
         global_counts=counts,
     )
     assert (result.tokens, result.normaliser, result.unit) == (9, 5.0, "sequences")
@@ -264,7 +263,10 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
             optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
             device = torch.device("cpu")
             optimizer_step(
-                mine, micro_batches, optimizer, device=device, loss_sum_fn=clipped_surrogate_sum, global_counts=counts
+                StepSetup(mine, device, loss_sum_fn=clipped_surrogate_sum),
+                micro_batches,
+                optimizer,
+                global_counts=counts,
             )
             with torch.no_grad():
                 update = [old - p for old, p in zip(before, model.parameters(), strict=True)]

@@ -21,8 +21,7 @@ import accumulation.run.restore as restore
 import accumulation.run.run_dir as run_dir_module
 import train
 from accumulation.config.config import ConfigError, load_config
-from accumulation.run.lock_refusals import RunDirectoryBusy
-from accumulation.run.run_dir import LOCK_FILE, RunLock, write_text_atomically
+from accumulation.run.run_dir import LOCK_FILE, RunDirectoryBusy, RunLock, write_text_atomically
 from testkit.disk import fill_disk, small_disk
 from testkit.ranks import pretend_launched
 from tests.test_checkpoints import run_in_process, snapshot
@@ -506,7 +505,7 @@ def test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_w
 
 # ------------------------------------------------------------------ The run directory deleted mid-run
 
-# A loss that deletes the run directory on its 40th call (the step-0 probe's 5, then 4 micro-batches a step:
+# A loss that deletes the run directory on its 41st call (the step-0 probe's 6, then 4 micro-batches a step:
 # during step 9), as a person cleaning up the wrong folder would.
 DELETES_THE_RUN = """
 import shutil
@@ -519,7 +518,7 @@ calls = []
 
 def deleting_sum(outputs, labels):
     calls.append(1)
-    if len(calls) == 40:
+    if len(calls) == 41:
         shutil.rmtree({run_dir!r})
     return token_cross_entropy_sum(outputs, labels)
 

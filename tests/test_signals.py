@@ -21,7 +21,7 @@ import torch
 
 from accumulation.batching import MicroBatch
 from accumulation.run.signals import StopRequest
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 from tests.test_disrupted_runs import REPO, assert_same_run, read_fault_log
 from tests.test_train import read_metrics, run_train, tiny_settings, train_forked, uneven_corpus
@@ -69,7 +69,7 @@ def one_step(rank: int, world_size: int, stop_on_rank: int | None) -> bool:
     micro_batch = MicroBatch(torch.tensor([[3, 4, 5]]), labels, num_examples=1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     result = optimizer_step(
-        model, [micro_batch], optimizer, device=torch.device("cpu"), stop_requested=lambda: rank == stop_on_rank
+        StepSetup(model, torch.device("cpu")), [micro_batch], optimizer, stop_requested=lambda: rank == stop_on_rank
     )
     return result.stop_requested
 
@@ -98,8 +98,9 @@ def test_a_stop_signal_in_process_stops_at_the_step_boundary_and_the_restart_is_
     boundary reads it: the step ends, the step-3 checkpoint (off the 2-step cadence) is written, main returns
     the status a shell shows; called again, the run ends with the bits of the run never stopped."""
     import train
+    from accumulation.run import build
 
-    real_optimizer_step, calls = train.optimizer_step, []
+    real_optimizer_step, calls = build.optimizer_step, []
 
     def optimizer_step_signalled_at_step_3(*args, **options):
         calls.append(len(calls) + 1)
@@ -107,7 +108,7 @@ def test_a_stop_signal_in_process_stops_at_the_step_boundary_and_the_restart_is_
             os.kill(os.getpid(), getattr(signal, name))  # the handler runs here, before step 3's micro-batches
         return real_optimizer_step(*args, **options)
 
-    monkeypatch.setattr(train, "optimizer_step", optimizer_step_signalled_at_step_3)
+    monkeypatch.setattr(build, "optimizer_step", optimizer_step_signalled_at_step_3)
     assert train.main(tiny_settings(tmp_path, corpus, **SETTINGS)) == status
     stderr = capsys.readouterr().err
     assert f"stopped at step 3: {name} received" in stderr and f"exit status {status};" in stderr, stderr
@@ -115,7 +116,7 @@ def test_a_stop_signal_in_process_stops_at_the_step_boundary_and_the_restart_is_
     assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2, 3]
     checkpoints = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["latest.pt", "step_000000.pt", "step_000002.pt", "step_000003.pt"]
-    monkeypatch.setattr(train, "optimizer_step", real_optimizer_step)
+    monkeypatch.setattr(build, "optimizer_step", real_optimizer_step)
     assert train.main(tiny_settings(tmp_path, corpus, **SETTINGS)) == 0
     assert "at step 3" in capsys.readouterr().out
     assert_same_run(run_dir, reference_in_process)

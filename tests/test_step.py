@@ -35,6 +35,7 @@ from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.schedule import build_scheduler, run_scheduler
 from accumulation.step import (
     StepResult,
+    StepSetup,
     optimizer_step,
     token_cross_entropy_sum,
 )
@@ -83,14 +84,14 @@ def one_step_gradient(model, batches, grad_clip=0.0, loss_sum_fn=token_cross_ent
     """One optimizer_step with plain SGD; (the gradient the optimizer was handed, the StepResult)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    result = optimizer_step(model, batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn, grad_clip=grad_clip)
+    result = optimizer_step(StepSetup(model, CPU, loss_sum_fn=loss_sum_fn, grad_clip=grad_clip), batches, optimizer)
     return captured[0], result
 
 
 def training_step(model, batches, optimizer, scheduler, counters, **options) -> StepResult:
     """What train.py does with one accumulation group: the step, then the scheduler, whose unit is applied
     updates, and the run's counters."""
-    result = optimizer_step(model, batches, optimizer, device=CPU, **options)
+    result = optimizer_step(StepSetup(model, CPU, **options), batches, optimizer)
     if result.applied:
         scheduler.step()
     counters.add(result)
@@ -185,7 +186,7 @@ def test_step_without_supervised_tokens_is_skipped_cleanly():
     model = new_model()
     before = copy.deepcopy(model.state_dict())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = optimizer_step(model, batches, optimizer, device=CPU, grad_clip=1.0)
+    result = optimizer_step(StepSetup(model, CPU, grad_clip=1.0), batches, optimizer)
     assert not result.applied and result.skip_reason == "no supervised tokens in the step"
     assert math.isnan(result.loss)  # there is no token to average over; reported, never used as a number
     assert (result.micro_batches, result.examples, result.tokens) == (2, 0, 0)
@@ -243,7 +244,7 @@ def test_unscale_happens_once_per_step():
     original = scaler.unscale_
     scaler.unscale_ = lambda opt: (calls.append(1), original(opt))[1]
     batches = micro_batches([[8], [3], [5], [1]], seed=8)
-    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=1.0)
+    optimizer_step(StepSetup(model, CPU, scaler=scaler, grad_clip=1.0), batches, optimizer)
     assert len(calls) == 1
 
 
@@ -280,7 +281,7 @@ def test_no_host_synchronisation_between_first_forward_and_boundary(monkeypatch)
     inside[0] = False
 
     batches = micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=9)
-    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=1.0)
+    optimizer_step(StepSetup(model, CPU, scaler=scaler, grad_clip=1.0), batches, optimizer)
     assert reads == []
 
 
@@ -290,7 +291,7 @@ def test_bf16_autocast_gradients_are_fp32_and_close_to_fp32():
     fp32_grads, _ = one_step_gradient(copy.deepcopy(model), batches)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
-    optimizer_step(model, batches, optimizer, device=CPU, autocast_dtype=torch.bfloat16)
+    optimizer_step(StepSetup(model, CPU, autocast_dtype=torch.bfloat16), batches, optimizer)
     bf16_grads = captured[0]
     assert all(g.dtype == torch.float32 for g in bf16_grads)
     assert all(p.dtype == torch.float32 for p in model.parameters())

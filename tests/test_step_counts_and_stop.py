@@ -12,7 +12,7 @@ from accumulation.batching import GlobalCounts
 from accumulation.data.rows import make_rows
 from accumulation.data.sources import step_row_ids, steps_per_epoch
 from accumulation.data.step_tools import build_micro_batches, step_counts
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 from tests.test_step import (
@@ -41,7 +41,7 @@ def test_given_global_counts_give_the_same_update_as_counting_and_a_wrong_count_
         step_model = copy.deepcopy(model)
         optimizer = torch.optim.SGD(step_model.parameters(), lr=0.1)
         captured = capture_gradients(optimizer)
-        result = optimizer_step(step_model, batches, optimizer, device=CPU, global_counts=counts)
+        result = optimizer_step(StepSetup(step_model, CPU), batches, optimizer, global_counts=counts)
         return captured[0], result
 
     given, given_result = step_with(GlobalCounts(tokens=tokens, examples=examples))
@@ -73,7 +73,7 @@ def test_one_read_back_per_update_when_the_counts_are_given(monkeypatch):
     batches = micro_batches([[8, 3], [5, 5], [2, 1], [7, 7]], seed=13)
     counts = GlobalCounts(*supervised_and_real(batches))
     reads.clear()
-    result = optimizer_step(model, batches, optimizer, device=CPU, grad_clip=1.0, global_counts=counts)
+    result = optimizer_step(StepSetup(model, CPU, grad_clip=1.0), batches, optimizer, global_counts=counts)
     assert result.applied and reads == ["tolist"]
 
 
@@ -87,7 +87,7 @@ def test_the_stop_flag_comes_back_on_one_process():
     for requested in (False, True):
         model = new_model(torch.float32)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=answers(requested))
+        result = optimizer_step(StepSetup(model, CPU), batches, optimizer, stop_requested=answers(requested))
         assert result.stop_requested is requested and result.applied
 
 
@@ -97,10 +97,12 @@ def stop_flag_worker(rank, world_size):
     results = []
     for step, stopping_rank in enumerate((None, 1, 0)):  # nobody, then rank 1 alone, then rank 0 alone
         batches = micro_batches([[8, 3], [5, 2]], seed=20 * step + rank)
-        result = optimizer_step(model, batches, optimizer, device=CPU, stop_requested=answers(rank == stopping_rank))
+        result = optimizer_step(
+            StepSetup(model, CPU), batches, optimizer, stop_requested=answers(rank == stopping_rank)
+        )
         results.append(result.stop_requested)
     empty = micro_batches([[0, 0]], seed=99)  # a step without tokens still carries the flag
-    result = optimizer_step(model, empty, optimizer, device=CPU, stop_requested=answers(rank == 1))
+    result = optimizer_step(StepSetup(model, CPU), empty, optimizer, stop_requested=answers(rank == 1))
     results.append(result.stop_requested)
     return results
 
@@ -115,19 +117,19 @@ def test_grad_scaler_overflow_with_fused_adamw_skips_exactly_what_the_scaler_ski
     model = new_model(torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    first = optimizer_step(model, micro_batches([[8, 3]], seed=15), optimizer, device=CPU, scaler=scaler)
+    first = optimizer_step(StepSetup(model, CPU, scaler=scaler), micro_batches([[8, 3]], seed=15), optimizer)
     assert first.applied
     weights = copy.deepcopy(model.state_dict())
     steps_before = [state["step"].clone() for state in optimizer.state.values()]
     handle = model.lm_head.weight.register_hook(lambda grad: grad * math.inf)
-    overflow = optimizer_step(model, micro_batches([[8, 3]], seed=16), optimizer, device=CPU, scaler=scaler)
+    overflow = optimizer_step(StepSetup(model, CPU, scaler=scaler), micro_batches([[8, 3]], seed=16), optimizer)
     handle.remove()
     assert not overflow.applied and overflow.skip_reason == "non-finite gradient (GradScaler lowered its scale)"
     assert not math.isfinite(overflow.grad_norm)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     assert all(torch.equal(a, state["step"]) for a, state in zip(steps_before, optimizer.state.values(), strict=True))
     assert scaler.get_scale() == 2.0**9
-    after = optimizer_step(model, micro_batches([[8, 3]], seed=17), optimizer, device=CPU, scaler=scaler)
+    after = optimizer_step(StepSetup(model, CPU, scaler=scaler), micro_batches([[8, 3]], seed=17), optimizer)
     assert after.applied and all(state["step"].item() == 2 for state in optimizer.state.values())
     assert (first.loss_scale, overflow.loss_scale, after.loss_scale) == (2.0**10, 2.0**10, 2.0**9)  # read back free
 

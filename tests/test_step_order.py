@@ -17,8 +17,8 @@ import train
 from accumulation import update_on_device
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.run import batches
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.run import batches, build
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from tests.test_checkpoints import run_in_process
 from tests.test_pipeline_train import checkpoint
 from tests.test_train import read_metrics, tiny_settings, uneven_corpus
@@ -51,7 +51,7 @@ def recorded_step(monkeypatch, optimizer_of, events: list[str]):
 
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     result = optimizer_step(
-        model, micro_batches_of(seed=1), optimizer, device=CPU, before_read_back=lambda: events.append("host work")
+        StepSetup(model, CPU), micro_batches_of(seed=1), optimizer, before_read_back=lambda: events.append("host work")
     )
     monkeypatch.undo()
     return result
@@ -88,13 +88,17 @@ def test_the_queued_update_equals_the_host_decided_one_and_a_non_finite_step_cha
         for step in range(3):
             factor = math.nan if step == 1 else 1.0
             result = optimizer_step(
-                model,
+                StepSetup(
+                    model,
+                    CPU,
+                    scaler=scaler,
+                    loss_sum_fn=lambda outputs, labels, factor=factor: (
+                        token_cross_entropy_sum(outputs, labels) * factor
+                    ),
+                    grad_clip=1.0,
+                ),
                 micro_batches_of(seed=step),
                 optimizer,
-                device=CPU,
-                scaler=scaler,
-                loss_sum_fn=lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor,
-                grad_clip=1.0,
             )
             results.append((result.applied, result.skip_reason, result.loss_scale))
             snapshots.append(([p.detach().clone() for p in model.parameters()], optimizer_state(optimizer)))
@@ -119,7 +123,7 @@ def test_train_builds_the_next_steps_micro_batches_before_the_steps_read_back(tm
     read-back; each step's batch is built once, for its own step, in order."""
     corpus = uneven_corpus(tmp_path / "corpus")
     events = []
-    real_optimizer_step, real_step_batch = train.optimizer_step, batches.step_batch
+    real_optimizer_step, real_step_batch = build.optimizer_step, batches.step_batch
 
     def step_batch(rows, step, **layout):
         events.append(("batch", step))
@@ -134,7 +138,7 @@ def test_train_builds_the_next_steps_micro_batches_before_the_steps_read_back(tm
         return real_optimizer_step(*args, before_read_back=recorded, **options)
 
     monkeypatch.setattr(batches, "step_batch", step_batch)
-    monkeypatch.setattr(train, "optimizer_step", optimizer_step)
+    monkeypatch.setattr(build, "optimizer_step", optimizer_step)
     status, _, err = run_in_process(tiny_settings(tmp_path, corpus, **{"run.max_steps": 3}), capsys)
     assert status == 0, err
     assert events == [

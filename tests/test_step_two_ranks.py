@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import MicroBatch
 from accumulation.counters import Counters
 from accumulation.schedule import build_scheduler, lr_multiplier
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, counting_allreduce_hook, float64_reference_gradient, max_relative_error
 from tests.test_step import CPU, FLOAT64_RTOL, micro_batches, new_model, training_step
@@ -56,13 +56,13 @@ def two_rank_equivalence_worker(rank, world_size):
                 before_boundary.append([p.grad.clone() for p in module.parameters()])
 
         model.module.register_forward_pre_hook(snapshot)
-        result = optimizer_step(model, case_batches(case, rank), optimizer, device=CPU)
+        result = optimizer_step(StepSetup(model, CPU), case_batches(case, rank), optimizer)
         results[case] = {"after": captured[0], "before": before_boundary[0], "result": result}
     # A step with no supervised token anywhere: skipped on both ranks, nobody hangs.
     model = DistributedDataParallel(new_model())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     results["all empty"] = optimizer_step(
-        model, micro_batches([[0, 0], [0, 0]], seed=rank), optimizer, device=CPU, grad_clip=1.0
+        StepSetup(model, CPU, grad_clip=1.0), micro_batches([[0, 0], [0, 0]], seed=rank), optimizer
     )
     return results
 
@@ -123,7 +123,7 @@ def two_rank_label_shapes_worker(rank, world_size):
         wrapped = DistributedDataParallel(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         captured = capture_gradients(optimizer)
-        result = optimizer_step(wrapped, batches, optimizer, device=CPU, loss_sum_fn=loss_sum_fn)
+        result = optimizer_step(StepSetup(wrapped, CPU, loss_sum_fn=loss_sum_fn), batches, optimizer)
         results[case] = {"gradient": captured[0], "result": result}
     return results
 

@@ -11,6 +11,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data, step_row_ids
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run import build
 from scripts.benchmarks import sweep_microbatch
 from testkit.memory import peak_memory_bytes_of
 from tests.test_check_equivalence import TINY_CONFIG, short_documents_corpus
@@ -50,8 +51,8 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     def micro_batch_mean(logits, labels):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="mean")
 
-    monkeypatch.setattr(
-        sweep_microbatch,
+    monkeypatch.setattr(  # in the assembly the sweep shares with train.py
+        build,
         "training_forward_and_loss",
         lambda model_config, model, compile=False: (model, micro_batch_mean),
     )
@@ -99,7 +100,7 @@ def test_micro_batch_sizes_that_all_fail_to_divide_exit_2_with_one_line(capsys):
 def test_a_micro_batch_size_that_does_not_fit_is_marked_and_the_sweep_goes_on(tmp_path, monkeypatch):
     """Above 2 rows per forward the (injected) allocator runs out of memory: m = 4 and 8 are marked, the
     sweep still measures m = 1 and 2 after and between them, and their gradients still agree."""
-    build_model = sweep_microbatch.build_model
+    build_model = build.build_model  # the assembly's, which the sweep runs as train.py does
 
     class RaisesAboveTwoRows(torch.nn.Module):
         def __init__(self, model):
@@ -111,7 +112,7 @@ def test_a_micro_batch_size_that_does_not_fit_is_marked_and_the_sweep_goes_on(tm
                 raise torch.OutOfMemoryError("injected: more than 2 rows")
             return self.model(inputs)
 
-    monkeypatch.setattr(sweep_microbatch, "build_model", lambda *a, **k: RaisesAboveTwoRows(build_model(*a, **k)))
+    monkeypatch.setattr(build, "build_model", lambda *a, **k: RaisesAboveTwoRows(build_model(*a, **k)))
     rows = swept_rows(tmp_path, [4, 1, 8, 2])
     assert [row["skipped"] for row in rows] == [
         sweep_microbatch.OUT_OF_MEMORY,

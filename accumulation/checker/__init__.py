@@ -7,15 +7,17 @@ from the command line or from a fork's own tests:
     python scripts/checks/check_equivalence.py [--config FILE] [section.key=value ...] [--inject-bug BUG] [--step S]
     torchrun --standalone --nproc_per_node=N scripts/checks/check_equivalence.py [same arguments]
 
-The loop side is one optimizer step exactly as train.py runs it: the model from `build_model` (the factory
-train.py uses), the rows of step 0 as `step_batch` builds them for train.py (the step's row ids, the rows as
-step 0 sees them, this rank's A micro-batches of m rows), and `optimizer_step` with the configured loss and
-precision and with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it.
-The gradient is read when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce and
-unscaling. Two settings are switched off, because no reference could reproduce them: gradient clipping
-(it rescales the gradient by the step's own norm) and dropout (its random masks): model.dropout, and after
-every build each Dropout-family module's p, float attributes named like a dropout and a Hugging Face config's
-*_pdrop / *_dropout (reference.switch_off_dropout); the model line says what was switched off.
+The loop side is one optimizer step exactly as train.py runs it: what `build_training` (accumulation/run/build.py,
+train.py's own assembly) builds from the config around the model from `build_model` (the loss, the wrapper, the
+strategy, the scaler, optim.grad_clip, batch.on_oom's retry), the rows of step 0 as `step_batch` builds them for
+train.py (the step's row ids, the rows as step 0 sees them, this rank's A micro-batches of m rows), and the step
+with `global_counts`, N summed from the data's `supervised_counts`, as train.py passes it. The gradient is read
+when the optimizer is handed it, i.e. after accumulation, DDP's all-reduce, unscaling and clipping (a fused
+recording optimizer where the configured one is fused, so that the update is queued on the device as train.py's);
+the reference is clipped by its own norm, and the norm before clipping is compared on a line of its own. One
+setting is switched off, because no reference could reproduce it: dropout (its random masks): model.dropout, and
+after every build each Dropout-family module's p, float attributes named like a dropout and a Hugging Face
+config's *_pdrop / *_dropout (reference.switch_off_dropout); the model line says what was switched off.
 
 The reference is computed independently, on rank 0 only. Its rows are rebuilt from the raw examples (each
 row's input tokens and its targets, position by position: accumulation/data/rows.py, RawExample) with the
@@ -68,7 +70,7 @@ The header also says which loss path the loop ran (plain or chunked, compiled or
 What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and logged
 loss equal the full-batch ones within the precision's tolerance, every rank starts from the same weights, the step
 saw the same examples and supervised tokens as the reference, and the promises above hold for the step checked
-(step 0 unless --step says). What it does not: anything about clipping, dropout, other steps or trained weights,
+(step 0 unless --step says). What it does not: anything about dropout, TF32, other steps or trained weights,
 the optimizer's update rule, or the correctness of the loss function itself (the reference uses the same loss; it
 checks how the loop weights and masks it).
 

@@ -161,13 +161,15 @@ def plural(count: int) -> str:
     return "" if count == 1 else "s"
 
 
-def first_update_probe(model: torch.nn.Module) -> tuple[torch.optim.Optimizer, list]:
+def first_update_probe(model: torch.nn.Module, fused: bool = False) -> tuple[torch.optim.Optimizer, list]:
     """(an optimizer that never moves the weights, handed): SGD with learning rate 0 and no momentum, so it
     holds no state, whose pre-step hook puts into `handed` the gradients of the first update it is asked to
     apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
     nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
-    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in.
+    `fused`: SGD's fused kernel, so that the step queues the update on the device (accumulation/update_on_device.py)
+    as it does for the configured optimizer when that is fused."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0, fused=fused or None)
     handed = []
 
     def whole(grad: torch.Tensor) -> torch.Tensor:

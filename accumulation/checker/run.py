@@ -63,30 +63,22 @@ from accumulation.checker.self_test import (
     shifted_again_loss,
     targets_per_micro_batch,
 )
-from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
+from accumulation.config.config import Config, ConfigError, load_config
 from accumulation.data.rows import DataError, Rows
 from accumulation.data.sources import StepBatch, build_data, step_batch
 from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
     count_parameters,
-    decided_model_config,
     loss_sum_fn_for,
     resolved_vocab_size,
-    training_forward_and_loss,
 )
 from accumulation.parallel.distributed import DistributedContext, setup_distributed, teardown_distributed
 from accumulation.parallel.mesh import layout_of
-from accumulation.parallel.pipeline import build_pipeline, check_model_splits
+from accumulation.parallel.pipeline import check_model_splits
 from accumulation.probe import StepZeroFailed, outputs_and_loss
-from accumulation.run.build import (
-    autocast_dtype_for,
-    check_config_for_world,
-    set_tf32,
-    step_strategy,
-    wrap_for_training,
-)
-from accumulation.step import StepResult, optimizer_step
+from accumulation.run.build import Training, build_training, check_config_for_world, set_tf32
+from accumulation.step import StepResult
 
 # Tolerance on max |loop - reference| / max |reference| over all gradient entries, by the loop's precision.
 # fp32: float32 rounds each operation to 2^-24 ≈ 6e-8 relative. Through a few layers, sums of a few
@@ -193,7 +185,9 @@ def check(
     torchrun a FAIL ends all ranks alike, none killed by the launcher while it still prints."""
     configured_dropout = config.model.dropout
     config = without_dropout(config)
-    set_tf32(False)  # whatever precision.tf32 says: TF32 rounds fp32 products to ~1e-3, above the fp32 tolerance
+    # whatever precision.tf32 says: TF32 rounds fp32 products to ~1e-3, above the fp32 tolerance
+    config = dataclasses.replace(config, precision=dataclasses.replace(config.precision, tf32=False))
+    set_tf32(False)
     model, dropout_off = build_checked_model(config, vocab_size, bug)
     model = model.to(context.device)
     reference_model, _ = build_checked_model(config, vocab_size, bug)  # a second build: it must equal the first
@@ -209,10 +203,20 @@ def check(
     same_initial_weights = weights_agree_across_builds_and_ranks(model, reference_model, context)
     same_rows, labels_as_promised = rows_agree_across_calls_and_ranks(rows, batch, context)
 
+    if bug == "mean-of-means":  # SELF-TEST ONLY: it wraps the loss, so forward and loss are not compiled as one
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, compile=False))
+    # The loop as train.py builds it (model.loss, compile, the wrapper, the strategy, the scaler, optim.grad_clip,
+    # batch.on_oom), from the checker's model; SELF-TEST ONLY: a buggy loss replaces the configured one.
+    training = build_training(
+        config, vocab_size, None, context, model=model, loss_sum_fn=loss_sum_fn if bug in LOSS_BUGS else None
+    )
+    # The recording optimizer fused where the configured one is (fused AdamW on CUDA): the update then queued on
+    # the device (accumulation/update_on_device.py), as train.py's
+    fused = all(group.get("fused") for group in training.optimizer.param_groups)
     if context.pipelined:
-        loop_gradients, result, loss_path = pipelined_step_gradients(batch, model, loss_sum_fn, context, config, bug)
+        loop_gradients, result, loss_path = pipelined_step_gradients(batch, training, fused, context, config, bug)
     else:
-        loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, model, loss_sum_fn, context, bug)
+        loop_gradients, result, loss_path = loop_step_gradients(config, rows, batch, training, fused, context, bug)
     found = FoundOnEveryRank(
         same_initial_weights,
         same_rows,
@@ -220,6 +224,7 @@ def check(
         type(model).__name__,
         dropout_off,
         loss_path,
+        fused,
         loop_gradients,
         result,
     )
@@ -239,6 +244,7 @@ class FoundOnEveryRank:
     model_class: str  # the loop's model as it ran (FSDP2 changes its class)
     dropout_off: list[str]  # the dropout the checker switched off, in words ("13 Dropout modules (p 0.1 -> 0)")
     loss_path: str  # which loss path the loop ran, in words
+    fused_update: bool  # whether the loop's optimizer was fused (as configured): its update queued on the device
     loop_gradients: list | None  # per step the loop ran, the gradient its optimizer was handed; None: skipped
     result: StepResult
 
@@ -269,8 +275,14 @@ def compare_on_main(
     dropout_off = "; ".join(found.dropout_off) or "none was on"
     print(
         f"model: {found.model_class} ({config.model.name}), {parameters:,} parameters "
-        f"from accumulation.models.factory.build_model; compared with gradient clipping off and dropout off: "
-        f"{dropout_off}"
+        f"from accumulation.models.factory.build_model; compared with dropout off: {dropout_off}"
+    )
+    clipping = f"at optim.grad_clip = {config.optim.grad_clip:g}" if config.optim.grad_clip > 0 else "off"
+    print(
+        f"the step as train.py runs it: gradient clipping {clipping}, batch.on_oom = {config.batch.on_oom}, "
+        f"{'a fused' if found.fused_update else 'an unfused'} optimizer, as configured; "
+        "not checked: the optimizer's own update (a learning-rate-0 SGD records the gradient it is handed), "
+        "dropout, TF32, and the steps after the first from the initial weights"
     )
     print(
         f"loss path: {found.loss_path}; the reference: {function_name(loss_sum_fn)} on the model's outputs, in float64"
@@ -319,14 +331,29 @@ def compare_on_main(
     )
     reference_tokens = count_supervised_tokens(labels)
     tolerance = RELATIVE_TOLERANCE[config.precision.dtype]
-    reference_gradients, reference_loss = reference.gradients, reference.loss
+    # The reference clipped by its own norm, from the definition; the same step without accumulation likewise.
+    reference_gradients, reference_norm = clipped(reference.gradients, config.optim.grad_clip)
+    baseline_gradients, baseline_norm = clipped(reference.baseline_gradients, config.optim.grad_clip)
+    reference_loss = reference.loss
     gradient_error = max(max_relative_error(step_gradients, reference_gradients) for step_gradients in loop_gradients)
-    baseline_error = max_relative_error(reference.baseline_gradients, reference_gradients)
+    baseline_error = max_relative_error(baseline_gradients, reference_gradients)
     loss_error = abs(result.loss - reference_loss) / reference.loss_scale
     baseline_loss_error = abs(reference.baseline_loss - reference_loss) / reference.loss_scale
     allowed, floor_note = allowed_error(tolerance, baseline_error)
     allowed_loss, _ = allowed_error(tolerance, baseline_loss_error)
+    # ‖g‖ before clipping (StepResult.grad_norm): where the clip binds, a gradient off by a constant factor (a
+    # wrong N) is clipped to the reference's, and only its norm shows it.
+    norm_error = abs(result.grad_norm - reference_norm) / reference_norm
+    baseline_norm_error = abs(baseline_norm - reference_norm) / reference_norm
+    allowed_norm, _ = allowed_error(tolerance, baseline_norm_error)
     at_once = f"A = 1, D = 1 in {config.precision.dtype}"
+    if config.optim.grad_clip > 0:
+        factor = config.optim.grad_clip / (reference_norm + 1e-6)
+        binds = f"binds: the reference scaled by {factor:.4g}" if factor < 1 else "does not bind"
+        print(
+            f"gradient clipping: the reference's norm {reference_norm:.6g}, optim.grad_clip "
+            f"{config.optim.grad_clip:g}: {binds}"
+        )
     checks["examples"] = None if result.examples == len(row_ids) else "the loop counted other examples than the step's"
     checks["supervised targets"] = (
         None if result.tokens == reference_tokens else "the loop's N is not the raw examples' count of targets"
@@ -334,6 +361,9 @@ def compare_on_main(
     same_n = (result.unit, result.normaliser) == (reference.unit, reference.normaliser)
     checks["normaliser"] = None if same_n else "the loop's N is not the objective's, counted from its definition"
     checks["loss"] = None if loss_error <= allowed_loss else f"the logged loss is off by more than {allowed_loss:.1e}"
+    checks["gradient norm"] = (
+        None if norm_error <= allowed_norm else f"the norm before clipping is off by more than {allowed_norm:.1e}"
+    )
     if gradient_error <= allowed:
         checks["gradient"] = None
     elif baseline_error <= allowed:
@@ -354,6 +384,8 @@ def compare_on_main(
         f"reference {reference.unit} = {reference.normaliser:g} (from the objective's definition)",
         "loss": f"loop {result.loss:.8f}, reference {reference_loss:.8f}, relative error {loss_error:.2e} "
         f"({at_once}: {baseline_loss_error:.2e})",
+        "gradient norm": f"loop {result.grad_norm:.8g}, reference {reference_norm:.8g}, relative error "
+        f"{norm_error:.2e} ({at_once}: {baseline_norm_error:.2e})",
         "gradient": f"max relative error {gradient_error:.3e} ({at_once}: {baseline_error:.3e}; allowed {allowed:.1e}, "
         f"the {config.precision.dtype} tolerance against float64 being {tolerance:g}; "
         "largest |loop - reference| / largest |reference|)",
@@ -374,6 +406,16 @@ ROUNDING_FLOOR_FACTOR = 4
 # the cap is no rounding: randomness left in the forward (dropout, torch.rand), which no allowance may absorb.
 # bf16's and fp16's own tolerances (5e-2, 1e-2) lie above the cap: there the floor widens nothing.
 ROUNDING_FLOOR_CAP = 1e-3
+
+
+def clipped(gradients: list[torch.Tensor], grad_clip: float) -> tuple[list[torch.Tensor], float]:
+    """(the gradient as a step clipping at `grad_clip` must hand it on, computed in float64 from its definition:
+    g · min(1, grad_clip / (‖g‖ + 1e-6)), unchanged when grad_clip is 0; ‖g‖)."""
+    gradients = [gradient.double().cpu() for gradient in gradients]
+    norm = torch.linalg.vector_norm(torch.cat([gradient.flatten() for gradient in gradients])).item()
+    if grad_clip <= 0:
+        return gradients, norm
+    return [gradient * min(1.0, grad_clip / (norm + 1e-6)) for gradient in gradients], norm
 
 
 def allowed_error(tolerance: float, baseline_error: float) -> tuple[float, str | None]:
@@ -468,30 +510,21 @@ def checked_loss_sum_fn(config: Config, bug: str | None):
     return loss_sum_fn
 
 
-def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn, context, bug: str | None):
-    """One optimizer step the loop's way, exactly as train.py calls it (global_counts from supervised_counts),
-    without clipping; returns (the gradients the optimizer was handed, or None when the update was skipped;
+def loop_step_gradients(config, rows: Rows, batch: StepBatch, training: Training, fused: bool, context, bug):
+    """One optimizer step exactly as train.py runs it (build_training's step function and StepSetup: clipping per
+    optim.grad_clip, batch.on_oom's retry, the fused update where the configured optimizer is fused), global_counts
+    from supervised_counts; returns (the gradients the optimizer was handed, or None when the update was skipped;
     the StepResult; which loss path ran, in words).
 
     The optimizer never moves the weights; it records the gradient of the update as it is handed it."""
-    # model.loss and model.compile as train.py decides them: the plain or the chunked loss, compiled or not.
-    compiled = resolved_compile(config, context.device.type)
-    model_config = decided_model_config(config, model, context.device)
-    # (The mean-of-means self-test wraps the loss, so its forward and loss are not compiled as one module.)
-    forward_module, train_loss_sum_fn = training_forward_and_loss(
-        model_config, model, compile=compiled and bug != "mean-of-means"
-    )
-    plain_path = f"plain: the model's outputs into {function_name(loss_sum_fn)}"  # the configured (or buggy) loss
-    if bug not in LOSS_BUGS:  # SELF-TEST ONLY otherwise: the loop keeps the fork's buggy loss on the plain path
-        loss_sum_fn = train_loss_sum_fn
+    setup, model_config, compiled = training.setup, training.model_config, training.compiled
+    loss_sum_fn = setup.loss_sum_fn
+    if model_config.loss == "chunked":
+        path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
     else:
-        forward_module, model_config = model, dataclasses.replace(model_config, loss="plain")
-    chunked_path = "chunked: the final hidden states into ChunkedCrossEntropySum over the output head"
-    path = chunked_path if model_config.loss == "chunked" else plain_path
+        path = f"plain: the model's outputs into {function_name(training.evaluation[1])}"
     loss_path = f"the loop ran model.loss = {config.model.loss} as {path}, {'compiled' if compiled else 'eager'}"
-    param_dtype = autocast_dtype_for(config.precision)
-    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    optimizer, handed = first_update_probe(model)
+    optimizer, handed = first_update_probe(training.model, fused=fused)
     micro_batches = batch.micro_batches
     if bug == "mask":  # SELF-TEST ONLY: the loop's rows supervise every real target, the prompt's included
         buggy_rows = dataclasses.replace(rows, supervised=every_real_target(rows))
@@ -506,23 +539,13 @@ def loop_step_gradients(config, rows: Rows, batch: StepBatch, model, loss_sum_fn
             rank=context.replica,
         ).micro_batches
     if bug == "mean-of-means":
-        loss_sum_fn = mean_of_means_loss(loss_sum_fn, micro_batches, context)
+        setup = dataclasses.replace(setup, loss_sum_fn=mean_of_means_loss(loss_sum_fn, micro_batches, context))
     global_counts = batch.global_counts  # N in the unit the objective declares, as train.py counts it
     if bug == "mask":  # the loop's N counts the labels it supervises, as a loop that ignores the mask would
         global_counts = None
     if bug == "wrong-normaliser":  # SELF-TEST ONLY: N counts the targets whatever unit the objective declares
         global_counts = GlobalCounts(global_counts.tokens, global_counts.examples)
-    result = optimizer_step(
-        wrapped,
-        micro_batches,
-        optimizer,
-        device=context.device,
-        scaler=torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config)),
-        loss_sum_fn=loss_sum_fn,
-        autocast_dtype=autocast_dtype_for(config.precision),
-        global_counts=global_counts,
-        strategy=step_strategy(config.dist, wrapped),
-    )
+    result = training.step(setup, micro_batches, optimizer, global_counts=global_counts)
     return ([handed[0]] if result.applied else None), result, loss_path
 
 
@@ -536,41 +559,33 @@ def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
         raise ConfigError(f"--inject-bug {bug} is a bug of optimizer_step: use dist.pipeline_stages = 1")
 
 
-def pipelined_step_gradients(batch: StepBatch, model, loss_sum_fn, context: DistributedContext, config, bug):
-    """The pipelined step as train.py runs it (accumulation/parallel/pipeline.py), without clipping, run
-    PIPELINED_STEPS times on the same rows; returns (for each step, the whole model's gradient as the stages'
-    optimizers were handed it, gathered on rank 0 in the model's parameter order, or None when the update was
-    skipped; the last StepResult; which loss path ran, in words). The optimizers never move the weights, so each
-    step must give the reference's gradient: the second one runs after DDP rebuilt its gradient buckets (D > 1)
-    and after the schedule's first step inferred the stages' shapes, which a one-step check never reaches."""
-    pipeline = build_pipeline(
-        model, context.layout, context.device, loss_sum_fn, len(batch.micro_batches), config.dist.pipeline_schedule
-    )
+def pipelined_step_gradients(
+    batch: StepBatch, training: Training, fused: bool, context: DistributedContext, config, bug
+):
+    """The pipelined step as train.py runs it (accumulation/parallel/pipeline.py, build_training's StepSetup:
+    clipping per optim.grad_clip by the stages' norm shares), run PIPELINED_STEPS times on the same rows; returns
+    (for each step, the whole model's gradient as the stages' optimizers were handed it, gathered on rank 0 in the
+    model's parameter order, or None when the update was skipped; the last StepResult; which loss path ran, in
+    words). The optimizers never move the weights, so each step must give the reference's gradient: the second one
+    runs after DDP rebuilt its gradient buckets (D > 1) and after the schedule's first step inferred the stages'
+    shapes, which a one-step check never reaches."""
+    pipeline, model = training.pipeline, training.model
     if bug == "scale-grads":  # SELF-TEST ONLY: PyTorch's default, the gradient divided by A once more
         pipeline.schedule.scale_grads = True
     loss_path = (
         f"the loop ran {config.dist.pipeline_stages} pipeline stages ({config.dist.pipeline_schedule}), the last "
-        f"stage's outputs into {function_name(loss_sum_fn)}, eager, {PIPELINED_STEPS} steps on the same rows"
+        f"stage's outputs into {function_name(pipeline.loss.loss_sum_fn)}, eager, {PIPELINED_STEPS} steps on the "
+        "same rows"
     )
-    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.0)
+    optimizer = torch.optim.SGD(pipeline.stage_module.parameters(), lr=0.0, fused=fused or None)
     handed = []  # per step: this stage's gradients by name
 
     def record(opt, args, kwargs):
         handed.append({pipeline.names[id(p)]: p.grad.detach().cpu() for p in pipeline.stage_module.parameters()})
 
     optimizer.register_step_pre_hook(record)
-    scaler = torch.amp.GradScaler(context.device.type, enabled=resolved_grad_scaler(config))
     for _ in range(PIPELINED_STEPS):
-        result = optimizer_step(
-            pipeline.stage_module,
-            batch.micro_batches,
-            optimizer,
-            device=context.device,
-            strategy=pipeline,
-            global_counts=batch.global_counts,
-            autocast_dtype=autocast_dtype_for(config.precision),
-            scaler=scaler,
-        )
+        result = training.step(training.setup, batch.micro_batches, optimizer, global_counts=batch.global_counts)
     everyone = [None] * context.world_size if context.is_main else None
     dist.gather_object(handed if context.layout.replica == 0 else [], everyone, dst=0)
     if not context.is_main or len(handed) < PIPELINED_STEPS:  # a step skipped (every rank decides alike)

@@ -1,10 +1,12 @@
 """Typed configuration, validated when it is loaded: the defaults, then an optional TOML file (--config FILE), then
-`section.key=value` overrides. Every key is declared once, in config_keys.py (docs/training.md, "Configuration")."""
+`section.key=value` overrides. Every key is declared once, in config_keys.py (docs/training.md, "Configuration");
+this module reads them, checks every value and combination, and says what is wrong in one line."""
 
 import dataclasses
+import json
 import math
 import operator
-import re
+import os
 import tomllib
 from dataclasses import dataclass, field, fields
 
@@ -21,8 +23,16 @@ from accumulation.config.config_keys import (
     ScheduleConfig,
     setting,
 )
-from accumulation.config.errors import ConfigError, PieceError
 from accumulation.config.registry import GENERIC_MODEL_KEYS, Piece, RegistryError, is_piece_name, lookup
+
+
+class ConfigError(ValueError):
+    """A configuration problem. The message is one line that names the key and what it allows."""
+
+
+class PieceError(ConfigError):
+    """model.name, data.source or model.objective names no piece, or names a fork's module that cannot be imported:
+    --help stops on it too, since it could not list that piece's keys."""
 
 
 @dataclass(frozen=True)
@@ -121,9 +131,7 @@ def _check_pieces(config: Config) -> None:
         piece = _piece_of(section_name, getattr(section, choosing_key))
         expected = piece.settings if piece is not None else None
         if section.own is not None or expected is not None:
-            from accumulation.config.own_keys import attach_own_settings  # a piece with its own keys
-
-            attach_own_settings(section, f"{section_name}.{choosing_key}", expected)
+            _attach_own_settings(section, f"{section_name}.{choosing_key}", expected)
     if config.model.objective:
         try:
             lookup("loss", config.model.objective)
@@ -148,20 +156,59 @@ def _declaration(key: str, owns: dict[str, type | None]) -> dataclasses.Field:
     declarations = {f.name: f for f in fields(section_types[section_name]) if not f.metadata.get("own")}
     own_type = owns.get(section_name)
     if own_type is not None:
-        from accumulation.config.own_keys import with_own_declarations  # a piece with its own keys
-
-        declarations = with_own_declarations(declarations, section_name, own_type)
+        declarations = _with_own_declarations(declarations, section_name, own_type)
     if name not in declarations:
         raise ConfigError(f"unknown key {key} ({section_name} has: {', '.join(declarations)})")
     return declarations[name]
+
+
+# The own settings of the model or data source a config chooses (`settings=` where it is registered): a frozen
+# dataclass of setting(...) fields, keys of the piece's section (`model.path` for a model's `path`) like every other
+# (docs/forking.md, "A fork is one file and a config"). The section holds the instance in its `own` field.
+
+
+def _with_own_declarations(declarations: dict, section_name: str, own_type: type) -> dict:
+    """A section's declarations {name: field} with own_type's added; a key the section already has is refused."""
+    for declaration in fields(own_type):
+        if declaration.name in declarations:
+            raise ConfigError(
+                f"{section_name}.{declaration.name}: {own_type.__name__} declares a key that [{section_name}] "
+                f"already has"
+            )
+    return {**declarations, **{declaration.name: declaration for declaration in fields(own_type)}}
+
+
+def _with_own_settings(values: dict, own_type: type) -> dict:
+    """A section's values {name: value} with own_type's keys gathered into `own`, an own_type instance (its
+    defaults for the keys not given)."""
+    own_names = {declaration.name for declaration in fields(own_type)}
+    own = own_type(**{name: value for name, value in values.items() if name in own_names})
+    return {**{name: value for name, value in values.items() if name not in own_names}, "own": own}
+
+
+def _attach_own_settings(section, choosing_key: str, expected: type | None) -> None:
+    """Give `section` the own settings `expected` (the chosen piece's settings, or None): their defaults when none
+    were given; refused when the section holds another piece's."""
+    own = section.own
+    if own is None and expected is not None:
+        object.__setattr__(section, "own", expected())  # frozen: set once, while the Config is made
+    elif own is not None and type(own) is not expected:
+        raise ConfigError(
+            f"{choosing_key}: {getattr(section, choosing_key.partition('.')[2])!r} takes "
+            f"{'no own keys' if expected is None else expected.__name__}, but the section holds {type(own).__name__}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
 # Checking values
 # ---------------------------------------------------------------------------------------------------------
 
-# The bounds setting() declares, and the comparison a value must pass (their symbols: accumulation/config/key_text.py).
+# The bounds setting() declares, the comparison a value must pass, and its symbol in words.
 _BOUNDS = {"at_least": operator.ge, "above": operator.gt, "at_most": operator.le, "below": operator.lt}
+_BOUND_SYMBOLS = {"at_least": ">=", "above": ">", "at_most": "<=", "below": "<"}
+_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a non-empty string"}
+# The longest file name Linux file systems accept, in bytes (NAME_MAX).
+NAME_MAX_BYTES = 255
 
 
 def _is_allowed(value, declaration: dataclasses.Field) -> bool:
@@ -178,27 +225,48 @@ def _is_allowed(value, declaration: dataclasses.Field) -> bool:
 
 
 def _check_value(key: str, value, declaration: dataclasses.Field) -> None:
-    if isinstance(value, str) and not value.isascii():
-        from accumulation.config.text_checks import refuse_non_utf8  # ASCII text holds no such bytes
-
-        refuse_non_utf8(key, value)
+    if isinstance(value, str) and any("\ud800" <= character <= "\udfff" for character in value):
+        # Lone surrogates: a command-line argument's bytes that are not UTF-8 arrive so (os.fsdecode). The run's
+        # config.toml, a UTF-8 file, cannot record them, so the run could never be repeated from it.
+        shown = os.fsencode(value).decode("utf-8", errors="backslashreplace")
+        raise ConfigError(
+            f"{key}: {shown!r} holds bytes that are not UTF-8, which the run's config.toml cannot record; use a "
+            f"UTF-8 name (for a file or folder: rename it, or link to it under a UTF-8 name)"
+        )
     if not _is_allowed(value, declaration):
-        from accumulation.config.key_text import expected_text, value_text
-
         raise ConfigError(expected_text(key, declaration, value_text(value)))
+
+
+def value_text(value) -> str:
+    """A value in TOML's spelling: "adamw", true, 0.003, inf."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # inf, -inf, nan: TOML's words (JSON has none)
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, (str, int, float)) else repr(value)
+
+
+def allowed_text(declaration: dataclasses.Field) -> str:
+    """What a key accepts, in words: 'an integer >= 0', 'one of "adamw", "sgd"', 'true or false'."""
+    metadata = declaration.metadata
+    if metadata["choices"] is not None:
+        return "one of " + ", ".join(value_text(choice) for choice in metadata["choices"])
+    words = _TYPE_WORDS[declaration.type]
+    if declaration.type is str and declaration.default == "":
+        words = 'a string ("" = none)'
+    bounds = [f"{symbol} {metadata[name]}" for name, symbol in _BOUND_SYMBOLS.items() if metadata[name] is not None]
+    return f"{words} {' and '.join(bounds)}" if bounds else words
+
+
+def expected_text(key: str, declaration: dataclasses.Field, got: str) -> str:
+    """The one line for a value a key does not allow: "optim.lr: expected a finite number > 0, got -1.0"."""
+    return f"{key}: expected {allowed_text(declaration)}, got {got}"
 
 
 def _check_combinations(config: Config) -> None:
     """Rules that involve more than one key (train.py checks the batch against the world size, which it knows)."""
     batch, schedule = config.batch, config.schedule
-    if not PLAIN_RUN_NAME.fullmatch(config.run.name):
-        from accumulation.config.text_checks import run_name_problem
-
-        problem = run_name_problem(config.run.name)
-        if problem:
-            raise ConfigError(
-                f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}"
-            )
+    problem = run_name_problem(config.run.name)
+    if problem:
+        raise ConfigError(f"run.name: expected one folder name inside run.out_dir, got {config.run.name!r}: {problem}")
     # The rules of the chosen model and data source, declared where they are registered (e.g. the encoder's).
     for section_name, choosing_key in OWNED_SECTIONS.items():
         piece = _piece_of(section_name, getattr(getattr(config, section_name), choosing_key))
@@ -212,6 +280,17 @@ def _check_combinations(config: Config) -> None:
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
             f"({batch.global_batch_size}), got {batch.micro_batch_size}"
         )
+    # lr <= 100, above any published setting (SGD linear probes use 30): an AdamW update moves each weight by about
+    # lr. Decay multiplies each decayed weight by 1 - lr * weight_decay per update (AdamW; SGD's L2 term alike).
+    optim = config.optim
+    if optim.lr > 100:
+        raise ConfigError(f"optim.lr: expected a number <= 100, got {optim.lr:g} (a minus sign lost from an exponent?)")
+    if optim.lr * optim.weight_decay >= 1:
+        raise ConfigError(
+            f"optim.weight_decay: expected optim.lr x optim.weight_decay < 1, got {optim.lr:g} x {optim.weight_decay:g}"
+            f": each update multiplies every decayed weight by 1 - lr x weight_decay, which must stay positive; "
+            f"lower optim.weight_decay (typically 0 to 0.1) or optim.lr"
+        )
     # With decay_updates = 0 the horizon is run.max_steps, which may grow on resume: not checked here.
     if schedule.name == "cosine" and schedule.decay_updates > 0 and schedule.warmup_updates > schedule.decay_updates:
         raise ConfigError(
@@ -220,12 +299,23 @@ def _check_combinations(config: Config) -> None:
         )
 
 
-# A run.name of letters, digits, "-", "_" and "." (not "." or "..") is one folder name: no further checks.
-PLAIN_RUN_NAME = re.compile(r"(?!\.\.?$)[A-Za-z0-9_.-]{1,255}")
+def run_name_problem(name: str) -> str | None:
+    """Why `name` cannot be a run directory's name, or None. It is joined to run.out_dir, so it must be one
+    path component: a "/" or ".." would put the run elsewhere (an absolute name replaces out_dir whole), and
+    "." would be out_dir itself."""
+    if name in ("", ".", ".."):
+        return "choose a name such as my-run"
+    if "/" in name:
+        return "it holds a path separator; use one name, and run.out_dir for the folder"
+    if any(ord(character) < 32 or ord(character) == 127 for character in name):
+        return "it holds a control character (a newline, a tab); use printable characters"
+    if len(os.fsencode(name)) > NAME_MAX_BYTES:
+        return f"{len(os.fsencode(name))} bytes, more than the {NAME_MAX_BYTES} a file name may have"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Reading: command-line overrides, TOML files and plain dicts (toml_file.py) all become {"section.key": value}
+# Reading: command-line overrides, TOML files and plain dicts all become {"section.key": value}
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -247,8 +337,6 @@ def _value_from_text(key: str, text: str, declaration: dataclasses.Field):
         value = _unquoted(text)
     types = (int, float) if declaration.type is float else (declaration.type,)  # `lr=1` means 1.0
     if declaration.type in (int, float, bool) and type(value) not in types:
-        from accumulation.config.key_text import expected_text
-
         raise ConfigError(expected_text(key, declaration, text))
     return value
 
@@ -283,9 +371,7 @@ def _config_from_pairs(pairs: dict[str, object], texts: list[tuple[str, str]] = 
             top_level_values[key] = value
     for section_name, own_type in owns.items():
         if own_type is not None:
-            from accumulation.config.own_keys import with_own_settings  # a piece with its own keys
-
-            section_values[section_name] = with_own_settings(section_values[section_name], own_type)
+            section_values[section_name] = _with_own_settings(section_values[section_name], own_type)
     sections = {name: section_type(**section_values[name]) for name, section_type in _section_types().items()}
     return Config(**sections, **top_level_values)
 
@@ -296,9 +382,7 @@ def load_config(argv: list[str]) -> Config:
     pairs = {}
     arguments = list(argv)
     if arguments and arguments[0].startswith("--config"):
-        from accumulation.config.toml_file import pairs_of_config_option
-
-        pairs, arguments = pairs_of_config_option(arguments, list(_section_types()))
+        pairs, arguments = _pairs_of_config_option(arguments)
     texts = [_split_argument(argument) for argument in arguments]
     # A generic model key the model does not read is refused where a user sets it; a checkpoint's config may hold it.
     given = {**pairs, **{key: _unquoted(text) for key, text in texts}}
@@ -311,9 +395,46 @@ def load_config(argv: list[str]) -> Config:
 
 def config_from_dict(tree: dict) -> Config:
     """The inverse of config_to_dict (e.g. the config stored in a checkpoint), validated like a file."""
-    from accumulation.config.toml_file import pairs_from_tree
+    return _config_from_pairs(_pairs_from_tree(tree))
 
-    return _config_from_pairs(pairs_from_tree(tree, list(_section_types())))
+
+def _pairs_of_config_option(arguments: list[str]) -> tuple[dict[str, object], list[str]]:
+    """A command line's leading `--config FILE` or `--config=FILE`: the file's pairs and the arguments after it.
+    Any other first argument ("--configure") is left to the caller, which refuses it."""
+    if arguments[0] == "--config":
+        if len(arguments) < 2:
+            raise ConfigError("--config: expected a file name after --config")
+        path, rest = arguments[1], arguments[2:]
+    elif arguments[0].startswith("--config="):
+        path, rest = arguments[0].removeprefix("--config="), arguments[1:]
+    else:
+        return {}, arguments
+    try:
+        with open(path, "rb") as file:
+            tree = tomllib.load(file)
+    except OSError as error:
+        raise ConfigError(f"--config {path}: cannot read the file ({error.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path}: not valid TOML ({error})") from None
+    return _pairs_from_tree(tree), rest
+
+
+def _pairs_from_tree(tree: dict) -> dict[str, object]:
+    """{"run": {"seed": 1}, "device": "cpu"} -> {"run.seed": 1, "device": "cpu"}, rejecting unknown sections (the
+    keys are checked by _config_from_pairs, once the chosen pieces, whose own keys they may be, are known)."""
+    section_names = list(_section_types())
+    pairs = {}
+    for name, value in tree.items():
+        if name in section_names:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name}: expected a section [{name}] of keys, got {value_text(value)}")
+            for key, inner_value in value.items():
+                pairs[f"{name}.{key}"] = inner_value
+        elif isinstance(value, dict):
+            raise ConfigError(f"unknown section [{name}] (sections: {', '.join(section_names)})")
+        else:
+            pairs[name] = value
+    return pairs
 
 
 def config_to_dict(config: Config) -> dict:

@@ -4,7 +4,7 @@ allows (docs/training.md, "Configuration")."""
 from dataclasses import dataclass, field
 
 
-# The own settings of the model (or data source) a config chooses, or None: accumulation/config/own_keys.py.
+# The own settings of the model (or data source) a config chooses, or None (accumulation/config/config.py).
 def own_settings():
     return field(default=None, metadata={"own": True})
 

@@ -5,6 +5,7 @@ unit and its meaning, then the own keys of every registered model and data sourc
 
 import dataclasses
 import importlib
+import sys
 from dataclasses import fields
 
 from accumulation.config.config import (
@@ -12,13 +13,13 @@ from accumulation.config.config import (
     Config,
     ConfigError,
     PieceError,
+    allowed_text,
     load_config,
     settings_of,
     unused_model_keys,
+    value_text,
 )
-from accumulation.config.fork_import import config_name
-from accumulation.config.key_text import allowed_text, value_text
-from accumulation.config.registry import BUILT_IN, REGISTERED, Piece
+from accumulation.config.registry import BUILT_IN, REGISTERED, Piece, config_name
 
 
 def _key_help(key: str, declaration: dataclasses.Field, default) -> list[str]:
@@ -35,6 +36,17 @@ def registered(kind: str) -> dict[str, Piece]:
     for module_name in BUILT_IN[kind].values():
         importlib.import_module(module_name)
     return dict(REGISTERED[kind])
+
+
+def print_help(argv: list[str]) -> int:
+    """Print help_text(argv) and return the exit status: 0, or 2 with one line on stderr when argv names a fork's
+    module that cannot be imported (its keys are unknown)."""
+    try:
+        print(help_text(argv))
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def help_text(argv: list[str] = ()) -> str:
@@ -74,7 +86,7 @@ def help_text(argv: list[str] = ()) -> str:
                 continue
             lines += [
                 "",
-                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece, BUILT_IN[section_name])}"',
+                f'[{section_name}] with {section_name}.{choosing_key} = "{config_name(piece)}"',
             ]
             for declaration in fields(piece.settings):
                 lines += _key_help(f"{section_name}.{declaration.name}", declaration, declaration.default)

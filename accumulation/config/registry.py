@@ -1,12 +1,16 @@
 """Where models, losses and data sources are declared: each registers itself in the file that defines it, and a
-config names it by that name or as "module:name" (docs/forking.md, "A fork is one file and a config"). This module
-imports nothing of the project: accumulation/config/config.py reads it."""
+config names it by that name or as "module:name" (docs/forking.md, "A fork is one file and a config"). A fork's
+module registers its pieces as it is imported; whatever stops it is one line (accumulation/probe.py's fault_text,
+the one import of the project here). accumulation/config/config.py reads this module."""
 
 import dataclasses
 import importlib
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from accumulation.probe import fault_text
 
 KINDS = ("model", "loss", "data")
 
@@ -39,7 +43,7 @@ class Piece:
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
                   data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
-    settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/own_keys.py)
+    settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/config.py)
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
     check         None, or check(config) raising ValueError(one line) for a combination the piece cannot run
@@ -107,10 +111,8 @@ def lookup(kind: str, name: str) -> Piece:
         importlib.import_module(BUILT_IN[kind][name])  # registers it; cached after the first time
     if name in REGISTERED[kind]:
         return REGISTERED[kind][name]
-    from accumulation.config.fork_import import import_problem, names_text  # a fork's piece, or no piece at all
-
     if IMPORT_PATH.fullmatch(name) is None:
-        names = names_text(REGISTERED[kind], BUILT_IN[kind])
+        names = names_text(kind)
         raise RegistryError(f'expected one of {names}, or a module:name import path, got "{name}"')
     module_name, _, short_name = name.partition(":")
     problem = import_problem(module_name)
@@ -119,6 +121,52 @@ def lookup(kind: str, name: str) -> Piece:
     if short_name not in REGISTERED[kind]:
         raise RegistryError(
             f"{module_name} registers no {kind} {short_name!r} (registered: "
-            f"{names_text(REGISTERED[kind], BUILT_IN[kind])}); call register_{kind}({short_name!r}, ...) in it"
+            f"{names_text(kind)}); call register_{kind}({short_name!r}, ...) in it"
         )
     return REGISTERED[kind][short_name]
+
+
+def import_problem(module_name: str) -> str | None:
+    """Import a fork's module: None when it imported, else why not (not found, a syntax error, an exception,
+    sys.exit), in one line."""
+    try:
+        importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # The module itself (or its package) not found; a module IT imports not found is a fault in the fork.
+        if error.name is not None and (module_name == error.name or module_name.startswith(error.name + ".")):
+            return (
+                f"cannot import {module_name} ({error}); the module must be importable: install it, or run from "
+                f"the folder that holds it, or add that folder to PYTHONPATH"
+            )
+        return f"cannot import {module_name}: {fault_text(error)}"
+    except SystemExit as error:
+        return (
+            f"{module_name} exited (sys.exit({error.code!r})) while being imported; a fork's module only defines and "
+            f'registers its pieces: move what runs at import under `if __name__ == "__main__":`'
+        )
+    except Exception as error:  # a syntax error or any exception raised at import: the fork's own fault
+        return f"cannot import {module_name}: {fault_text(error)}"
+    return None
+
+
+def fork_raised(error: Exception) -> str:
+    """The words for an exception a fork's function (its model's or data's build) raised, for the one line that
+    names the function: fault_text's "TypeError: message (at fork.py:12)". A ValueError is the fork refusing its
+    input, and its message says all; any other exception is a bug in the fork's code, whose traceback is printed
+    first, from the fork's own frame on (the caller's frame, which caught it, and this program's above it are
+    left out: they say nothing about the bug)."""
+    if not isinstance(error, ValueError):
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+    return fault_text(error)
+
+
+def config_name(piece: Piece) -> str:
+    """What a config writes to choose a registered piece: its name for a built-in, "module:name" for a fork's."""
+    module_name = getattr(piece.build or piece.loss_sum_fn, "__module__", "")
+    return piece.name if module_name in BUILT_IN[piece.kind].values() else f"{module_name}:{piece.name}"
+
+
+def names_text(kind: str) -> str:
+    """The names a config may write for one kind: the built-ins, then those of the fork modules imported so far."""
+    forks = [config_name(piece) for name, piece in REGISTERED[kind].items() if name not in BUILT_IN[kind]]
+    return ", ".join(f'"{name}"' for name in [*BUILT_IN[kind], *forks]) or "none"

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from accumulation.config.config import DataConfig
+from accumulation.config.registry import fork_raised, lookup
 from accumulation.data.rows import DataError, Rows
 from accumulation.data.splits import Data, DataSummary
 
@@ -73,3 +75,22 @@ def data_from_custom_rows(
         val_rows_read=val.num_rows if val is not None else 0,
     )
     return Data(train=train, val=val, summary=summary, vocab_size=vocab_size)
+
+
+def built_by_a_registered_source(settings: DataConfig, model_vocab_size: int, seed: int) -> Data:
+    """A registered source's Data; what its build raises (bar a DataError, already one line) or a return value that
+    is not a Data is a DataError naming the build."""
+    build = lookup("data", settings.source).build
+    name = f"data.source: {settings.source}'s build ({getattr(build, '__qualname__', 'its build')})"
+    try:
+        built = build(settings, model_vocab_size=model_vocab_size, seed=seed)
+    except (DataError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:  # the fork's own fault: one line, after its traceback when it is a bug
+        raise DataError(f"{name} raised {fork_raised(error)}; fix the build or the source's keys") from None
+    if not isinstance(built, Data):
+        raise DataError(
+            f"{name} returned {type(built).__name__}, not a Data; return data_from_custom_rows(...) "
+            f"(accumulation/data/custom.py, docs/forking.md)"
+        )
+    return built

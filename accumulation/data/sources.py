@@ -11,7 +11,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_inputs, micro_batch_slices
 from accumulation.config.config import DataConfig
-from accumulation.config.registry import is_piece_name, lookup
+from accumulation.config.registry import is_piece_name
 from accumulation.data import text_corpus
 from accumulation.data.rows import DataError, Rows, RowSubset, mix64, row_hooks, undeclared_hooks
 from accumulation.data.splits import Data
@@ -40,7 +40,9 @@ def build_data(settings: DataConfig, *, model_vocab_size: int, seed: int) -> Dat
     model.vocab_size (0: from the data), `seed` run.seed (the masked-LM fork's masks draw from it)."""
     source, seq_len = settings.source, settings.seq_len
     if is_piece_name("data", source):  # a registered source (accumulation/config/registry.py): a fork's own data
-        built = lookup("data", source).build(settings, model_vocab_size=model_vocab_size, seed=seed)
+        from accumulation.data.custom import built_by_a_registered_source
+
+        built = built_by_a_registered_source(settings, model_vocab_size, seed)
     elif source == "stdlib" and settings.tokenizer == "bytes" and settings.task == "next-token":  # the default
         built = text_corpus.load_stdlib(seq_len, settings.val_fraction, settings.layout == "packed")
     else:  # a path, a tokenizer or a masked task: path_sources tells token files, JSONL and text apart
@@ -251,10 +253,16 @@ def check_supervised_counts(batch: StepBatch) -> None:
         held = (micro_batch.labels != IGNORE_INDEX).reshape(len(micro_batch.labels), -1).sum(dim=1)
         expected = torch.zeros_like(held)
         expected[: len(promised)] = promised
-        if not torch.equal(held, expected):
-            from accumulation.data.failures import count_mismatch_error
-
-            raise count_mismatch_error(batch.step, batch.row_ids[positions], held, expected)
+        if not torch.equal(held, expected):  # one line naming the first row that breaks the promise
+            row = int((held != expected).nonzero()[0])
+            row_ids = batch.row_ids[positions]  # the micro-batch's real rows; the rest are padding
+            where = f"row {int(row_ids[row])}" if row < len(row_ids) else "a padding row"
+            raise DataError(
+                f"step {batch.step}: the labels of {where} hold {int(held[row])} supervised targets, but "
+                f"supervised_counts promised {int(expected[row])}; every update would be divided by a wrong N: "
+                f"make supervised_counts(row_ids, step) count the labels != -100 of examples(row_ids, step) "
+                f"(docs/forking.md)"
+            )
 
 
 def eval_micro_batches(rows: Rows, micro_batch_size: int, world_size: int, rank: int) -> Iterator[MicroBatch]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from accumulation.data.rows import Rows, RowSet
+from accumulation.data.rows import DataError, Rows, RowSet
 
 # Rows hashed at a time by row_fingerprint, so that widening tokens to uint32 never copies a whole split.
 FINGERPRINT_CHUNK_ROWS = 65_536
@@ -124,11 +124,18 @@ class Data:
 
 def data_from_rows(source: str, train: RowSet, val: RowSet, val_fraction: float, **description) -> Data:
     """Check the split sizes, then bundle the rows with their summary: `description` gives the DataSummary fields
-    that only the source knows (root, files, bytes, documents, ...); the rest is counted from the rows."""
-    if train.num_rows == 0 or (val_fraction > 0 and val.num_rows == 0):
-        from accumulation.data.failures import split_size_error
-
-        raise split_size_error(source, train.num_rows, val_fraction)
+    that only the source knows (root, files, bytes, documents, ...); the rest is counted from the rows. (Each source
+    first reports a source without any usable row in its own words.)"""
+    if train.num_rows == 0:
+        raise DataError(
+            f"data.source {source!r}: all of it fell into the validation split (data.val_fraction={val_fraction}); "
+            f"lower data.val_fraction or add more data"
+        )
+    if val_fraction > 0 and val.num_rows == 0:
+        raise DataError(
+            f"data.source {source!r}: the validation split (data.val_fraction={val_fraction}) has no text to "
+            f"predict; raise data.val_fraction, add more data, or set data.val_fraction=0"
+        )
     supervised = train.supervised_tokens()
     label_positions = train.num_rows * train.seq_len
     targets = int(train.lengths.long().sum()) - train.num_rows  # a row of length L has L - 1 targets

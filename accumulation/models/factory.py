@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from accumulation.config.config import Config, ConfigError, ModelConfig
-from accumulation.config.registry import lookup
+from accumulation.config.registry import fork_raised, lookup
 from accumulation.step import token_cross_entropy_sum
 
 
@@ -29,9 +29,14 @@ def build_model(model_config: ModelConfig, vocab_size: int, *, seq_len: int, see
     """The model model_config.name names, with vocab_size tokens (resolved_vocab_size), rows of seq_len tokens
     (config.data.seq_len), initialised from `seed` (config.run.seed), on the default device (then `.to(device)`)."""
     piece = lookup("model", model_config.name)
-    model = piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
+    build = getattr(piece.build, "__qualname__", "its build")
+    try:
+        model = piece.build(model_config, vocab_size, seq_len=seq_len, seed=seed)
+    except (ConfigError, torch.OutOfMemoryError):
+        raise
+    except Exception as error:  # the fork's own fault: one line, after its traceback when it is a bug
+        raise ConfigError(f"model.name: {model_config.name}'s build ({build}) raised {fork_raised(error)}") from None
     if not isinstance(model, torch.nn.Module):
-        build = getattr(piece.build, "__qualname__", "its build")
         raise ConfigError(
             f"model.name: {model_config.name}'s build ({build}) returned {type(model).__name__}, not a "
             f"torch.nn.Module; return the model (the model contract, docs/forking.md)"

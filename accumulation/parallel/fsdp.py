@@ -32,10 +32,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from accumulation.batching import MicroBatch
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.step import MicroBatchLoss, squared_norm
+from accumulation.step import MicroBatchLoss, Strategy, squared_norm
 
 
-class FullyShardedDataParallel:
+class FullyShardedDataParallel(Strategy):
     """optimizer_step's strategy for a fully_shard-ed model: every rank one replica, each holding shards."""
 
     def __init__(self, model: torch.nn.Module):

@@ -40,7 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.mesh import Layout
-from accumulation.step import MicroBatchLoss, squared_norm
+from accumulation.step import MicroBatchLoss, Strategy, squared_norm
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
 
@@ -141,7 +141,7 @@ class LastStageLoss:
 
 
 @dataclass
-class Pipeline:
+class Pipeline(Strategy):
     """This rank's part of a pipelined model, and the schedule that runs one step of it: optimizer_step's strategy
     (accumulation/step.py) for dist.pipeline_stages > 1."""
 

@@ -1,5 +1,5 @@
-"""What only a launch under torchrun needs: its environment checked, the process group joined, and the line that
-says another rank was lost.
+"""What only a launch under torchrun needs: its environment checked, the process group joined, the ranks' settings
+compared, and the line that says another rank was lost.
 
 Every rank reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, checked first (launch_problem). A
 single process has none of them and never imports this module (accumulation/parallel/distributed.py).
@@ -11,6 +11,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from accumulation.config.config import Config, ConfigError, settings_of
 
 # What torchrun sets for every rank; a launcher of its own must set them all (LOCAL_RANK defaults to 0).
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -54,13 +56,23 @@ def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: 
     # works under its own key prefix. Without the agent (a plain launcher that sets the variables), rank 0
     # hosts the store.
     agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world_size,
-        is_master=rank == 0 and not agent_hosts_store,
-        timeout=timeout,
-    )
+    hosts_store = rank == 0 and not agent_hosts_store
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world_size,
+            is_master=hosts_store,
+            timeout=timeout,
+        )
+    except dist.DistNetworkError as error:  # a launch problem, one line; train.py then undoes rank 0's run lock
+        if hosts_store and "address already in use" in str(error).lower():
+            raise ConfigError(
+                f"MASTER_PORT={os.environ['MASTER_PORT']} is in use on this host, and rank 0 hosts the ranks' "
+                f"rendezvous there (no torchrun agent holds it): set MASTER_PORT to a free port on every rank, or "
+                f"launch with torchrun --standalone"
+            ) from None
+        raise
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
@@ -74,6 +86,35 @@ def join_process_group(device: torch.device, timeout_s: float, pipeline_stages: 
     from accumulation.parallel.mesh import build_layout
 
     return backend, build_layout(device, pipeline_stages)
+
+
+# The keys that may differ from rank to rank. run.out_dir: the path under which each node sees the run's shared
+# storage (mount points differ between nodes); only rank 0 writes there, and restore.py's check_ranks_agree_on_resume
+# compares what each rank found in it. Every other key shapes the step (the model, the batch, the data, the
+# optimizer) or decides when the ranks meet in a collective (run.max_steps, run.checkpoint_every, run.eval_every).
+PER_RANK_KEYS = ("run.out_dir",)
+
+
+def check_ranks_agree(config: Config, data_fingerprint: str) -> None:
+    """Refuse (ConfigError, one line on every rank) ranks launched with different settings: a stale config file on
+    one node, a node-local copy of other data. ONE all-gather of each rank's resolved config (less PER_RANK_KEYS)
+    and its training data's fingerprint; every rank compares the same list, so every rank refuses alike. The
+    first key that differs is named with its value on rank 0 and on the first rank that differs; the data's
+    fingerprint comes last, since a differing data.source already explains it."""
+    mine = {key: value for key, _, value in settings_of(config) if key not in PER_RANK_KEYS}
+    mine["the training data's fingerprint"] = data_fingerprint
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    keys = list(everyone[0]) + [key for settings in everyone[1:] for key in settings if key not in everyone[0]]
+    for key in keys:
+        for rank, settings in enumerate(everyone[1:], start=1):
+            if settings.get(key, "unset") != everyone[0].get(key, "unset"):
+                first, other = everyone[0].get(key, "unset"), settings.get(key, "unset")
+                raise ConfigError(
+                    f"the ranks were launched with different settings: {key} is {first!r} on rank 0 and {other!r} "
+                    f"on rank {rank}; every rank must get the same config file, command line and data (only "
+                    f"{', '.join(PER_RANK_KEYS)} may differ)"
+                )
 
 
 # How gloo and the TCP store word the failures that mean "another rank is gone or stuck".

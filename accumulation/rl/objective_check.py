@@ -27,7 +27,7 @@ from accumulation.rl.objectives import (
     completion_lengths,
     target_log_probs,
 )
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 # Both sides run in float64 and differ only in the order of their sums (micro-batches, ranks, DDP's mean): a few
 # units of 2**-52 per addition, far below this. Every wrong normaliser tried is off by a factor of order one.
@@ -139,11 +139,9 @@ def accumulated_gradient(
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     counts = GlobalCounts(declared.normaliser, rows.labels.shape[0])  # N in the declared unit
     optimizer_step(
-        model,
+        StepSetup(model, torch.device("cpu"), loss_sum_fn=PolicyLoss(clip_ratio)),
         micro_batches_of_rank(rows, declared, micro_batch, rank, ranks),
         optimizer,
-        device=torch.device("cpu"),
-        loss_sum_fn=PolicyLoss(clip_ratio),
         global_counts=counts,
     )
     with torch.no_grad():

@@ -1,15 +1,31 @@
-"""What train.py and the scripts derive from a Config in the same way: the checks that need the world size or the
-machine's memory, the optimizer, the autocast dtype, and the module the optimizer step runs."""
+"""What train.py, the checker and the scripts derive from a Config in the same way: the checks that need the world
+size or the machine's memory, and `build_training`, the one assembly of everything a step needs (the model, its
+loss, the module the step runs, the strategy, the optimizer, the schedule, the scaler and the step function)."""
 
 import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import accumulation_steps
-from accumulation.config.config import Config, ConfigError, DistConfig, OptimConfig, PrecisionConfig
+from accumulation.config.config import (
+    Config,
+    ConfigError,
+    DistConfig,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    resolved_compile,
+    resolved_grad_scaler,
+)
 from accumulation.data.memory import memory_limit_bytes
+from accumulation.models.factory import build_model, decided_model_config, loss_sum_fn_for, training_forward_and_loss
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.checkpoint import seed_dropout
+from accumulation.schedule import run_scheduler
+from accumulation.step import DataParallel, StepSetup, Strategy, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
 TRAINING_BYTES_PER_PARAMETER = 16
@@ -88,13 +104,99 @@ def wrap_for_training(
     return DistributedDataParallel(wrapped, device_ids=device_ids)
 
 
-def step_strategy(dist_config: DistConfig, module: torch.nn.Module):
-    """optimizer_step's strategy for `module`: FSDP2's under dist.strategy = "fsdp2", else None (one process, DDP)."""
-    if dist_config.strategy != "fsdp2":
-        return None
-    from accumulation.parallel.fsdp import FullyShardedDataParallel
+@dataclass
+class Training:
+    """Everything the training section runs, built once (build_training). Two names for the model: `model` is the
+    whole unwrapped model (checkpoints hold its state dict); `setup.module` is what optimizer_step runs, the model as
+    training wraps it (compiled, in DDP, sharded by FSDP2, its loss inside it when compiled, or this rank's
+    pipeline stage)."""
 
-    return FullyShardedDataParallel(module)
+    model: torch.nn.Module
+    model_config: ModelConfig  # config.model with model.loss decided ("plain" or "chunked")
+    compiled: bool
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    setup: StepSetup  # the step's module, device, loss, scaler, clip, autocast dtype and strategy
+    step: Callable  # optimizer_step, or with batch.on_oom = "shrink" its out-of-memory retry (same arguments)
+    # What validation and the step-0 probe run: (the forward, its loss_sum_fn), training's model.loss uncompiled
+    evaluation: tuple[torch.nn.Module, Callable]
+    pipeline: object = None  # dist.pipeline_stages > 1: this rank's stage and the schedule (parallel/pipeline.py)
+
+
+def build_training(
+    config: Config,
+    vocab_size: int,
+    resume: dict | None,
+    context: DistributedContext,
+    *,
+    model: torch.nn.Module | None = None,
+    loss_sum_fn: Callable | None = None,
+) -> Training:
+    """The model (with a resume's weights), the loss, the module the step runs, the strategy, the optimizer, the
+    schedule, the scaler and the step function, as the config says. The checker hands in its own `model` (its
+    dropout switched off) and, to test itself, a buggy `loss_sum_fn` in place of the configured one (run on the
+    plain path, uncompiled)."""
+    device = context.device
+    if model is None:  # the same initial weights on every rank
+        model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    model = model.to(device)
+    # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
+    # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
+    seed_dropout(config.run.seed, context.rank)
+    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+        model.load_state_dict(resume["model"])
+    compiled = resolved_compile(config, device.type) and loss_sum_fn is None
+    # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
+    # (accumulation/models/factory.py); the probe and validation use the same loss.
+    model_config = decided_model_config(config, model, device)
+    if loss_sum_fn is None:
+        evaluation = training_forward_and_loss(model_config, model)
+    else:  # the checker's self-test: its buggy loss on the plain path
+        model_config, evaluation = replace(model_config, loss="plain"), (model, loss_sum_fn)
+    autocast_dtype = autocast_dtype_for(config.precision)
+    pipeline = None
+    if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
+        from accumulation.parallel.pipeline import build_pipeline, optimizer_order
+
+        step_loss_sum_fn = loss_sum_fn or loss_sum_fn_for(config.model)
+        accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
+        pipeline = build_pipeline(model, context.layout, device, step_loss_sum_fn, accum, config.dist.pipeline_schedule)
+        # The optimizer over the stage's parameters alone; checkpoints number them as one over the whole model.
+        optimizer = build_optimizer(config.optim, pipeline.stage_module, device)
+        pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
+        module, strategy = pipeline.wrapped, pipeline
+    else:
+        if loss_sum_fn is None:
+            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
+        else:
+            forward_module, step_loss_sum_fn = evaluation
+        # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
+        # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
+        module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype)
+        strategy = step_strategy(config, module)
+        optimizer = build_optimizer(config.optim, model, device)
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    setup = StepSetup(module, device, step_loss_sum_fn, scaler, config.optim.grad_clip, autocast_dtype, strategy)
+    step = optimizer_step
+    if config.batch.on_oom == "shrink":  # a step that runs out of memory is redone with fewer rows per micro-batch
+        from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom as step
+    set_tf32(config.precision.tf32)  # CUDA fp32 matrix products on tensor cores; nothing changes on the CPU
+    return Training(model, model_config, compiled, optimizer, scheduler, setup, step, evaluation, pipeline)
+
+
+def step_strategy(config: Config, module: torch.nn.Module) -> Strategy:
+    """How the step runs `module`'s micro-batches: FSDP2's under dist.strategy = "fsdp2", the out-of-memory retry's
+    under batch.on_oom = "shrink", else DataParallel (one process, DDP)."""
+    if config.dist.strategy == "fsdp2":
+        from accumulation.parallel.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(module)
+    if config.batch.on_oom == "shrink":
+        from accumulation.shrink_on_oom import ShrinkOnOutOfMemory
+
+        return ShrinkOnOutOfMemory(module)
+    return DataParallel(module)
 
 
 def set_tf32(enabled: bool) -> None:

@@ -2,7 +2,6 @@
 "Checkpoints and resume"); reading one back is accumulation/run/restore.py's."""
 
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -14,17 +13,31 @@ from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-
-STEP_FILE = re.compile(r"step_(\d{6,})\.pt")
+from accumulation.run.run_dir import STEP_FILE, WriteError, disk_full, os_error_in, why_not_written
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the file and what is wrong."""
 
 
-class WriteError(Exception):
-    """A file of the run could not be written (a full disk, a lost mount, no permission): one line naming the file,
-    why, and what was kept (accumulation/run/write_errors.py); the program exits 1 (accumulation/run/failures.py)."""
+def check_weights_finite(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A CheckpointError on every rank when any rank's optimizer parameters (the whole model, its stage or its FSDP2
+    shards) hold inf or nan: a collective, run before each checkpoint and after a non-finite step (run/stops.py),
+    never on a healthy step; one isfinite pass and one read-back, small beside a checkpoint's copy to the host."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    finite = [torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all() for p in parameters]
+    broken = torch.stack(finite).logical_not().any().int() if finite else torch.zeros((), dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+    if broken.item():
+        names = {id(parameter): name for name, parameter in model.named_parameters()}
+        mine = [names.get(id(p), "a parameter") for p, ok in zip(parameters, finite, strict=True) if not ok]
+        raise CheckpointError(
+            f"an update left inf or nan in the weights ({f'first {mine[0]}' if mine else 'on another rank'}), so no "
+            f"checkpoint was written with them; the newest checkpoint holds the last finite weights. The update "
+            f"overflowed: start a new run with a lower optim.lr (now {config.optim.lr:g}) or optim.weight_decay "
+            f"(now {config.optim.weight_decay:g})"
+        )
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
@@ -58,20 +71,38 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
         for old in step_checkpoints(checkpoint_dir)[:-keep]:
             old.unlink()
     except Exception as error:
-        from accumulation.run.write_errors import checkpoint_not_written, os_error_in
-
         cause = os_error_in(error)
         if cause is None:
             raise  # not the file system: a bug, whose traceback is the useful message
+        for leftover in (temporary, latest_temporary):
+            try:
+                leftover.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder itself is unreachable: there is nothing to clean up
         try:
             complete = step_checkpoints(checkpoint_dir)  # renamed into place, so complete
         except OSError:
             complete = []
-        temporaries = (temporary, latest_temporary)
-        raise WriteError(checkpoint_not_written(cause, path, temporaries, complete, payload)) from None
+        kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
+        raise WriteError(
+            f"checkpoint {path} could not be written: {why_not_written(cause, path.parent, tensor_bytes(payload))}; "
+            f"its temporary file was removed and {kept}; {'free space' if disk_full(cause) else 'fix the cause'}, "
+            f"and a restart resumes from the newest checkpoint"
+        ) from None
     finally:
         torch.serialization.set_crc32_options(computing_crcs)  # a setting of the caller's, left as it was
     return path
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors in a nested payload: close to its size on disk (the rest is small metadata)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, list | tuple):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
 
 
 def step_checkpoints(checkpoint_dir: Path) -> list[Path]:
@@ -86,7 +117,9 @@ def checkpoint_payload(
     config: Config, data: DataSummary, model, optimizer, scheduler, scaler, counters, skips_in_a_row, context
 ) -> dict:
     """Everything a resume needs: the keys docs/training.md lists, and `skips_in_a_row` (the streak that
-    optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module."""
+    optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module. Non-finite
+    weights are refused here, never written: no later step could repair them."""
+    check_weights_finite(config, model, optimizer)
     if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
         from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
 

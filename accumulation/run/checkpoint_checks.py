@@ -1,5 +1,4 @@
-"""A checkpoint read back and checked before a run continues from it (imported by accumulation/run/restore.py;
-a fresh run on one process never imports it).
+"""A checkpoint read back and checked before a run continues from it (accumulation/run/restore.py).
 
 Verified before use: torch.save writes a zip archive with a CRC-32 of every entry (the pickle, each tensor's
 bytes), and torch.load never checks them, so a flipped bit in a tensor loads without a word. read_checkpoint
@@ -22,7 +21,7 @@ import torch
 
 from accumulation.counters import Counters
 from accumulation.run.checkpoint import CheckpointError, step_checkpoints
-from accumulation.run.failures import few
+from accumulation.run.run_dir import few
 
 REQUIRED_KEYS = ("model", "optimizer", "scheduler", "scaler", "counters", "config", "rng", "data")
 COUNTER_NAMES = [field.name for field in dataclasses.fields(Counters)]

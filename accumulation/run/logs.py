@@ -1,5 +1,6 @@
-"""The run's logs, written by rank 0: metrics.jsonl (one line per step), TensorBoard, and the terminal's lines
-(progress, the session's summary, its speed). A full disk becomes one WriteError line here, never a traceback."""
+"""The run's logs, written by rank 0: metrics.jsonl (one line per step, read back and cut to the checkpoint's step
+on resume), TensorBoard, and the terminal's lines (progress, the session's summary, its speed). A full disk becomes
+one WriteError line here, never a traceback."""
 
 import json
 import math
@@ -18,8 +19,15 @@ from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import WriteError
-from accumulation.run.run_dir import write_text_atomically
+from accumulation.run.run_dir import (
+    RunDirectoryError,
+    WriteError,
+    not_written,
+    os_error_in,
+    why_not_written,
+    write_text_atomically,
+)
+from accumulation.run.sample import print_sample
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
@@ -42,15 +50,69 @@ class MetricsFile:
                 remaining = remaining[os.write(self.descriptor, remaining) :]
         except OSError as error:
             os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            from accumulation.run.write_errors import metrics_line_not_written
-
-            raise WriteError(metrics_line_not_written(error, self.path)) from None
+            raise WriteError(
+                f"{not_written(error, self.path)}; its last line was not written and the lines before are untouched"
+            ) from None
 
     def flush(self) -> None:
         os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
 
     def close(self) -> None:
         os.close(self.descriptor)
+
+
+# metrics.jsonl as a resume finds it: read and checked line by line (restore.py), then cut back to the
+# checkpoint's step (RunLogs.begin, when the run directory already holds a metrics file).
+
+
+def metrics_lines(metrics_path: Path) -> list[tuple[int, str]]:
+    """(step, line) for each complete line of an existing metrics.jsonl, read before a resume rewrites it.
+    A last line without its newline was cut short by a process killed while writing it: not a record, left
+    out. Any other line that is not a JSON object with an integer "steps" is damage a person must look at:
+    RunDirectoryError naming the line."""
+    if not metrics_path.exists():
+        return []
+    try:
+        text = metrics_path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise RunDirectoryError(f"{metrics_path} cannot be read ({error}); fix or delete the file") from None
+    found, previous_number = [], None  # previous_number: the line of found[-1]
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        if not line.endswith("\n") or not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as error:
+            record = error
+        if not isinstance(record, dict) or type(record.get("steps")) is not int:
+            problem = f"not JSON ({record})" if isinstance(record, ValueError) else 'not an object with "steps"'
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is {problem}; the resume keeps the lines up to the checkpoint and "
+                f"cannot tell which step this one is: repair or delete that line (or move the file away to start "
+                f"the metrics afresh), then start again"
+            )
+        if found and record["steps"] <= found[-1][0]:  # one line per step, in order: a repeat would survive
+            raise RunDirectoryError(
+                f"{metrics_path} line {number} is of step {record['steps']}, after line {previous_number} of step "
+                f"{found[-1][0]}; the file holds one line per step, in order: repair or delete that line (or move the "
+                f"file away to start the metrics afresh), then start again"
+            )
+        found.append((record["steps"], line))
+        previous_number = number
+    return found
+
+
+def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
+    """On resume, drop metric lines of steps after the checkpoint (they will be run again), so the file
+    holds exactly one line per step. Rewritten atomically: the old file stays whole until the rename."""
+    kept = [line for step, line in metrics_lines(metrics_path) if step <= steps]
+    try:
+        write_text_atomically(metrics_path, "".join(kept))
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
 
 
 def quiet_tensorboard_thread_errors() -> None:
@@ -69,10 +131,20 @@ def quiet_tensorboard_thread_errors() -> None:
 
 def tensorboard_write_error(error: Exception, writer) -> Exception:
     """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
-    from accumulation.run.write_errors import os_error_in, tensorboard_not_written
-
     cause = os_error_in(error)
-    return error if cause is None else WriteError(tensorboard_not_written(cause, Path(writer.get_logdir()).parent))
+    if cause is None:
+        return error
+    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
+    # record cut short, and the resume's purge_step drops the points after the checkpoint.
+    folder = Path(writer.get_logdir()).parent  # the run's tensorboard/
+    metrics_path = folder.parent / "metrics.jsonl"
+    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
+    kept = (
+        "metrics.jsonl holds every step up to here"
+        if metrics_path.exists()
+        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
+    )
+    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -134,12 +206,8 @@ class RunLogs:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomically(self.run_dir / "config.toml", config_to_toml(self.config))
         except OSError as error:
-            from accumulation.run.write_errors import not_written
-
             raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
-            from accumulation.run.resumed_logs import keep_metrics_up_to
-
             keep_metrics_up_to(self.metrics_path, counters.steps)
 
     def open(self, counters: Counters, resumed: bool) -> None:
@@ -171,7 +239,7 @@ class RunLogs:
         say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
         say(
             f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
-            f"grad scaler {'on' if training.scaler.is_enabled() else 'off'}; "
+            f"grad scaler {'on' if training.setup.scaler.is_enabled() else 'off'}; "
             f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
         )
         if config.dist.strategy == "fsdp2":
@@ -254,8 +322,6 @@ class RunLogs:
         print(f"done: train loss {self.first_loss:.4f} -> {self.last_loss:.4f} this session{validation}")
         print("counters: " + ", ".join(f"{name} {value:,}" for name, value in vars(counters).items()))
         if self.config.run.sample_bytes > 0:
-            from accumulation.run.sample import print_sample
-
             print_sample(self.config, model, self.data.train)  # prompted by the first training example
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 

@@ -1,6 +1,5 @@
 """Resuming from a checkpoint: which checkpoint to continue from, what it must share with this run, and the
-state (random-number generators included) that makes the continuation bit-identical. Imported only when the
-run directory holds a run (accumulation/run/resume.py), and by a run of several ranks to check that every
+state (random-number generators included) that makes the continuation bit-identical; on several ranks, that every
 rank found the same checkpoint.
 
 A run's position is its counters: the data order is a pure function of (seed, step, global batch), so the
@@ -29,10 +28,9 @@ from accumulation.run.checkpoint_checks import (
     check_weights_finite,
     newest_readable_checkpoint,
 )
-from accumulation.run.failures import few
+from accumulation.run.logs import metrics_lines
 from accumulation.run.optimizer_state import load_optimizer_state
-from accumulation.run.resumed_logs import metrics_lines
-from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE
+from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, few
 from accumulation.schedule import run_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
@@ -76,13 +74,16 @@ def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
     )
 
 
-def load_resume_point(
+def find_resume_point(
     config: Config, data: DataSummary, model_on_meta: torch.nn.Module, run_dir: Path, warn, say
 ) -> dict | None:
-    """The checkpoint to continue from, or None for a fresh run. Refuses to mix two runs in one directory,
+    """The checkpoint to continue from, or None for a fresh run: a run directory (or its absence) without
+    checkpoints, metrics, a STOPPED file or TensorBoard logs. Refuses to mix two runs in one directory,
     and a checkpoint whose settings, training data (`data`: its fingerprint and its files' stamps), model or
     optimizer state (check_state_fits) differ from this run's, or whose weights are not finite. Unreadable
     checkpoints skipped for an older one are reported through `warn`; "resuming from" through `say`."""
+    if not any((run_dir / name).exists() for name in ("checkpoints", METRICS_FILE, STOPPED_FILE, "tensorboard")):
+        return None
     checkpoint_dir = run_dir / "checkpoints"
     stopped = run_dir / STOPPED_FILE
     if config.run.resume == "auto" and stopped.exists():
@@ -287,7 +288,7 @@ def set_learning_rates(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
 def restore_training_state(training, resume: dict, config: Config, context: DistributedContext):
     """A resume's optimizer, scheduler, scaler and random states loaded into train.py's Training; returns the
     counters and the skipped steps in a row (up to optim.max_consecutive_skips; checkpointed with the counters)."""
-    # load_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
+    # find_resume_point checked the config, the model's shapes and the plain values; PyTorch's own
     # state dicts are checked by their loaders, still before anything is written.
     try:
         # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
@@ -299,7 +300,7 @@ def restore_training_state(training, resume: dict, config: Config, context: Dist
         load_optimizer_state(training.optimizer, saved_optimizer, sharded=config.dist.strategy == "fsdp2")
         training.scheduler.load_state_dict(resume["scheduler"])
         if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
-            training.scaler.load_state_dict(resume["scaler"])
+            training.setup.scaler.load_state_dict(resume["scaler"])
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(
             f"the checkpoint's optimizer, scheduler or scaler state does not fit this run ({error}); {OLDER_CHECKPOINT}"

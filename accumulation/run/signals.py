@@ -1,5 +1,6 @@
 """Preemption, Ctrl-C and a closed terminal: SIGTERM, SIGUSR1, SIGINT or SIGHUP asks the run to stop at a step
-boundary, every rank at the same step, with a checkpoint (docs/faults.md, "Stop signals")."""
+boundary, every rank at the same step, with a checkpoint (docs/faults.md, "Stop signals"). Ctrl-C while the program
+starts ends it at once with one line. This module imports no torch: train.py installs that handler before torch."""
 
 import contextlib
 import os
@@ -14,6 +15,13 @@ INTERRUPTED_STATUS = 130
 HUNG_UP_STATUS = 129
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
+
+
+def interrupted_while_starting(signum: int, frame) -> None:
+    """Ctrl-C while torch is imported (seconds, the first thing the program does): one line and exit 130,
+    instead of a KeyboardInterrupt traceback from deep inside torch. Nothing has been read or written yet."""
+    os.write(2, b"interrupted (Ctrl-C) while starting, before anything was written\n")
+    os._exit(INTERRUPTED_STATUS)
 
 
 class StopRequest:

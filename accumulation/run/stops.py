@@ -8,14 +8,20 @@ from pathlib import Path
 from accumulation.config.config import Config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.checkpoint import check_weights_finite
 from accumulation.run.run_dir import STOPPED_FILE
 from accumulation.run.signals import StopRequest
 from accumulation.step import StepResult
 
 
-def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a_row: int) -> str | None:
+def nonfinite_stop_reason(config: Config, result: StepResult, training, skips_in_a_row: int) -> str | None:
     """Why the run must stop after this step, or None: optim.max_consecutive_skips skips in a row, or, under
-    optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it."""
+    optim.on_nonfinite = "stop", a non-finite loss, or a non-finite gradient unless a GradScaler skips it.
+    Non-finite weights stop the run under either setting: found after the non-finite step they cause, or before a
+    checkpoint (check_weights_finite), they are never written."""
+    scaler = training.setup.scaler
+    if not result.applied or not math.isfinite(result.loss):  # the same outcome on every rank: a collective is safe
+        check_weights_finite(config, training.model, training.optimizer)
     if skips_in_a_row >= config.optim.max_consecutive_skips:
         limit = config.optim.max_consecutive_skips
         return f"{skips_in_a_row} skipped updates in a row (optim.max_consecutive_skips={limit})"
@@ -25,6 +31,19 @@ def nonfinite_stop_reason(config: Config, result: StepResult, scaler, skips_in_a
         if not result.applied and not scaler.is_enabled():
             return f"{result.skip_reason} (optim.on_nonfinite=stop)"
     return None
+
+
+def all_steps_done(config: Config, resume: dict | None, say) -> bool:
+    """Whether the checkpoint found holds all run.max_steps steps (a finished run started again): then one line
+    says so and the program exits 0 without building or training anything."""
+    if resume is None or resume["counters"]["steps"] < config.run.max_steps:
+        return False
+    say(
+        f"run.name={config.run.name!r} already finished: its checkpoint holds step {config.run.max_steps} of "
+        f"run.max_steps={config.run.max_steps}, so there is nothing to train; raise run.max_steps to go on, or "
+        f"choose another run.name for a new run"
+    )
+    return True
 
 
 def stopped_at_a_bad_step(counters: Counters, reason: str, run_dir: Path, context: DistributedContext, say) -> int:

@@ -40,14 +40,13 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from accumulation.config.config import Config, load_config, resolved_compile
+from accumulation.config.config import Config, load_config
 from accumulation.data.rows import BYTE_VOCAB_SIZE, RowSet, make_rows
 from accumulation.data.sources import step_row_ids
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import autocast_dtype_for, build_optimizer, step_strategy, wrap_for_training
-from accumulation.step import optimizer_step
+from accumulation.run.build import build_training
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks
 from testkit.reference import counting_allreduce_hook
@@ -148,16 +147,12 @@ def measure_on_rank(rank: int, world_size: int, strategy_name: str, overrides: t
     """One rank's figures for one strategy, "ddp" or "fsdp2" (run by run_on_ranks)."""
     config = bench_config(strategy_name, overrides)
     rows = source_rows(config.data.seq_len)
-    model = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=config.data.seq_len, seed=config.run.seed)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
-    compiled = resolved_compile(config, CPU.type)
-    param_dtype = autocast_dtype_for(config.precision)
-    wrapped = wrap_for_training(model, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    strategy = step_strategy(config.dist, wrapped)  # FSDP2's, or None for DDP
-    optimizer = build_optimizer(config.optim, model, CPU)
+    training = build_training(config, BYTE_VOCAB_SIZE, None, context)  # train.py's assembly: DDP or FSDP2's shards
+    model, wrapped, optimizer, setup = training.model, training.setup.module, training.optimizer, training.setup
     figures = {}
     batches = iter(step_batches(config, rows, step, world_size, rank) for step in range(4))
-    optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)  # warm-up: AdamW creates its state
+    training.step(setup, next(batches), optimizer)  # warm-up: AdamW creates its state
 
     def held_at_optimizer_step(opt, args, kwargs):
         parameters = list(model.parameters())
@@ -171,24 +166,22 @@ def measure_on_rank(rank: int, world_size: int, strategy_name: str, overrides: t
     if strategy_name == "ddp":
         allreduced = {"bytes": 0}
         wrapped.register_comm_hook(allreduced, counting_allreduce_hook)
-        optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+        training.step(setup, next(batches), optimizer)
         figures["ddp_allreduce_bytes_per_update"] = allreduced["bytes"]
     else:
         counts, seen_at_forward = {}, []
         wrapped.register_forward_pre_hook(lambda module, args: seen_at_forward.append(counts["reduce_scatters"]))
         with counting_fsdp_collectives(counts):
-            optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+            training.step(setup, next(batches), optimizer)
         figures["reduce_scatters_per_update"] = counts["reduce_scatters"]
         figures["reduce_scatter_bytes_per_update"] = counts["reduce_scatter_bytes"]
         figures["all_gather_bytes_per_update"] = counts["all_gather_bytes"]
         figures["reduce_scatters_before_last"] = seen_at_forward[-1]  # done before the last forward began
         with counting_fsdp_collectives(counts), sync_in_every_micro_batch():
-            optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy)
+            training.step(setup, next(batches), optimizer)
         figures["sync_every_bytes_per_update"] = counts["reduce_scatter_bytes"]
     hook.remove()
-    _, figures["peak_step_bytes"] = peak_memory_bytes_of(
-        lambda: optimizer_step(wrapped, next(batches), optimizer, device=CPU, strategy=strategy), CPU
-    )
+    _, figures["peak_step_bytes"] = peak_memory_bytes_of(lambda: training.step(setup, next(batches), optimizer), CPU)
     figures["state_bytes_per_rank"] = (
         figures["param_bytes"] + figures["grad_bytes_held"] + figures["optimizer_state_bytes"]
     )

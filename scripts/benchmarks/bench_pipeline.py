@@ -48,7 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accumulation.batching import MicroBatch
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.memory import peak_memory_bytes_of
 from testkit.ranks import run_on_ranks
 
@@ -277,7 +277,7 @@ def mesh_on_rank(rank: int, world_size: int, sizes: Sizes) -> dict:
             MicroBatch(i, lab, sizes.micro_batch_size)
             for i, lab in zip(inputs.split(sizes.micro_batch_size), labels.split(sizes.micro_batch_size), strict=True)
         ]
-        optimizer_step(ddp, micro_batches, optimizer, device=CPU)
+        optimizer_step(StepSetup(ddp, CPU), micro_batches, optimizer)
 
     ddp_update(0)
     ddp_allreduced["bytes"] = 0

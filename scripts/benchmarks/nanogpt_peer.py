@@ -4,6 +4,7 @@ of one step."""
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import statistics
 from collections.abc import Callable
@@ -18,12 +19,10 @@ from accumulation.config.config import Config, resolved_compile, resolved_grad_s
 from accumulation.data.sources import build_data
 from accumulation.models.factory import (
     build_model,
-    decided_model_config,
     resolved_vocab_size,
-    training_forward_and_loss,
 )
-from accumulation.run.build import autocast_dtype_for, build_optimizer, set_tf32
-from accumulation.step import optimizer_step
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.build import autocast_dtype_for, build_optimizer, build_training, set_tf32
 from scripts.benchmarks.measuring import (
     cpu_model,
     flops_per_token,
@@ -76,30 +75,16 @@ class PeerLoop:
 
 
 def project_loop(config: Config, vocab_size: int, device: torch.device, compiled: bool) -> PeerLoop:
-    """This project's step as train.py runs it: model.loss decided (decided_model_config) and built
-    (training_forward_and_loss), compiled when `compiled`, optimizer_step with the config's scaler, clipping and
-    autocast, and the step's counts given."""
-    model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).to(device)
-    model_config = decided_model_config(config, model, device)
-    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
-    wrapped = torch.compile(forward_module) if compiled else forward_module
-    optimizer = build_optimizer(config.optim, model, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    """This project's step as train.py runs it: build_training's model, loss (model.loss decided), module
+    (compiled when `compiled`), optimizer, scaler, clipping and autocast, and the step's counts given."""
+    as_run = dataclasses.replace(config, model=dataclasses.replace(config.model, compile=compiled))
+    single = DistributedContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
+    training = build_training(as_run, vocab_size, None, single)
 
     def step(micro_batches: list[MicroBatch], global_counts: GlobalCounts) -> None:
-        optimizer_step(
-            wrapped,
-            micro_batches,
-            optimizer,
-            device=device,
-            scaler=scaler,
-            loss_sum_fn=loss_sum_fn,
-            grad_clip=config.optim.grad_clip,
-            autocast_dtype=autocast_dtype_for(config.precision),
-            global_counts=global_counts,
-        )
+        training.step(training.setup, micro_batches, training.optimizer, global_counts=global_counts)
 
-    return PeerLoop("optimizer_step", model, optimizer, step, model_config.loss)
+    return PeerLoop("optimizer_step", training.model, training.optimizer, step, training.model_config.loss)
 
 
 def nanogpt_loop(config: Config, vocab_size: int, device: torch.device, compiled: bool) -> PeerLoop:

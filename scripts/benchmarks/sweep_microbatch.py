@@ -38,20 +38,16 @@ import torch
 import torch.distributed as dist
 
 from accumulation.batching import accumulation_steps, collective_device
-from accumulation.config.config import Config, ConfigError, load_config, resolved_compile, resolved_grad_scaler
+from accumulation.config.config import Config, ConfigError, load_config
 from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.splits import Data
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import (
-    build_model,
-    decided_model_config,
     resolved_vocab_size,
-    training_forward_and_loss,
 )
 from accumulation.parallel.distributed import DistributedContext, run_and_exit, setup_distributed, teardown_distributed
-from accumulation.run.build import autocast_dtype_for, check_device_available, wrap_for_training
-from accumulation.step import optimizer_step
+from accumulation.run.build import build_training, check_device_available
 from testkit.memory import peak_memory_bytes_of
 from testkit.reference import first_update_probe, max_relative_error, without_dropout
 
@@ -236,17 +232,11 @@ def measure_one_update(
     """For one m: (the gradients the warm-up update was handed, or None when it was not applied;
     {tokens, time_s, tokens_per_s, peak_mem_bytes})."""
     device = context.device
-    plain = without_dropout(config)  # the same initial weights for every m
-    model = build_model(plain.model, vocab_size, seq_len=plain.data.seq_len, seed=plain.run.seed).to(device)
-    # model.loss and model.compile as train.py decides them with this m (the chunked loss lets m grow further on a GPU).
-    compiled = resolved_compile(config, device.type)
+    # train.py's assembly with this m (model.loss and model.compile decided with it: the chunked loss lets m grow
+    # further on a GPU), dropout off so that every m starts from the same weights and draws no masks
     at_this_m = dataclasses.replace(config, batch=dataclasses.replace(config.batch, micro_batch_size=micro_batch_size))
-    model_config = decided_model_config(at_this_m, model, device)
-    forward_module, loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
-    param_dtype = autocast_dtype_for(config.precision)
-    wrapped = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=param_dtype)
-    optimizer, handed = first_update_probe(model)
-    scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
+    training = build_training(without_dropout(at_this_m), vocab_size, None, context)
+    optimizer, handed = first_update_probe(training.model)
     micro_batches = build_micro_batches(  # row_ids are step 0's, and the rows are as step 0 sees them
         corpus.train,
         row_ids,
@@ -258,16 +248,7 @@ def measure_one_update(
     )
 
     def one_update():
-        return optimizer_step(
-            wrapped,
-            micro_batches,
-            optimizer,
-            device=device,
-            scaler=scaler,
-            loss_sum_fn=loss_sum_fn,
-            grad_clip=config.optim.grad_clip,
-            autocast_dtype=autocast_dtype_for(config.precision),
-        )
+        return training.step(training.setup, micro_batches, optimizer)
 
     one_update()
     gradients = handed[0] if handed else None

@@ -70,13 +70,13 @@ from accumulation.config.config import load_config
 from accumulation.data.rows import make_rows
 from accumulation.data.sources import step_row_ids
 from accumulation.data.step_tools import build_micro_batches, step_counts
-from accumulation.models.factory import build_model, decided_model_config, training_forward_and_loss
+from accumulation.models.factory import build_model
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, set_tf32, wrap_for_training
+from accumulation.run.build import AUTOCAST_DTYPES, build_optimizer, build_training, set_tf32
 from accumulation.run.optimizer_state import load_optimizer_state
-from accumulation.shrink_on_oom import optimizer_step_shrinking_on_oom
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.shrink_on_oom import ShrinkOnOutOfMemory, optimizer_step_shrinking_on_oom
+from accumulation.step import StepSetup, optimizer_step
 from scripts.checks.gpu_perf import PERF_MODES, PERF_TIMEOUT_S, last_line, run_perf, text_folder
 from testkit.ranks import run_on_ranks
 from testkit.reference import (
@@ -128,11 +128,14 @@ def pinned(micro_batches: list[MicroBatch]) -> list[MicroBatch]:
 
 def sgd_gradient(model, micro_batches, counts, device, shrink_on_oom=False, **options):
     """The gradient an SGD optimizer is handed by one optimizer_step (batch.on_oom = "shrink"'s with
-    `shrink_on_oom`), and the StepResult."""
+    `shrink_on_oom`), and the StepResult. `options`: StepSetup's loss_sum_fn, scaler, autocast_dtype."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # FinalHiddenStates holds the model's parameters
     captured = capture_gradients(optimizer)
-    step = optimizer_step_shrinking_on_oom if shrink_on_oom else optimizer_step
-    result = step(model, micro_batches, optimizer, device=device, global_counts=counts, **options)
+    if shrink_on_oom:
+        setup = StepSetup(model, device, strategy=ShrinkOnOutOfMemory(model), **options)
+        result = optimizer_step_shrinking_on_oom(setup, micro_batches, optimizer, global_counts=counts)
+    else:
+        result = optimizer_step(StepSetup(model, device, **options), micro_batches, optimizer, global_counts=counts)
     return captured[0], result
 
 
@@ -172,14 +175,16 @@ def ddp_worker(rank: int, world_size: int, compiled_chunked: bool) -> dict:
     DDP, as train.py runs gpu_8x; else both ranks share the one GPU and run the plain loss eagerly."""
     device = torch.device("cuda", rank if compiled_chunked else 0)  # gloo all-reduces CUDA tensors too
     torch.cuda.set_device(device)
-    set_tf32(False)
-    model = GPT(SMALL, seed=1).to(device)
-    module, loss_sum_fn = model, token_cross_entropy_sum
-    if compiled_chunked:
-        chunked = dataclasses.replace(load_config([]).model, loss="chunked")
-        module, loss_sum_fn = training_forward_and_loss(chunked, model, compile=True)  # one region, as train.py
-        module = torch.compile(module)
-    wrapped = torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index])
+    # train.py's assembly: the chunked loss compiled with the model in one region, in DDP; or plain and eager
+    loss = (
+        ["model.loss=chunked", "model.compile=true"]
+        if compiled_chunked
+        else ["model.loss=plain", "model.compile=false"]
+    )
+    config = load_config(["precision.tf32=false", *loss])
+    context = DistributedContext(rank, rank, world_size, device, "gloo")
+    training = build_training(config, SMALL.vocab_size, None, context, model=GPT(SMALL, seed=1))
+    model, wrapped, loss_sum_fn = training.model, training.setup.module, training.setup.loss_sum_fn
     state = {"bytes": 0}
     wrapped.register_comm_hook(state, counting_allreduce_hook)
     rows = corpus_rows()
@@ -216,14 +221,14 @@ def check_sync_audit(device: torch.device) -> tuple[bool, str]:
     set_tf32(True)
     model = GPT(SMALL, seed=1).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    setup = StepSetup(model, device, grad_clip=1.0, autocast_dtype=torch.bfloat16)
     rows = corpus_rows()
 
     def one_step(step: int):
         row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
         counts = step_counts(rows, row_ids, step)
         micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
-        options = {"grad_clip": 1.0, "autocast_dtype": torch.bfloat16, "global_counts": counts}
-        return lambda: optimizer_step(model, micro_batches, optimizer, device=device, **options)
+        return lambda: optimizer_step(setup, micro_batches, optimizer, global_counts=counts)
 
     one_step(0)()  # warm-up: the optimizer's state and cuBLAS's workspaces
     torch.cuda.synchronize(device)
@@ -238,19 +243,19 @@ def check_fp16_overflow(device: torch.device) -> tuple[bool, str]:
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0**10)
     rows = corpus_rows()
     micro_batches, counts = step_batches(rows, 16, 4)
-    options = {"device": device, "scaler": scaler, "autocast_dtype": torch.float16, "global_counts": counts}
-    first = optimizer_step(model, pinned(micro_batches), optimizer, **options)
+    setup = StepSetup(model, device, scaler=scaler, autocast_dtype=torch.float16)
+    first = optimizer_step(setup, pinned(micro_batches), optimizer, global_counts=counts)
     weights = copy.deepcopy(model.state_dict())
     steps_before = [state["step"].clone() for state in optimizer.state.values()]
     handle = model.lm_head.weight.register_hook(lambda grad: grad * math.inf)
-    overflow = optimizer_step(model, pinned(micro_batches), optimizer, **options)
+    overflow = optimizer_step(setup, pinned(micro_batches), optimizer, global_counts=counts)
     handle.remove()
     unchanged = all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
     steps_unchanged = all(
         torch.equal(a, s["step"]) for a, s in zip(steps_before, optimizer.state.values(), strict=True)
     )
     scale = scaler.get_scale()
-    after = optimizer_step(model, pinned(micro_batches), optimizer, **options)
+    after = optimizer_step(setup, pinned(micro_batches), optimizer, global_counts=counts)
     passed = first.applied and not overflow.applied and unchanged and steps_unchanged
     passed = passed and scale == 2.0**9 and after.applied
     return passed, (
@@ -262,39 +267,19 @@ def check_fp16_overflow(device: torch.device) -> tuple[bool, str]:
 def check_compile(device: torch.device) -> tuple[bool, str]:
     set_tf32(True)
     rows = corpus_rows()
-    config = load_config(["model.compile=true"])
     single = DistributedContext(rank=0, local_rank=0, world_size=1, device=device, backend=None)
     losses, first_step_seconds = {}, None
     for compiled in (False, True):
-        model = GPT(SMALL, seed=1).to(device)
-        # Compiled as train.py compiles on CUDA: model.loss as train.py decides it, compiled with the model.
-        forward_module, loss_sum_fn = (
-            training_forward_and_loss(decided_model_config(config, model, device), model, compile=True)
-            if compiled
-            else (model, None)
-        )
-        wrapped = (
-            wrap_for_training(forward_module, config.dist, single, compile=True, param_dtype=None)
-            if compiled
-            else model
-        )
-        loss_options = {"loss_sum_fn": loss_sum_fn} if compiled else {}
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        # train.py's assembly, compiled or eager (model.loss as train.py decides it, compiled with the model)
+        settings = [f"model.compile={str(compiled).lower()}", "precision.dtype=bf16", "optim.lr=1e-3"]
+        training = build_training(load_config(settings), SMALL.vocab_size, None, single, model=GPT(SMALL, seed=1))
         losses[compiled] = []
         for step in range(5):
             row_ids = step_row_ids(rows.num_rows, 16, 1337, step, "drop")
             counts = step_counts(rows, row_ids, step)
             micro_batches = pinned(build_micro_batches(rows, row_ids, 16, 4, 1, 0, step=step))
             start = time.perf_counter()
-            result = optimizer_step(
-                wrapped,
-                micro_batches,
-                optimizer,
-                device=device,
-                autocast_dtype=torch.bfloat16,
-                global_counts=counts,
-                **loss_options,
-            )
+            result = training.step(training.setup, micro_batches, training.optimizer, global_counts=counts)
             if compiled and step == 0:
                 first_step_seconds = time.perf_counter() - start
             losses[compiled].append(result.loss)

@@ -24,7 +24,7 @@ from accumulation.data.sources import build_data, step_batch
 from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 # Run as `python scripts/teaching/cadence.py`, Python puts only this file's folder on sys.path: the
 # repository root goes first, so that the figures' shared sizes import as scripts.teaching.figures.
@@ -65,7 +65,7 @@ def train(config, data, global_batch_size: int, micro_batch_size: int, steps: in
             world_size=1,
             rank=0,
         )
-        result = optimizer_step(model, batch.micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
+        result = optimizer_step(StepSetup(model, CPU, grad_clip=config.optim.grad_clip), batch.micro_batches, optimizer)
         if result.applied:
             scheduler.step()
         losses.append(result.loss)

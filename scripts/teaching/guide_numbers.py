@@ -13,7 +13,7 @@ from accumulation.batching import MicroBatch, accumulation_steps, describe_batch
 from accumulation.config.config import DistConfig
 from accumulation.data.sources import rows_dropped_per_epoch, steps_per_epoch
 from accumulation.schedule import lr_multiplier
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 
 def token_weighting() -> dict:
@@ -125,7 +125,7 @@ def batch_norm_momentum_updates() -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
     micro_batches = [MicroBatch(torch.randn(2, 3), torch.tensor([0, 2]), 2) for _ in range(4)]
-    optimizer_step(model, micro_batches, torch.optim.SGD(model.parameters(), lr=0.1), device=torch.device("cpu"))
+    optimizer_step(StepSetup(model, torch.device("cpu")), micro_batches, torch.optim.SGD(model.parameters(), lr=0.1))
     return {"batchnorm.momentum_updates_per_step": int(model[1].num_batches_tracked)}
 
 

@@ -38,7 +38,7 @@ from accumulation.data.sources import build_data, eval_micro_batches, step_batch
 from accumulation.models.factory import build_model
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import build_scheduler
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 
 # Run as `python scripts/teaching/loss_curves.py`, Python puts only this file's folder on sys.path: the
@@ -144,7 +144,7 @@ def train_one(config, variant: str, steps: int, rank: int, world_size: int) -> d
             rank=rank,
         ).micro_batches
         if variant == "correct":
-            result = optimizer_step(wrapped, micro_batches, optimizer, device=CPU, grad_clip=config.optim.grad_clip)
+            result = optimizer_step(StepSetup(wrapped, CPU, grad_clip=config.optim.grad_clip), micro_batches, optimizer)
             losses.append(result.loss)
         else:
             losses.append(global_token_mean(wrapped, micro_batches))

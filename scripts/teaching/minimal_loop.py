@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from accumulation.batching import MicroBatch
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 IGNORE_INDEX = -100  # label of a position without a target
 VOCAB_SIZE, SEQ_LEN, WIDTH = 32, 12, 16
@@ -90,7 +90,7 @@ def main(argv: list[str]) -> int:
         train_step(loops["classic loop (loss / A)"], optimizers["classic loop (loss / A)"], micro_batches, True)
         project_batches = [MicroBatch(inputs, labels, MICRO_BATCH_SIZE) for inputs, labels in micro_batches]
         result = optimizer_step(
-            loops["optimizer_step"], project_batches, optimizers["optimizer_step"], device=torch.device("cpu")
+            StepSetup(loops["optimizer_step"], torch.device("cpu")), project_batches, optimizers["optimizer_step"]
         )
         print(f"step {step}: N = {result.tokens} tokens, loss {loss:.6f} (optimizer_step: {result.loss:.6f})")
 

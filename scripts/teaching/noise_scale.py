@@ -27,7 +27,7 @@ from accumulation.models.factory import build_model
 from accumulation.noise_scale import MicroBatchGradients, NoiseScale
 from accumulation.run.build import build_optimizer
 from accumulation.schedule import run_scheduler
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 
 CPU = torch.device("cpu")
 
@@ -62,11 +62,9 @@ def measure(steps: int, window: int) -> dict:
             rank=0,
         )
         result = optimizer_step(
-            model,
+            StepSetup(model, CPU, grad_clip=config.optim.grad_clip),
             batch.micro_batches,
             optimizer,
-            device=CPU,
-            grad_clip=config.optim.grad_clip,
             global_counts=batch.global_counts,
         )
         if result.applied:

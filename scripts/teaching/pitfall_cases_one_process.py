@@ -15,7 +15,7 @@ from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tok
 from accumulation.data.sources import step_row_ids, steps_per_epoch
 from accumulation.data.step_tools import epoch_permutation
 from accumulation.schedule import build_scheduler
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from scripts.teaching.pitfall_setup import (
     ACCUMULATION_STEPS,
     ADAM_LR,
@@ -150,7 +150,7 @@ def scheduler_stepped_per_micro_batch() -> Measurement:
     optimizer = sgd(model)
     scheduler = build_scheduler(optimizer, "constant", warmup_updates, 0, 1.0)
     for batches in groups:
-        result = optimizer_step(model, batches, optimizer, device=CPU)
+        result = optimizer_step(StepSetup(model, CPU), batches, optimizer)
         if result.applied:
             scheduler.step()  # as train.py does: the schedule's unit is applied updates
     correct_lr = optimizer.param_groups[0]["lr"]
@@ -405,7 +405,7 @@ def optimizer_step_per_micro_batch() -> Measurement:
 
     reference = update_of(gpt(), apply_reference)
     buggy = update_of(gpt(), buggy_loop)
-    correct = update_of(gpt(), lambda model: optimizer_step(model, batches, adam(model), device=CPU))
+    correct = update_of(gpt(), lambda model: optimizer_step(StepSetup(model, CPU), batches, adam(model)))
     buggy_error, correct_error = (max_relative_error(u, reference) for u in (buggy, correct))
     return Measurement(
         "18. optimizer.step per micro-batch",
@@ -458,7 +458,7 @@ def logged_loss_of_last_micro_batch() -> Measurement:
         loss = loss_sum(model, mb)
         (loss / tokens).backward()
         logged = float(loss.detach()) / count_supervised_tokens(mb.labels)  # the mistake: the last one wins
-    result = optimizer_step(gpt(), batches, sgd(gpt()), device=CPU)
+    result = optimizer_step(StepSetup(gpt(), CPU), batches, sgd(gpt()))
     buggy, correct = (abs(value - reference_loss) / reference_loss for value in (logged, result.loss))
     return Measurement(
         "20. logged loss of the last micro-batch",

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.models.gpt import GPT
 from accumulation.rl.objectives import aggregation
-from accumulation.step import optimizer_step
+from accumulation.step import StepSetup, optimizer_step
 from scripts.teaching.pitfall_setup import CPU, MODEL, SEQ_LEN, WORLD_SIZE, Measurement, gpt, gradient_measurement
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients
@@ -187,12 +187,12 @@ def correct_gradient(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     captured = capture_gradients(optimizer)
     optimizer_step(
-        model,
+        StepSetup(
+            model, CPU, loss_sum_fn=weighted_distillation_sum if loss == "distillation" else weighted_surrogate_sum
+        ),
         micro_batches(rows, weights, bounds or fixed_bounds(0, len(COMPLETION_TOKENS)), loss),
         optimizer,
-        device=CPU,
-        loss_sum_fn=weighted_distillation_sum if loss == "distillation" else weighted_surrogate_sum,
-        global_counts=GlobalCounts(declared.normaliser, int(lengths.numel())),  # N in the mode's unit
+        global_counts=GlobalCounts(declared.normaliser, int(lengths.numel())),
     )
     return captured[0]
 

@@ -12,7 +12,7 @@ from accumulation.batching import MicroBatch, accumulation_steps, count_supervis
 from accumulation.data.rows import RowSet, make_rows
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.step import optimizer_step, token_cross_entropy_sum
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 
 SEQ_LEN = 16
@@ -188,7 +188,7 @@ def correct_step(
     unscaling and clipping), captured just before the update since the step sets .grad to None at its end."""
     optimizer = sgd(model)
     captured = capture_gradients(optimizer)
-    optimizer_step(model, batches, optimizer, device=CPU, scaler=scaler, grad_clip=grad_clip)
+    optimizer_step(StepSetup(model, CPU, scaler=scaler, grad_clip=grad_clip), batches, optimizer)
     return captured[0]
 
 
