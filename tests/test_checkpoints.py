@@ -376,7 +376,7 @@ def test_an_optimizer_the_resume_check_does_not_know_is_refused_on_resume(tmp_pa
             return real_build_optimizer(optim, model, device)
         return torch.optim.Adamax(model.parameters(), lr=optim.lr)
 
-    for module in (train, restore):
+    for module in (build, restore):  # the training's optimizer, and the one the resume check compares with
         monkeypatch.setattr(module, "build_optimizer", with_adamax)
     arguments = tiny_settings(tmp_path, corpus, **{"run.sample_bytes": 0, "run.max_steps": 2, "optim.name": "adamax"})
     assert run_in_process(arguments, capsys)[0] == 0

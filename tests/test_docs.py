@@ -79,7 +79,8 @@ def test_readme_stays_an_overview():
 
 # What one step of the default run cannot be understood without, whichever files hold it: where its rows and N come
 # from (the data order, the micro-batches, the supervised counts, the normaliser's default), the loss, the step, the
-# optimizer and the schedule. The reading path must name where each is defined.
+# optimizer and the schedule, and where the run's step is put together (build_training, StepSetup). The reading
+# path must name where each is defined.
 READING_PATH_MUST_HOLD = {
     "StepBatches",
     "step_row_ids",
@@ -89,6 +90,8 @@ READING_PATH_MUST_HOLD = {
     "RowHooks.normaliser",
     "token_cross_entropy_sum",
     "optimizer_step",
+    "StepSetup",
+    "build_training",
     "build_optimizer",
     "lr_multiplier",
 }
