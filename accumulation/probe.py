@@ -1,8 +1,10 @@
 """train.py's probe at step 0, on this rank's first micro-batch: the step divides the sum of the supervised targets'
 losses by the global N, the full batch's mean loss only if the loss is additive over its targets and over its rows,
-the model's outputs fit the loss, and the model treats each row alone. A mean loss, or a forward or a loss that
-raises, is refused (exit 2); a loss that couples the examples, or BatchNorm in train mode, is a warning line (an
-error with batch.on_inexact = "error"). The argument and the cost: docs/forking.md, "What no loop can make exact".
+the model's outputs fit the loss, the loss reads no output at a position whose label is -100, and the model treats
+each row alone. A mean loss, a loss that trains the positions labelled -100, or a forward or a loss that raises, is
+refused (exit 2), each a bug of the fork; a loss that couples the examples, or BatchNorm in train mode, is a
+warning line (an error with batch.on_inexact = "error"), a design no accumulation reproduces. The argument and the
+cost: docs/forking.md, "What no loop can make exact".
 """
 
 import traceback
@@ -64,6 +66,53 @@ def outputs_and_loss(forward_module, loss_sum_fn, inputs, labels, extras):
     return outputs, whole
 
 
+def ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras: dict) -> tuple[float, float] | None:
+    """How far each row's own loss moves, relative (summed over the rows), when noise is added to its outputs at
+    its positions labelled -100 only: (at those away from every target, at those beside one: j ± 1 of a supervised
+    j). Both 0 for a loss that leaves them out of its sum; a clamp(min=0) of the labels trains them all as token 0,
+    a loss that shifts labels again reads those beside its targets. Row by row, so that a loss coupling the rows
+    (through a mean over them) is left to the split of the rows. None when no label is -100 or the outputs are not
+    one per label position."""
+    ignored = labels == IGNORE_INDEX
+    if not ignored.any() or not isinstance(outputs, torch.Tensor) or outputs.shape[: labels.dim()] != labels.shape:
+        return None
+    beside = torch.zeros_like(ignored)
+    if labels.dim() >= 2:  # along the positions of a row
+        beside[:, 1:] |= ~ignored[:, :-1]
+        beside[:, :-1] |= ~ignored[:, 1:]
+    noise = torch.randn(outputs.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    noise = noise.to(outputs.device, outputs.dtype) * (1 + outputs.abs())
+    size, moved = 0.0, [0.0, 0.0]
+    with torch.no_grad():
+        for row in range(len(labels)):
+            one = slice(row, row + 1)
+            row_labels, row_extras = labels[one], {name: value[one] for name, value in extras.items()}
+            as_it_is = float(loss_sum_fn(outputs[one], row_labels, **row_extras))
+            size += abs(as_it_is)
+            for k, positions in enumerate((ignored[one] & ~beside[one], ignored[one] & beside[one])):
+                where = positions.reshape(*positions.shape, *[1] * (outputs.dim() - labels.dim())).to(outputs.device)
+                noisy = torch.where(where, outputs[one] + noise[one], outputs[one])
+                moved[k] += abs(float(loss_sum_fn(noisy, row_labels, **row_extras)) - as_it_is)
+    return moved[0] / max(size, 1e-30), moved[1] / max(size, 1e-30)
+
+
+def ignored_targets_line(away: float, beside: float, tolerance: float) -> str | None:
+    """What a loss that moves with the outputs labelled -100 does wrong (ignored_outputs_change_the_loss), or None."""
+    if away > tolerance:
+        return (
+            f"the loss reads the outputs at positions whose label is -100 (padding, prompt): moving only those away "
+            f"from every target moves it by {away:.2e} relative: it trains them as targets (labels.clamp(min=0) makes "
+            "each a target 0) or reads them in another term; leave them out of the SUM (ignore_index=-100)"
+        )
+    if beside > tolerance:
+        return (
+            f"the loss reads the outputs labelled -100 next to its targets (moving them moves it by {beside:.2e}): "
+            "label j read off output j ± 1; labels arrive shifted: shifted twice (HF's loss_function)? Pair label j "
+            "with output j"
+        )
+    return None
+
+
 def shapes_text(value) -> str:
     """ "float32 [2, 3, 16, 16]" for a tensor, each one's for a tuple, the type's name for anything else."""
     if isinstance(value, torch.Tensor):
@@ -115,6 +164,10 @@ def probe_loss_and_model(forward_module, model, loss_sum_fn, micro_batch: MicroB
                 f"model: it was computed outside autograd (.detach(), .item(), torch.no_grad(), a tensor made anew "
                 f"from numbers); return the sum built from the outputs with torch operations (docs/forking.md)"
             )
+    # Before the tests below: a loss that reads the positions labelled -100 fails them too, as a mean or a coupling.
+    moved = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, extras)
+    if moved and ignored_targets_line(*moved, ADDITIVE_TOLERANCE):
+        raise InexactStep(f"step 0: {ignored_targets_line(*moved, ADDITIVE_TOLERANCE)}")
     if len(supervised) >= 2:
         with torch.no_grad():
             first_targets = torch.zeros_like(labels, dtype=torch.bool)

@@ -76,8 +76,9 @@ class HFCausalLM(nn.Module):
         return self.hf(input_ids=tokens, use_cache=False).logits
 
     def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The final hidden states [rows, seq_len, d], before the lm_head (for model.loss = "chunked")."""
-        return self.hf.base_model(input_ids=tokens, use_cache=False).last_hidden_state
+        """The final hidden states [rows, seq_len, d], before the lm_head (for model.loss = "chunked"): the
+        decoder's (get_decoder), not base_model's, which under PEFT is the adapted whole model, head included."""
+        return self.hf.get_decoder()(input_ids=tokens, use_cache=False).last_hidden_state
 
     @property
     def output_head(self) -> nn.Module:

@@ -110,6 +110,7 @@ CHECK_LINES = [
     "rows independent",
     "loss_sum_fn is a sum",
     "loss pairs label j with output j",
+    "loss leaves the positions labelled -100 out",
     "examples",
     "supervised targets",
     "loss",

@@ -1,8 +1,8 @@
-"""train.py's step-0 probe (accumulation/probe.py): a mean loss stops the run with one line and exit 2; BatchNorm
-in train mode and a loss that couples examples (in-batch negatives) get one warning line each, an error with
-batch.on_inexact = "error"; the token cross-entropy SUM and a GroupNorm model pass silently. Each detector
-alone: a loss only the split of the targets sees, one only the split of the rows sees, a forward or loss that
-raises."""
+"""train.py's step-0 probe (accumulation/probe.py): a mean loss, and a loss that reads the outputs at positions
+labelled -100, stop the run with one line and exit 2; BatchNorm in train mode and a loss that couples examples
+(in-batch negatives) get one warning line each, an error with batch.on_inexact = "error"; the token cross-entropy
+SUM and a GroupNorm model pass silently. Each detector alone: a loss only the split of the targets sees, one only
+the split of the rows sees, a forward or loss that raises."""
 
 import sys
 import textwrap
@@ -86,6 +86,13 @@ def mean_cross_entropy(outputs, labels):
 
 
 register_loss("mean", mean_cross_entropy)
+
+
+def clamped_cross_entropy_sum(outputs, labels):
+    return F.cross_entropy(outputs.flatten(0, -2), labels.flatten().clamp(min=0), reduction="sum")
+
+
+register_loss("clamped", clamped_cross_entropy_sum)
 """
 
 
@@ -109,6 +116,64 @@ def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(t
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 1 and errors[0].startswith("error: step 0: the loss is a mean, not a sum over its targets")
     assert not (tmp_path / "runs" / "default" / "checkpoints").exists()
+
+
+def test_train_py_stops_a_loss_that_supervises_the_padding_naming_it(tmp_path, monkeypatch, capsys):
+    """labels.clamp(min=0) then a sum trains every padding and prompt position as token 0. It is not additive over
+    halves of its targets (masking half of them with -100 masks nothing), which the probe blamed on examples that
+    couple ("in-batch negatives") while it trained on; the cause it finds is named instead, and the run stops."""
+    (tmp_path / "probe_fork.py").write_text(textwrap.dedent(FORK))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = [
+        "--config",
+        "configs/sft.toml",
+        "model.objective=probe_fork:clamped",
+        "run.max_steps=2",
+        "model.n_layer=1",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=4",
+        f"run.out_dir={tmp_path / 'runs'}",
+    ]
+    try:
+        assert train.main(argv) == 2
+    finally:
+        sys.modules.pop("probe_fork", None)
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: step 0: the loss reads the outputs at positions whose label is -100 (padding, prompt): moving only"
+    ), errors
+    assert "labels.clamp(min=0)" in errors[0] and "in-batch negatives" not in errors[0]
+    assert not (tmp_path / "runs" / "sft" / "checkpoints").exists()
+
+
+def token_batch() -> MicroBatch:
+    """Two rows of 8 positions: a prompt of 2 (label -100), 3 targets, then padding (-100)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CLASSES, (2, 8), generator=generator)
+    labels = torch.full((2, 8), IGNORE_INDEX)
+    labels[:, 2:5] = tokens[:, 3:6]
+    return MicroBatch(tokens, labels, 6)
+
+
+def test_a_loss_that_reads_the_outputs_beside_its_targets_is_named_as_shifted_twice():
+    embedding = nn.Embedding(CLASSES, CLASSES)
+
+    def shifted_again(outputs, labels):
+        return token_cross_entropy_sum(outputs[:, :-1], labels[:, 1:])
+
+    with pytest.raises(InexactStep, match=r"labelled -100 next to its targets .* label j read off output j ± 1"):
+        probe_loss_and_model(embedding, embedding, shifted_again, token_batch(), torch.device("cpu"), "warn")
+    assert probe_loss_and_model(embedding, embedding, token_cross_entropy_sum, token_batch(), "cpu", "warn") == []
+
+
+def test_a_classifier_loss_that_clamps_a_padding_row_is_refused():
+    """One label per row: the padding row's label -100 clamped to class 0."""
+
+    def clamped(outputs, labels):
+        return F.cross_entropy(outputs, labels.clamp(min=0), reduction="sum")
+
+    with pytest.raises(InexactStep, match=r"^step 0: the loss reads the outputs at positions whose label is -100"):
+        probe(cnn(nn.GroupNorm(2, 8)), clamped)
 
 
 def test_batch_norm_of_a_model_built_in_eval_mode_is_named_too():

@@ -58,14 +58,26 @@ The checks, one line each, each named when it fails and each independent of m, A
     loss pairs label j with output j
                     one label kept, the gradient of the loss must land on output j: a loss that shifts labels
                     that arrive shifted (HF's loss_function) reads output j - 1, which no gradient comparison sees;
-                    "n/a" and why where there is no position to pair (one label per example: labels [rows])
+                    "n/a" and why where there is no position to pair (one label per example: labels [rows]); the
+                    label judged is one whose loss alone has a gradient (not a row of advantage 0, a clipped ratio)
+    loss leaves the positions labelled -100 out
+                    on fixed outputs, noise added only where the label is -100: no row's loss may move. One that
+                    supervises them (labels.clamp(min=0) then a sum: padding and prompts trained as token 0) passes
+                    every other check, since loop and reference call the same loss and rows split with their padding
+    pipeline stages compute the forward
+                    with dist.pipeline_stages > 1: the stages of pipeline_split, run one after another, give the
+                    model's forward (float64); the loop trains the stages and the reference the forward
     examples, supervised targets, normaliser, loss, gradient
                     the loop's step against the float64 reference, each beside the same step without accumulation
                     (A = 1, D = 1, one batch of all the step's rows, in the loop's precision): an error at that
                     floor is the model's rounding, one above it the accumulation's; the floor widens the
                     allowed error to 4 times itself, never past run.ROUNDING_FLOOR_CAP; the normaliser line
                     names N and its unit on both sides, the reference's counted from the objective's definition
-The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference.
+The header also says which loss path the loop ran (plain or chunked, compiled or eager) and which the reference,
+and, for a model with frozen parameters (requires_grad off: LoRA's base, a frozen embedding), how many parameters
+train and are compared and how many are frozen: those have no gradient, and no check reads them. A promise that
+fails explains the loss and gradient lines after it (they name it, not "accumulation, not rounding"); extras that
+disagree between examples() and the raw examples stop the check before the loss is run on them.
 
 What a PASS proves: for this config's model, loss, data and batch split (m, A, D), the step's gradient and logged
 loss equal the full-batch ones within the precision's tolerance, every rank starts from the same weights, the step

@@ -17,7 +17,14 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.checker.promises import NotApplicable
-from accumulation.checker.reference import as_float64, float64_full_batch, map_tensors, one_batch_baseline
+from accumulation.checker.reference import (
+    as_float64,
+    float64_full_batch,
+    gradients,
+    map_tensors,
+    one_batch_baseline,
+    trainable_parameters,
+)
 from accumulation.data.rows import DataError, Rows
 from accumulation.models.factory import build_model
 from accumulation.rl.objective_check import objective_from_definition
@@ -136,15 +143,27 @@ def objective_step(
         value = objective_from_definition(mode, losses, groups, constant)
         size = objective_from_definition(mode, [row.detach().abs() for row in losses], groups, constant)
     value.backward()
-    return [p.grad for p in model.parameters()], value.item(), size.item()
+    return gradients(trainable_parameters(model)), value.item(), size.item()
 
 
 def extras_message(example_extras: dict, extras: list[dict], row_ids: torch.Tensor):
-    """Where the extras examples() hands the loss differ from those the raw examples state (each name both
-    hold), in words; None when they agree. The row weights are the aggregation's, which no raw example states."""
+    """Where the extras examples() hands the loss differ from those the raw examples state, in words; None when
+    they agree. An extra only one side holds is named: the reference hands the loss what the raw examples state,
+    so an extra they leave out makes the reference another objective than the loop's. The row weights are the
+    aggregation's, which no raw example states, and the group is the definition's, which the loss never reads."""
     if not example_extras and not any(extras):
         return NotApplicable("the rows carry no extras: the loss reads the labels alone")
-    for name in sorted(set(example_extras) & set(extras[0] if extras else {})):
+    stated_names = set().union(*(row.keys() for row in extras)) if extras else set()
+    unstated = sorted(set(example_extras) - stated_names - {ROW_WEIGHTS})
+    if unstated:
+        return (
+            f"examples() hands the loss {', '.join(unstated)}, which no raw example states: the reference's loss would "
+            "run without it; state it in raw_example's extras"
+        )
+    unhanded = sorted(stated_names - set(example_extras) - {GROUP})
+    if unhanded:
+        return f"the raw examples state {', '.join(unhanded)}, which examples() does not hand the loss"
+    for name in sorted(set(example_extras) & stated_names):
         stated = torch.stack([torch.as_tensor(row[name], dtype=example_extras[name].dtype) for row in extras])
         differs = (example_extras[name] != stated).reshape(len(row_ids), -1).any(dim=1)
         if differs.any():

@@ -13,6 +13,7 @@ from accumulation.checker.reference import map_tensors
 from accumulation.data.rows import DataError, Rows
 from accumulation.data.sources import StepBatch, check_supervised_counts
 from accumulation.parallel.distributed import DistributedContext
+from accumulation.probe import ignored_outputs_change_the_loss, ignored_targets_line
 
 
 def rows_agree_across_calls_and_ranks(
@@ -105,6 +106,11 @@ class NotApplicable(str):
     """Why a check cannot apply to this fork's data: the checker prints "n/a: <why>", neither ok nor a failure."""
 
 
+# How many labels loss_alignment_message tries before it gives up finding one whose loss alone has a gradient: one
+# backward each, on the step's fixed outputs.
+PAIRING_CANDIDATES = 16
+
+
 def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None) -> str | None:
     """Whether the loss of label j reads output j (labels [rows, seq] against outputs [rows, seq, ...]); None
     when it does, NotApplicable(why) when the labels have no positions to pair. On fixed outputs, one supervised
@@ -129,10 +135,19 @@ def loss_alignment_message(loss_sum_fn, outputs: torch.Tensor, labels: torch.Ten
     rows_with_gradient = gradient_per_position(loss_sum_fn, outputs, labels, keywords).sum(dim=1) > 0
     if rows_with_gradient[inner[:, 0]].any():
         inner = inner[rows_with_gradient[inner[:, 0]]]
-    row, position = inner[len(inner) // 2].tolist()
-    one_label = torch.full_like(labels, IGNORE_INDEX)
-    one_label[row, position] = labels[row, position]
-    read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+    # Nor does a single target whose own term has none (a surrogate's ratio clipped there): from the middle label
+    # outwards, the first of a few whose loss alone has a gradient is judged.
+    middle = len(inner) // 2
+    order = sorted(range(len(inner)), key=lambda index: abs(index - middle))[:PAIRING_CANDIDATES]
+    for index in order:
+        row, position = inner[index].tolist()
+        one_label = torch.full_like(labels, IGNORE_INDEX)
+        one_label[row, position] = labels[row, position]
+        read_per_position = gradient_per_position(loss_sum_fn, outputs, one_label, keywords)[row]
+        if read_per_position.sum() > 0:
+            break
+    else:
+        return NotApplicable(f"none of {len(order)} labels near the middle has a loss with a gradient on its own")
     if read_per_position[position] > 0:
         return None
     read = read_per_position.nonzero().flatten().tolist()
@@ -257,6 +272,33 @@ def row_independence_message(model: torch.nn.Module, inputs) -> str | None:
     )
 
 
+def stages_message(model: torch.nn.Module, num_stages: int, inputs) -> str | None:
+    """Whether the model's pipeline stages (its pipeline_split, as the pipelined loop cuts it), run one after
+    another on the step's rows, compute its forward (train mode, float64, no gradient); None when they do. The
+    loop trains the stages and the reference the forward, so a stage that computes something else (a block run
+    without its causal mask, positions restarted at 0 on a later stage) would read as an accumulation error."""
+    from accumulation.parallel.pipeline import split_into_stages  # only for dist.pipeline_stages > 1
+
+    model.train()
+    with torch.no_grad():
+        whole = model(inputs)
+        outputs = inputs
+        for stage in split_into_stages(model, num_stages):
+            outputs = stage(outputs)
+    if outputs.shape == whole.shape and relative_difference(outputs, whole) <= ROW_INDEPENDENCE_TOLERANCE:
+        return None
+    found = (
+        f"relative {relative_difference(outputs, whole):.2e}"
+        if outputs.shape == whole.shape
+        else f"outputs {list(outputs.shape)} against {list(whole.shape)}"
+    )
+    return (
+        f"the {num_stages} pipeline stages of the model's pipeline_split, run one after another, compute another "
+        f"function than its forward ({found}; float64, train mode): the loop trains the stages, the reference the "
+        "forward; each stage must run the model's own layers as its forward does (a causal mask, positions, a norm)"
+    )
+
+
 # loss_sum_fn's additivity: the float64 sums over two halves of the step's rows and over all of them agree to
 # rounding, about 1e-16 per addition over a few thousand targets; 1e-9 is far above that and far below the
 # factor of about 2 a mean gives. A loss that computes in float32 whatever its inputs (HF's losses do) rounds
@@ -333,6 +375,56 @@ def additivity_message(
         "can reproduce it: A·D = 1 or a technique such as GradCache",
         note,
     )
+
+
+# A row's loss that leaves its positions labelled -100 out of its sum does not move at all when only their outputs
+# move (their terms are dropped, or multiplied by 0); 1e-9 of the rows' losses allows for a masked loss's own
+# rounding and lies far below what one supervised padding position moves them by (a target 0 on noisy logits:
+# about 1e-3 of the loss of a few hundred targets, and far more for the hundreds a padded batch holds).
+IGNORED_TOLERANCE = 1e-9
+
+
+def ignored_targets_message(
+    loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords=None, pairing_failed: bool = False
+) -> str | None:
+    """Whether the loss leaves out every position whose label is -100: on fixed outputs, each row's loss with and
+    without noise on its outputs at those positions (probe.ignored_outputs_change_the_loss, as train.py's probe
+    asks it); None when none moves, NotApplicable when no label is -100 or the outputs are not one per label
+    position. Loop and reference call the same loss, and splitting rows keeps each row's padding, so neither the
+    gradient comparison nor the 'is a sum' check sees a loss that trains padding or prompts as targets.
+    `keywords`: what the loss reads of the rows besides their labels, as for additivity_message. `pairing_failed`:
+    loss_alignment_message found label j read off another output, which reads the outputs beside the targets;
+    that line names it, so this one judges only the positions away from every target."""
+    moved = ignored_outputs_change_the_loss(loss_sum_fn, outputs, labels, keywords or {})
+    if moved is None:
+        return NotApplicable("no label is -100 here, or the outputs are not one per label position")
+    away, beside = moved
+    if pairing_failed and away <= IGNORED_TOLERANCE and beside > IGNORED_TOLERANCE:
+        return NotApplicable(
+            "it reads the outputs beside its targets, as the pairing line's fault does; none away from them"
+        )
+    return ignored_targets_line(away, beside, IGNORED_TOLERANCE)
+
+
+def first_failure(checks: dict) -> str | None:
+    """The name of the first check that FAILs (neither None nor NotApplicable), or None."""
+    return next((name for name, why in checks.items() if why is not None and not isinstance(why, NotApplicable)), None)
+
+
+def loss_promises(checks: dict, loss_sum_fn, outputs: torch.Tensor, labels: torch.Tensor, keywords: dict, skip: bool):
+    """Adds to `checks` the lines of the loss's own promises on fixed outputs (with `skip`, each n/a and why) and
+    returns their notes."""
+    names = ("loss_sum_fn is a sum", "loss pairs label j with output j", "loss leaves the positions labelled -100 out")
+    if skip:
+        why = NotApplicable("the raw examples' extras disagree with those of examples() (above): the loss is not run")
+        checks.update(dict.fromkeys(names, why))
+        return {}
+    additivity, precision_note = additivity_message(loss_sum_fn, outputs, labels, keywords)
+    pairing = loss_alignment_message(loss_sum_fn, outputs, labels, keywords)
+    pairing_failed = pairing is not None and not isinstance(pairing, NotApplicable)
+    ignored = ignored_targets_message(loss_sum_fn, outputs, labels, keywords, pairing_failed=pairing_failed)
+    checks.update(zip(names, (additivity, pairing, ignored), strict=True))
+    return {names[0]: precision_note}
 
 
 def weights_agree_across_builds_and_ranks(

@@ -74,12 +74,39 @@ def as_float64(inputs):
     return map_tensors(lambda tensor: tensor.double() if tensor.is_floating_point() else tensor, inputs)
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters an update moves, in the model's order: those with requires_grad. A frozen one (a LoRA
+    base weight, a frozen embedding) gets no gradient (its .grad stays None) and is compared by no check."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def parameters_compared(model: torch.nn.Module) -> str:
+    """The model's parameters in words, and which of them the checker compares when some are frozen."""
+    parameters = sum(p.numel() for p in model.parameters())
+    frozen = parameters - sum(p.numel() for p in trainable_parameters(model))
+    if frozen:  # requires_grad off: no gradient to compare, and no update moves them
+        return f"{parameters:,} parameters ({parameters - frozen:,} train and are compared, {frozen:,} frozen)"
+    return f"{parameters:,} parameters"
+
+
+def trainable_gradients(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(parameter, its gradient) for each trainable parameter, in the model's order (gradients' zeros where None)."""
+    parameters = trainable_parameters(model)
+    return list(zip(parameters, gradients(parameters), strict=True))
+
+
+def gradients(parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each trainable parameter's gradient; zeros for one the loss did not reach (its .grad is None)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+
+
 def float64_full_batch(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, loss_sum_fn):
-    """∇ of the mean loss over every supervised target of the step as one float64 batch, and that loss."""
+    """∇ of the mean loss over every supervised target of the step as one float64 batch (the trainable
+    parameters'), and that loss."""
     model.train()
     mean_loss = loss_sum_fn(model(as_float64(inputs)), labels) / count_supervised_tokens(labels)
     mean_loss.backward()
-    return [p.grad for p in model.parameters()], mean_loss.item()
+    return gradients(trainable_parameters(model)), mean_loss.item()
 
 
 def one_batch_baseline(
@@ -94,7 +121,7 @@ def one_batch_baseline(
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
         mean_loss = loss_sum_fn(model(inputs), labels) / count_supervised_tokens(labels)
     mean_loss.backward()
-    return [p.grad for p in model.parameters()], mean_loss.item()
+    return gradients(trainable_parameters(model)), mean_loss.item()
 
 
 def max_relative_error(gradient: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
@@ -167,8 +194,9 @@ def first_update_probe(model: torch.nn.Module, fused: bool = False) -> tuple[tor
     apply, as it sees them (after accumulation, DDP's all-reduce, unscaling and clipping). Later updates add
     nothing, so that memory measured around them holds no copies of the probe's. Under FSDP2 the gradients
     are shards (DTensors): each is gathered whole, a collective that every rank's optimizer step takes part in.
-    `fused`: SGD's fused kernel, so that the step queues the update on the device (accumulation/update_on_device.py)
-    as it does for the configured optimizer when that is fused."""
+    Only the trainable parameters' (trainable_parameters): a frozen one has no gradient to hand. `fused`: SGD's
+    fused kernel, so that the step queues the update on the device (accumulation/update_on_device.py) as it does
+    for the configured optimizer when that is fused."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0, fused=fused or None)
     handed = []
 
@@ -177,7 +205,7 @@ def first_update_probe(model: torch.nn.Module, fused: bool = False) -> tuple[tor
 
     def record_first_gradient(opt, args, kwargs):
         if not handed:
-            handed.append([whole(p.grad) for p in model.parameters()])
+            handed.append([whole(grad) for grad in gradients(trainable_parameters(model))])
 
     optimizer.register_step_pre_hook(record_first_gradient)
     return optimizer, handed

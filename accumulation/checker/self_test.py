@@ -1,5 +1,8 @@
 """The checker's self-test: known bugs it must FAIL on (`--inject-bug NAME`). SELF-TEST ONLY, every line.
 
+The loss bugs wrap the configured loss and hand it the rows' extras as they come (a GRPO step's advantages, old
+log-probabilities and row weights), so they apply to a loss that reads extras as to one that reads the labels alone.
+
 Bugs in the loop only (the reference stays right) show that the comparison sees the loop go wrong; bugs a fork
 makes in its data or loss (loop and reference both get them) show that the checks of the fork's promises see
 them.
@@ -9,6 +12,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens, micro_batch_slices
 from accumulation.checker.objective_reference import declared_objective
+from accumulation.config.config import Config, ConfigError
 from accumulation.data.rows import DataError, RawExample, Rows, RowSet
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
@@ -88,6 +92,16 @@ def refuse_a_bug_this_data_cannot_show(
             )
 
 
+def check_bug_fits_the_layout(bug: str | None, config: Config) -> None:
+    """A ConfigError for a self-test bug the layout cannot show: scale-grads needs pipeline stages, and the loop
+    bugs rewrite optimizer_step's inputs, which the pipelined step does not run."""
+    pipelined = config.dist.pipeline_stages > 1
+    if bug in PIPELINE_BUGS and not pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of the pipeline schedule: set dist.pipeline_stages > 1")
+    if bug in LOOP_BUGS and pipelined:
+        raise ConfigError(f"--inject-bug {bug} is a bug of optimizer_step: use dist.pipeline_stages = 1")
+
+
 def targets_per_micro_batch(
     batch: StepBatch, global_batch_size: int, micro_batch_size: int, replicas: int
 ) -> list[int]:
@@ -113,9 +127,9 @@ def mean_of_means_loss(loss_sum_fn, micro_batches, context: DistributedContext):
     [tokens_global] = all_reduce_ints([sum(count_supervised_tokens(mb.labels) for mb in micro_batches)], context.device)
     tokens_per_micro_batch = tokens_global / (len(micro_batches) * context.world_size)
 
-    def micro_batch_mean_times_average_count(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def micro_batch_mean_times_average_count(outputs: torch.Tensor, labels: torch.Tensor, **extras) -> torch.Tensor:
         tokens = (labels != IGNORE_INDEX).sum().clamp(min=1)  # an empty micro-batch still adds exactly zero
-        return loss_sum_fn(outputs, labels) / tokens * tokens_per_micro_batch
+        return loss_sum_fn(outputs, labels, **extras) / tokens * tokens_per_micro_batch
 
     return micro_batch_mean_times_average_count
 
@@ -123,8 +137,8 @@ def mean_of_means_loss(loss_sum_fn, micro_batches, context: DistributedContext):
 def mean_loss(loss_sum_fn):
     """SELF-TEST ONLY: a fork's loss that returns the MEAN over the micro-batch's supervised targets."""
 
-    def mean(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_sum_fn(outputs, labels) / (labels != IGNORE_INDEX).sum().clamp(min=1)
+    def mean(outputs: torch.Tensor, labels: torch.Tensor, **extras) -> torch.Tensor:
+        return loss_sum_fn(outputs, labels, **extras) / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
     return mean
 
@@ -134,23 +148,28 @@ def in_batch_negatives_loss(loss_sum_fn):
     the same batch, its own the positive, the others its negatives, as contrastive losses do. Each row's term
     reads the other rows, so the loss of a batch is not the sum of the losses of its parts."""
 
-    def with_negatives(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        pooled = outputs.reshape(len(outputs), -1, outputs.shape[-1]).mean(dim=1)  # [rows, classes]
+    def with_negatives(outputs: torch.Tensor, labels: torch.Tensor, **extras) -> torch.Tensor:
+        # Each row's outputs averaged over its supervised positions: the bug couples rows, and reads no padding.
+        supervised = (labels != IGNORE_INDEX).reshape(len(outputs), -1, 1).to(outputs.dtype)
+        per_position = outputs.reshape(len(outputs), -1, outputs.shape[-1])
+        pooled = (per_position * supervised).sum(dim=1) / supervised.sum(dim=1).clamp(min=1)  # [rows, classes]
         similarity = pooled @ pooled.T  # [rows, rows]: row i against every row of the batch
         own = torch.arange(len(outputs), device=outputs.device)
         contrastive = torch.nn.functional.cross_entropy(similarity, own, reduction="sum")
         targets_per_row = (labels != IGNORE_INDEX).sum() / len(outputs)  # on the scale of the token losses
-        return loss_sum_fn(outputs, labels) + targets_per_row * contrastive
+        return loss_sum_fn(outputs, labels, **extras) + targets_per_row * contrastive
 
     return with_negatives
 
 
 def shifted_again_loss(loss_sum_fn):
     """SELF-TEST ONLY: a fork's loss that shifts labels which arrive shifted already: output j is scored against
-    label j + 1, i.e. token j + 2 (HF's loss_function with labels from our data)."""
+    label j + 1, i.e. token j + 2 (HF's loss_function with labels from our data). An extra given per position (a
+    GRPO row's old log-probabilities, [rows, seq]) moves with its label; one per row stays."""
 
-    def shifted_again(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return loss_sum_fn(outputs[:, :-1], labels[:, 1:])
+    def shifted_again(outputs: torch.Tensor, labels: torch.Tensor, **extras) -> torch.Tensor:
+        per_position = {name: value[:, 1:] for name, value in extras.items() if value.shape[:2] == labels.shape}
+        return loss_sum_fn(outputs[:, :-1], labels[:, 1:], **{**extras, **per_position})
 
     return shifted_again
 

@@ -237,8 +237,11 @@ class RunLogs:
         position = "tokens" if data.summary.targets == "tokens" else "positions"
         per_row = f"{data.train.seq_len} {position} per row; " if data.train.seq_len is not None else ""  # not images
         say(f"accumulation: {batch}; {per_row}device {context.device} ({context.backend or 'single process'})")
+        trainable = sum(p.numel() for p in training.model.parameters() if p.requires_grad)
+        frozen = sum(p.numel() for p in training.model.parameters()) - trainable  # requires_grad off: never updated
         say(
-            f"model: {model_description(training.model, config.model.name)}; precision {config.precision.dtype}, "
+            f"model: {model_description(training.model, config.model.name)}; parameters {trainable:,} train, "
+            f"{frozen:,} frozen; precision {config.precision.dtype}, "
             f"grad scaler {'on' if training.setup.scaler.is_enabled() else 'off'}; "
             f"loss {training.model_config.loss}; compile {'on' if training.compiled else 'off'}"
         )

@@ -573,4 +573,31 @@ BUGS = [
         "        pass\n",
         ["tests/test_checker_verdicts.py::test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line"],
     ),
+    # Issue 42: the positions labelled -100 and frozen parameters.
+    Bug(
+        "probe-ignored-targets-unchecked",
+        "a loss that trains padding as token 0 (labels.clamp(min=0)) passes the step-0 probe: loss 44.7, not 5.4",
+        "accumulation/probe.py",
+        "    if moved and ignored_targets_line(*moved, ADDITIVE_TOLERANCE):",
+        "    if False:",
+        ["tests/test_probe.py::test_train_py_stops_a_loss_that_supervises_the_padding_naming_it"],
+    ),
+    Bug(
+        "checker-ignored-targets-unchecked",
+        "the checker PASSes a loss that trains padding as token 0: loop and reference call the same loss",
+        "accumulation/checker/promises.py",
+        "    return ignored_targets_line(away, beside, IGNORED_TOLERANCE)",
+        "    return None",
+        [
+            "tests/test_checker_diagnoses.py::test_a_loss_that_supervises_the_padding_fails_naming_the_positions_labelled_100"
+        ],
+    ),
+    Bug(
+        "checker-frozen-parameters-compared",
+        "the checker reads every parameter's gradient: a frozen one's is None, an AttributeError",
+        "accumulation/checker/reference.py",
+        "    return [p for p in model.parameters() if p.requires_grad]",
+        "    return list(model.parameters())",
+        ["tests/test_checker_diagnoses.py::test_a_frozen_embedding_is_left_out_of_the_comparison_and_said_so"],
+    ),
 ]

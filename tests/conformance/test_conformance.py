@@ -175,3 +175,12 @@ def test_resume_is_exact(fork_argv, tmp_path):
     assert straight["counters"] == resumed["counters"] and straight["counters"]["steps"] == 2
     for key, weights in straight["model"].items():
         assert torch.equal(weights, resumed["model"][key]), key
+    # Frozen parameters (requires_grad off: a LoRA base, a frozen embedding) get no gradient and no update: after
+    # two steps they hold their initial values, and something trained.
+    config, _, vocab_size = built(fork_argv)
+    initial = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    for name, parameter in initial.named_parameters():
+        if not parameter.requires_grad:
+            assert torch.equal(parameter.detach(), straight["model"][name]), f"{name} is frozen, yet the steps moved it"
+    trainable = [(name, p) for name, p in initial.named_parameters() if p.requires_grad]
+    assert any(not torch.equal(p.detach(), straight["model"][name]) for name, p in trainable), "nothing trained"
