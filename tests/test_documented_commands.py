@@ -32,7 +32,7 @@ SHORTER = {
     "python -m pytest": "--collect-only -q -p no:cacheprovider",
     "python -m pytest -m integration": "--collect-only -q -p no:cacheprovider",
     "torchrun --standalone --nproc_per_node=2 train.py run.name=two_ranks": TINY_RUN,
-    "torchrun --standalone --nproc_per_node=4 train.py dist.pipeline_stages=2": TINY_RUN,
+    "torchrun --standalone --nproc_per_node=4 train.py dist.pipeline_stages=2 run.name=pipeline": TINY_RUN,
     # 300 SFT steps, then GRPO rounds: 2 SFT steps and one round of 16 trajectories
     "python train.py --config configs/grpo.toml": (
         f"{TINY_RUN} batch.global_batch_size=16 batch.micro_batch_size=4 data.mini_batch_size=16 data.sft_steps=2 "
