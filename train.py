@@ -179,9 +179,8 @@ def train(
             if result.stop_requested and counters.steps < config.run.max_steps:
                 return stopped_by_a_signal(counters, stop, say)
         # ---------------------------------------------------------------- TRAINING SECTION END
-        if logs.session_steps:  # the last step's validation loss when it had one, else one more pass
-            final_val_loss = record["val_loss"] if "val_loss" in record else validator.final_loss(micro_batch_size)
-            logs.summary(counters, final_val_loss, session_start, training.model)
+        if logs.session_steps:  # the last step is validated (should_validate): its record holds the final loss
+            logs.summary(counters, record.get("val_loss"), session_start, training.model)
     finally:
         # After an error the process ends at once (fail fast); closing a writer that failed would raise a
         # second error and hide the first.
@@ -208,21 +207,20 @@ def probe_step_zero(
 
 
 class Validator:
-    """The validation loss on its own cadence of steps (run.eval_every), never depending on where a session
-    happens to end, so that an interrupted and resumed run writes the same lines as an uninterrupted one."""
+    """The validation loss on its own cadence of steps (run.eval_every) and at the run's last step, never depending
+    on where a session happens to end, so that an interrupted and resumed run writes the same lines as an
+    uninterrupted one."""
 
     def __init__(self, config: Config, data: Data, context: DistributedContext, training: Training) -> None:
         self.config, self.data, self.context, self.training = config, data, context, training
 
     def should_validate(self, steps: int) -> bool:
         every = self.config.run.eval_every
-        return self.data.val is not None and every > 0 and steps % every == 0
+        last = steps == self.config.run.max_steps  # the final loss, logged like the others
+        return self.data.val is not None and (last or every > 0 and steps % every == 0)
 
     def loss(self, micro_batch_size: int) -> float:
         return validation_loss(self.training, self.data, self.config, self.context, micro_batch_size)
-
-    def final_loss(self, micro_batch_size: int) -> float | None:
-        return finite_or_none(self.loss(micro_batch_size)) if self.data.val is not None else None
 
 
 # ================================================================== 4. Checkpoints, and the ways a run stops
@@ -234,13 +232,18 @@ class Checkpointer:
     def __init__(self, config, data: Data, run_dir: Path, context: DistributedContext, training, logs: RunLogs):
         self.config, self.data, self.run_dir, self.context = config, data, run_dir, context
         self.training, self.logs = training, logs
+        self.sharded = None  # fsdp2: each rank writes its own shards, in the background
+        if config.dist.strategy == "fsdp2":
+            from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
+
+            self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", config.run.keep_checkpoints, context)
 
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
-            self.save(counters, skips_in_a_row)
+            self.save(counters, skips_in_a_row, background=not (finished or now))  # the last: on the disk at once
 
-    def save(self, counters: Counters, skips_in_a_row: int) -> None:
+    def save(self, counters: Counters, skips_in_a_row: int, background: bool = True) -> None:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
@@ -256,6 +259,9 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
+        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
+            self.sharded.save(payload, training.optimizer, counters.steps, background)
+        elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 
 

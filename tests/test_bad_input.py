@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from accumulation.config.config import load_config
-from accumulation.run.sample import sample_decoder
+from accumulation.run.sample import run_tokenizer
 from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import garbage, run_in_process, snapshot
 from tests.test_disrupted_runs import REPO, free_port
@@ -543,5 +543,5 @@ def test_a_data_source_and_tokenizer_under_the_home_directory_are_found(tmp_path
     tokenizers = pytest.importorskip("tokenizers")
     word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
     word_level.save(str(tmp_path / "tokenizer.json"))
-    decode, _ = sample_decoder(load_config(["data.tokenizer=~/tokenizer.json"]))
-    assert decode([0]) == "a"
+    tokenizer, _ = run_tokenizer(load_config(["data.tokenizer=~/tokenizer.json"]))
+    assert tokenizer.decode([0]) == "a"

@@ -1,8 +1,10 @@
 """The equivalence checker on a GRPO step of configs/grpo.toml (`--step`, after data.sft_steps): the loop's update
-against the float64 gradient of the objective from its definition, its N counted from that definition and named in
-its unit on both sides; PASS on one process and on two gloo ranks, FAIL with a wrong normaliser. The promises of the
-loss are checked on the surrogate the step trains (its rows' advantages and old log-probabilities handed to it), and
-FAIL for a surrogate that is a mean or that pairs label j with another output."""
+against the float64 gradient of the objective the source declares, from its definition, its N counted from that
+definition and named in its unit on both sides, on rows sampled off-policy so that the clip binds; PASS on one
+process and on two gloo ranks, for each objective setting; FAIL with a wrong normaliser (naming accumulation) and
+with a wrong loss, max for min or a GSPO ratio without its 1/|y| (naming the loss). The promises of the loss are
+checked on the surrogate the step trains (its rows' advantages and old log-probabilities handed to it), and FAIL for
+a surrogate that is a mean or that pairs label j with another output."""
 
 import dataclasses
 import re
@@ -13,22 +15,26 @@ import pytest
 from accumulation import checker
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.registry import REGISTERED, lookup
+from accumulation.rl import on_policy
+from accumulation.rl.objective_check import WRONG_LOSSES
 from accumulation.rl.on_policy import clipped_surrogate_sum
 from testkit.ranks import run_main_on_ranks
 from tests.test_check_equivalence import failing_lines
 
 GRPO_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "grpo.toml")
-# Step 300 is the first GRPO step (data.sft_steps = 300), round 0 sampled from the initial weights. Their untrained
-# policy writes random bytes, which answer 'Q: a + b =' for a, b < 3 now and then: with run.seed 10 one of round
-# 0's 4 groups of 8 has a rewarded completion, so its advantages (and the gradient) are not zero, and its
-# completions hold 3, 5 and 6 tokens, so token, sequence and prompt means differ.
+# Step 300 is the first GRPO step (data.sft_steps = 300), round 0 sampled by a policy some way off the initial
+# weights (objective_check.offset_policy), which the checker checks. Its untrained policy writes random bytes, which
+# answer 'Q: a + b =' for a, b < 3 now and then: with run.seed 28 some of round 0's 4 groups of 8 have a rewarded
+# completion, so their advantages (and the gradient) are not zero, the completions' lengths differ, so token,
+# sequence and prompt means differ, and the clip binds on 14 of the 190 completion tokens.
 GRPO_STEP = [
     "--config",
     GRPO_CONFIG,
     "--step",
     "300",
-    "run.seed=10",
+    "run.seed=28",
     "data.max_operand=3",
+    "data.held_out=1",
     "data.prompts_per_round=4",
     "data.mini_batch_size=32",
     "batch.global_batch_size=32",
@@ -65,6 +71,8 @@ def test_a_grpo_step_passes_against_its_objectives_definition(capsys, ranks):
     assert line(stdout, "extras of examples() vs the raw examples") == "ok"
     assert line(stdout, "loss_sum_fn is a sum") == "ok"
     assert line(stdout, "loss pairs label j with output j") == "ok"
+    clipped = re.search(r"the clip binds on (\d+) of (\d+) completion tokens", line(stdout, "importance ratio"))
+    assert int(clipped.group(1)) > 0, stdout  # off-policy: the ratio is checked where the clip binds
     # fp32 against float64: the checker's own tolerance (accumulation/checker/run.py, RELATIVE_TOLERANCE).
     assert gradient_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
     assert stdout.splitlines()[-1] == "PASS"
@@ -165,9 +173,61 @@ def test_a_surrogate_that_pairs_label_j_with_output_j_plus_1_fails_on_its_own(ca
     with_the_surrogate_replaced_by(surrogate_pairing_label_j_with_output_j_plus_1, monkeypatch)
     status, stdout = run_checker(GRPO_STEP, 1, capsys)
     assert status == 1, stdout
-    # Loop and reference read the same wrong outputs, so their gradients agree: only the pairing probe sees it.
-    assert failing_lines(stdout) == ["loss pairs label j with output j"] and stdout.count("FAIL: ") == 1, stdout
+    # The reference is the objective's definition, which pairs label j with output j: the pairing probe, the loss
+    # the gradient norm and the gradient fail, and the gradient's line names the loss, not accumulation.
+    assert failing_lines(stdout) == ["loss pairs label j with output j", "loss", "gradient norm", "gradient"], stdout
+    assert line(stdout, "gradient").endswith("the loss is not the objective it declares, not an accumulation bug")
     pairing = line(stdout, "loss pairs label j with output j")
     match = re.match(r"FAIL: the loss of label (\d+) \(row \d+ of the step\) reads outputs \[(\d+)\], not", pairing)
     assert match and int(match.group(2)) == int(match.group(1)) + 1, pairing
     assert line(stdout, "loss_sum_fn is a sum") == "ok"
+
+
+# Each objective setting on the checked step: its update against its own definition (fp32 against float64).
+OBJECTIVE_SETTINGS = {
+    "clip-higher": ["data.clip_ratio_high=0.28"],
+    "gspo": ['data.importance_level="sequence"', "data.clip_ratio=0.03", "data.clip_ratio_high=0.04"],
+    "kl-k3": ["data.kl_coef=0.1"],
+    "kl-k1": ["data.kl_coef=0.1", 'data.kl_estimator="k1"'],
+    "entropy": ["data.entropy_coef=0.1"],
+    "temperature": ["data.temperature=0.7", "data.top_p=0.9"],
+    "token-sum": ['data.loss_aggregation="token-sum"'],
+    "fork": ['data.policy_loss="forks.cispo:CISPO"', 'data.loss_aggregation="token-mean"'],
+}
+
+
+@pytest.mark.parametrize("setting", sorted(OBJECTIVE_SETTINGS))
+def test_each_objective_setting_passes_against_its_definition(capsys, setting):
+    status, stdout = run_checker([*GRPO_STEP, *OBJECTIVE_SETTINGS[setting]], 1, capsys)
+    assert status == 0, stdout
+    assert gradient_error(stdout) < checker.RELATIVE_TOLERANCE["fp32"]
+
+
+def test_the_objective_settings_pass_on_two_ranks(capsys):
+    every = ['data.importance_level="sequence"', "data.clip_ratio=0.03", "data.kl_coef=0.1", "data.entropy_coef=0.1"]
+    status, stdout = run_checker([*GRPO_STEP, *every], 2, capsys)
+    assert status == 0, stdout
+
+
+@pytest.mark.parametrize(
+    ("plant", "settings"),
+    [("max-for-min", []), ("gspo-without-length", ['data.importance_level="sequence"', "data.clip_ratio=0.03"])],
+)
+def test_a_loss_that_is_not_the_declared_objective_fails_naming_the_loss(capsys, monkeypatch, plant, settings):
+    """A fork's loss with max in place of min, or GSPO's ratio without its 1/|y|: at ρ = 1 the first equals the
+    right surrogate; off-policy both FAIL, and the line names the loss, not accumulation."""
+    planted_loss = WRONG_LOSSES[plant]()  # its objective: the run's, read at each call
+
+    def planted(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None):
+        if advantages is None:
+            return clipped_surrogate_sum(outputs, labels)
+        planted_loss.objective = on_policy.POLICY_LOSS.objective  # the run's declared objective, as bound
+        return planted_loss(
+            outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights
+        )
+
+    with_the_surrogate_replaced_by(planted, monkeypatch)
+    status, stdout = run_checker([*GRPO_STEP, *settings], 1, capsys)
+    assert status == 1, stdout
+    assert line(stdout, "gradient").endswith("the loss is not the objective it declares, not an accumulation bug")
+    assert line(stdout, "normaliser").endswith("ok")

@@ -23,12 +23,12 @@ from scripts.benchmarks.bench_fsdp import counting_fsdp_collectives, padded_grad
 from testkit.ranks import pretend_launched, run_on_ranks
 from testkit.reference import float64_reference_gradient, max_relative_error
 from tests.test_check_equivalence import reported_relative_error, run_checker_with_stderr
+from tests.test_sharded_checkpoint import whole
 from tests.test_step import FLOAT64_RTOL
 from tests.test_train import (
     PLAIN_SGD,
     REPO,
     comparable,
-    final_weights,
     read_metrics,
     tiny_settings,
     train_forked,
@@ -274,21 +274,21 @@ def test_fsdp2_resume_is_bit_exact_with_dropout(fsdp2_straight):
     train_run(tmp_path, corpus, "resumed", 2, "fsdp2", 2)
     assert "resuming from" in train_run(tmp_path, corpus, "resumed", 2, "fsdp2", 4)
     a, b = tmp_path / "runs" / "straight", tmp_path / "runs" / "resumed"
-    for key, value in final_weights(a).items():
-        assert torch.equal(value, final_weights(b)[key]), key
+    for key, value in whole(a)["model"].items():
+        assert torch.equal(value, whole(b)["model"][key]), key
     assert comparable(read_metrics(a)) == comparable(read_metrics(b))
 
 
 @pytest.mark.slow
 def test_checkpoints_move_between_ddp_fsdp2_and_world_sizes(fsdp2_straight):
     """2 steps under ddp, 2 under fsdp2 from ddp's checkpoint (against 4 straight under fsdp2), then 2 more
-    under ddp on one process from fsdp2's checkpoint. One file format: whole tensors, optimizer state keyed by
-    parameter number."""
+    under ddp on one process from fsdp2's checkpoint: ddp's single file read by fsdp2, fsdp2's sharded folder
+    (accumulation/run/sharded_checkpoint.py) read by ddp."""
     tmp_path, corpus = fsdp2_straight
     train_run(tmp_path, corpus, "moving", 2, "ddp", 2)
     assert "resuming from" in train_run(tmp_path, corpus, "moving", 2, "fsdp2", 4)
-    reference = final_weights(tmp_path / "runs" / "straight")
-    weights = final_weights(tmp_path / "runs" / "moving")
+    reference = whole(tmp_path / "runs" / "straight")["model"]
+    weights = whole(tmp_path / "runs" / "moving")["model"]
     # The same dropout masks (D unchanged: every rank's generator restored) and fp32 reordering in the
     # collective only (all-reduce vs reduce-scatter of the same two terms), carried through 4 AdamW updates:
     # ulps. An optimizer state lost on the way (moments restarted) moves each weight of steps 3 and 4 by about

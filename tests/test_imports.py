@@ -119,12 +119,15 @@ OPTION_MODULES = {
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.rl",  # the GRPO fork's library: data.source = "arithmetic-rollouts" (its loss with it)
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
+    "accumulation.run.sharded_checkpoint",  # dist.strategy = "fsdp2"'s checkpoints, or a resume from one
     "accumulation.parallel.torchrun",  # a launch under torchrun
     "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1
     "accumulation.models.gpt_stages",  # dist.pipeline_stages > 1 with the GPT
     "accumulation.shrink_on_oom",  # batch.on_oom = "shrink"
     "accumulation.update_on_device",  # a fused optimizer (AdamW on CUDA)
+    "accumulation.run.external_sinks",  # log.sinks naming wandb or mlflow
+    "accumulation.run.mfu",  # a CUDA run, or log.peak_tflops set
     "torch.distributed.pipelining",
 }
 

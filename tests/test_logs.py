@@ -11,7 +11,7 @@ import torch
 from accumulation.config.config import load_config
 from accumulation.counters import Counters
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run import logs
+from accumulation.run import logs, sinks
 from accumulation.run.run_dir import WriteError
 from scripts.checks import plant_bugs
 from testkit.disk import fill_disk, small_disk
@@ -19,7 +19,6 @@ from testkit.disk import fill_disk, small_disk
 REPO = Path(__file__).resolve().parent.parent
 
 SINGLE_PROCESS = DistributedContext(0, 0, 1, torch.device("cpu"), None)
-SCALARS = ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s")
 
 
 def tensorboard_points(run_dir: Path, axis: str) -> dict[str, list[tuple[int, float]]]:
@@ -34,16 +33,18 @@ def tensorboard_points(run_dir: Path, axis: str) -> dict[str, list[tuple[int, fl
 
 
 def assert_tensorboard_matches_metrics(run_dir: Path) -> None:
-    """One point per step and scalar on each axis (applied updates, supervised tokens), the values of
-    metrics.jsonl stored as float32 (TensorBoard's simple_value)."""
+    """One point per step and numeric field against steps, and per step and loss against supervised tokens, the
+    values of metrics.jsonl stored as float32 (TensorBoard's simple_value)."""
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for axis, prefix, position in (("by_updates", "", "updates"), ("by_tokens", "by_tokens/", "tokens")):
-        points = tensorboard_points(run_dir, axis)
-        for name in SCALARS:
-            expected = [
-                (line[position], float(np.float32(line[name]))) for line in metrics if line.get(name) is not None
-            ]
-            assert points.get(f"{prefix}train/{name}", []) == expected, (axis, name)
+    expected = {}
+    for line in metrics:
+        for tag, value in sinks.tagged(line, "data").items():
+            expected.setdefault(tag, []).append((line["steps"], float(np.float32(value))))
+    assert tensorboard_points(run_dir, "by_steps") == expected
+    by_tokens = tensorboard_points(run_dir, "by_tokens")
+    for name, tag in sinks.TOKEN_AXIS_TAGS.items():
+        points = [(line["tokens"], float(np.float32(line[name]))) for line in metrics if line.get(name) is not None]
+        assert by_tokens.get(tag, []) == points, tag
 
 
 def test_keep_metrics_up_to_drops_later_steps_and_a_half_line(tmp_path):
@@ -60,12 +61,12 @@ def test_a_metrics_line_is_on_a_full_disk_whole_or_not_at_all(tmp_path):
     """A real full disk: the kernel takes part of the line, then refuses the rest. The part is cut off
     again, so the file ends with the last whole line, and the error is one line naming the file."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        metrics_file = logs.MetricsFile(disk / "metrics.jsonl")
-        metrics_file.write(json.dumps({"steps": 1}) + "\n")
+        metrics_file = sinks.MetricsFile(disk / "metrics.jsonl")
+        metrics_file.write({"steps": 1})
         fill_disk(disk, leave_free_bytes=0)
         # tmpfs counts whole pages: the file's first page still has room for part of a long line
         with pytest.raises(WriteError) as raised:
-            metrics_file.write(json.dumps({"steps": 2, "padding": "x" * 20_000}) + "\n")
+            metrics_file.write({"steps": 2, "padding": "x" * 20_000})
         metrics_file.close()
         assert (disk / "metrics.jsonl").read_text() == '{"steps": 1}\n'
         message = str(raised.value)
@@ -89,17 +90,13 @@ def test_a_full_disk_under_tensorboard_is_one_line_without_a_traceback(tmp_path,
     """TensorBoard's writer thread fails first; its error comes back at a later call as one WriteError, and
     the thread's own traceback stays off the terminal."""
     with small_disk(tmp_path / "disk", 2**20) as disk:
-        run_logs = logs.RunLogs(load_config([]), None, disk, SINGLE_PROCESS, print)
+        run_logs = logs.RunLogs(load_config(["log.sinks=tensorboard"]), None, disk, SINGLE_PROCESS, print)
         run_logs.open(Counters(), resumed=False)
-        run_logs.metrics_file.close()
-        run_logs.metrics_file = logs.MetricsFile(
-            tmp_path / "metrics.jsonl"
-        )  # the metrics file elsewhere: only TB fills
         fill_disk(disk, leave_free_bytes=0)
-        record = {**vars(Counters()), **dict.fromkeys(SCALARS, 1.0)}
+        record = {**vars(Counters()), "loss": 1.0, "val_loss": 1.0, "lr": 1.0, "grad_norm": 1.0}
         with pytest.raises(WriteError) as raised:
             for step in range(1, 5000):
-                run_logs.write_metrics({**record, "updates": step, "tokens": step})
+                run_logs.write_metrics({**record, "steps": step, "tokens": step})
                 run_logs.flush()
         assert str(raised.value).startswith(f"TensorBoard events in {disk / 'tensorboard'} could not be written")
         assert "the disk is full" in str(raised.value)
@@ -121,11 +118,11 @@ def test_tensorboard_after_a_resume_from_an_earlier_checkpoint_equals_metrics(tm
     checkpoints = run_dir / "checkpoints"
     (checkpoints / "step_000004.pt").unlink()  # as if the step-4 save had never been published
     (checkpoints / "latest.pt").write_bytes((checkpoints / "step_000002.pt").read_bytes())
-    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4]
+    assert [step for step, _ in tensorboard_points(run_dir, "by_steps")["loss/train"]] == [1, 2, 3, 4]
     assert train.main([*arguments, "run.max_steps=6"]) == 0
     assert "at step 2" in capsys.readouterr().out
     assert_tensorboard_matches_metrics(run_dir)
-    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in tensorboard_points(run_dir, "by_steps")["loss/train"]] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.integration
@@ -144,12 +141,12 @@ def test_tensorboard_after_a_kill_and_a_resume_equals_metrics(tmp_path):
     killed = run_with_faults(arguments, [{"attempt": 0, "rank": 0, "kill_before_rename": 4}], fault_log)
     assert killed.returncode == -9 and fault_log.exists(), killed.stderr[-2000:]
     run_dir = tmp_path / "runs" / "default"
-    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4]
+    assert [step for step, _ in tensorboard_points(run_dir, "by_steps")["loss/train"]] == [1, 2, 3, 4]
     resumed = run_train(arguments)
     assert resumed.returncode == 0, resumed.stderr
     assert "at step 2" in resumed.stdout
     assert_tensorboard_matches_metrics(run_dir)
-    assert [step for step, _ in tensorboard_points(run_dir, "by_updates")["train/loss"]] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in tensorboard_points(run_dir, "by_steps")["loss/train"]] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_checkpoint_on_a_full_disk_is_one_line_and_the_older_ones_stay(tmp_path):

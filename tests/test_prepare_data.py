@@ -16,7 +16,7 @@ from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data
 from accumulation.data.splits import validation_keys
 from accumulation.data.tokenizer import load_tokenizer
-from accumulation.run.sample import sample_decoder
+from accumulation.run.sample import run_tokenizer
 from scripts.operations import prepare_data
 from testkit.disk import read_only_view, small_disk
 from tests.test_jsonl import jsonl
@@ -195,8 +195,8 @@ def test_a_bpe_trained_here_encodes_the_corpus_and_decodes_it_back(tmp_path, cap
     decoded = tokenizer.decode(train_ids.tolist(), skip_special_tokens=False)
     assert decoded == "".join("<|endoftext|>" + DOCUMENTS[name] for name in training_names)
     # train.py decodes its sample with the tokenizer.json beside the shards.
-    decode, _ = sample_decoder(load_config([f"data.source={out}"]))
-    assert decode(train_ids[:20].tolist()) == decoded[: len(decode(train_ids[:20].tolist()))]
+    rebuilt, _ = run_tokenizer(load_config([f"data.source={out}"]))
+    assert rebuilt.decode(train_ids[:20].tolist()) == decoded[: len(rebuilt.decode(train_ids[:20].tolist()))]
 
 
 def test_data_tokenizer_encodes_jsonl_with_an_end_of_response_token(tmp_path, capsys):

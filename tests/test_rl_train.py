@@ -12,10 +12,11 @@ import torch
 
 import train
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
+from accumulation.rl import on_policy
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
 from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
-from accumulation.rl.rollout import addition_problems
+from accumulation.rl.task import addition_problems
 from accumulation.run.batches import StepBatches
 from accumulation.run.checkpoint import save_checkpoint
 from accumulation.step import StepSetup, optimizer_step
@@ -65,6 +66,15 @@ def arguments(out_dir, *overrides) -> list[str]:
         (["data.mini_batch_size=4"], "batch.global_batch_size=8 must equal data.mini_batch_size=4"),
         (['model.objective=""'], 'trains with model.objective="clipped-surrogate"'),
         (["data.max_new_tokens=12"], "set data.seq_len=22"),
+        (["data.group_size=1", "data.prompts_per_round=8"], "data.group_size=1: every advantage is its reward minus"),
+        (["data.held_out=2"], "data.held_out=2: only every tenth of the 9 problems below data.max_operand=3 is held"),
+        (["data.max_operand=10000"], "data.max_operand: expected an integer >= 2 and <= 300, got 10000"),
+        (['data.policy_loss="forks.cispo:torch"'], 'data.policy_loss="forks.cispo:torch" is not a subclass of'),
+        (['data.policy_loss="no_such_fork:Loss"'], 'data.policy_loss="no_such_fork:Loss": cannot import no_such_fork'),
+        (['data.reward="tests.test_rl_train:no_such_reward"'], "tests.test_rl_train has no function no_such_reward"),
+        (['data.prompts="data/sft_arithmetic.jsonl"'], "set data.seq_len=99"),
+        (['data.prompts="data/sft_arithmetic.jsonl"', "data.held_out=281", "data.seq_len=99"], "set data.held_out=280"),
+        (["data.prompts_per_round=1000000000"], "a round of 4,000,000,000 trajectories (1000000000 prompts x group 4)"),
     ],
 )
 def test_bad_sizes_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys, monkeypatch, overrides, message):
@@ -75,10 +85,53 @@ def test_bad_sizes_are_one_line_and_exit_2_with_nothing_written(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
-def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int) -> list[dict]:
+def nan_reward(prompt, completion):
+    return float("nan")
+
+
+def raising_reward(prompt, completion):
+    raise KeyError("no answer key")
+
+
+def text_reward(prompt, completion):
+    return "1.0"
+
+
+@pytest.mark.parametrize(
+    ("reward_fn", "message"),
+    [
+        (nan_reward, "test_rl_train:nan_reward returned nan on prompt 'Q: "),
+        (raising_reward, "test_rl_train:raising_reward raised KeyError: 'no answer key' on prompt 'Q: "),
+        (text_reward, "test_rl_train:text_reward returned '1.0' (str) on prompt 'Q: "),
+    ],
+)
+def test_a_reward_that_is_not_a_finite_number_is_refused_naming_the_prompt_and_completion(
+    tmp_path, capsys, monkeypatch, reward_fn, message
+):
+    """A fork's reward function that returns NaN, raises or returns a str: one line at the first round naming the
+    function, the prompt and the completion (not every update skipped for a "non-finite gradient")."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    named = f'data.reward="tests.test_rl_train:{reward_fn.__name__}"'  # as a config names a fork's reward
+    assert train.main(arguments(tmp_path, "run.max_steps=9", "run.eval_every=0", named)) == 2
+    error = capsys.readouterr().err
+    assert message in error and "and completion '" in error and error.count("\n") == 1, error
+
+
+def test_the_task_as_data_prompts_from_jsonl_and_a_named_reward(tmp_path, monkeypatch, capsys):
+    """data.prompts (data/sft_arithmetic.jsonl: + - and * of several digits) and data.reward (the default arithmetic
+    reward named as module:name): SFT on the file's responses, then GRPO rounds on its prompts, resumed bit for bit."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    task = ['data.prompts="data/sft_arithmetic.jsonl"', 'data.reward="accumulation.rl.task:reward"', "data.seq_len=99"]
+    lines = run_in_sessions(tmp_path, "whole", [11], 1, *task)
+    run_in_sessions(tmp_path, "sessions", [9, 11], 1, *task)
+    assert_same_run(tmp_path, "sessions", "whole")
+    assert [line["phase"] for line in lines] == ["sft"] * 8 + ["grpo"] * 3
+
+
+def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:
     """train.py run to each of `stops` in turn (each session resuming the last), on `ranks` ranks; its metrics."""
     for stop in stops:
-        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}")
+        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}", *overrides)
         if ranks == 1:
             assert train.main(argv) == 0
         else:
@@ -126,6 +179,51 @@ def test_stopped_mid_round_and_at_a_round_boundary_the_resumed_run_is_the_uninte
     assert len(held_out) == 3 and all(0.0 <= value <= 1.0 for value in held_out)  # steps 4, 8, 12: eval_every
 
 
+# Every objective setting at once, as a run would set them: GSPO's ratio with an asymmetric clip, a k3 KL penalty to
+# the frozen reference policy (the policy at the end of SFT), an entropy bonus, verl's token-sum; and the sampler's.
+OBJECTIVE_OVERRIDES = [
+    'data.importance_level="sequence"',
+    "data.clip_ratio=0.1",
+    "data.clip_ratio_high=0.15",
+    "data.kl_coef=0.05",
+    "data.entropy_coef=0.01",
+    'data.loss_aggregation="token-sum"',
+    "data.temperature=0.8",  # and the sampler's settings: π_T in the sampler and the loss, a nucleus, stop tokens
+    "data.top_p=0.95",
+    'data.stop="\\n "',
+]
+
+
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_the_objective_settings_train_log_and_resume_bit_for_bit_with_their_reference_policy(
+    tmp_path, monkeypatch, capsys, ranks
+):
+    """The KL penalty's reference policy is saved with the run: a run stopped in round 0 (step 9) and at round 2's
+    start (step 12) and resumed ends with the uninterrupted run's bits and metrics."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    lines = run_in_sessions(tmp_path, "whole", [14], ranks, *OBJECTIVE_OVERRIDES)
+    run_in_sessions(tmp_path, "sessions", [9, 12, 14], ranks, *OBJECTIVE_OVERRIDES)
+    assert_same_run(tmp_path, "sessions", "whole")
+    grpo = lines[8:]
+    assert all(line["normaliser_unit"] == "none (a sum)" and line["normaliser"] == 1.0 for line in grpo)
+    assert all(line["entropy"] > 0 and line["kl_ref"] >= 0 for line in grpo)  # k3 is non-negative
+    # round 0 samples from the reference itself: its KL is 0 but for the rounding of two forwards
+    assert grpo[0]["kl_ref"] < 1e-6 < grpo[-1]["kl_ref"]
+    payload = torch.load(tmp_path / "whole" / "checkpoints" / "latest.pt", weights_only=True)
+    assert set(payload["data"]["rollouts"]["reference"]) == set(payload["model"])
+
+
+def test_a_forks_objective_trains_on_the_shipped_source_and_logs_through_its_hook(tmp_path, monkeypatch, capsys):
+    """forks/cispo.py, named by data.policy_loss: GRPO steps through train.py with its loss, its own logged mean
+    (the truncated importance weight) in every GRPO step's metrics line."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    lines = run_in_sessions(tmp_path, "cispo", [12], 1, 'data.policy_loss="forks.cispo:CISPO"')
+    grpo = lines[8:]
+    assert all(0 < line["importance_weight"] <= 1.2 for line in grpo)  # min(ρ, 1 + ε_high)
+    assert any(line["grad_norm"] > 0 for line in grpo)
+    assert "forks.cispo:CISPO" in capsys.readouterr().out  # the start-up line names the objective
+
+
 def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_path, monkeypatch, capsys):
     """The policy loss keeps its clip and KL sums until the run reads them. A caller of the loss earlier in the same
     process (the equivalence checker, a notebook) must not add its sums to the run's first GRPO step: the run's
@@ -140,6 +238,18 @@ def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_pa
     after = run_in_sessions(tmp_path, "after", [9], 1)[8]
     assert after["phase"] == clean["phase"] == "grpo"
     assert (after["approx_kl"], after["clip_fraction"]) == (clean["approx_kl"], clean["clip_fraction"])
+
+
+def test_sampling_in_smaller_forwards_draws_the_same_round(tmp_path, monkeypatch, capsys):
+    """data.sample_batch_size cuts a rank's share of the round into forwards of that many rows (memory only): the
+    draws are per row, so rounds 0 and 1 sampled 3 rows at a time hold the completions of one forward of 16."""
+    monkeypatch.chdir(train.Path(train.__file__).parent)
+    whole = run_in_sessions(tmp_path, "whole", [11], 1)
+    argv = arguments(tmp_path, 'run.name="cut"', "run.max_steps=11", "data.sample_batch_size=3")
+    assert train.main(argv) == 0
+    cut = read_metrics(tmp_path / "cut")
+    for line, other in zip(whole[8:], cut[8:], strict=True):
+        assert (line["completion_tokens"], line["mean_reward"]) == (other["completion_tokens"], other["mean_reward"])
 
 
 def test_one_and_two_ranks_sample_the_same_first_round(tmp_path, monkeypatch, capsys):
@@ -243,20 +353,29 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
     drawn = step_rows(model)
     group_ids = torch.arange(12) // 4  # trajectory j answers prompt j // group_size
     advantages = group_relative_advantages(torch.linspace(0.0, 1.0, 12, dtype=torch.float64) ** 2, group_ids)
-    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids)
+    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids, drawn.ref_log_probs)
     errors = {}
-    for mode in MODES:
+    for mode, objective_settings in [(mode, {}) for mode in MODES] + [("token-sum", TRAIN_SETTINGS)]:
         settings = RolloutSettings(
-            mini_batch_size=12, prompts_per_round=3, group_size=4, sft_steps=0, loss_aggregation=mode
+            mini_batch_size=12,
+            prompts_per_round=3,
+            group_size=4,
+            sft_steps=0,
+            loss_aggregation=mode,
+            norm_constant=CONSTANT,
+            **objective_settings,
         )
         rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
-        rollouts.normaliser_constant = CONSTANT
-        rollouts.round = Round(0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages)
+        ref_log_probs = rows.ref_log_probs if settings.kl_coef else None
+        rollouts.round = Round(
+            0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages, ref_log_probs
+        )
         config = SimpleNamespace(
             run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
         )
         context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
-        reference = reference_gradient(model, mode, rows, CONSTANT, 0.2)
+        reference = reference_gradient(model, rows, settings.objective())
+        on_policy.POLICY_LOSS = rollouts.loss  # as bind_policy binds it
         for m in micro_batch_sizes:
             micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
             before = [p.detach().clone() for p in model.parameters()]
@@ -272,15 +391,21 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
                 update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
                 for p, old in zip(model.parameters(), before, strict=True):
                     p.copy_(old)
-            errors[(mode, m)] = (relative_error(update, reference), counts.unit)
+            errors[(mode, bool(objective_settings), m)] = (relative_error(update, reference), counts.unit)
     return errors
+
+
+# Every objective setting at once through train.py's path: asymmetric clip, GSPO, KL (k1), entropy bonus.
+TRAIN_SETTINGS = dict(
+    clip_ratio=0.03, clip_ratio_high=0.04, importance_level="sequence", kl_coef=0.1, kl_estimator="k1", entropy_coef=0.1
+)
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_every_aggregation_through_train_pys_path_is_the_objectives_gradient(ranks):
     splits = [1, 2, 3, 4, 6, 12] if ranks == 1 else [2, 3, 6]
     per_rank = [loop_update_errors(0, 1, splits)] if ranks == 1 else run_on_ranks(loop_update_errors, 2, (splits,))
-    for (mode, m), (error, unit) in per_rank[0].items():
+    for (mode, _, m), (error, unit) in per_rank[0].items():
         # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
         assert error <= RELATIVE_TOLERANCE, (mode, m, error)
         assert unit == NORMALISER_UNITS[mode]

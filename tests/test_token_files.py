@@ -20,7 +20,7 @@ from accumulation.data.sources import build_data, step_row_ids
 from accumulation.data.splits import Data
 from accumulation.data.step_tools import build_micro_batches
 from accumulation.models.factory import build_model
-from accumulation.run.sample import sample_decoder
+from accumulation.run.sample import run_tokenizer
 from testkit.disk import read_only_view
 from testkit.reference import float64_reference_gradient
 from tests.test_jsonl import jsonl
@@ -558,8 +558,8 @@ def test_the_equivalence_checker_passes_on_packed_token_files(tmp_path, capsys):
 
 def test_the_sample_is_decoded_with_what_the_tokens_are(tmp_path):
     folder = nanogpt_folder(tmp_path / "n")
-    decode, _ = sample_decoder(load_config([f"data.source={folder}"]))
-    assert decode([104, 105]) == "hi"  # meta.json: "tokenizer": "bytes"
+    tokenizer, _ = run_tokenizer(load_config([f"data.source={folder}"]))
+    assert tokenizer.decode([104, 105]) == "hi"  # meta.json: "tokenizer": "bytes"
     (folder / "meta.json").write_text(json.dumps({"vocab_size": 50304}))
-    decode, why_not = sample_decoder(load_config([f"data.source={folder}"]))
-    assert decode is None and "no tokenizer.json beside the token files" in why_not
+    tokenizer, why_not = run_tokenizer(load_config([f"data.source={folder}"]))
+    assert tokenizer is None and "no tokenizer.json beside the token files" in why_not

@@ -149,7 +149,7 @@ def test_entry_point_writes_the_contracted_run_directory(tmp_path, corpus, capsy
     assert checkpoint["counters"] == {key: metrics[-1][key] for key in checkpoint["counters"]}
     assert (run_dir / "checkpoints" / "step_000000.pt").exists()  # the initial checkpoint
     assert (run_dir / "config.toml").exists()
-    for axis in ("by_updates", "by_tokens"):
+    for axis in ("by_steps", "by_tokens"):
         assert any((run_dir / "tensorboard" / axis).glob("events.out.tfevents.*"))
     assert f"global 8 = micro 2 x accum {accum} x ranks {ranks}" in stdout
     assert "sample:" in stdout

@@ -2,12 +2,19 @@
 (accumulation/rl/objectives.py), whose N counts sequences, groups or a constant instead of supervised targets.
 
 The loop's side takes N as train.py does (StepBatch.global_counts): the source's normaliser(row_ids, step), in
-the unit it declares, beside the row weights its examples() hand the loss. The reference reads neither. From each
-row's raw example (RawExample: its inputs, its targets, its extras: the advantage, the old log-probabilities and
-the prompt's group) it asks the configured loss for every supervised target's own loss ℓ_it (the loss called on
-that one target, with row weight 1), and aggregates them by the mode's definition over the whole step at once
-(objective_from_definition: explicit means over tokens, sequences or prompts), in float64. Its N is counted from
-the same definition over the raw rows, in the mode's unit.
+the unit it declares, beside the row weights its examples() hand the loss. The reference reads neither, nor the
+configured loss: it compares the loop with the objective the source DECLARES (Rollouts.objective(step), a
+PolicyObjective: aggregation, clip, ratio level, KL and entropy terms). From each row's raw example (RawExample: its
+inputs, its targets, its extras: the advantage, the old and reference log-probabilities and the prompt's group)
+and the float64 model's outputs it writes every completion token's ℓ_it from the objective's definition at the
+level the objective is defined (objective_check.definition_token_losses: a GSPO ratio over the whole sequence),
+and aggregates them by the mode's definition over the whole step at once (objective_from_definition). Its N is
+counted from the same definition over the raw rows, in the mode's unit.
+
+The rows are sampled off-policy (objective_check.offset_policy): the sampling policy is the checked weights moved
+a little along a seeded random direction, a policy some updates away, so that the ratio differs from 1 and the
+clip binds on some tokens, as in a later step of a round; at ρ = 1 a surrogate with max in place of min, or a GSPO
+ratio without its 1/|y|, would equal the right one.
 """
 
 import types
@@ -27,8 +34,16 @@ from accumulation.checker.reference import (
 )
 from accumulation.data.rows import DataError, Rows
 from accumulation.models.factory import build_model
-from accumulation.rl.objective_check import objective_from_definition
-from accumulation.rl.objectives import NORMALISER_UNITS
+from accumulation.rl.objective_check import (
+    RELATIVE_TOLERANCE,
+    SAMPLING_POLICY_OFFSET,
+    RowTerms,
+    definition_token_losses,
+    objective_from_definition,
+    offset_policy,
+    relative_error,
+)
+from accumulation.rl.objectives import NORMALISER_UNITS, PolicyObjective, aggregation, completion_lengths
 from accumulation.run.build import autocast_dtype_for
 
 # The raw extra that the objective's definition reads and the loss does not: the prompt each row answers.
@@ -40,18 +55,19 @@ ROW_WEIGHTS = "row_weights"
 
 def bind_initial_policy(rows: Rows, config, vocab_size: int, rank: int) -> None:
     """For rows sampled from the model being trained (a source with bind_policy, RL rollouts): the policy they
-    are sampled from, the checked model's initial weights (build_model from run.seed), on the host. Every rank
-    samples the step's whole round itself, as one replica would: the rows are then a function of (seed, step,
-    row id) and those weights, whichever rank asks."""
+    are sampled from, the checked model's initial weights (build_model from run.seed) moved off them
+    (offset_policy), on the host. Every rank samples the step's whole round itself, as one replica would: the rows
+    are then a function of (seed, step, row id) and those weights, whichever rank asks."""
     if not hasattr(rows, "bind_policy"):
         return
     policy = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
+    offset_policy(policy, config.run.seed)
     one_replica = types.SimpleNamespace(replicas=1, replica=0, device=torch.device("cpu"), is_main=rank == 0)
     rows.bind_policy(policy, one_replica, None)
 
 
-def declared_objective(rows: Rows, step: int) -> tuple[str, float] | None:
-    """(mode, C) of step `step`'s objective where the source declares one (accumulation/rl/on_policy.py's
+def declared_objective(rows: Rows, step: int) -> PolicyObjective | None:
+    """The objective step `step` declares where the source declares one (accumulation/rl/on_policy.py's
     Rollouts.objective), else None: the mean over supervised targets."""
     objective = getattr(rows, "objective", None)
     return objective(step) if objective is not None else None
@@ -85,15 +101,25 @@ def normaliser_from_definition(mode: str, labels: torch.Tensor, extras: list[dic
         return float(len(labels)), unit
     if unit == "groups":
         return float(len({row[GROUP] for row in extras})), unit
+    if mode == "token-sum":
+        return 1.0, unit
     return constant * len(labels), unit
 
 
 def loss_keywords(extras: list[dict]) -> dict[str, torch.Tensor]:
     """What the loss reads of these rows besides their labels, as the loop hands it (MicroBatch.extras): each raw
     extra the loss reads stacked over the rows ([rows, ...]), and row weight 1, the definition weighting the rows
-    itself."""
+    itself. A Python float (an advantage) stays float64, as the source holds it."""
     names = [name for name in (extras[0] if extras else {}) if name != GROUP]
-    keywords = {name: torch.stack([torch.as_tensor(row[name]) for row in extras]) for name in names}
+    keywords = {
+        name: torch.stack(
+            [
+                torch.as_tensor(row[name], dtype=torch.float64 if isinstance(row[name], float) else None)
+                for row in extras
+            ]
+        )
+        for name in names
+    }
     keywords[ROW_WEIGHTS] = torch.ones(len(extras), dtype=torch.float64)
     return keywords
 
@@ -106,19 +132,34 @@ def promise_keywords(rows: Rows, step: int, extras: list[dict]) -> dict[str, tor
     return {} if declared_objective(rows, step) is None else loss_keywords(extras)
 
 
-def token_losses(outputs: torch.Tensor, labels: torch.Tensor, extras: list[dict], loss_sum_fn) -> list[torch.Tensor]:
-    """ℓ_it of every supervised target t of every row i: the configured loss on row i's outputs with only
-    target t kept, its raw extras as keywords and row weight 1. One 1-D tensor per row, in position order."""
-    losses = []
-    for row, (row_outputs, row_labels) in enumerate(zip(outputs.unbind(0), labels, strict=True)):
-        keywords = {name: value.to(outputs.device) for name, value in loss_keywords(extras[row : row + 1]).items()}
-        per_target = []
-        for position in (row_labels != IGNORE_INDEX).nonzero().flatten().tolist():
-            one_target = torch.full_like(row_labels, IGNORE_INDEX)
-            one_target[position] = row_labels[position]
-            per_target.append(loss_sum_fn(row_outputs[None], one_target[None], **keywords))
-        losses.append(torch.stack(per_target) if per_target else row_outputs.new_zeros(0))
-    return losses
+def definition_losses(
+    outputs: torch.Tensor, labels: torch.Tensor, extras: list[dict], objective: PolicyObjective
+) -> tuple[list[torch.Tensor], int, int]:
+    """ℓ_it of every supervised target t of every row i, from the objective's definition over the row's whole
+    completion (objective_check.definition_token_losses), its raw extras and the model's outputs; one 1-D tensor per
+    row, in position order; and the completion tokens where the clip binds, and all of them."""
+    logits = outputs.to(torch.promote_types(outputs.dtype, torch.float32)) / objective.temperature
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    losses, clipped, tokens = [], 0, 0
+    for row, (row_log_softmax, row_labels) in enumerate(zip(log_softmax.unbind(0), labels, strict=True)):
+        supervised = row_labels != IGNORE_INDEX
+        distributions = row_log_softmax[supervised]
+        picked = distributions.gather(-1, row_labels[supervised][:, None])[:, 0]
+        advantage = torch.as_tensor(extras[row]["advantages"], dtype=picked.dtype, device=picked.device)
+        old, ref = (stated(extras[row], name, supervised, picked) for name in ("old_log_probs", "ref_log_probs"))
+        terms = RowTerms(picked, distributions, old, advantage, ref)
+        row_losses, row_clipped = definition_token_losses(objective, terms)
+        losses.append(row_losses)
+        clipped, tokens = clipped + int(row_clipped.sum()), tokens + len(row_losses)
+    return losses, clipped, tokens
+
+
+def stated(extras: dict, name: str, supervised: torch.Tensor, like: torch.Tensor) -> torch.Tensor | None:
+    """A row's raw per-position extra `name` at its completion positions, as `like`'s dtype and device; None when
+    the row states none."""
+    if extras.get(name) is None:
+        return None
+    return torch.as_tensor(extras[name]).to(like)[supervised.to(like.device)]
 
 
 def objective_step(
@@ -126,24 +167,51 @@ def objective_step(
     inputs,
     labels: torch.Tensor,
     extras: list[dict],
-    loss_sum_fn,
-    objective: tuple[str, float],
+    objective: PolicyObjective,
     device: torch.device,
     autocast_dtype=None,
-) -> tuple[list[torch.Tensor], float, float]:
-    """∇ of the objective from its definition over all of the step's rows at once, its value, and the same
-    means over |ℓ_it| (the size of its terms): one forward (in the model's dtype, under autocast when asked, as
-    the loop's forward runs), the token losses, the mode's means."""
-    mode, constant = objective
+) -> tuple[list[torch.Tensor], float, float, tuple[int, int]]:
+    """∇ of the objective from its definition over all of the step's rows at once, its value, the same means over
+    |ℓ_it| (the size of its terms), and (clipped tokens, completion tokens): one forward (in the model's dtype,
+    under autocast when asked, as the loop's forward runs), the token losses, the mode's means."""
     model.train()
+    model.zero_grad(set_to_none=True)  # the promises' probes may have left gradients on it
     inputs, labels = map_tensors(lambda tensor: tensor.to(device), inputs), labels.to(device)
     with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-        losses = token_losses(model(inputs), labels, extras, loss_sum_fn)
+        losses, clipped, tokens = definition_losses(model(inputs), labels, extras, objective)
         groups = [row[GROUP] for row in extras]
-        value = objective_from_definition(mode, losses, groups, constant)
-        size = objective_from_definition(mode, [row.detach().abs() for row in losses], groups, constant)
+        value = objective_from_definition(objective.aggregation, losses, groups, objective.constant)
+        size = objective_from_definition(
+            objective.aggregation, [row.detach().abs() for row in losses], groups, objective.constant
+        )
     value.backward()
-    return gradients(trainable_parameters(model)), value.item(), size.item()
+    return gradients(trainable_parameters(model)), value.item(), size.item(), (clipped, tokens)
+
+
+def loss_alone_message(
+    model: torch.nn.Module, inputs, labels: torch.Tensor, extras: list[dict], loss_sum_fn, objective, definition
+) -> str | None:
+    """Where the configured loss is not the declared objective, in words: the loss called once on the whole step
+    in float64, with the definition's row weights and divided by its N, against the definition's gradient
+    `definition` (both
+    float64: only their order of sums differs, far below RELATIVE_TOLERANCE). A wrong loss then FAILs naming the
+    loss, not accumulation. None when they agree."""
+    lengths = completion_lengths(labels)
+    groups = torch.tensor([row[GROUP] for row in extras])
+    declared = aggregation(objective.aggregation, lengths, groups, objective.constant)
+    keywords = loss_keywords(extras)
+    keywords[ROW_WEIGHTS] = declared.row_weights
+    model.zero_grad(set_to_none=True)
+    (loss_sum_fn(model(inputs), labels, **keywords) / declared.normaliser).backward()
+    alone = [gradient.detach().clone() for gradient in gradients(trainable_parameters(model))]
+    model.zero_grad(set_to_none=True)
+    error = relative_error(alone, definition)
+    if error <= RELATIVE_TOLERANCE:
+        return None
+    return (
+        f"the loss itself, called once on the whole step in float64, is {error:.1e} off the declared objective's "
+        f"gradient ({objective.describe()}): the loss is not the objective it declares, not an accumulation bug"
+    )
 
 
 def extras_message(example_extras: dict, extras: list[dict], row_ids: torch.Tensor):
@@ -183,6 +251,9 @@ class StepReference:
     baseline_loss: float
     normaliser: float  # N, counted from the objective's definition over the raw rows
     unit: str
+    loss_alone: str | None = None  # why the configured loss is not the declared objective, or None
+    ratio_figure: str | None = None  # where the clip binds, for an off-policy step
+    clipped_tokens: int = 0
 
 
 def step_reference(
@@ -213,12 +284,29 @@ def step_reference(
         )
         tokens = float((labels != IGNORE_INDEX).sum())
         return StepReference(gradients, loss, abs(loss), baseline_gradients, baseline_loss, tokens, "targets")
-    mode, constant = objective
-    gradients, loss, loss_scale = objective_step(
-        reference_model, as_float64(inputs), labels, extras, loss_sum_fn, objective, torch.device("cpu")
+    float_inputs = as_float64(inputs)
+    gradients, loss, loss_scale, (clipped, tokens) = objective_step(
+        reference_model, float_inputs, labels, extras, objective, torch.device("cpu")
     )
-    baseline_gradients, baseline_loss, _ = objective_step(
-        baseline_model, inputs, labels, extras, loss_sum_fn, objective, context.device, autocast_dtype
+    gradients = [gradient.detach().clone() for gradient in gradients]
+    baseline_gradients, baseline_loss, _, _ = objective_step(
+        baseline_model, inputs, labels, extras, objective, context.device, autocast_dtype
     )
-    normaliser, unit = normaliser_from_definition(mode, labels, extras, constant)
-    return StepReference(gradients, loss, loss_scale, baseline_gradients, baseline_loss, normaliser, unit)
+    loss_alone = loss_alone_message(reference_model, float_inputs, labels, extras, loss_sum_fn, objective, gradients)
+    normaliser, unit = normaliser_from_definition(objective.aggregation, labels, extras, objective.constant)
+    ratio_figure = (
+        f"sampled by a policy {SAMPLING_POLICY_OFFSET:g} RMS away from the checked weights; the clip binds on "
+        f"{clipped:,} of {tokens:,} completion tokens ({clipped / max(tokens, 1):.1%})"
+    )
+    return StepReference(
+        gradients,
+        loss,
+        loss_scale,
+        baseline_gradients,
+        baseline_loss,
+        normaliser,
+        unit,
+        loss_alone,
+        ratio_figure,
+        clipped,
+    )

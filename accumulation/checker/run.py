@@ -373,6 +373,8 @@ def compare_on_main(
     )
     if gradient_error <= allowed:
         checks["gradient"] = None
+    elif reference.loss_alone is not None:  # a declared objective that the configured loss does not compute
+        checks["gradient"] = reference.loss_alone
     elif baseline_error <= allowed:  # after a failing promise, loop and reference ran different objectives
         cause = f", the same step at {at_once} is within it: accumulation, not rounding"
         cause = f": explained by '{promise_failed}' above" if promise_failed else cause
@@ -396,6 +398,9 @@ def compare_on_main(
         f"the {config.precision.dtype} tolerance against float64 being {tolerance:g}; "
         "largest |loop - reference| / largest |reference|)",
     }
+    if reference.ratio_figure is not None:  # an off-policy GRPO step: where the importance ratio's clip binds
+        checks["importance ratio"] = None if reference.clipped_tokens else NotApplicable("the clip binds on no token")
+        figures["importance ratio"] = reference.ratio_figure
     return report(checks, notes, figures)
 
 

@@ -16,6 +16,7 @@ from accumulation.config.config_keys import (
     BatchConfig,
     DataConfig,
     DistConfig,
+    LogConfig,
     ModelConfig,
     OptimConfig,
     PrecisionConfig,
@@ -48,6 +49,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
     device: str = setting("auto", "auto: cuda when a GPU is present, else cpu", choices=("auto", "cpu", "cuda"))
 
     def __post_init__(self):
@@ -275,6 +277,8 @@ def _check_combinations(config: Config) -> None:
                 piece.check(config)
             except ValueError as error:  # a ConfigError too: the same one line
                 raise ConfigError(str(error)) from None
+    for name in config.log.sinks.split(","):  # each sink named is registered (wandb, mlflow: their package installed)
+        _check_sink(name.strip(), config)
     if batch.micro_batch_size > batch.global_batch_size:
         raise ConfigError(
             f"batch.micro_batch_size: expected an integer <= batch.global_batch_size "
@@ -297,6 +301,15 @@ def _check_combinations(config: Config) -> None:
             f"schedule.warmup_updates: expected an integer <= schedule.decay_updates "
             f"({schedule.decay_updates}), got {schedule.warmup_updates}"
         )
+
+
+def _check_sink(name: str, config: Config) -> None:
+    try:
+        piece = lookup("sink", name)
+        if piece.check is not None:
+            piece.check(config)
+    except (RegistryError, ValueError) as error:
+        raise ConfigError(f"log.sinks: {error}") from None
 
 
 def run_name_problem(name: str) -> str | None:

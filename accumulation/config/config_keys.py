@@ -206,3 +206,18 @@ class DistConfig:
         "with dist.pipeline_stages > 1: 1f1b (one forward, one backward; needs A >= P) or gpipe (docs/pipeline.md)",
         choices=("1f1b", "gpipe"),
     )
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    sinks: str = setting(
+        "tensorboard,jsonl",
+        'where each step\'s record goes, comma-separated: "tensorboard", "jsonl" (metrics.jsonl), "wandb", "mlflow" '
+        '(pip install -r requirements-loggers.txt), or a fork\'s registered sink, "module:name" (docs/training.md)',
+    )
+    peak_tflops: float = setting(
+        0.0,
+        "one device's peak for MFU at the run's precision; 0 = the data sheet's dense peak of a known GPU, else no MFU",
+        "TFLOPS",
+        at_least=0,
+    )

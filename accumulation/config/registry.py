@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from accumulation.probe import fault_text
 
-KINDS = ("model", "loss", "data")
+KINDS = ("model", "loss", "data", "sink")
 
 # The built-in pieces: name -> the module that registers it, imported when a config names it.
 BUILT_IN = {
@@ -23,6 +23,12 @@ BUILT_IN = {
     },
     "loss": {"clipped-surrogate": "accumulation.rl.on_policy"},
     "data": {"arithmetic-rollouts": "accumulation.rl.on_policy"},
+    "sink": {
+        "tensorboard": "accumulation.run.sinks",
+        "jsonl": "accumulation.run.sinks",
+        "wandb": "accumulation.run.external_sinks",
+        "mlflow": "accumulation.run.external_sinks",
+    },
 }
 
 # The generic model keys a registered model may leave unused (register_model(generic_keys=...)): one whose size comes
@@ -42,7 +48,8 @@ class Piece:
     """One registered model, loss or data source (docs/forking.md, "A fork is one file and a config").
 
     build         model: build(model_config, vocab_size, *, seq_len, seed) -> nn.Module (the model contract);
-                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused
+                  data: build(data_config, *, model_vocab_size, seed) -> Data; loss: unused;
+                  sink: build(session) -> an object with write(record), flush(), close() (run/sinks.py's SinkSession)
     settings      None, or a frozen dataclass of setting(...) fields: the piece's own keys (config/config.py)
     loss_sum_fn   a model's own loss (None: the token cross-entropy); a loss's function
     fingerprint   None, or fingerprint(section_config) -> str: state the keys do not show, compared on resume
@@ -98,6 +105,12 @@ def register_loss(name, loss_sum_fn) -> Piece:
 def register_data(name, build, *, settings=None, check=None) -> Piece:
     """Declare a data source: `data.source = name` builds it with build(data_config, model_vocab_size=, seed=)."""
     return _register(Piece("data", name, build, settings, check=check))
+
+
+def register_sink(name, build, *, check=None) -> Piece:
+    """Declare a logger sink: `log.sinks` naming it makes rank 0 call build(session) once per session and hand the
+    result each step's record (accumulation/run/sinks.py's SinkSession and Sink)."""
+    return _register(Piece("sink", name, build, check=check))
 
 
 def is_piece_name(kind: str, name: str) -> bool:

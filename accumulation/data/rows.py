@@ -78,6 +78,8 @@ class RowHooks:
     accumulation/rl/on_policy.py): a `Rows` class declares it by subclassing RowHooks and overriding what it needs.
     The loop always calls these, through row_hooks(); these defaults are what every other source means."""
 
+    log_group = "data"  # the group of step_fields' figures in TensorBoard and the other sinks ("rl": rl/mean_reward)
+
     def bind_policy(self, model: torch.nn.Module, context, resume: dict | None) -> None:
         """Once the model is built (train.py, the checker): the policy the rows are sampled from, the ranks (the
         DistributedContext), and a resume's checkpoint (None for a fresh run)."""
@@ -114,7 +116,7 @@ def undeclared_hooks(rows: Rows) -> list[str]:
     """The RowHooks methods a `Rows` class defines without declaring RowHooks: the loop would never call them."""
     if isinstance(rows, RowHooks):
         return []
-    return [name for name in vars(RowHooks) if not name.startswith("_") and callable(getattr(rows, name, None))]
+    return [name for name in vars(RowHooks) if not name.startswith("_") and hasattr(rows, name)]
 
 
 def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:

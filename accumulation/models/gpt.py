@@ -121,6 +121,16 @@ class GPT(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def flops_per_token(self) -> int:
+        """Training FLOPs per position, for MFU: 6 per parameter that multiplies (forward 2, backward 4; embedding
+        tables are looked up, not multiplied), plus attention's 12 · n_layer · d_model · seq_len (Q·Kᵀ and the
+        weighted sum of V, 2 FLOPs per multiply-add, times 3 for forward and backward), counting the whole
+        seq_len x seq_len square as the usual convention does (PaLM, Chowdhery et al. 2022, appendix B)."""
+        config = self.config
+        tables = self.token_embedding.weight.numel() + self.position_embedding.weight.numel()
+        multiplying = self.num_parameters() - tables
+        return 6 * multiplying + 12 * config.n_layer * config.d_model * config.seq_len
+
     def describe(self) -> str:
         """The banner's line, e.g. "gpt: 875,264 parameters (4 layers, d_model 128, 4 heads, vocab 256)"."""
         config = self.config

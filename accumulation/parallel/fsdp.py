@@ -1,5 +1,5 @@
 """FSDP2 (`dist.strategy = "fsdp2"`): the parameters, gradients and optimizer state sharded over the D ranks,
-with the same exact step as under DDP and the same checkpoint files.
+with the same exact step as under DDP, and checkpoints that DDP reads.
 
 Under DDP every rank holds the whole model, its whole gradient and the whole optimizer state: 16 bytes per
 parameter with fp32 AdamW, on every rank. FSDP2 (`torch.distributed.fsdp.fully_shard`) cuts each parameter
@@ -18,9 +18,10 @@ What changes against DDP, and where:
   one reduce-scatter of the gradient per update; the squared gradient norm from each rank's shards.
 - the optimizer is built after sharding (train.py), so that it updates the shards; clipping and the
   GradScaler's inf check see every shard (the norm and the found-inf flag are reduced over ranks).
-- checkpoints: `full_model_state_dict` and `full_optimizer_state_dict` gather the shards into whole tensors,
-  so the file is DDP's; `shard_optimizer_state` cuts a whole optimizer state back into this rank's shards.
-  A run therefore moves freely between ddp and fsdp2 and between world sizes.
+- checkpoints: each rank writes and reads its own shards (accumulation/run/sharded_checkpoint.py, DCP);
+  `shard_optimizer_state` cuts a ddp run's whole optimizer state into this rank's shards, and
+  `full_model_state_dict` / `full_optimizer_state_dict` gather the shards whole (tests, benchmarks). A run
+  moves freely between ddp and fsdp2 and between world sizes.
 """
 
 import torch

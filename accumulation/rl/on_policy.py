@@ -25,13 +25,13 @@ row id i is trajectory p·G + i of its round (p: the step's place in its epoch o
 row id i a training problem drawn by step_uniforms(seed, k, i).
 """
 
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from accumulation.batching import IGNORE_INDEX, collective_device
-from accumulation.config.config_keys import setting
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
 from accumulation.data.rows import DataError, RawExample, RowHooks
@@ -40,101 +40,44 @@ from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
     NORMALISER_UNITS,
     PolicyLoss,
+    PolicyObjective,
     aggregation,
     completion_lengths,
     group_relative_advantages,
+    target_log_probs,
 )
-from accumulation.rl.rollout import addition_problems, reward, round_prompts, sample
-from accumulation.rl.sizes import SizeError, round_sizes
+from accumulation.rl.rollout import round_prompts, sample
+from accumulation.rl.settings import RolloutSettings, check_rollout_config
+from accumulation.rl.task import AnswerRows, checked_reward, raw_row, read_task, reward_function, split_problems
 from accumulation.step import token_cross_entropy_sum
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
 BYTE_VOCABULARY = 256
 
 
-@dataclass(frozen=True)
-class RolloutSettings:
-    """The data.* keys of "arithmetic-rollouts"."""
-
-    mini_batch_size: int = setting(
-        16, "trajectories per optimizer step, all ranks: must equal batch.global_batch_size", "trajectories", at_least=1
-    )
-    max_operand: int = setting(20, "problems are every 'Q: a + b =' with a, b below this", "operand", at_least=2)
-    held_out: int = setting(40, "problems kept out of training (every tenth), for validation", "prompts", at_least=1)
-    sft_steps: int = setting(
-        200, "the run's first optimizer steps, supervised on the reference answers, before GRPO", "steps", at_least=0
-    )
-    prompts_per_round: int = setting(8, "prompts each GRPO round asks, all ranks", "prompts", at_least=1)
-    group_size: int = setting(8, "completions sampled per prompt", "completions", at_least=1)
-    ppo_epochs: int = setting(1, "passes over a round's rollout", "epochs", at_least=1)
-    max_new_tokens: int = setting(6, "longest completion the sampler writes", "tokens", at_least=1)
-    loss_aggregation: str = setting(
-        "seq-mean-token-mean", "how the policy loss aggregates (docs/rl.md)", choices=tuple(NORMALISER_UNITS)
-    )
-    norm_constant: float = setting(
-        0.0, "C of seq-mean-token-sum-norm (Dr. GRPO); 0 = data.max_new_tokens", "tokens", at_least=0
-    )
-    scale_advantages: bool = setting(True, "divide advantages by their group's standard deviation (false: Dr. GRPO)")
-    clip_ratio: float = setting(0.2, "PPO's clip range ε", above=0, below=1)
-
-
-# The policy loss of this process: its clip range is the run's data.clip_ratio (set by bind_policy), and it keeps
-# each micro-batch's clip and KL sums for the step's log line.
+# The policy loss of this process: the run's data.policy_loss with its objective, bound by Rollouts.bind_policy; it
+# keeps each micro-batch's sums for the step's log line (PolicyLoss.logged).
 POLICY_LOSS = PolicyLoss()
 
 
-def clipped_surrogate_sum(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None) -> torch.Tensor:
-    """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities and row
-    weights, and get the clipped surrogate Σ_i w_i Σ_t ℓ_it (objectives.PolicyLoss); an SFT step's rows and the
-    validation rows carry none, and get the token cross-entropy sum."""
+def clipped_surrogate_sum(
+    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None, **extras
+) -> torch.Tensor:
+    """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities, row
+    weights (and reference log-probabilities under a KL penalty), and get the objective Σ_i w_i Σ_t ℓ_it
+    (objectives.PolicyLoss); an SFT step's rows and the validation rows carry none, and get the token cross-entropy
+    sum."""
     if advantages is None:
         return token_cross_entropy_sum(outputs, labels)
-    return POLICY_LOSS(outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights)
-
-
-def answer_rows(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """inputs [rows, seq_len] (prompt and answer bytes, then zeros) and labels supervising the answer's bytes."""
-    tokens = torch.zeros(len(pairs), seq_len + 1, dtype=torch.int64)
-    for i, (prompt, response) in enumerate(pairs):
-        text = (prompt + response).encode()
-        tokens[i, : len(text)] = torch.tensor(list(text))
-    labels = tokens[:, 1:].clone()
-    for i, (prompt, response) in enumerate(pairs):
-        prompt_bytes, text_bytes = len(prompt.encode()), len((prompt + response).encode())
-        labels[i, : prompt_bytes - 1] = IGNORE_INDEX  # position j predicts byte j + 1: the answer's bytes only
-        labels[i, text_bytes - 1 :] = IGNORE_INDEX
-    return tokens[:, :-1], labels
-
-
-def raw_row(inputs: torch.Tensor, labels: torch.Tensor) -> RawExample:
-    supervised = (labels != IGNORE_INDEX).nonzero().flatten().tolist()
-    last = max([*supervised, int(inputs.nonzero().max()) if inputs.any() else 0]) + 1
-    return RawExample(inputs[:last].tolist(), {j: int(labels[j]) for j in supervised})
-
-
-class AnswerRows:
-    """Problems with their reference answers, one row each: the SFT steps' rows, and validation's (the step is
-    ignored)."""
-
-    def __init__(self, pairs: list[tuple[str, str]], seq_len: int):
-        self.inputs, self.labels = answer_rows(pairs, seq_len)
-
-    @property
-    def num_rows(self) -> int:
-        return self.inputs.shape[0]
-
-    @property
-    def seq_len(self) -> int:
-        return self.inputs.shape[1]
-
-    def examples(self, row_ids: torch.Tensor, step: int):
-        return self.inputs[row_ids], self.labels[row_ids]
-
-    def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
-        return (self.labels[row_ids] != IGNORE_INDEX).sum(dim=1)
-
-    def raw_example(self, row_id: int, step: int) -> RawExample:
-        return raw_row(self.inputs[row_id], self.labels[row_id])
+    return POLICY_LOSS(
+        outputs,
+        labels,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        row_weights=row_weights,
+        ref_log_probs=ref_log_probs,
+        **extras,
+    )
 
 
 @dataclass
@@ -147,22 +90,28 @@ class Round:
     old_log_probs: torch.Tensor  # float32: log π_old of each label at sampling time
     rewards: torch.Tensor  # float64 [rollout]
     advantages: torch.Tensor  # float64 [rollout]
+    ref_log_probs: torch.Tensor | None = None  # float32: log π_ref of each label, under a KL penalty
 
 
 class Rollouts(RowHooks):
     """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout. Rows
     sampled from the policy: it declares all five of the optional RowHooks (accumulation/data/rows.py)."""
 
+    log_group = "rl"  # RowHooks.log_group: its step_fields in TensorBoard and the other sinks as rl/mean_reward, ...
+
     def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
         self.prompts = [prompt for prompt, _ in pairs]
+        self.reward = reward_function(settings.reward)
         self.held_out = held_out
         self.answers = AnswerRows(pairs, seq_len)
         self.rollout = settings.prompts_per_round * settings.group_size
         self.steps_per_round = self.rollout * settings.ppo_epochs // global_batch_size
         self.policy, self.context, self.round = None, None, None
+        self.reference = None  # the frozen reference policy of a KL penalty: the policy as round 0 samples
         self.completion_tokens = 0  # sampled in every round so far
-        self.normaliser_constant = settings.norm_constant or float(settings.max_new_tokens)
+        self.declared = settings.objective()
+        self.loss = self.declared.loss_class(self.declared)  # this run's GRPO loss, which bind_policy makes the loop's
 
     @property
     def num_rows(self) -> int:
@@ -198,11 +147,8 @@ class Rollouts(RowHooks):
         if self.place(step) is None:
             return self.answers.examples(self.sft_problems(row_ids, step), step)
         rollout, rows = self.trajectories(row_ids, step)
-        extras = {
-            "advantages": rollout.advantages[rows],
-            "old_log_probs": rollout.old_log_probs[rows],
-            "row_weights": self.step_aggregation(step).row_weights[rows % self.global_batch],
-        }
+        extras = {name: value[rows] for name, value in self.read_by_the_loss(rollout).items()}
+        extras["row_weights"] = self.step_aggregation(step).row_weights[rows % self.global_batch]
         return rollout.inputs[rows], rollout.labels[rows], extras
 
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor:
@@ -219,18 +165,25 @@ class Rollouts(RowHooks):
         example = raw_row(rollout.inputs[trajectory], rollout.labels[trajectory])
         # What the clipped surrogate reads of this trajectory, and the prompt its objective groups it by.
         example.extras = {
-            "advantages": float(rollout.advantages[trajectory]),
-            "old_log_probs": rollout.old_log_probs[trajectory],
-            "group": trajectory // self.settings.group_size,
+            name: float(value[trajectory]) if value.dim() == 1 else value[trajectory]
+            for name, value in self.read_by_the_loss(rollout).items()
         }
+        example.extras["group"] = trajectory // self.settings.group_size
         return example
 
-    def objective(self, step: int) -> tuple[str, float] | None:
-        """(the loss aggregation of GRPO step `step`, Dr. GRPO's C): its objective's definition, which the
-        equivalence checker computes over the raw examples; None for an SFT step (the mean over targets)."""
+    def read_by_the_loss(self, rollout: Round) -> dict[str, torch.Tensor]:
+        """The round's per-row fields the loss declares it reads (PolicyLoss.reads), [rollout, ...] each: what
+        examples() hands the loop's loss and raw_example() states for the checker, from this one declaration."""
+        fields = {name: getattr(rollout, name) for name in self.loss.reads}
+        return {name: value for name, value in fields.items() if value is not None}
+
+    def objective(self, step: int) -> PolicyObjective | None:
+        """The objective GRPO step `step` declares (its aggregation, C, clip, ratio level, KL and entropy terms),
+        which the equivalence checker computes from its definition over the raw examples; None for an SFT step
+        (the mean over targets)."""
         if self.place(step) is None:
             return None
-        return self.settings.loss_aggregation, self.normaliser_constant
+        return self.declared
 
     def step_aggregation(self, step: int):
         """The row weights (over the step's G trajectories, in order) and N of a GRPO step: a function of the
@@ -238,7 +191,7 @@ class Rollouts(RowHooks):
         rollout, rows = self.trajectories(torch.arange(self.global_batch), step)
         group_ids = rows // self.settings.group_size
         lengths = completion_lengths(rollout.labels[rows])
-        return aggregation(self.settings.loss_aggregation, lengths, group_ids, self.normaliser_constant)
+        return aggregation(self.declared.aggregation, lengths, group_ids, self.declared.constant)
 
     def normaliser(self, row_ids: torch.Tensor, step: int) -> tuple[float, str]:
         """N of step `step` (whose rows are `row_ids`, all ranks') and its unit: the supervised targets of an SFT
@@ -253,13 +206,25 @@ class Rollouts(RowHooks):
         """train.py (or the checker), once the model is built: the policy the rounds sample from, the ranks, and a
         resume's round."""
         self.policy, self.context = model, context
-        POLICY_LOSS.clip_ratio = self.settings.clip_ratio
+        global POLICY_LOSS
+        POLICY_LOSS = self.loss
         POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left
         state = (resume or {}).get("data", {}).get("rollouts")
-        if state:
+        if state and "reference" in state:
+            self.reference = self.frozen_copy(model)
+            self.reference.load_state_dict(state["reference"])
+        if state and "round" in state:
             self.completion_tokens = state["completion_tokens"]
-            self.round = self.scored(state["round"], state["inputs"], state["labels"], state["old_log_probs"])
+            self.round = self.scored(
+                state["round"], state["inputs"], state["labels"], state["old_log_probs"], state.get("ref_log_probs")
+            )
         place = self.place(resume["counters"]["steps"]) if resume is not None else None
+        if place is not None and self.declared.kl_coef and self.reference is None and place != (0, 0):
+            raise DataError(
+                f"the checkpoint at step {resume['counters']['steps']} holds no reference policy for "
+                f"data.kl_coef={self.declared.kl_coef:g}, which its weights cannot rebuild; resume from another "
+                "checkpoint or start afresh"
+            )
         if place is not None and place[1] > 0 and (self.round is None or self.round.index != place[0]):
             raise DataError(
                 f"the checkpoint at step {resume['counters']['steps']} is in the middle of GRPO round {place[0]} but "
@@ -270,8 +235,7 @@ class Rollouts(RowHooks):
                 f"grpo: rollout {self.rollout} = {self.settings.prompts_per_round} prompts x group "
                 f"{self.settings.group_size} per round; mini-batch {self.global_batch} trajectories per optimizer step "
                 f"(all ranks); {self.steps_per_round} optimizer steps per round after {self.settings.sft_steps} SFT "
-                f"steps; loss {self.settings.loss_aggregation}, N in "
-                f"{NORMALISER_UNITS[self.settings.loss_aggregation]}"
+                f"steps; objective {self.declared.describe()}, N in {NORMALISER_UNITS[self.declared.aggregation]}"
             )
 
     def round_of(self, round_index: int) -> Round:
@@ -279,6 +243,9 @@ class Rollouts(RowHooks):
             return self.round
         if self.policy is None:
             raise DataError("the GRPO rollouts are sampled from the model being trained: bind_policy() first")
+        if self.declared.kl_coef and self.reference is None:  # round 0: the policy GRPO starts from, kept frozen
+            self.reference = self.frozen_copy(self.policy)
+            self.reference.load_state_dict(self.policy.state_dict())
         self.round = self.sample_round(round_index)
         self.completion_tokens += int(completion_lengths(self.round.labels).sum())
         return self.round
@@ -292,41 +259,80 @@ class Rollouts(RowHooks):
         prompts = [self.prompts[asked[int(j) // settings.group_size]] for j in mine]
         was_training = self.policy.training
         self.policy.eval()
-        drawn = sample(self.policy, prompts, mine, self.seed, round_index, settings.max_new_tokens, self.seq_len)
+        pieces = []
+        for first in range(0, per_rank, settings.sample_batch_size):  # data.sample_batch_size rows per forward
+            chunk = slice(first, first + settings.sample_batch_size)
+            pieces.append(
+                sample(
+                    self.policy, prompts[chunk], mine[chunk], self.seed, round_index, settings.sampling(), self.seq_len
+                )
+            )
         self.policy.train(was_training)
         inputs, labels, old_log_probs = (
-            all_gathered(tensor, replicas, self.context.device)
-            for tensor in (drawn.tokens, drawn.labels, drawn.old_log_probs)
+            all_gathered(torch.cat([getattr(piece, name) for piece in pieces]), replicas, self.context.device)
+            for name in ("tokens", "labels", "old_log_probs")
         )
-        return self.scored(round_index, inputs, labels, old_log_probs)
+        ref_log_probs = None
+        if self.reference is not None:  # log π_ref of the round's tokens: this rank's share, then the exchange
+            mine_tokens, mine_labels = (
+                torch.cat([getattr(piece, name) for piece in pieces]) for name in ("tokens", "labels")
+            )
+            ref_log_probs = all_gathered(
+                self.reference_log_probs(mine_tokens, mine_labels), replicas, self.context.device
+            )
+        return self.scored(round_index, inputs, labels, old_log_probs, ref_log_probs)
 
-    def scored(self, round_index: int, inputs, labels, old_log_probs) -> Round:
+    @staticmethod
+    def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+        """A copy of `model` that never trains: the KL penalty's reference policy."""
+        reference = copy.deepcopy(model).eval()
+        for parameter in reference.parameters():
+            parameter.requires_grad_(False)
+        return reference
+
+    @torch.no_grad()
+    def reference_log_probs(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """log π_ref(label), at the run's temperature, at every position of these rows (0 off the completion),
+        float32, in forwards of data.sample_batch_size rows."""
+        device = next(self.reference.parameters()).device
+        pieces = []
+        for first in range(0, tokens.shape[0], self.settings.sample_batch_size):
+            chunk = slice(first, first + self.settings.sample_batch_size)
+            logits = self.reference(tokens[chunk].to(device))
+            pieces.append(target_log_probs(logits / self.declared.temperature, labels[chunk].to(device)).float().cpu())
+        return torch.cat(pieces)
+
+    def scored(self, round_index: int, inputs, labels, old_log_probs, ref_log_probs=None) -> Round:
         """The round with its rewards (computed from each completion, on every rank) and advantages."""
         asked = round_prompts(self.seed, round_index, self.settings.prompts_per_round, len(self.prompts))
         group_ids = torch.arange(self.rollout) // self.settings.group_size
         rewards = torch.tensor(
             [
-                reward(self.prompts[asked[int(g)]], completion_text(row))
+                checked_reward(self.reward, self.prompts[asked[int(g)]], completion_text(row))
                 for g, row in zip(group_ids, labels, strict=True)
             ],
             dtype=torch.float64,
         )
         advantages = group_relative_advantages(rewards, group_ids, self.settings.scale_advantages)
-        return Round(round_index, inputs, labels, old_log_probs, rewards, advantages)
+        return Round(round_index, inputs, labels, old_log_probs, rewards, advantages, ref_log_probs)
 
     # -------------------------------------------------------------- the checkpoint's part, and the logs
     def state_dict(self) -> dict:
         """What a resume cannot redraw: the round in progress, sampled from weights the checkpoint no longer
         holds, and the completion tokens sampled so far. The rewards and advantages follow from them."""
+        state = {} if self.reference is None else {"reference": self.reference.state_dict()}
         if self.round is None:
-            return {}
-        return {
+            return state
+        state |= {
             "round": self.round.index,
             "inputs": self.round.inputs,
             "labels": self.round.labels,
             "old_log_probs": self.round.old_log_probs,
             "completion_tokens": self.completion_tokens,
         }
+        if self.round.ref_log_probs is not None:
+            state["ref_log_probs"] = self.round.ref_log_probs
+        return state
 
     def step_fields(self, step: int, eval_every: int) -> dict:
         """The metrics of the step just taken (`step` steps done), in RL's units, for its metrics.jsonl line; rank 0
@@ -334,7 +340,8 @@ class Rollouts(RowHooks):
         fields = {"phase": "sft" if self.place(step - 1) is None else "grpo"}
         if fields["phase"] == "grpo":
             round_index, in_round = self.place(step - 1)
-            clipped, kl_sum, tokens = all_reduced(POLICY_LOSS.take_sums(), self.context.device).tolist()
+            *sums, tokens = all_reduced(self.loss.take_sums(), self.context.device).tolist()
+            tokens = max(tokens, 1.0)
             normaliser = self.step_aggregation(step - 1)
             fields |= {
                 "rounds": round_index + 1,
@@ -343,11 +350,11 @@ class Rollouts(RowHooks):
                 "trajectories": (round_index + 1) * self.rollout,
                 "completion_tokens": self.completion_tokens,
                 "mean_reward": float(self.round.rewards.mean()),
-                "clip_fraction": clipped / max(tokens, 1.0),
-                "approx_kl": kl_sum / max(tokens, 1.0),
                 "normaliser": normaliser.normaliser,
                 "normaliser_unit": normaliser.unit,
             }
+            # the loss's declared per-token means (clip_fraction, approx_kl, entropy, kl_ref, and a fork's own)
+            fields |= {name: total / tokens for name, total in zip(self.loss.logged, sums, strict=True)}
         if eval_every > 0 and step % eval_every == 0 and self.context.is_main:
             fields["held_out_reward"] = self.held_out_reward()
         round_ends = fields.get("step_in_round") == self.steps_per_round
@@ -362,9 +369,10 @@ class Rollouts(RowHooks):
         self.policy.eval()
         prompts = [prompt for prompt, _ in self.held_out]
         rows = torch.arange(len(prompts))
-        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.max_new_tokens, self.seq_len, greedy=True)
+        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.sampling(greedy=True), self.seq_len)
         self.policy.train(was_training)
-        return sum(reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)) / len(prompts)
+        rewards = [checked_reward(self.reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)]
+        return sum(rewards) / len(prompts)
 
 
 def round_line(step: int, fields: dict) -> str:
@@ -374,7 +382,7 @@ def round_line(step: int, fields: dict) -> str:
         return f"step {step}: sft{held_out}"
     return (
         f"step {step}: round {fields['rounds']} | mean reward {fields['mean_reward']:.3f}{held_out} | "
-        f"clip {fields['clip_fraction']:.3f} | kl {fields['approx_kl']:.2e} | "
+        f"clip {fields['clip_fraction']:.3f} | kl {fields['approx_kl']:.2e} | entropy {fields['entropy']:.3f} | "
         f"{fields['optimizer_steps_per_round']} optimizer steps per round, {fields['trajectories']:,} trajectories, "
         f"{fields['completion_tokens']:,} completion tokens"
     )
@@ -403,18 +411,22 @@ def all_reduced(sums: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the registered pieces
-def split_problems(settings: RolloutSettings) -> tuple[list, list]:
-    """(prompt, answer) pairs for training and for validation: every tenth problem, up to data.held_out, is held
-    out of both SFT and GRPO."""
-    problems = addition_problems(settings.max_operand)
-    held_out = problems[::10][: settings.held_out]
-    kept = set(held_out)
-    return [pair for pair in problems if pair not in kept], held_out
-
-
 def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     settings = data_config.own
-    training, held_out = split_problems(settings)
+    if settings.prompts:
+        training, held_out = read_task(settings.prompts, settings.held_out)
+        longest = max(len(prompt.encode()) for prompt, _ in training + held_out)
+        # an answer row holds prompt and response, less the last byte (which no position predicts from inside the row)
+        longest_answer = max(len((prompt + response).encode()) - 1 for prompt, response in training + held_out)
+        needed = max(longest + settings.max_new_tokens, longest_answer)
+        if needed > data_config.seq_len:
+            raise DataError(
+                f"data.seq_len={data_config.seq_len} cannot hold {settings.prompts}'s longest prompt ({longest} "
+                f"bytes) and data.max_new_tokens={settings.max_new_tokens}, or its longest prompt and response "
+                f"({longest_answer + 1} bytes); set data.seq_len={needed}"
+            )
+    else:
+        training, held_out = split_problems(settings.max_operand, settings.held_out)
     train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
     val = AnswerRows(held_out, data_config.seq_len)
     answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()
@@ -430,36 +442,10 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
         root=data_config.source,
         seq_len=data_config.seq_len,
         vocab_size=BYTE_VOCABULARY,
-        format=f"'Q: a + b =' below {settings.max_operand}, SFT answers then GRPO rollouts",
+        format=f"{settings.prompts or f'Q: a + b = below {settings.max_operand}'}, SFT answers then GRPO rollouts",
         val_rows_read=len(held_out),
     )
     return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)
-
-
-def check_rollout_config(config) -> None:
-    """One line for a combination train.py cannot run GRPO with (docs/rl.md, the three sizes)."""
-    settings, batch = config.data.own, config.batch
-    prompts, epochs = settings.prompts_per_round, settings.ppo_epochs
-    if config.model.objective != "clipped-surrogate":
-        raise ValueError('data.source="arithmetic-rollouts" trains with model.objective="clipped-surrogate"')
-    if batch.global_batch_size != settings.mini_batch_size:
-        raise ValueError(
-            f"batch.global_batch_size={batch.global_batch_size} must equal data.mini_batch_size="
-            f"{settings.mini_batch_size}, the trajectories of one optimizer step (all ranks)"
-        )
-    # The three sizes' rules (sizes.py) over all ranks at once: train.py then checks that G = m · A · D for its D.
-    try:
-        round_sizes(prompts, settings.group_size, 1, batch.micro_batch_size, settings.mini_batch_size, epochs)
-    except SizeError as error:
-        raise ValueError(f"data.mini_batch_size: {error}") from None
-    if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
-        raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
-    longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
-    if longest + settings.max_new_tokens > config.data.seq_len:
-        raise ValueError(
-            f"data.seq_len={config.data.seq_len} cannot hold a {longest}-byte prompt and data.max_new_tokens="
-            f"{settings.max_new_tokens}; set data.seq_len={longest + settings.max_new_tokens}"
-        )
 
 
 register_data("arithmetic-rollouts", build_rollouts, settings=RolloutSettings, check=check_rollout_config)

@@ -1,5 +1,5 @@
-"""Rollouts on a verifiable task: arithmetic prompts, completions sampled from the policy with randomness that is
-a pure function of (seed, round, row), and rewards computed by a function.
+"""Rollouts: a round's prompts and the completions sampled from the policy, with randomness that is a pure function
+of (seed, round, row); the task they answer and its reward are task.py's.
 
 Sampling draws every random number from step_uniforms(seed, round, row ids, ...), never from a global
 generator: trajectory r of round k gets the same uniforms on any rank, in any batch, and after any restart,
@@ -8,11 +8,10 @@ the cumulative distribution of the policy's softmax, in float64, at the uniform:
 the same token.
 """
 
-import json
-import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.data.uniforms import step_uniforms
@@ -20,39 +19,6 @@ from accumulation.data.uniforms import step_uniforms
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
 PROMPT_STREAM, SAMPLING_STREAM = 11, 12
 END_OF_ANSWER = ord("\n")  # a completion ends at its first newline (or at the token budget)
-PROBLEM = re.compile(r"Q: (-?\d+) ([-+*]) (-?\d+) =")
-
-
-def read_prompts(path: str) -> list[str]:
-    """The prompts of a {"prompt", "response"} JSONL file whose prompts read 'Q: a op b =' (op one of + - *).
-    The responses are not read here: the reward is computed from the prompt."""
-    prompts = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            prompt = json.loads(line)["prompt"]
-            if PROBLEM.fullmatch(prompt) is None:
-                raise ValueError(f"{path}:{number}: prompt {prompt!r} is not of the form 'Q: a op b ='")
-            prompts.append(prompt)
-    return prompts
-
-
-def addition_problems(max_operand: int) -> list[tuple[str, str]]:
-    """Every 'Q: a + b =' with 0 <= a, b < max_operand, with its answer as the response (' 57\\n'), in a fixed
-    order: the same problems, in the same format, as data/sft_arithmetic.jsonl's, small enough to learn on a CPU."""
-    return [(f"Q: {a} + {b} =", f" {a + b}\n") for a in range(max_operand) for b in range(max_operand)]
-
-
-def answer(prompt: str) -> int:
-    """The true result of 'Q: a op b ='."""
-    left, operator, right = PROBLEM.fullmatch(prompt).groups()
-    a, b = int(left), int(right)
-    return a + b if operator == "+" else a - b if operator == "-" else a * b
-
-
-def reward(prompt: str, completion: str) -> float:
-    """1 when the completion's last number (after any working, 'a * 40 + ... = 1234') is the true result, else 0."""
-    numbers = re.findall(r"-?\d+", completion)
-    return float(bool(numbers) and int(numbers[-1]) == answer(prompt))
 
 
 def round_prompts(seed: int, round_index: int, prompts: int, pool: int) -> list[int]:
@@ -72,6 +38,102 @@ class Trajectories:
     completions: list[str]
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How completions are drawn: π_T = softmax(logits / temperature), restricted to its top-p nucleus (the fewest
+    most likely tokens whose probability reaches top_p) when top_p < 1, each completion ending at its first stop
+    token or at max_new_tokens. greedy takes the most likely token instead."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[int, ...] = (END_OF_ANSWER,)
+    greedy: bool = False
+
+
+def draw(log_probs: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """One token per row from log π_T [rows, vocab] (float64) at the row's uniform [rows]: the first token, in
+    vocabulary order, whose cumulative probability within the nucleus exceeds u (the clamp guards the last token
+    against a total just below 1 by rounding). The same (logits, u) always give the same token."""
+    if sampling.greedy:
+        return log_probs.argmax(dim=-1)
+    probabilities = log_probs.exp()
+    if sampling.top_p < 1:
+        ordered, order = probabilities.sort(dim=-1, descending=True, stable=True)
+        before = ordered.cumsum(dim=-1) - ordered  # the probability of the more likely tokens
+        keep = torch.zeros_like(probabilities, dtype=torch.bool).scatter_(-1, order, before < sampling.top_p)
+        probabilities = probabilities * keep
+        probabilities = probabilities / probabilities.sum(dim=-1, keepdim=True)
+    cumulative = probabilities.cumsum(dim=-1)
+    return (cumulative <= uniforms[:, None]).sum(dim=-1).clamp(max=log_probs.shape[-1] - 1)
+
+
+class FullForward:
+    """Next-token logits from a forward over each row's whole prefix: any causal model."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, seq_len: int):
+        self.model = model
+
+    def logits(self, tokens: torch.Tensor, ends: torch.Tensor, first: bool) -> torch.Tensor:
+        """The logits [rows, vocab] predicting position ends[i] of each row (tokens on the model's device)."""
+        return self.model(tokens[:, : int(ends.max())])[torch.arange(len(ends), device=ends.device), ends - 1]
+
+
+class GPTKeyValueCache:
+    """Next-token logits of the project's GPT (accumulation/models/gpt.py) with a key-value cache: the prompts' keys
+    and values once, then one position per row per token. Rows sit at their own positions (prompts of different
+    lengths, right-padded): the new token of row i is at ends[i] − 1, and attends to that row's positions up to it.
+    Eval mode only (no dropout), as the sampler runs it."""
+
+    def __init__(self, model: torch.nn.Module, rows: int, seq_len: int):
+        self.model = model
+        config, device, dtype = model.config, model.lm_head.weight.device, model.lm_head.weight.dtype
+        shape = (rows, config.n_head, seq_len, config.d_model // config.n_head)
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in model.blocks]
+
+    def logits(self, tokens: torch.Tensor, ends: torch.Tensor, first: bool) -> torch.Tensor:
+        model = self.model
+        rows = torch.arange(len(ends), device=ends.device)  # every row, indexing tensors where the model is
+        if first:  # every prompt's positions at once, causal: a position never sees the padding after it
+            width = int(ends.max())
+            positions = torch.arange(width, device=tokens.device)
+            x = model.token_embedding(tokens[:, :width]) + model.position_embedding(positions)
+            for block, keys, values in zip(model.blocks, self.keys, self.values, strict=True):
+                q, k, v = self.heads(block, block.attn_norm(x))
+                keys[:, :, :width], values[:, :, :width] = k, v
+                x = self.after_attention(block, x, F.scaled_dot_product_attention(q, k, v, is_causal=True))
+            return model.lm_head(model.final_norm(x))[rows, ends - 1]
+        position = ends - 1  # each row's newest token
+        x = (model.token_embedding(tokens[rows, position]) + model.position_embedding(position))[:, None]
+        seen = torch.arange(self.keys[0].shape[2], device=tokens.device)[None, :] <= position[:, None]
+        for block, keys, values in zip(model.blocks, self.keys, self.values, strict=True):
+            q, k, v = self.heads(block, block.attn_norm(x))
+            keys[rows, :, position], values[rows, :, position] = k[:, :, 0], v[:, :, 0]
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[:, None, None, :])
+            x = self.after_attention(block, x, attended)
+        return model.lm_head(model.final_norm(x))[:, 0]
+
+    @staticmethod
+    def heads(block, h: torch.Tensor):
+        rows, length, d_model = h.shape
+        q, k, v = block.attn.qkv(h).split(d_model, dim=2)
+        return (t.view(rows, length, block.attn.n_head, -1).transpose(1, 2) for t in (q, k, v))
+
+    @staticmethod
+    def after_attention(block, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        rows, _, length, _ = attended.shape
+        x = x + block.attn.proj(attended.transpose(1, 2).reshape(rows, length, -1))
+        return x + block.mlp(block.mlp_norm(x))
+
+
+def decoder_for(model: torch.nn.Module, rows: int, seq_len: int):
+    """The key-value cache where the model is the project's GPT, else a forward over the whole prefix per token."""
+    from accumulation.models.gpt import GPT
+
+    return (GPTKeyValueCache if isinstance(model, GPT) else FullForward)(model, rows, seq_len)
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,
@@ -79,15 +141,14 @@ def sample(
     row_ids: torch.Tensor,
     seed: int,
     round_index: int,
-    max_new_tokens: int,
+    sampling: Sampling,
     seq_len: int,
-    greedy: bool = False,
 ) -> Trajectories:
-    """Complete each prompt with up to `max_new_tokens` bytes from the policy, row i drawing the uniforms of
-    (seed, round_index, row_ids[i]); greedy takes the most likely byte instead. The log-probability of each drawn
-    byte under the policy is recorded for PPO's ratio. Rows are right-padded; a causal model's logits at a
-    position never see the padding after it."""
-    rows = len(prompts)
+    """Complete each prompt with up to `sampling.max_new_tokens` bytes from the policy, all rows in one batch, row i
+    drawing the uniforms of (seed, round_index, row_ids[i]). The log-probability of each drawn byte under π_T (the
+    temperature's, before the nucleus: what the loss computes) is recorded for PPO's ratio. Rows are right-padded;
+    a causal model's logits at a position never see the padding after it."""
+    rows, max_new_tokens = len(prompts), sampling.max_new_tokens
     encoded = [list(prompt.encode()) for prompt in prompts]
     if max(len(e) for e in encoded) + max_new_tokens > seq_len:
         raise ValueError(f"prompts plus {max_new_tokens} new bytes exceed the model's {seq_len} positions")
@@ -100,26 +161,23 @@ def sample(
     device = next(model.parameters()).device  # the rows are built on the host, the forward runs where the model is
     ends = torch.tensor([len(e) for e in encoded])  # the next position to fill, per row
     active = torch.ones(rows, dtype=torch.bool)
+    stop = torch.tensor(sampling.stop, dtype=torch.int64)
+    decoder = decoder_for(model, rows, seq_len)
+    on_device = tokens.to(device)
     for k in range(max_new_tokens):
-        logits = model(tokens[:, : int(ends.max())].to(device))
-        last = logits[torch.arange(rows), ends - 1].double().cpu()  # the logits that predict position `ends`
-        log_probs = torch.log_softmax(last, dim=-1)
-        if greedy:
-            drawn = log_probs.argmax(dim=-1)
-        else:
-            # Inverse CDF: the first byte whose cumulative probability exceeds u (the clamp guards the last
-            # byte against a total just below 1 by rounding).
-            cumulative = log_probs.exp().cumsum(dim=-1)
-            drawn = (cumulative <= uniforms[:, k : k + 1]).sum(dim=-1).clamp(max=last.shape[-1] - 1)
-        for i in torch.nonzero(active).flatten().tolist():
-            position = int(ends[i])
-            tokens[i, position] = drawn[i]
-            labels[i, position - 1] = drawn[i]
-            old_log_probs[i, position - 1] = float(log_probs[i, drawn[i]])
-            ends[i] += 1
-            active[i] = drawn[i] != END_OF_ANSWER
+        last = decoder.logits(on_device, ends.to(device), first=k == 0).double().cpu()  # predicting position `ends`
+        log_probs = torch.log_softmax(last / sampling.temperature, dim=-1)
+        drawn = draw(log_probs, uniforms[:, k], sampling)
+        writing = active.nonzero().flatten()
+        position = ends[writing]
+        tokens[writing, position] = drawn[writing]
+        labels[writing, position - 1] = drawn[writing]
+        old_log_probs[writing, position - 1] = log_probs[writing, drawn[writing]].float()
+        ends[writing] += 1
+        active &= ~torch.isin(drawn, stop)
         if not active.any():
             break
+        on_device[writing, position] = drawn[writing].to(device)
     completions = [
         bytes(tokens[i, len(encoded[i]) : int(ends[i])].tolist()).decode("utf-8", errors="replace") for i in range(rows)
     ]

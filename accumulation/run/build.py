@@ -143,7 +143,7 @@ def build_training(
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
     seed_dropout(config.run.seed, context.rank)
-    if resume is not None:  # the whole weights on every rank, before any sharding (find_resume_point checked them)
+    if resume is not None and "sharded" not in resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type) and loss_sum_fn is None
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA

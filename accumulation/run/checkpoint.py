@@ -120,14 +120,9 @@ def checkpoint_payload(
     optim.max_consecutive_skips counts, which a resume continues). `model` is the unwrapped module. Non-finite
     weights are refused here, never written: no later step could repair them."""
     check_weights_finite(config, model, optimizer)
-    if config.dist.strategy == "fsdp2":  # the shards gathered into whole tensors on rank 0
-        from accumulation.parallel.fsdp import full_model_state_dict, full_optimizer_state_dict
-
-        model_state, optimizer_state = full_model_state_dict(model), full_optimizer_state_dict(optimizer)
-    else:
-        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-        if context.is_main:  # the rank that writes the file
-            model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
+    model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+    if context.is_main and config.dist.strategy != "fsdp2":  # the file's writer (fsdp2: sharded_checkpoint.py)
+        model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
     return {
         "model": model_state,
         "optimizer": optimizer_state,

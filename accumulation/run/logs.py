@@ -1,12 +1,10 @@
-"""The run's logs, written by rank 0: metrics.jsonl (one line per step, read back and cut to the checkpoint's step
-on resume), TensorBoard, and the terminal's lines (progress, the session's summary, its speed). A full disk becomes
-one WriteError line here, never a traceback."""
+"""The run's logs, written by rank 0: each step's record to the sinks log.sinks names (metrics.jsonl and TensorBoard
+by default: accumulation/run/sinks.py; metrics.jsonl read back and cut to the checkpoint's step on resume), and the
+terminal's lines (progress, the session's summary, its speed)."""
 
 import json
 import math
-import os
 import resource
-import threading
 import time
 from pathlib import Path
 
@@ -14,7 +12,9 @@ import torch
 
 from accumulation.batching import describe_batch
 from accumulation.config.config import Config, config_to_toml
+from accumulation.config.registry import lookup
 from accumulation.counters import Counters
+from accumulation.data.rows import row_hooks
 from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
@@ -23,7 +23,6 @@ from accumulation.run.run_dir import (
     RunDirectoryError,
     WriteError,
     not_written,
-    os_error_in,
     why_not_written,
     write_text_atomically,
 )
@@ -32,33 +31,6 @@ from accumulation.run.sample import print_sample
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
 WARMUP_STEPS = 2
-
-
-class MetricsFile:
-    """metrics.jsonl opened for appending whole lines: a line is on disk whole or not at all, so the file
-    never holds a half line that a resume would keep, even when the disk fills in the middle of one."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-
-    def write(self, line: str) -> None:
-        size_before = os.fstat(self.descriptor).st_size
-        remaining = memoryview(line.encode())
-        try:
-            while remaining:  # a full disk takes part of a write, then refuses the rest
-                remaining = remaining[os.write(self.descriptor, remaining) :]
-        except OSError as error:
-            os.ftruncate(self.descriptor, size_before)  # shrinking needs no space: the partial line goes
-            raise WriteError(
-                f"{not_written(error, self.path)}; its last line was not written and the lines before are untouched"
-            ) from None
-
-    def flush(self) -> None:
-        os.fsync(self.descriptor)  # each line is in the operating system's hands already; this survives power loss
-
-    def close(self) -> None:
-        os.close(self.descriptor)
 
 
 # metrics.jsonl as a resume finds it: read and checked line by line (restore.py), then cut back to the
@@ -115,36 +87,26 @@ def keep_metrics_up_to(metrics_path: Path, steps: int) -> None:
         ) from None
 
 
-def quiet_tensorboard_thread_errors() -> None:
-    """Keep the traceback of TensorBoard's writer thread, ended by a failed write, off the terminal: the error is
-    raised again at the next add_scalar or flush, where it becomes one line (tensorboard_write_error)."""
-    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
-
-    print_traceback = threading.excepthook
-
-    def hook(arguments) -> None:
-        if not (isinstance(arguments.thread, _AsyncWriterThread) and isinstance(arguments.exc_value, OSError)):
-            print_traceback(arguments)
-
-    threading.excepthook = hook
-
-
-def tensorboard_write_error(error: Exception, writer) -> Exception:
-    """A failed event write, raised at TensorBoard's next call, as one WriteError line; anything else is a bug."""
-    cause = os_error_in(error)
-    if cause is None:
-        return error
-    # An event file is a sequence of records, each with its length and checksum: a reader stops at a
-    # record cut short, and the resume's purge_step drops the points after the checkpoint.
-    folder = Path(writer.get_logdir()).parent  # the run's tensorboard/
-    metrics_path = folder.parent / "metrics.jsonl"
-    # The run directory deleted under the run takes metrics.jsonl with it (its lines go to a file no name reaches).
-    kept = (
-        "metrics.jsonl holds every step up to here"
-        if metrics_path.exists()
-        else f"{metrics_path} is gone too (was the run directory deleted?): this run's metrics are no longer on disk"
-    )
-    return WriteError(f"TensorBoard events in {folder} could not be written: {why_not_written(cause, folder)}; {kept}")
+def drop_last_step_validation(metrics_path: Path, steps: int, eval_every: int) -> dict | None:
+    """A run extended past its old run.max_steps, resumed from the checkpoint of its old last step: that step's line
+    holds a val_loss only because it was the last (train.py validates the last step). Off the run.eval_every cadence
+    it goes, so that the extended run's lines are an uninterrupted run's. Returns the revised record (the sinks
+    write it again), or None when the line is left as it was."""
+    lines = metrics_lines(metrics_path)
+    if not lines or lines[-1][0] != steps or (eval_every > 0 and steps % eval_every == 0):
+        return None
+    record = json.loads(lines[-1][1])
+    if "val_loss" not in record:
+        return None
+    del record["val_loss"]
+    try:
+        write_text_atomically(metrics_path, "".join(line for _, line in lines[:-1]) + json.dumps(record) + "\n")
+    except OSError as error:
+        raise WriteError(
+            f"{metrics_path} could not be rewritten for the resume: {why_not_written(error, metrics_path.parent)}; "
+            f"the file is unchanged"
+        ) from None
+    return record
 
 
 def rate_text(count: float, seconds: float, targets: str) -> str:
@@ -194,9 +156,11 @@ class RunLogs:
     def __init__(self, config: Config, data: Data, run_dir: Path, context: DistributedContext, say) -> None:
         self.config, self.data, self.run_dir, self.context, self.say = config, data, run_dir, context, say
         self.metrics_path = run_dir / "metrics.jsonl"
-        self.metrics_file, self.writers = None, []  # opened by open(), after the step-0 checkpoint
+        self.sinks = []  # opened by open(), after the step-0 checkpoint
+        self.revised = None  # the checkpoint's step's record when a resume revised it (begin), for the sinks
         self.session_steps, self.window = [], []
         self.first_loss = self.last_loss = None
+        self.flops_per_position = self.peak_tflops = None  # MFU's, set by header() when there is a peak
 
     def begin(self, counters: Counters) -> None:
         """config.toml written, and the metrics of steps after the checkpoint dropped (a resume runs them again)."""
@@ -209,21 +173,20 @@ class RunLogs:
             raise WriteError(not_written(error, self.run_dir / "config.toml")) from None
         if self.metrics_path.exists():  # left by an earlier session
             keep_metrics_up_to(self.metrics_path, counters.steps)
+            if counters.steps < self.config.run.max_steps:  # the run goes on past the step where it ended
+                self.revised = drop_last_step_validation(self.metrics_path, counters.steps, self.config.run.eval_every)
 
     def open(self, counters: Counters, resumed: bool) -> None:
-        """metrics.jsonl and two TensorBoard writers (x axis: applied updates; x axis: supervised tokens), rank 0
-        only. On resume each writer purges events at or beyond the checkpoint's position on its own axis."""
+        """The sinks log.sinks names, in its order, rank 0 only (metrics.jsonl and TensorBoard by default)."""
         if not self.context.is_main:
             return
-        from torch.utils.tensorboard import SummaryWriter  # imported here: only rank 0 writes TensorBoard files
+        from accumulation.run.sinks import SinkSession  # only rank 0 writes sinks
 
-        self.metrics_file = MetricsFile(self.metrics_path)
-        quiet_tensorboard_thread_errors()
-        tensorboard = self.run_dir / "tensorboard"
-        self.writers = [
-            SummaryWriter(tensorboard / "by_updates", purge_step=counters.updates + 1 if resumed else None),
-            SummaryWriter(tensorboard / "by_tokens", purge_step=counters.tokens + 1 if resumed else None),
-        ]
+        # a data source's own fields (GRPO's rewards) are grouped under the group it declares
+        source_group = row_hooks(self.data.train).log_group if self.data is not None else "data"
+        session = SinkSession(self.config, self.run_dir, counters, resumed, source_group, self.revised)
+        for name in self.config.log.sinks.split(","):
+            self.sinks.append(lookup("sink", name.strip()).build(session))
 
     def header(self, training, counters: Counters) -> None:
         """The session's first lines: the batch, the model and its precision, the data, the run directory.
@@ -254,6 +217,16 @@ class RunLogs:
         used = f"{dropped} training rows per epoch are not used" if dropped else "every row is used each epoch"
         say(f"batch.tail={config.batch.tail}: {used}")
         say(f"run directory {self.run_dir}; training steps {counters.steps}..{config.run.max_steps}")
+        declares_flops = hasattr(training.model, "flops_per_token") and data.train.seq_len is not None
+        if declares_flops and (config.log.peak_tflops > 0 or context.device.type == "cuda"):
+            from accumulation.run.mfu import run_peak  # MFU: a peak to measure against
+
+            self.peak_tflops, source = run_peak(config, context.device)
+            if self.peak_tflops is None:
+                say(f"mfu: not computed, {source}")
+            else:
+                self.flops_per_position = training.model.flops_per_token()
+                say(f"mfu: against {self.peak_tflops:g} TFLOPS per device ({source}) x {context.world_size}")
 
     def step_record(self, counters: Counters, result, step_seconds: float) -> dict:
         """The step's metrics line (CONTRACT's keys), and the step kept for the speeds."""
@@ -271,6 +244,13 @@ class RunLogs:
             "peak_mem_bytes": peak_memory_bytes(self.context.device),
             "time_s": step_seconds,
         }
+        if self.flops_per_position is not None:  # every position of the step's rows runs through the model
+            from accumulation.run.mfu import model_flops_utilisation
+
+            positions = result.examples * self.data.train.seq_len
+            record["mfu"] = model_flops_utilisation(
+                self.flops_per_position, positions, step_seconds, self.peak_tflops, self.context.world_size
+            )
         if not result.applied:
             record["skip_reason"] = result.skip_reason
             self.say(f"step {counters.steps}: update skipped: {result.skip_reason}")
@@ -296,28 +276,16 @@ class RunLogs:
             self.window = []
 
     def write_metrics(self, record: dict) -> None:
-        self.metrics_file.write(json.dumps(record) + "\n")
-        by_updates, by_tokens = self.writers
-        try:
-            for name in ("loss", "val_loss", "lr", "grad_norm", "scale", "tokens_per_s"):
-                if record.get(name) is not None:
-                    by_updates.add_scalar(f"train/{name}", record[name], record["updates"])
-                    by_tokens.add_scalar(f"by_tokens/train/{name}", record[name], record["tokens"])
-        except Exception as error:
-            raise tensorboard_write_error(error, by_updates) from None
+        for sink in self.sinks:
+            sink.write(record)
 
     def flush(self) -> None:
-        """Every line written so far on the disk (TensorBoard buffers for up to 2 minutes)."""
-        if self.metrics_file is not None:
-            self.metrics_file.flush()
-        try:
-            for writer in self.writers:
-                writer.flush()
-        except Exception as error:
-            raise tensorboard_write_error(error, self.writers[0]) from None
+        """Every record written so far on the disk, in every sink (before each checkpoint)."""
+        for sink in self.sinks:
+            sink.flush()
 
     def summary(self, counters: Counters, final_val_loss: float | None, session_start: float, model) -> None:
-        """The session's last lines: losses, counters, a sample from the model when it has generate(), the speed."""
+        """The session's last lines: losses, counters, a sample when the model predicts the next token, the speed."""
         if not self.context.is_main:
             return
         wall_seconds = time.perf_counter() - session_start
@@ -329,8 +297,5 @@ class RunLogs:
         print(speed_line(self.session_steps, wall_seconds, self.data.summary.targets))
 
     def close(self) -> None:
-        self.flush()
-        if self.metrics_file is not None:
-            self.metrics_file.close()
-        for writer in self.writers:
-            writer.close()
+        for sink in self.sinks:
+            sink.close()

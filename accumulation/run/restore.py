@@ -91,7 +91,10 @@ def find_resume_point(
             f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
             f"continue from its last checkpoint, or start a new run.name"
         )
-    found = newest_readable_checkpoint(checkpoint_dir, warn) if config.run.resume == "auto" else None
+    find = newest_readable_checkpoint
+    if checkpoint_dir.is_dir() and any(checkpoint_dir.glob("step_*.dcp")):  # sharded checkpoints (fsdp2's)
+        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint as find
+    found = find(checkpoint_dir, warn) if config.run.resume == "auto" else None
     if found is None:
         leftovers = [name for name in (METRICS_FILE, "tensorboard") if (run_dir / name).exists()]
         # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
@@ -172,7 +175,8 @@ def check_state_fits(path: Path, payload: dict, config: Config, model: torch.nn.
     optimizer = build_optimizer(config.optim, model, torch.device("meta"))
     scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     check_model_state(path, payload["model"], model.state_dict())
-    check_weights_finite(path, payload["model"])
+    if "sharded" not in payload:  # a sharded checkpoint's weights are checked as its shards load
+        check_weights_finite(path, payload["model"])
     check_optimizer_state(path, payload["optimizer"], [group["params"] for group in optimizer.param_groups])
     fresh = {
         "optimizer": optimizer.state_dict(),
@@ -292,12 +296,17 @@ def restore_training_state(training, resume: dict, config: Config, context: Dist
     # state dicts are checked by their loaders, still before anything is written.
     try:
         # this run's fused/foreach and device; whole tensors cut into this rank's shards under fsdp2
+        if "sharded" in resume:  # the weights and the optimizer's tensors, read as this run holds them
+            from accumulation.run.sharded_checkpoint import load_sharded_state
+
+            load_sharded_state(resume, training.model, training.optimizer)
         saved_optimizer = resume["optimizer"]
         if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
             from accumulation.parallel.pipeline import stage_optimizer_state
 
             saved_optimizer = stage_optimizer_state(training.pipeline, training.optimizer, saved_optimizer)
-        load_optimizer_state(training.optimizer, saved_optimizer, sharded=config.dist.strategy == "fsdp2")
+        whole = config.dist.strategy == "fsdp2" and "sharded" not in resume  # whole tensors to cut into shards
+        load_optimizer_state(training.optimizer, saved_optimizer, sharded=whole)
         training.scheduler.load_state_dict(resume["scheduler"])
         if resume["scaler"]:  # empty when the checkpoint's run had no GradScaler: this one starts afresh
             training.setup.scaler.load_state_dict(resume["scaler"])

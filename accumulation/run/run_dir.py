@@ -17,6 +17,7 @@ LOCK_FILE = "run.lock"
 METRICS_FILE = "metrics.jsonl"
 STOPPED_FILE = "STOPPED"  # written when optim.on_nonfinite or max_consecutive_skips stops a run
 STEP_FILE = re.compile(r"step_(\d{6,})\.pt")  # checkpoints/step_000200.pt
+SHARDED_STEP = re.compile(r"step_(\d{6,})\.dcp")  # fsdp2's: a folder (accumulation/run/sharded_checkpoint.py)
 
 # What this program writes into a run directory, each name a file or a folder, and what the name holds.
 RUN_ENTRIES = {
@@ -29,7 +30,7 @@ RUN_ENTRIES = {
 }
 # Left by a write that was killed before its rename (metrics.jsonl and config.toml are rewritten atomically).
 TEMPORARY_FILES = (".metrics.jsonl.tmp", ".config.toml.tmp")
-CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp")
+CHECKPOINT_TEMPORARY = re.compile(r"\.(step_\d{6,}|latest)\.pt\.tmp|\.step_\d{6,}\.dcp\.tmp")
 
 
 def run_directory(config: Config) -> Path:
@@ -97,7 +98,8 @@ def check_existing_run_directory(run_dir: Path) -> None:
                 f"(a {kind}); move it away (or choose another run.name), then start again"
             )
     holds_checkpoint = (checkpoint_dir / "latest.pt").exists() or any(
-        STEP_FILE.fullmatch(path.name) for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
+        STEP_FILE.fullmatch(path.name) or SHARDED_STEP.fullmatch(path.name)
+        for path in (checkpoint_dir.iterdir() if checkpoint_dir.is_dir() else ())
     )
     if holds_checkpoint:
         return  # a run to continue (or one a fresh run refuses, in find_resume_point): its own files only matter

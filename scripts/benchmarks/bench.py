@@ -25,7 +25,7 @@ and A = 8 micro-batches per step on one rank:
 
 With --config FILE the benchmark measures that config's model instead (its m, seq_len and precision, A = 2
 on one process): seconds per step, positions per second, FLOPs per token, MFU against the device's peak
-(PEAK_TFLOPS in measuring.py, or --peak-tflops), CUDA syncs per update and peak memory.
+(PEAK_TFLOPS in accumulation/run/mfu.py, or --peak-tflops), CUDA syncs per update and peak memory.
 
 The counts come from 2 gloo ranks on the CPU whatever the hardware: they are properties of the code. The
 timings and the memory peaks run on the GPU when there is one, else on the CPU. Threads: the single process

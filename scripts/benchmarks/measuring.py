@@ -13,22 +13,9 @@ from accumulation.batching import GlobalCounts, MicroBatch, count_supervised_tok
 from accumulation.config.config import Config
 from accumulation.data.rows import RowSet
 from accumulation.data.sources import step_batch
-from accumulation.models.gpt import GPT
+from accumulation.run.mfu import peak_tflops as peak_tflops  # the same peaks as MFU in the step records
 
 DEFAULTS = Config()  # the built-in defaults, which configs/default.toml repeats
-
-# Peak dense TFLOPS from NVIDIA's data sheets (the sheets' larger tensor-core figures assume 2:4 sparsity),
-# looked up by the first name that occurs in torch.cuda.get_device_name(); more specific names first.
-# "tf32" is the peak of fp32 matrix products with precision.tf32 on, "fp32" without it.
-PEAK_TFLOPS = {
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2},
-    "H100": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM
-    "H200": {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9},  # SXM; the NVL variant is lower
-    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
-    "L40S": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
-    "L4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
-    "A10": {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2},
-}
 
 
 def step_micro_batches(
@@ -73,30 +60,14 @@ def timed(run, device: torch.device) -> tuple[object, float]:
 
 
 def flops_per_token(model: torch.nn.Module) -> int:
-    """Training FLOPs per token: 6 per parameter that multiplies (forward 2, backward 4), plus attention.
-
-    Embedding tables are looked up, not multiplied, so their parameters are left out. For the GPT, attention
-    adds 12 · n_layer · d_model · seq_len per token (the scores Q·Kᵀ and the weighted sum of V, 2 FLOPs per
-    multiply-add, times 3 for forward and backward), counting the full seq_len x seq_len square as the usual
-    convention does (PaLM, Chowdhery et al. 2022, appendix B), though causal kernels skip half. Any other model
-    (the GRU) counts its parameters only.
-    """
+    """Training FLOPs per token: the model's own declaration where it has one (the GPT's, which MFU in train.py's
+    step records uses too), else 6 per parameter that multiplies (forward 2, backward 4; embedding tables are
+    looked up, not multiplied): the GRU counts its parameters only."""
+    if hasattr(model, "flops_per_token"):
+        return model.flops_per_token()
     parameters = sum(p.numel() for p in model.parameters())
     embedding_parameters = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Embedding))
-    flops = 6 * (parameters - embedding_parameters)
-    if isinstance(model, GPT):
-        config = model.config
-        flops += 12 * config.n_layer * config.d_model * config.seq_len
-    return flops
-
-
-def peak_tflops(device_name: str, precision: str) -> float | None:
-    """The device's dense peak for `precision` ("bf16", "fp16", "tf32" or "fp32") from PEAK_TFLOPS, None when
-    the name is not in the table."""
-    for name, peaks in PEAK_TFLOPS.items():
-        if name in device_name:
-            return peaks[precision]
-    return None
+    return 6 * (parameters - embedding_parameters)
 
 
 def pinned(batches_of_steps: list[list[MicroBatch]], device: torch.device) -> list[list[MicroBatch]]:

@@ -361,7 +361,7 @@ def check_mfu(device: torch.device) -> tuple[bool, str]:
         # Two copies of the model, compiled when the config compiles (tens of seconds each on a GPU).
         completed = subprocess.run(command, check=True, capture_output=True, text=True, timeout=300, cwd=scratch)
     results = json.loads(completed.stdout)
-    no_peak = "n/a (device not in PEAK_TFLOPS, scripts/benchmarks/measuring.py)"
+    no_peak = "n/a (device not in PEAK_TFLOPS, accumulation/run/mfu.py)"
     mfu = no_peak if results["mfu"] is None else f"{results['mfu']:.3f}"
     return results["seconds_per_step"] > 0, (
         f"MFU {mfu} at m = {results['micro_batch_size']}, {results['precision']} "

@@ -1,19 +1,26 @@
-"""The objective-level check of GRPO's configured loss aggregation (configs/grpo.toml): accumulated by optimizer_step
-over several micro-batch sizes, against the float64 gradient of the objective written from its definition.
+"""The objective-level check of GRPO's configured objective (configs/grpo.toml: the aggregation, the clip, the ratio's
+level, the KL and entropy terms): the loss accumulated by optimizer_step over several micro-batch sizes, against the
+float64 gradient of the objective the config declares, written from its definition at the level it is defined.
 
     python scripts/rl/check_objectives.py [--config configs/grpo.toml] [section.key=value ...] [--inject-bug BUG]
 
 The rows are one mini-batch of the run's own first round (its task, prompts, group size and sampler; float64),
-their old log-probabilities those recorded at sampling. A group whose rewards are all equal has zero advantages
+their old log-probabilities those recorded at sampling, by a policy some updates away from the checked one
+(objective_check.offset_policy): the ratio differs from 1, and the clip binds on some tokens (the verdict says on
+how many), as in a later epoch of a round. Under a KL penalty the reference policy is the sampling one, as for a
+run's round 0. A group whose rewards are all equal has zero advantages
 and adds nothing to any gradient, so its rewards are replaced by uniforms (step_uniforms of the seed), and when
 every completion has the same length (an untrained policy writes to the token budget), each is cut at a length
 drawn the same way, since equal lengths make the token and sequence means coincide: the check is of the
 aggregation, not of the reward or the policy. The policy is the run's latest checkpoint when there is one, else the
 initial weights. --inject-bug wrong-normaliser declares the mode's wrong normaliser
-(accumulation/rl/objective_check.py, WRONG_NORMALISERS) and must FAIL, naming it.
+(accumulation/rl/objective_check.py, WRONG_NORMALISERS) and must FAIL, naming it; max-for-min (the surrogate's
+bound taken with max) and gspo-without-length (data.importance_level="sequence": the sequence ratio without its
+1/|y|) plant a wrong loss (WRONG_LOSSES) and must FAIL naming the loss.
 Exit status: 0 PASS, 1 FAIL, 2 bad config (one line on stderr).
 """
 
+import copy
 import sys
 from pathlib import Path
 
@@ -24,10 +31,18 @@ from accumulation.config.config import ConfigError, load_config
 from accumulation.data.uniforms import step_uniforms
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import run_and_exit
-from accumulation.rl.objective_check import WRONG_NORMALISERS, StepRows, check_objective, declared_by_the_library
+from accumulation.rl.objective_check import (
+    WRONG_LOSSES,
+    WRONG_NORMALISERS,
+    StepRows,
+    check_objective,
+    declared_by_the_library,
+    offset_policy,
+)
 from accumulation.rl.objectives import completion_lengths, group_relative_advantages
-from accumulation.rl.on_policy import BYTE_VOCABULARY, split_problems
-from accumulation.rl.rollout import reward, round_prompts, sample
+from accumulation.rl.on_policy import BYTE_VOCABULARY
+from accumulation.rl.rollout import round_prompts, sample
+from accumulation.rl.task import reward, split_problems
 
 REWARD_STREAM, LENGTH_STREAM = 14, 15  # step_uniforms streams of the replacement rewards and lengths
 
@@ -38,8 +53,8 @@ def main(argv: list[str]) -> int:
         at = argv.index("--inject-bug")
         inject = argv[at + 1] if at + 1 < len(argv) else ""
         argv = argv[:at] + argv[at + 2 :]
-        if inject != "wrong-normaliser":
-            print("error: --inject-bug takes wrong-normaliser", file=sys.stderr)
+        if inject not in ("wrong-normaliser", *WRONG_LOSSES):
+            print(f"error: --inject-bug takes one of wrong-normaliser, {', '.join(WRONG_LOSSES)}", file=sys.stderr)
             return 2
     try:
         config = load_config(argv)
@@ -50,7 +65,11 @@ def main(argv: list[str]) -> int:
         print(f'error: data.source must be "arithmetic-rollouts" (GRPO), got {config.data.source!r}', file=sys.stderr)
         return 2
     rl, seq_len, seed = config.data.own, config.data.seq_len, config.run.seed
-    training, _ = split_problems(rl)
+    objective = rl.objective()
+    if inject == "gspo-without-length" and objective.level != "sequence":
+        print('error: --inject-bug gspo-without-length needs data.importance_level="sequence"', file=sys.stderr)
+        return 2
+    training, _ = split_problems(rl.max_operand, rl.held_out)
     # One optimizer step's rows, and at least one whole group, so that advantages can differ.
     rows_total = max(rl.mini_batch_size, rl.group_size)
     policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed)
@@ -59,10 +78,12 @@ def main(argv: list[str]) -> int:
         policy.load_state_dict(torch.load(latest, weights_only=True)["model"])
         print(f"policy: {latest}")
     policy = policy.double()
+    sampling_policy = copy.deepcopy(policy)
+    offset_policy(sampling_policy, seed)
     pool = [prompt for prompt, _ in training]
     asked = round_prompts(seed, 0, rl.prompts_per_round, len(pool))
     prompts = [pool[asked[j // rl.group_size]] for j in range(rows_total)]
-    drawn = sample(policy, prompts, torch.arange(rows_total), seed, 0, rl.max_new_tokens, seq_len)
+    drawn = sample(sampling_policy, prompts, torch.arange(rows_total), seed, 0, rl.sampling(), seq_len)
     group_ids = torch.arange(rows_total) // rl.group_size
     rewards = torch.tensor([reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)])
     replacements = torch.from_numpy(step_uniforms(seed, 0, torch.arange(rows_total), 1, REWARD_STREAM)[:, 0])
@@ -78,10 +99,12 @@ def main(argv: list[str]) -> int:
             positions = torch.nonzero(drawn.labels[i] != IGNORE_INDEX).flatten()[keep:]
             drawn.labels[i, positions], drawn.old_log_probs[i, positions] = IGNORE_INDEX, 0.0
     advantages = group_relative_advantages(rewards, group_ids, rl.scale_advantages)
-    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs.double(), advantages, group_ids)
-    declare = WRONG_NORMALISERS[rl.loss_aggregation] if inject else declared_by_the_library
-    constant = rl.norm_constant or float(rl.max_new_tokens)
-    result = check_objective(policy, rl.loss_aggregation, rows, divisors(rows_total), declare, constant, rl.clip_ratio)
+    old_log_probs = drawn.old_log_probs.double()
+    ref_log_probs = old_log_probs.clone() if objective.kl_coef else None  # round 0's reference: the sampling policy
+    rows = StepRows(drawn.tokens, drawn.labels, old_log_probs, advantages, group_ids, ref_log_probs)
+    declare = WRONG_NORMALISERS[objective.aggregation] if inject == "wrong-normaliser" else declared_by_the_library
+    loss = WRONG_LOSSES[inject](objective) if inject in WRONG_LOSSES else None
+    result = check_objective(policy, rows, divisors(rows_total), objective, declare, loss)
     print(
         f"{rows_total} trajectories of {rows_total // rl.group_size} prompts, micro-batch sizes {divisors(rows_total)}"
     )

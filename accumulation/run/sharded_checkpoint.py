@@ -1,0 +1,355 @@
+"""Sharded checkpoints (`dist.strategy = "fsdp2"`): every rank writes and reads only its own shards, through
+torch.distributed.checkpoint (DCP); imported only by an fsdp2 run, and by a resume whose folder holds one.
+
+One checkpoint is a folder `checkpoints/step_XXXXXX.dcp` holding
+- DCP's files: `.metadata` (every tensor's global shape, dtype and where its pieces lie) and one `__R_0.distcp`
+  per rank R with that rank's shards of the weights and of the optimizer's per-parameter tensors (AdamW's moments);
+- `state.pt`, rank 0's: everything else the single-file checkpoint holds (docs/training.md's keys: counters,
+  config, data, scheduler, scaler, rng, ...) and the optimizer's state dict without its parameter-shaped tensors
+  (param_groups, and AdamW's `step` per parameter), numbered by parameter as the single file numbers it;
+- `checksums.json`, rank 0's, written last: each other file's size and CRC-32, each rank's shard files checksummed
+  by the rank that wrote them. A resume compares every file with it before it reads anything (a flipped bit, a
+  truncated or missing file is refused and the next older checkpoint is used, as for the single file).
+
+Published atomically: the ranks write into `.step_XXXXXX.dcp.tmp`; after a barrier rank 0 writes state.pt and
+checksums.json and renames the folder to its name (a rename of a folder is atomic on POSIX file systems). A
+process killed before the rename leaves a temporary folder, which no resume reads and the next save removes.
+
+The optimizer's tensors are taken from `optimizer.state_dict()`, not from DCP's `get_optimizer_state_dict`: on an
+optimizer with empty state (a fresh run's step-0 checkpoint) that one runs a zero-gradient step with lr 0 to create
+the state (torch 2.13, `_init_optim_state`), which sets AdamW's `step` to 1, so the first real update would count
+as the second. Here a fresh optimizer's checkpoint holds an empty state, as the single file does.
+
+Resharding is DCP's: a resume allocates the tensors it wants (this run's shards under fsdp2 at any D, whole
+tensors under ddp or on one process) and `dcp.load` reads the overlapping pieces of every rank's file.
+"""
+
+import copy
+import json
+import os
+import shutil
+import zlib
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor
+
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.run_dir import SHARDED_STEP, STEP_FILE, WriteError, os_error_in, why_not_written
+
+STATE_FILE, CHECKSUMS_FILE = "state.pt", "checksums.json"
+
+
+def sharded_checkpoints(checkpoint_dir: Path) -> list[Path]:
+    """The step_XXXXXX.dcp folders, oldest first."""
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [p for p in checkpoint_dir.iterdir() if SHARDED_STEP.fullmatch(p.name)]
+    return sorted(found, key=lambda p: int(SHARDED_STEP.fullmatch(p.name).group(1)))
+
+
+def crc32_of(path: Path) -> int:
+    """The CRC-32 of a file, read 1 MiB at a time (the memory it takes does not grow with the file)."""
+    crc = 0
+    with open(path, "rb") as file:
+        while chunk := file.read(2**20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(the tensors DCP writes, each rank its shards; rank 0's state.pt) from checkpoint_payload's dict, whose
+    `model` and `optimizer` hold this rank's DTensor shards. The optimizer's tensors shaped like their parameter go
+    to DCP under "optimizer/<number>/<key>"; the rest of its state dict (step counters, param_groups) stays."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    tensors = {f"model/{name}": value for name, value in payload["model"].items()}
+    small_state = {}
+    for number, entries in payload["optimizer"]["state"].items():
+        small_state[number] = {}
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.shape == parameters[number].shape:
+                tensors[f"optimizer/{number}/{key}"] = value
+            else:
+                small_state[number][key] = value
+    rest = {key: value for key, value in payload.items() if key not in ("model", "optimizer")}
+    rest["optimizer"] = {"state": small_state, "param_groups": payload["optimizer"]["param_groups"]}
+    # A copy: rank 0 writes it only once the shards are on the disk, and training changes the live values
+    # before that (AdamW's step counters are updated in place).
+    return tensors, copy.deepcopy(rest)
+
+
+class ShardWriter(FileSystemWriter):
+    """DCP's file writer, keeping the OSError of a failed write: DCP hands the other ranks only the exception
+    raised by torch.save, which a full disk makes a RuntimeError without the OSError behind it."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.os_error = None
+
+    def write_data(self, plan, planner):
+        try:
+            return super().write_data(plan, planner)
+        except Exception as error:
+            self.os_error = os_error_in(error)
+            raise
+
+
+class ShardedCheckpointWriter:
+    """Writes sharded checkpoints, in the background (`dcp.async_save`): a save blocks only while the shards are
+    copied to the host, then training goes on while a thread writes them; the next save waits for the write in
+    flight and publishes it (`finish`). A run's last checkpoint and a stop's are written at once instead, from the
+    shards where they are (`dcp.save`: no host copy, nothing left in flight at exit).
+    The writing thread's collectives run on a process group of their own, so they never interleave with the
+    training step's."""
+
+    def __init__(self, checkpoint_dir: Path, keep: int, context: DistributedContext):
+        self.checkpoint_dir, self.keep, self.is_main = checkpoint_dir, keep, context.is_main
+        self.group = dist.new_group(backend="gloo")  # every rank creates it, in the same order: a collective
+        self.pending: tuple[Future, Path, int, dict] | None = None
+        self.writer: ShardWriter | None = None  # the write in flight's
+
+    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, background: bool = True) -> None:
+        """Start writing `payload` (checkpoint_payload's, this rank's shards) as step `steps`'s checkpoint. In the
+        background, the shards are first copied to the host; otherwise (a run's last checkpoint, a stop's) they
+        are written from where they are, no copy, and published before this returns."""
+        self.finish()
+        tensors, rest = split_payload(payload, optimizer)
+        temporary = self.checkpoint_dir / f".step_{steps:06d}.dcp.tmp"
+        try:
+            if self.is_main:
+                self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+                for leftover in self.checkpoint_dir.glob(".step_*.dcp.tmp"):  # a save killed before its rename
+                    shutil.rmtree(leftover)
+            dist.barrier(group=self.group)
+            self.writer = ShardWriter(temporary)
+            if background:
+                future = dcp.async_save(tensors, storage_writer=self.writer, process_group=self.group)
+            else:
+                future = Future()
+                future.set_result(dcp.save(tensors, storage_writer=self.writer, process_group=self.group))
+        except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
+            self.failed(error, temporary)
+        self.pending = (future, temporary, steps, rest)
+        if not background:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the write in flight, if any, checksum this rank's files, and (rank 0) publish it."""
+        if self.pending is None:
+            return
+        future, temporary, steps, rest = self.pending
+        self.pending = None
+        path = self.checkpoint_dir / f"step_{steps:06d}.dcp"
+        try:
+            future.result()
+            rank = dist.get_rank()
+            mine = {p.name: [p.stat().st_size, crc32_of(p)] for p in temporary.glob(f"__{rank}_*.distcp")}
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine, group=self.group)
+            if self.is_main:
+                publish(temporary, path, rest, {name: sums for sums in everyone for name, sums in sums.items()})
+                self.prune()
+            dist.barrier(group=self.group)  # no rank goes on (or exits) before the checkpoint is in place
+        except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
+            self.failed(error, temporary)
+
+    def prune(self) -> None:
+        """Delete all but the newest `keep` checkpoints, sharded folders and single files alike (a run that
+        moved from ddp to fsdp2 leaves both), and latest.pt, which now names an older one."""
+        both = [(int(SHARDED_STEP.fullmatch(p.name).group(1)), p) for p in sharded_checkpoints(self.checkpoint_dir)]
+        both += [(int(STEP_FILE.fullmatch(p.name).group(1)), p) for p in self.checkpoint_dir.glob("step_*.pt")]
+        (self.checkpoint_dir / "latest.pt").unlink(missing_ok=True)
+        for _, old in sorted(both)[: -self.keep]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+
+    def failed(self, error: Exception, temporary: Path):
+        """A write that failed: the temporary folder removed, the older checkpoints kept, one line (WriteError)."""
+        cause = os_error_in(error)
+        if isinstance(error, dcp.api.CheckpointException):  # every rank has it; the OSError is the failed rank's
+            mine = self.writer.os_error
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, None if mine is None else (mine.errno, mine.strerror), group=self.group)
+            cause = next((OSError(*found) for found in everyone if found is not None), None)
+        if cause is None:
+            raise error
+        if self.is_main:
+            shutil.rmtree(temporary, ignore_errors=True)
+        complete = sharded_checkpoints(self.checkpoint_dir)
+        kept = f"the newest complete checkpoint is {complete[-1].name}" if complete else "no checkpoint exists yet"
+        raise WriteError(
+            f"checkpoint {temporary} could not be written: {why_not_written(cause, temporary.parent)}; its temporary "
+            f"folder was removed and {kept}; fix the cause, and a restart resumes from the newest checkpoint"
+        ) from None
+
+
+def publish(temporary: Path, path: Path, rest: dict, shard_sums: dict) -> None:
+    """Rank 0's part of a save, once every rank's shards are on the disk: state.pt, checksums.json (last), then
+    the folder renamed into place, each flushed to the disk first."""
+    with open(temporary / STATE_FILE, "wb") as file:
+        torch.save(rest, file)
+        file.flush()
+        os.fsync(file.fileno())
+    sums = dict(shard_sums)
+    for name in (".metadata", STATE_FILE):
+        sums[name] = [(temporary / name).stat().st_size, crc32_of(temporary / name)]
+    with open(temporary / CHECKSUMS_FILE, "w") as file:
+        json.dump(sums, file, sort_keys=True)
+        file.flush()
+        os.fsync(file.fileno())
+    if path.exists():  # a checkpoint of this step that the resume passed over (damaged): the new one replaces it
+        shutil.rmtree(path)
+    os.replace(temporary, path)
+    descriptor = os.open(path.parent, os.O_RDONLY)  # the rename lives in the parent folder's data: flush it too
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def read_sharded_checkpoint(path: Path) -> dict:
+    """A sharded checkpoint checked and read as far as a resume's checks need it, without its tensors: every file
+    against checksums.json, state.pt read (weights only), and `model` / the optimizer's parameter-shaped entries
+    as meta tensors of the stored shapes and dtypes (from DCP's metadata). `sharded` holds the folder: train.py
+    loads the tensors once the model is built (load_sharded_state). Raises CheckpointError for anything unusable."""
+    from accumulation.run.checkpoint_checks import REQUIRED_KEYS, structure_problem
+
+    verify_files(path)
+    payload = described(path)
+    if any(key not in payload for key in REQUIRED_KEYS):
+        raise CheckpointError(f"checkpoint {path}: its {STATE_FILE} lacks keys; it was not written by this program")
+    problem = structure_problem(payload)
+    if problem:
+        raise CheckpointError(f"checkpoint {path} is damaged or was not written by this program: {problem}")
+    return payload
+
+
+def described(path: Path) -> dict:
+    """state.pt's payload with `model` and the optimizer's tensors as meta tensors (DCP's metadata), and `sharded`."""
+    try:
+        payload = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+        metadata = FileSystemReader(path).read_metadata()
+    except Exception as error:
+        raise CheckpointError(f"checkpoint {path} cannot be read ({str(error).splitlines()[0]})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("optimizer"), dict):
+        raise CheckpointError(f"checkpoint {path}: its {STATE_FILE} lacks keys; it was not written by this program")
+    payload["model"] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        where, _, name = key.partition("/")
+        meta = torch.empty(stored.size, dtype=stored.properties.dtype, device="meta")
+        if where == "model":
+            payload["model"][name] = meta
+        else:
+            number, _, entry = name.partition("/")
+            payload["optimizer"]["state"].setdefault(int(number), {})[entry] = meta
+    payload["sharded"] = str(path)
+    return payload
+
+
+def verify_files(path: Path) -> None:
+    """Every file of the folder against checksums.json: the same names, sizes and CRC-32s."""
+    try:
+        expected = json.loads((path / CHECKSUMS_FILE).read_text())
+        present = {p.name for p in path.iterdir()} - {CHECKSUMS_FILE}
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {path}: its {CHECKSUMS_FILE} cannot be read ({error})") from None
+    if not isinstance(expected, dict) or set(expected) != present:
+        raise CheckpointError(
+            f"checkpoint {path} holds other files than its {CHECKSUMS_FILE} lists (missing "
+            f"{sorted(set(expected) - present) if isinstance(expected, dict) else '?'}, unexpected "
+            f"{sorted(present - set(expected)) if isinstance(expected, dict) else '?'})"
+        )
+    for name, (size, crc) in sorted(expected.items()):
+        if (path / name).stat().st_size != size or crc32_of(path / name) != crc:
+            raise CheckpointError(
+                f"checkpoint {path} is damaged: {name} does not match the size and CRC-32 written with it (a bit "
+                f"flipped on the disk or in a copy, or the file changed in place)"
+            )
+
+
+def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
+    """checkpoint_checks.newest_readable_checkpoint over sharded folders and single files together, newest step
+    first (a run may have moved between ddp and fsdp2): each bad one passed over through `warn`, None without
+    any, CheckpointError when none can be used."""
+    from accumulation.run.checkpoint_checks import check_regular_file, read_checkpoint
+
+    candidates = [(int(SHARDED_STEP.fullmatch(p.name).group(1)), p) for p in sharded_checkpoints(checkpoint_dir)]
+    candidates += [(int(STEP_FILE.fullmatch(p.name).group(1)), p) for p in checkpoint_dir.glob("step_*.pt")]
+    candidates = [path for _, path in sorted(candidates, reverse=True)]
+    if not candidates:
+        return None
+    problems = []
+    for path in candidates:
+        try:
+            if path.is_dir():
+                payload = read_sharded_checkpoint(path)
+            else:
+                check_regular_file(path)
+                payload = read_checkpoint(path)
+        except CheckpointError as error:
+            problems.append(error)
+            continue
+        for problem in problems:
+            warn(f"warning: {problem}; passed over for an older checkpoint")
+        return path, payload
+    raise CheckpointError(
+        f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be used (the newest: {problems[0]}); "
+        f"delete the folder to start afresh or restore a good file"
+    )
+
+
+def load_sharded_state(resume: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """The weights and the optimizer's tensors of a sharded checkpoint, read into this run's model (in place) and
+    into `resume["optimizer"]` (for load_optimizer_state). Each tensor is allocated as this run holds it: under
+    fsdp2 a DTensor shard laid out as its parameter (at any number of ranks), under ddp or on one process the whole
+    tensor; dcp.load reads into each the overlapping pieces of the saved shards. Refuses weights holding NaN or inf
+    (each rank checks its own shards; one reduction says whether any rank found one)."""
+    parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    wanted = {f"model/{name}": value for name, value in model.state_dict().items()}
+    for number, entries in resume["optimizer"]["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.is_meta:
+                wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(parameters[number], dtype=value.dtype)
+    dcp.load(wanted, checkpoint_id=resume["sharded"])
+    model.load_state_dict({name: wanted[f"model/{name}"] for name in model.state_dict()})
+    for key, value in wanted.items():
+        where, _, name = key.partition("/")
+        if where == "optimizer":
+            number, _, entry = name.partition("/")
+            resume["optimizer"]["state"][int(number)][entry] = value
+    local = [value.to_local() if isinstance(value, DTensor) else value for value in model.state_dict().values()]
+    found = any(t.is_floating_point() and not t.isfinite().all() for t in local)
+    broken = torch.tensor(float(found), device=local[0].device)  # on the device: NCCL reduces nothing else
+    if dist.is_initialized():
+        dist.all_reduce(broken, op=dist.ReduceOp.MAX)
+    if broken.item():
+        from accumulation.run.checkpoint_checks import OLDER_CHECKPOINT
+
+        raise CheckpointError(f"checkpoint {resume['sharded']}: its weights hold NaN or inf; {OLDER_CHECKPOINT}")
+    resume["model"] = {}
+
+
+def whole_state(path: Path) -> dict:
+    """A sharded checkpoint as the single file holds it (model and optimizer with whole tensors, the optimizer's
+    state numbered by parameter), read in one process without a process group: for tests, scripts and a user who
+    wants one file (torch.save the result)."""
+    payload = read_sharded_checkpoint(path)
+    wanted = {f"model/{name}": torch.zeros_like(meta, device="cpu") for name, meta in payload["model"].items()}
+    for number, entries in payload["optimizer"]["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.is_meta:
+                wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(value, device="cpu")
+    dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    for key, value in wanted.items():
+        where, _, name = key.partition("/")
+        if where == "model":
+            payload["model"][name] = value
+        else:
+            number, _, entry = name.partition("/")
+            payload["optimizer"]["state"][int(number)][entry] = value
+    del payload["sharded"]
+    return payload
