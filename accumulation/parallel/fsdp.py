@@ -115,6 +115,30 @@ def shard_model(
     return model
 
 
+def builds_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model can be initialised shard by shard (`initialise_shards`): it yields its initial values one
+    parameter at a time (`initial_values(seed)`, the GPT's) and has no buffers (to_empty would leave them without
+    values). Any other model is built whole, then sharded."""
+    return callable(getattr(model, "initial_values", None)) and not any(True for _ in model.buffers())
+
+
+@torch.no_grad()
+def initialise_shards(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Materialise a model sharded on the meta device (`shard_model`) on `device` and give each rank's shards their
+    initial values: the model's `initial_values(seed)`, one whole parameter at a time on the host, of which each
+    rank keeps its own rows. No rank holds the whole model: at most its shards and the largest single parameter
+    (at 70B, a 128k × 8192 embedding: 4 GiB, against 280 GB for the whole model). The values are those of a
+    one-process build with the same seed, bit for bit, for any world size: the same draws, cut."""
+    model.to_empty(device=device)
+    parameters = dict(model.named_parameters())
+    for name, value in model.initial_values(seed):
+        param = parameters[name]
+        # distribute_tensor with src_data_rank=None cuts this rank's rows out of the value every rank computed alike
+        # (no communication), laid out as fully_shard laid the parameter out.
+        shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
+
+
 def describe_sharding(model: torch.nn.Module) -> str:
     """The banner's line, e.g. "fsdp2: 5 groups (4 from fsdp_units() and the root)"."""
     units = len(sharding_units(model))
