@@ -13,6 +13,8 @@ What changes against DDP, and where:
   model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
   which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
   (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
+- `initialise_shards`: a model built on the meta device and sharded gets each rank's shards of its initial
+  weights, the values of a one-process build, without any rank building the whole model (docs/sharding.md).
 - the step's strategy (`FullyShardedDataParallel`, handed to accumulation/step.py's optimizer_step):
   `set_requires_gradient_sync(False)` for every micro-batch but the last, FSDP2's counterpart of DDP's `no_sync`:
   one reduce-scatter of the gradient per update; the squared gradient norm from each rank's shards.
@@ -100,7 +102,8 @@ def shard_model(
     """Shard `model` in place over all ranks and return it (it is now an FSDPModule; its parameters DTensors).
 
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
-    each keeps its own shard of them. bf16 and fp16 all-gather and compute with half-precision copies of the
+    each keeps its own shard of them. Or the model is on the meta device, and `initialise_shards` gives each
+    rank's shards their values after this call (accumulation/run/build.py). bf16 and fp16 all-gather and compute with half-precision copies of the
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
     reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
     non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
@@ -135,7 +138,8 @@ def initialise_shards(model: torch.nn.Module, device: torch.device, seed: int) -
         param = parameters[name]
         # distribute_tensor with src_data_rank=None cuts this rank's rows out of the value every rank computed alike
         # (no communication), laid out as fully_shard laid the parameter out.
-        shard = distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=None)
+        mesh, placements = param.device_mesh, param.placements
+        shard = distribute_tensor(value.to(device), mesh, placements, src_data_rank=None)
         param.to_local().copy_(shard.to_local())
 
 
