@@ -103,7 +103,8 @@ def shard_model(
 
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
     each keeps its own shard of them. Or the model is on the meta device, and `initialise_shards` gives each
-    rank's shards their values after this call (accumulation/run/build.py). bf16 and fp16 all-gather and compute with half-precision copies of the
+    rank's shards their values after this call (accumulation/run/build.py).
+    bf16 and fp16 all-gather and compute with half-precision copies of the
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
     reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
     non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
