@@ -8,13 +8,14 @@ import resource
 import pytest
 import torch
 
+import train
 from accumulation.config.config import ConfigError, load_config
 from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, build_model_on_meta, count_parameters, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import full_model_state_dict
 from accumulation.run import build
-from testkit.ranks import run_on_ranks
+from testkit.ranks import run_main_on_ranks, run_on_ranks
 from tests.test_train import tiny_settings, uneven_corpus
 
 CPU = torch.device("cpu")
@@ -104,3 +105,22 @@ def test_a_model_larger_than_a_ranks_memory_limit_builds_sharded_on_2_ranks(tmp_
         assert built["raised"] is None, f"rank {rank}: {built['raised']}"
         # The address space rose by about its half of the weights (71 MB) and stayed under the limit it ran in.
         assert built["rise_bytes"] < budget_bytes
+
+
+def main_without_whole_build(argv: list[str]) -> int:
+    """train.main in a rank where building the whole model raises."""
+    build.build_model = whole_build_refused  # this forked rank's copy of the module only
+    return train.main(argv)
+
+
+def test_an_fsdp2_resume_builds_no_whole_model(tmp_path):
+    # 2 steps, then 2 more from the sharded checkpoint, with the whole build forbidden in both sessions' ranks:
+    # the resume reads its shards into a model built on the meta device (that it resumes bit for bit is
+    # tests/test_fsdp.py's test_fsdp2_resume_is_bit_exact_with_dropout).
+    corpus = uneven_corpus(tmp_path / "corpus")
+    for steps in (2, 4):
+        arguments = tiny_settings(tmp_path, corpus, **{"dist.strategy": "fsdp2", "run.max_steps": steps})
+        outputs = run_main_on_ranks("tests.test_sharded_init:main_without_whole_build", arguments, world_size=2)
+        for status, _stdout, stderr in outputs:
+            assert status == 0, stderr
+    assert "resum" in outputs[0][1].lower(), outputs[0][1]
