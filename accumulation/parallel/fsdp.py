@@ -13,6 +13,8 @@ What changes against DDP, and where:
   model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
   which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
   (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
+- `initialise_shards`: a model built on the meta device and sharded gets each rank's shards of its initial
+  weights, the values of a one-process build, without any rank building the whole model (docs/sharding.md).
 - the step's strategy (`FullyShardedDataParallel`, handed to accumulation/step.py's optimizer_step):
   `set_requires_gradient_sync(False)` for every micro-batch but the last, FSDP2's counterpart of DDP's `no_sync`:
   one reduce-scatter of the gradient per update; the squared gradient norm from each rank's shards.
@@ -90,7 +92,9 @@ def shard_model(
     """Shard `model` in place over all ranks and return it (it is now an FSDPModule; its parameters DTensors).
 
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
-    each keeps its own shard of them. bf16 and fp16 all-gather and compute with half-precision copies of the
+    each keeps its own shard of them. Or the model is on the meta device, and `initialise_shards` gives each
+    rank's shards their values after this call (accumulation/run/build.py).
+    bf16 and fp16 all-gather and compute with half-precision copies of the
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
     reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
     non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
@@ -116,6 +120,31 @@ def shard_model(
     if hasattr(model, "hidden_states"):
         register_fsdp_forward_method(model, "hidden_states")
     return model
+
+
+def builds_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model can be initialised shard by shard (`initialise_shards`): it yields its initial values one
+    parameter at a time (`initial_values(seed)`, the GPT's) and has no buffers (to_empty would leave them without
+    values). Any other model is built whole, then sharded."""
+    return callable(getattr(model, "initial_values", None)) and not any(True for _ in model.buffers())
+
+
+@torch.no_grad()
+def initialise_shards(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Materialise a model sharded on the meta device (`shard_model`) on `device` and give each rank's shards their
+    initial values: the model's `initial_values(seed)`, one whole parameter at a time on the host, of which each
+    rank keeps its own rows. No rank holds the whole model: at most its shards and the largest single parameter
+    (at 70B, a 128k × 8192 embedding: 4 GiB, against 280 GB for the whole model). The values are those of a
+    one-process build with the same seed, bit for bit, for any world size: the same draws, cut."""
+    model.to_empty(device=device)
+    parameters = dict(model.named_parameters())
+    for name, value in model.initial_values(seed):
+        param = parameters[name]
+        # distribute_tensor with src_data_rank=None cuts this rank's rows out of the value every rank computed alike
+        # (no communication), laid out as fully_shard laid the parameter out.
+        mesh, placements = param.device_mesh, param.placements
+        shard = distribute_tensor(value.to(device), mesh, placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
 
 
 def describe_sharding(model: torch.nn.Module) -> str:

@@ -21,7 +21,13 @@ from accumulation.config.config import (
     resolved_grad_scaler,
 )
 from accumulation.data.memory import memory_limit_bytes
-from accumulation.models.factory import build_model, decided_model_config, loss_sum_fn_for, training_forward_and_loss
+from accumulation.models.factory import (
+    build_model,
+    build_model_on_meta,
+    decided_model_config,
+    loss_sum_fn_for,
+    training_forward_and_loss,
+)
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import seed_dropout
 from accumulation.schedule import run_scheduler
@@ -140,13 +146,24 @@ def build_training(
     dropout switched off) and, to test itself, a buggy `loss_sum_fn` in place of the configured one (run on the
     plain path, uncompiled)."""
     device = context.device
+    whole_resume = resume is not None and "sharded" not in resume  # a ddp checkpoint's whole weights
+    # fsdp2 without whole weights to load: the model in shapes only (the meta device), sharded below, then each
+    # rank initialises its own shards (parallel/fsdp.py, initialise_shards); no rank holds the whole model.
+    sharded_build = False
+    if model is None and config.dist.strategy == "fsdp2" and not context.pipelined and not whole_resume:
+        from accumulation.parallel.fsdp import builds_sharded
+
+        meta_model = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
+        if builds_sharded(meta_model):
+            model, sharded_build = meta_model, True
     if model is None:  # the same initial weights on every rank
         model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
-    model = model.to(device)
+    if not sharded_build:
+        model = model.to(device)
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
     seed_dropout(config.run.seed, context.rank)
-    if resume is not None and "sharded" not in resume:  # whole weights before sharding (sharded ones: restore.py)
+    if whole_resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type) and loss_sum_fn is None
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
@@ -179,6 +196,10 @@ def build_training(
         module = wrap_for_training(
             forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype, whole_model=model
         )
+        if sharded_build:
+            from accumulation.parallel.fsdp import initialise_shards
+
+            initialise_shards(model, device, config.run.seed)
         strategy = step_strategy(config, module, model)
         optimizer = build_optimizer(config.optim, model, device)
     scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
