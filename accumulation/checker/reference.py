@@ -209,3 +209,13 @@ def first_update_probe(model: torch.nn.Module, fused: bool = False) -> tuple[tor
 
     optimizer.register_step_pre_hook(record_first_gradient)
     return optimizer, handed
+
+
+def clipped(gradients: list[torch.Tensor], grad_clip: float) -> tuple[list[torch.Tensor], float]:
+    """(the gradient as a step clipping at `grad_clip` must hand it on, computed in float64 from its definition:
+    g · min(1, grad_clip / (‖g‖ + 1e-6)), unchanged when grad_clip is 0; ‖g‖)."""
+    gradients = [gradient.double().cpu() for gradient in gradients]
+    norm = torch.linalg.vector_norm(torch.cat([gradient.flatten() for gradient in gradients])).item()
+    if grad_clip <= 0:
+        return gradients, norm
+    return [gradient * min(1.0, grad_clip / (norm + 1e-6)) for gradient in gradients], norm

@@ -42,6 +42,7 @@ from accumulation.checker.promises import (
 )
 from accumulation.checker.reference import (
     as_float64,
+    clipped,
     first_update_probe,
     max_relative_error,
     parameters_compared,
@@ -417,16 +418,6 @@ ROUNDING_FLOOR_FACTOR = 4
 # the cap is no rounding: randomness left in the forward (dropout, torch.rand), which no allowance may absorb.
 # bf16's and fp16's own tolerances (5e-2, 1e-2) lie above the cap: there the floor widens nothing.
 ROUNDING_FLOOR_CAP = 1e-3
-
-
-def clipped(gradients: list[torch.Tensor], grad_clip: float) -> tuple[list[torch.Tensor], float]:
-    """(the gradient as a step clipping at `grad_clip` must hand it on, computed in float64 from its definition:
-    g · min(1, grad_clip / (‖g‖ + 1e-6)), unchanged when grad_clip is 0; ‖g‖)."""
-    gradients = [gradient.double().cpu() for gradient in gradients]
-    norm = torch.linalg.vector_norm(torch.cat([gradient.flatten() for gradient in gradients])).item()
-    if grad_clip <= 0:
-        return gradients, norm
-    return [gradient * min(1.0, grad_clip / (norm + 1e-6)) for gradient in gradients], norm
 
 
 def allowed_error(tolerance: float, baseline_error: float) -> tuple[float, str | None]:

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from scripts.checks.plants import BUGS, Bug  # noqa: E402
+from scripts.checks.plants_detectors import DETECTOR_BUGS  # noqa: E402
 
 
 def copy_of_repository(destination: Path) -> None:
@@ -74,7 +75,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="plant only these bugs (by name)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
-    bugs = [bug for bug in BUGS if not args.only or bug.name in args.only]
+    bugs = [bug for bug in BUGS + DETECTOR_BUGS if not args.only or bug.name in args.only]
     results = []
     for bug in bugs:
         result = plant(bug)
