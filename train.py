@@ -35,6 +35,7 @@ from accumulation.config.config import (
     load_config,
 )
 from accumulation.counters import Counters
+from accumulation.data.rows import row_hooks
 from accumulation.data.sources import build_data, steps_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import (
@@ -116,8 +117,8 @@ def train(
     session_start = time.perf_counter()
     device = context.device
     training = build_training(config, vocab_size, resume, context)
-    if hasattr(data.train, "bind_policy"):  # rows sampled from the model being trained (accumulation/rl/on_policy.py)
-        data.train.bind_policy(training.model, context, resume)
+    hooks = row_hooks(data.train)  # the rows' optional part: RL's rollouts (accumulation/data/rows.py's RowHooks)
+    hooks.bind_policy(training.model, context, resume)  # rows sampled from the model being trained
     if resume is None:
         counters, skips_in_a_row = Counters(), 0  # a fresh run
     else:  # the optimizer, scheduler, scaler and random states of the checkpoint
@@ -167,8 +168,7 @@ def train(
             step_seconds = time.perf_counter() - step_start
             # Everything below is diagnostics and bookkeeping, each behind one call that knows its own cadence.
             record = logs.step_record(counters, result, step_seconds)
-            if hasattr(data.train, "step_fields"):  # the source's own units (RL: rounds, rewards, clip fraction)
-                record |= data.train.step_fields(counters.steps, config.run.eval_every)
+            record |= hooks.step_fields(counters.steps, config.run.eval_every)  # RL: rounds, rewards, clip fraction
             if validator.should_validate(counters.steps):
                 record["val_loss"] = finite_or_none(validator.loss(micro_batch_size))
             logs.write(counters, record)
@@ -247,8 +247,9 @@ class Checkpointer:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
-        if hasattr(self.data.train, "state_dict"):  # what a resume cannot redraw (RL: the round's rollout)
-            payload["data"]["rollouts"] = self.data.train.state_dict()
+        rows_state = row_hooks(self.data.train).state_dict()  # what a resume cannot redraw (RL: the round's rollout)
+        if rows_state:
+            payload["data"]["rollouts"] = rows_state
         if training.pipeline is not None:  # the same whole-model file: the stages' parts gathered to rank 0
             from accumulation.parallel.pipeline import gathered_model_state, gathered_optimizer_state
 

@@ -88,13 +88,17 @@ def count_supervised_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE_INDEX).sum())
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """Where a tensor must be for a collective of the initialised process group: NCCL reduces device tensors only,
+    gloo host tensors."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_reduce_ints(values: list[int], device: torch.device) -> list[int]:
     """Sum a few integers over all ranks with one collective (identity on a single process)."""
     if not dist.is_initialized():
         return list(values)
-    # NCCL only reduces device tensors; gloo takes host tensors.
-    collective_device = device if dist.get_backend() == "nccl" else torch.device("cpu")
-    summed = torch.tensor(values, dtype=torch.int64, device=collective_device)
+    summed = torch.tensor(values, dtype=torch.int64, device=collective_device(device))
     dist.all_reduce(summed, op=dist.ReduceOp.SUM)
     return summed.tolist()
 

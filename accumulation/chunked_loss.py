@@ -27,7 +27,7 @@ backward there; the softmax and the sums are fp32 (float64 stays float64), as au
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, collective_device
 
 # Positions per chunk are chosen so one chunk's fp32 logits take about this many bytes: 256 MiB keeps the chunk's
 # working set (fp32 logits, their compute-dtype copy and gradient) near half a GiB at any vocabulary, while each
@@ -201,6 +201,6 @@ def chunked_loss_pays_on_cuda(positions: int, vocab_size: int, device: torch.dev
     least free memory of all ranks, so that every rank runs the same loss."""
     free = torch.tensor(torch.cuda.mem_get_info(device)[0], dtype=torch.int64)
     if dist.is_initialized():
-        free = free.to(device if dist.get_backend() == "nccl" else "cpu")  # NCCL reduces device tensors only
+        free = free.to(collective_device(device))
         dist.all_reduce(free, op=dist.ReduceOp.MIN)
     return chunked_loss_pays(positions, vocab_size, int(free))

@@ -31,3 +31,10 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda updates: lr_multiplier(updates, name, warmup_updates, decay_updates, min_lr_ratio)
     )
+
+
+def run_scheduler(optimizer: torch.optim.Optimizer, schedule, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The run's schedule (config.schedule): its cosine horizon is schedule.decay_updates, or run.max_steps
+    (`max_steps`) when that is 0, so a resume that raises run.max_steps stretches it (docs/training.md)."""
+    decay_updates = schedule.decay_updates or max_steps
+    return build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)

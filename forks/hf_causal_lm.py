@@ -106,7 +106,13 @@ class HFCausalLM(nn.Module):
 
 
 def build(model_config, vocab_size: int, *, seq_len: int, seed: int) -> HFCausalLM:
-    from transformers import AutoConfig, AutoModelForCausalLM  # imported here: the built-in models never need it
+    try:  # imported here: the built-in models never need it
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:
+        raise ConfigError(
+            f"model.name: {model_config.name} needs Hugging Face transformers, which cannot be imported ({error}); "
+            "install it: pip install -r requirements-hf.txt"
+        ) from None
 
     folder = Path(model_config.own.path)
     hf_config = AutoConfig.from_pretrained(folder, local_files_only=True)

@@ -1,11 +1,14 @@
 """The checker's detectors one at a time (accumulation/checker/run.py): the line for the step's supervised
 targets N, the comparison of initial weights across ranks, and every rank's exit status on a verdict. Each test
-breaks one thing the check must see and asserts that this line, and only what follows from it, says FAIL."""
+breaks one thing the check must see and asserts that this line, and only what follows from it, says FAIL. Also:
+outputs that do not fit the loss (one line, exit 2) and the pipelined step checked twice on a 2 x 2 mesh."""
 
 import dataclasses
 import os
 import re
+import sys
 
+import pytest
 import torch
 
 from accumulation import checker
@@ -19,6 +22,7 @@ from tests.test_check_equivalence import (
     run_on_mlm,
     short_documents_corpus,
 )
+from tests.test_train import uneven_corpus
 
 # Step 0 of TINY_CONFIG's data order on short_documents_corpus holds 221 supervised targets (the mean-of-means
 # test of tests/test_check_equivalence.py reads the same figure off the self-test's refusal line).
@@ -110,3 +114,75 @@ def test_every_rank_exits_with_the_verdict(tmp_path):
     failed = run_main_on_ranks("accumulation.checker:main", [*arguments, "--inject-bug", "mean-of-means"], world_size=2)
     assert [status for status, _, _ in failed] == [1, 1], failed
     assert failed[0][1].splitlines()[-1] == "FAIL"
+
+
+# ------------------------------------------------------------------ The checker: outputs that do not fit the loss
+
+SEVEN_LOGITS = """
+import torch
+from accumulation.config.registry import register_model
+
+
+class SevenLogits(torch.nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab_size, 7)
+
+    def forward(self, inputs):
+        return self.embed(inputs)  # 7 logits per position for a vocabulary of 256
+
+
+register_model("seven-logits", lambda model_config, vocab_size, *, seq_len, seed: SevenLogits(vocab_size))
+"""
+UNFIT_LINE = (
+    "error: step 0: the loss raised on the model's outputs float32 [2, 16, 7] and the labels int64 [2, 16]: IndexError"
+)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line(tmp_path, capsys, monkeypatch, ranks):
+    """Before: a 30-line IndexError traceback from inside the loop's step, exit 1 (a FAIL's status). Now every
+    rank finds it before any collective and says so in one line, exit 2, as train.py's step 0 does."""
+    (tmp_path / "unfit_fork.py").write_text(SEVEN_LOGITS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = [
+        "model.name=unfit_fork:seven-logits",
+        f"data.source={corpus}",
+        "data.seq_len=16",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=2",
+    ]
+    try:
+        if ranks == 1:
+            per_rank = [(checker.main(arguments), *capsys.readouterr())]
+        else:
+            per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=ranks)
+    finally:
+        sys.modules.pop("unfit_fork", None)
+    for status, stdout, stderr in per_rank:
+        assert status == 2 and stdout == "", (stdout, stderr)
+        assert stderr.count("\n") == 1 and stderr.startswith(UNFIT_LINE), stderr
+
+
+def test_the_checker_runs_the_pipelined_step_twice_and_compares_both(tmp_path):
+    """On a 2 × 2 mesh (D = 2 replicas of 2 stages): DDP rebuilds each stage's gradient buckets at the second
+    step's first forward, where a reducer armed by the schedule's shape inference died; a one-step check passed
+    such a loop. Both steps' gradients are compared with the float64 reference."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = [
+        f"data.source={corpus}",
+        "data.seq_len=16",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.d_model=16",
+        "batch.global_batch_size=8",
+        "batch.micro_batch_size=2",
+        "dist.pipeline_stages=2",
+    ]
+    per_rank = run_main_on_ranks("accumulation.checker:main", arguments, world_size=4)
+    assert [status for status, _, _ in per_rank] == [0] * 4, per_rank[0][2]
+    stdout = per_rank[0][1]
+    assert "2 pipeline stages (1f1b), 4 ranks" in stdout and stdout.splitlines()[-1] == "PASS", stdout
+    assert "eager, 2 steps on the same rows;" in stdout, stdout

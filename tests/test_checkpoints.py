@@ -357,3 +357,35 @@ def test_a_model_built_in_eval_mode_trains_with_dropout_and_resumes_bit_for_bit(
         assert torch.equal(resumed[name], value), name
     # Dropout did act in the straight run's steps: without it the same steps end on other weights.
     assert any(not torch.equal(no_dropout[name], value) for name, value in straight.items())
+
+
+def test_an_optimizer_the_resume_check_does_not_know_is_refused_on_resume(tmp_path, corpus, capsys, monkeypatch):
+    """Adding an optimizer takes a choice in config_keys.py and a branch in build_optimizer (here: "adamax",
+    patched in). Its first session trains; its resume is refused in one line, exit 2, leaving the run directory as
+    it was, instead of loading a state the check cannot read (optimizer_moments knew only AdamW and SGD)."""
+    from accumulation.config.config_keys import OptimConfig
+    from accumulation.run import build, restore
+
+    declaration = OptimConfig.__dataclass_fields__["name"]
+    choices = (*declaration.metadata["choices"], "adamax")
+    monkeypatch.setattr(declaration, "metadata", {**declaration.metadata, "choices": choices})
+    real_build_optimizer = build.build_optimizer
+
+    def with_adamax(optim, model, device):
+        if optim.name != "adamax":
+            return real_build_optimizer(optim, model, device)
+        return torch.optim.Adamax(model.parameters(), lr=optim.lr)
+
+    for module in (build, restore):  # the training's optimizer, and the one the resume check compares with
+        monkeypatch.setattr(module, "build_optimizer", with_adamax)
+    arguments = tiny_settings(tmp_path, corpus, **{"run.sample_bytes": 0, "run.max_steps": 2, "optim.name": "adamax"})
+    assert run_in_process(arguments, capsys)[0] == 0
+    run_dir = tmp_path / "runs" / "default"
+    before = sorted(path.name for path in run_dir.rglob("*"))
+    status, _, err = run_in_process(arguments + ["run.max_steps=3"], capsys)
+    assert status == 2
+    assert err.splitlines() == [
+        'error: optim.name: the resume check does not know what "adamax" keeps per parameter, so it cannot check a '
+        "checkpoint's optimizer state; name its state keys in optimizer_moments (accumulation/run/restore.py)"
+    ]
+    assert sorted(path.name for path in run_dir.rglob("*")) == before

@@ -2,6 +2,7 @@
 command passes, every test path pytest is given, every relative link. A moved or renamed file then fails here
 instead of leaving a command in the docs that no longer runs as written. Reads text only: no command is run."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -76,27 +77,76 @@ def test_readme_stays_an_overview():
     assert lines <= 220, f"README.md has {lines} lines; move reference material to a docs/ page"
 
 
-def test_the_reading_path_of_one_step_matches_the_code_and_fits_in_one_sitting():
-    """docs/forking.md's "Reading one step" table: each range lies in its file, train.py's holds both fences of the
-    training section and step.py's the whole step (optimizer_step, update_or_skip, StepResult), at most 3 files
-    and 420 lines in all (the step's constants, StepSetup, and the Strategy protocol included), and the total the
-    page states is the sum of the ranges."""
+# What one step of the default run cannot be understood without, whichever files hold it: where its rows and N come
+# from (the data order, the micro-batches, the supervised counts, the normaliser's default), the loss, the step, the
+# optimizer and the schedule, and where the run's step is put together (build_training, StepSetup). The reading
+# path must name where each is defined.
+READING_PATH_MUST_HOLD = {
+    "StepBatches",
+    "step_row_ids",
+    "micro_batch_slices",
+    "step_batch",
+    "RowSet.supervised_counts",
+    "RowHooks.normaliser",
+    "token_cross_entropy_sum",
+    "optimizer_step",
+    "StepSetup",
+    "build_training",
+    "build_optimizer",
+    "lr_multiplier",
+}
+
+
+def definition_lines(path: Path, name: str) -> tuple[int, int] | None:
+    """(first, last) line of the definition of `name` in the file at `path`: a top-level function, class or
+    assignment, or "Class.method"; its decorators included. None when the file does not define it."""
+    scope = ast.parse(path.read_text()).body
+    *outer, last = name.split(".")
+    for part in outer:
+        classes = [node for node in scope if isinstance(node, ast.ClassDef) and node.name == part]
+        if not classes:
+            return None
+        scope = classes[0].body
+    for node in scope:
+        named = getattr(node, "name", None) == last or any(
+            isinstance(target, ast.Name) and target.id == last for target in getattr(node, "targets", [])
+        )
+        if named or (isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == last):
+            first = min([node.lineno, *(decorator.lineno for decorator in getattr(node, "decorator_list", []))])
+            return first, node.end_lineno
+    return None
+
+
+def test_the_reading_path_of_one_step_holds_what_it_names_and_counts_itself():
+    """docs/forking.md's "Reading one step" table: each row's range lies in its file and holds every definition the
+    row names (a function, class or assignment, or Class.method, whole), or the text it names (train.py's fences);
+    together the rows name where N and the step come from (READING_PATH_MUST_HOLD); the total the page states is
+    the sum of the ranges over the files they are in. Which files those are is the page's to say."""
     page = (REPO / "docs" / "forking.md").read_text()
     section = page.split("## Reading one step", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `([\w./]+\.py)` \| (\d+)–(\d+) \|", section, flags=re.MULTILINE)
-    assert [path for path, _, _ in rows] == ["train.py", "accumulation/batching.py", "accumulation/step.py"]
-    read = {}
-    for path, first, last in rows:
+    rows = re.findall(r"^\| `([\w./]+\.py)` \| (\d+)–(\d+) \| ([^|]+) \|", section, flags=re.MULTILINE)
+    assert rows, "no rows of the form | `path.py` | first–last | `names` | what |"
+    named = set()
+    for path, first, last, holds in rows:
+        first, last = int(first), int(last)
         lines = (REPO / path).read_text().splitlines()
-        assert 1 <= int(first) <= int(last) <= len(lines), path
-        read[path] = "\n".join(lines[int(first) - 1 : int(last)])
-    assert "TRAINING SECTION BEGIN" in read["train.py"] and "TRAINING SECTION END" in read["train.py"]
-    assert "batches.take(" in read["train.py"] and "result = training.step(" in read["train.py"]
-    for name in ("def optimizer_step(", "def update_or_skip(", "class StepResult", "class DataParallel"):
-        assert name in read["accumulation/step.py"], name
-    assert "class MicroBatch" in read["accumulation/batching.py"]
-    total = sum(int(last) - int(first) + 1 for _, first, last in rows)
-    assert total <= 420 and f"{total} lines in {len(rows)} files" in section
+        assert 1 <= first <= last <= len(lines), f"{path}: lines {first}–{last} of {len(lines)}"
+        text = "\n".join(lines[first - 1 : last])
+        names = re.findall(r"`([^`]+)`", holds)
+        assert names, f"{path} {first}–{last} names nothing it holds"
+        for name in names:
+            if re.fullmatch(r"[A-Za-z_][\w.]*", name):
+                span = definition_lines(REPO / path, name)
+                assert span is not None, f"{path} defines no {name}"
+                assert first <= span[0] and span[1] <= last, f"{path}: {name} is at {span}, outside {first}–{last}"
+                named.add(name)
+            else:
+                assert name in text, f"{path} {first}–{last} does not hold {name!r}"
+    left_out = {name for name in READING_PATH_MUST_HOLD if name not in named and name.split(".")[0] not in named}
+    assert not left_out, f"the path leaves out {sorted(left_out)}"  # a method is read with its whole class
+    total = sum(int(last) - int(first) + 1 for _, first, last, _ in rows)
+    files = len({path for path, _, _, _ in rows})
+    assert f"{total:,} lines in {files} files" in section, (total, files)
 
 
 # A merge conflict's markers at the start of a line: seven of one character, then a space and a branch name

@@ -1,6 +1,7 @@
 """scripts/teaching/minimal_loop.py, the loop to read first: short, and checked against optimizer_step."""
 
 import io
+import re
 import subprocess
 import sys
 import tokenize
@@ -48,9 +49,15 @@ def code_lines(source: str) -> int:
     return len(lines)
 
 
-def test_the_minimal_loop_has_at_most_80_lines_of_code():
+def test_the_minimal_loop_has_at_most_80_lines_of_code_and_the_docs_say_how_many():
+    """README, docs/tools.md, docs/teaching.md and the guide each say "N lines of plain PyTorch": N is the count."""
     assert code_lines("x = 1\n# c\n\ndef f():\n    '''doc'''\n    return 2\n") == 3  # the counter itself
-    assert code_lines(SCRIPT.read_text()) <= 80
+    count = code_lines(SCRIPT.read_text())
+    assert count <= 80
+    for doc in ("README.md", "docs/tools.md", "docs/teaching.md", "docs/accumulation.md"):
+        text = " ".join((REPO / doc).read_text().split())  # a sentence may wrap between the number and its noun
+        stated = re.findall(r"(\d+) lines of plain PyTorch", text)
+        assert stated and all(int(number) == count for number in stated), (doc, stated, count)
 
 
 @pytest.mark.parametrize("launched", LAUNCHED)

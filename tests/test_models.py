@@ -6,7 +6,9 @@ import torch
 
 from accumulation.config.config import Config, ConfigError, load_config
 from accumulation.models import factory as models
+from accumulation.models.encoder import Encoder
 from accumulation.models.factory import build_model, build_model_on_meta, count_parameters, resolved_vocab_size
+from accumulation.models.gpt import GPT, Block, GPTConfig
 
 BYTE_VOCAB_SIZE = 256  # what byte-level data gives
 SEQ_LEN = 8
@@ -143,3 +145,17 @@ def test_a_gradient_reaches_every_gru_parameter():
     for name, param in model.named_parameters():
         assert param.grad is not None, name
         assert param.grad.abs().sum() > 0, name
+
+
+def test_the_encoder_is_the_gpts_blocks_without_the_causal_mask():
+    """One block class for both (accumulation/models/gpt.py's Block): changing the last token changes every
+    position's output in the encoder, and no earlier position's in the GPT."""
+    config = GPTConfig(seq_len=8, n_layer=2, n_head=2, d_model=16, vocab_size=32)
+    encoder, gpt = Encoder(config, seed=1), GPT(config, seed=1)
+    assert {type(block) for block in encoder.blocks} == {type(block) for block in gpt.blocks} == {Block}
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    changed = tokens.clone()
+    changed[:, -1] = (changed[:, -1] + 1) % 32
+    with torch.no_grad():
+        assert not torch.equal(encoder(tokens)[:, 0], encoder(changed)[:, 0])
+        assert torch.equal(gpt(tokens)[:, :-1], gpt(changed)[:, :-1])

@@ -5,10 +5,12 @@ allocator does, whenever a forward gets more rows than a chosen limit. The step 
 smaller micro-batches and give the update the larger micro-batches would have given: the same examples, the
 same global denominator N, only the order of the float64 additions differs (a few ulps per term, far below
 the 1e-10 relative tolerance used throughout tests/test_step.py), and it must match the float64 full-batch
-reference computed independently (testkit/reference.py).
+reference computed independently (testkit/reference.py). The fused update after a retry is the update without
+one.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from accumulation.shrink_on_oom import (
     smaller_micro_batch_size,
     split_micro_batches,
 )
-from accumulation.step import StepSetup, optimizer_step
+from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient, max_relative_error
 
@@ -302,3 +304,51 @@ def test_batch_on_oom_shrink_trains_through_train_py_as_the_default_does(tmp_pat
     assert comparable(read_metrics(runs["shrink"])) == comparable(read_metrics(runs["fail"]))
     shrunk, default = final_weights(runs["shrink"]), final_weights(runs["fail"])
     assert all(torch.equal(shrunk[name], default[name]) for name in default)
+
+
+# ------------------------------------------------------------------ The fused update with the out-of-memory retry
+
+# float64: the retry's micro-batches add the same terms in another order, a few ulps (1e-16) apart. Adam's
+# update g / (sqrt(v) + eps) keeps a gradient's relative error, so each update agrees to ~1e-12 of its size;
+# a second update, a gradient of the failed attempt kept, or a skip lost is off by the whole update.
+FUSED_RTOL = 1e-8
+
+
+def fused_adamw_steps(shrink: bool):
+    """Three steps of fused AdamW with a GradScaler, the second one's loss nan (a skip): without a memory
+    limit, or with forwards above 2 rows running out of memory (every step redone at m = 4, then 2)."""
+    rows = corpus_rows()
+    model = GPT(MODEL, seed=3).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    module = RaisesAboveRows(model, max_rows=2) if shrink else model
+    step_function = optimizer_step_shrinking_on_oom if shrink else optimizer_step
+    strategy = ShrinkOnOutOfMemory(module) if shrink else None
+    history = []
+    for step in range(3):
+        factor = math.nan if step == 1 else 1.0
+        row_ids = step_row_ids(rows.num_rows, 8, 5, step, "drop")
+        batches = build_micro_batches(rows, row_ids, 8, 8, 1, 0, step=step)  # m = 8, A = 1
+        loss_sum_fn = lambda outputs, labels, factor=factor: token_cross_entropy_sum(outputs, labels) * factor  # noqa: E731
+        setup = StepSetup(module, CPU, loss_sum_fn=loss_sum_fn, scaler=scaler, strategy=strategy)
+        result = step_function(setup, batches, optimizer)
+        state = [value.clone() for values in optimizer.state.values() for value in values.values()]
+        history.append((result, [p.detach().clone() for p in model.parameters()], state, scaler.get_scale()))
+    return history, module
+
+
+def test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one():
+    initial = [p.detach().clone() for p in GPT(MODEL, seed=3).double().parameters()]
+    plain, _ = fused_adamw_steps(shrink=False)
+    shrunk, limited = fused_adamw_steps(shrink=True)
+    assert limited.rows_seen[:6] == [8, 4, 2, 2, 2, 2]  # each step ran out of memory twice, then ran at m = 2
+    for (result, weights, state, scale), (got, got_weights, got_state, got_scale) in zip(plain, shrunk, strict=True):
+        assert (got.applied, got.skip_reason, got.micro_batch_size) == (result.applied, result.skip_reason, 2)
+        assert got_scale == scale
+        for value, expected, start in zip(got_weights, weights, initial, strict=True):
+            assert (value - expected).abs().max() <= FUSED_RTOL * (expected - start).abs().max() + 1e-15
+        for value, expected in zip(got_state, state, strict=True):
+            assert (value - expected).abs().max() <= FUSED_RTOL * expected.abs().max() + 1e-30
+    assert [result.applied for result, *_ in shrunk] == [True, False, True]
+    steps = [value for value in shrunk[-1][2] if value.dim() == 0]
+    assert steps and all(float(value) == 2.0 for value in steps)  # two updates, each applied once

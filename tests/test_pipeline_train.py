@@ -1,8 +1,10 @@
 """train.py with dist.pipeline_stages = 2 on 2 gloo ranks, and on a 2 × 2 mesh of 4 ranks with A from 1 to 4
 under both schedules: the same updates as one process, the same checkpoint files (a pipelined run resumes on
 1 process and on DDP, and a 1-process run resumes pipelined), a stopped run resumed bit-identically; and every
-setting pipeline stages refuse is one line, exit 2, nothing written. The shared runs are train.main on forked
-gloo ranks (tests/test_train.py, train_forked); torchrun's launches are in the integration tier."""
+setting pipeline stages refuse is one line, exit 2, nothing written; a stage's mode around validation, an
+optimizer state of two parameter groups between layouts, and the layout check alone. The shared runs are
+train.main on forked gloo ranks (tests/test_train.py, train_forked); torchrun's launches are in the integration
+tier."""
 
 import os
 import shutil
@@ -15,8 +17,14 @@ import pytest
 import torch
 
 import train
-from testkit.ranks import pretend_launched
+from accumulation.batching import MicroBatch
+from accumulation.models.gpt import GPT, GPTConfig
+from accumulation.parallel.mesh import build_layout
+from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
+from accumulation.step import token_cross_entropy_sum
+from testkit.ranks import pretend_launched, run_on_ranks
 from tests.test_checkpoints import EVAL_MODE_FORK
+from tests.test_step import CPU
 from tests.test_train import (
     PLAIN_SGD,
     REPO,
@@ -303,3 +311,126 @@ def test_pipeline_stages_of_a_model_built_in_eval_mode_train_with_dropout_after_
     expected, got = (checkpoint(tmp_path / "runs" / name, 3)["model"] for name in ("straight", "resumed"))
     for key, value in expected.items():
         assert torch.equal(got[key], value), key
+
+
+# ------------------------------------------------------------------ A pipeline stage's mode around validation
+
+
+def validation_mode_worker(rank, world_size):
+    """A 2-stage GPT with dropout: each stage's modes after the pipelined validation pass, and the loss of two
+    passes over the same rows (equal only when no dropout is drawn)."""
+    torch.set_num_threads(1)
+    layout = build_layout(CPU, pipeline_stages=2)
+    model = GPT(GPTConfig(seq_len=8, n_layer=2, n_head=2, d_model=16, vocab_size=64, dropout=0.5), seed=3)
+    pipeline = build_pipeline(model, layout, CPU, token_cross_entropy_sum, 2, "1f1b")
+    generator = torch.Generator().manual_seed(0)
+    rows = [
+        MicroBatch(tokens[:, :-1], tokens[:, 1:], 2)
+        for tokens in (torch.randint(0, 64, (2, 9), generator=generator) for _ in range(3))
+    ]
+    losses = []
+    for _ in range(2):
+        loss_sum, _tokens = pipelined_loss_sum(pipeline, rows, None)
+        torch.distributed.all_reduce(loss_sum)
+        losses.append(loss_sum.item())
+    return losses, [module.training for module in pipeline.stage_module.modules()]
+
+
+def test_pipelined_validation_runs_in_eval_mode_and_leaves_every_stage_in_train_mode():
+    """Train mode after: the step after validation draws dropout again. (train.py's loop also sets train mode
+    before every step; this is the validation's own promise, which a caller without that line relies on.)"""
+    for losses, modes in run_on_ranks(validation_mode_worker, world_size=2, timeout_s=120):
+        assert losses[0] == losses[1], "validation drew dropout: a stage ran it in train mode"
+        assert all(modes), "a stage was left in eval mode after validation"
+
+
+def test_validation_between_pipelined_steps_changes_no_update(tmp_path):
+    """2 stages with dropout 0.1: validation after every step ends on the very bits of a run that never
+    validates. A stage left in eval mode after validation, or validating in train mode (which draws from the
+    stream the next step's dropout uses), ends elsewhere; the run without dropout shows that dropout acts."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**PIPELINE_RUN, **STAGES, "model.dropout": 0.1, "run.checkpoint_every": 3}
+    runs = {
+        "validating": {"run.eval_every": 1},
+        "not_validating": {"run.eval_every": 0},
+        "no_dropout": {"run.eval_every": 0, "model.dropout": 0.0},
+    }
+    for name, overrides in runs.items():
+        status, _, stderr = train_forked(
+            tiny_settings(tmp_path, corpus, **{**settings, **overrides, "run.name": name}), 2
+        )
+        assert status == 0, stderr
+    validating, not_validating, no_dropout = (checkpoint(tmp_path / "runs" / name, 3)["model"] for name in runs)
+    for key, value in not_validating.items():
+        assert torch.equal(validating[key], value), key
+    assert any(not torch.equal(no_dropout[key], value) for key, value in not_validating.items())
+    assert all("val_loss" in line for line in read_metrics(tmp_path / "runs" / "validating"))
+
+
+# ------------------------------------------- An optimizer state of two parameter groups between layouts
+
+# SGD with momentum and weight decay: build_optimizer's two groups (matrices decay, vectors do not) differ in
+# their settings, and each parameter's momentum buffer is linear in its gradients, so the pipelined and the
+# one-process buffers agree to fp32 rounding (FP32_RTOL above) while a buffer on the wrong parameter, or a
+# group's settings on the other group, is off by its whole size.
+TWO_GROUPS = {"optim.momentum": 0.9, "optim.weight_decay": 0.1, "optim.lr": 0.1}
+
+
+def assert_same_optimizer_state(got: dict, reference: dict) -> None:
+    assert got["param_groups"] == reference["param_groups"]
+    assert sorted(got["state"]) == sorted(reference["state"])
+    for index, state in reference["state"].items():
+        buffer, expected = got["state"][index]["momentum_buffer"], state["momentum_buffer"]
+        assert buffer.shape == expected.shape, index
+        tolerance = FP32_RTOL * expected.abs().max().item() + 1e-7
+        assert (buffer - expected).abs().max().item() <= tolerance, index
+
+
+def test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process(tmp_path):
+    """One process and 2 stages, 3 steps each: the pipelined checkpoint's optimizer state (each stage's
+    state gathered into one optimizer's numbering) is one process's, parameter by parameter and group by group;
+    and each resumed on the other layout from step 2 ends at step 3 where one process does."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**PIPELINE_RUN, **TWO_GROUPS}
+    for name, ranks, layout in [("one", 1, {}), ("piped", 2, STAGES)]:
+        arguments = tiny_settings(tmp_path, corpus, **settings, **layout, **{"run.name": name})
+        status, _, stderr = train_forked(arguments, ranks)
+        assert status == 0, stderr
+    one, piped = tmp_path / "runs" / "one", tmp_path / "runs" / "piped"
+    reference = checkpoint(one, 3)
+    assert reference["optimizer"]["param_groups"][0]["weight_decay"] == 0.1  # two groups that differ
+    assert reference["optimizer"]["param_groups"][1]["weight_decay"] == 0.0
+    for step in (1, 3):
+        assert_same_optimizer_state(checkpoint(piped, step)["optimizer"], checkpoint(one, step)["optimizer"])
+    initial = checkpoint(one, 0)["model"]
+    for source, name, ranks, layout in [("piped", "piped_on_one", 1, {}), ("one", "one_piped", 2, STAGES)]:
+        resumed_from_step_2(tmp_path / "runs" / source, tmp_path / "runs" / name)
+        arguments = tiny_settings(tmp_path, corpus, **settings, **layout, **{"run.name": name})
+        status, stdout, stderr = train_forked(arguments, ranks)
+        assert status == 0, stderr
+        assert "resuming from" in stdout
+        resumed = checkpoint(tmp_path / "runs" / name, 3)
+        assert_close_updates(resumed["model"], reference["model"], initial)
+        assert_same_optimizer_state(resumed["optimizer"], reference["optimizer"])
+
+
+# ------------------------------------------------------------------ The layout check, alone
+
+
+def test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone(tmp_path, capsys, monkeypatch):
+    """4 ranks, 3 stages, 3 blocks: every other check passes (3 blocks split into 3 stages; a broken layout
+    check would take D = 4 // 3 = 1 replica, A = 8 / 2 = 4 >= 3 micro-batches for 1F1B), so only the check
+    that the ranks divide into whole replicas can refuse it. The suite's other cases (1 rank for 2 stages,
+    4 ranks for 3 stages of 2 blocks) are refused under the same key by the batch arithmetic or the model's
+    split too, and hid a broken layout check. dist.timeout_s: a broken check then waits for 4 ranks that never
+    come, failing in seconds instead of hanging."""
+    pretend_launched(monkeypatch, 4)
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"model.n_layer": 3, "dist.pipeline_stages": 3, "dist.timeout_s": 3}
+    assert train.main(tiny_settings(tmp_path, corpus, **settings)) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "error: dist.pipeline_stages: 4 ranks cannot be split into replicas of 3 pipeline stages; launch a multiple "
+        "of 3 ranks (torchrun --nproc_per_node=N) or choose P dividing 4"
+    ]
+    assert not (tmp_path / "runs").exists()

@@ -1,7 +1,8 @@
 """train.py's step-0 probe (accumulation/probe.py): a mean loss, and a loss that reads the outputs at positions
 labelled -100, stop the run with one line and exit 2; BatchNorm in train mode and a loss that couples examples
 (in-batch negatives) get one warning line each, an error with batch.on_inexact = "error"; the token cross-entropy
-SUM and a GroupNorm model pass silently."""
+SUM and a GroupNorm model pass silently. Each detector alone: a loss only the split of the targets sees, one only
+the split of the rows sees, a forward or loss that raises."""
 
 import sys
 import textwrap
@@ -13,8 +14,9 @@ import torch.nn.functional as F
 
 import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.probe import InexactStep, probe_loss_and_model
+from accumulation.probe import InexactStep, StepZeroFailed, probe_loss_and_model
 from accumulation.step import token_cross_entropy_sum
+from tests.test_step import CPU
 
 CLASSES = 5
 
@@ -179,3 +181,106 @@ def test_batch_norm_of_a_model_built_in_eval_mode_is_named_too():
     so BatchNorm will normalise by each micro-batch's statistics: the probe must see it in that mode."""
     [line] = probe(cnn(nn.BatchNorm2d(8)).eval(), token_cross_entropy_sum)
     assert line.startswith("1 (BatchNorm2d) normalise each row with the statistics of its micro-batch")
+
+
+# ------------------------------------------------------------------ The step-0 probe's detectors, one at a time
+
+VOCAB = 11
+
+
+def token_rows(supervised_per_row: list[int], seq_len: int = 6) -> MicroBatch:
+    """Rows of `seq_len` token ids, the first `k` positions of each row supervised."""
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randint(0, VOCAB, (len(supervised_per_row), seq_len), generator=generator)
+    labels = torch.randint(0, VOCAB, inputs.shape, generator=generator)
+    for row, supervised in enumerate(supervised_per_row):
+        labels[row, supervised:] = IGNORE_INDEX
+    return MicroBatch(inputs, labels, len(supervised_per_row))
+
+
+def embedding_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Embedding(VOCAB, VOCAB)  # logits [rows, seq, VOCAB]: each position on its own
+
+
+def per_row_mean(outputs, labels):
+    """A sequence-mean objective: each row's mean over its own targets, summed over the rows. Additive over rows
+    (each row alone), not over targets (a row's mean changes when some of its targets are taken away), and not
+    the micro-batch's mean either: only the split of the targets can see it."""
+    losses = F.cross_entropy(outputs.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
+    per_row = losses.view(labels.shape).sum(dim=1)
+    return (per_row / (labels != IGNORE_INDEX).sum(dim=1).clamp(min=1)).sum()
+
+
+def centred_over_rows(outputs, labels):
+    """The token cross-entropy sum of logits centred by their mean over the micro-batch's rows. Additive over
+    targets (the same logits whatever labels are hidden), not over rows (each half centres by its own mean):
+    only the split of the rows can see it."""
+    centred = outputs - outputs.mean(dim=0, keepdim=True)
+    return F.cross_entropy(centred.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def probe_of(loss_sum_fn, batch: MicroBatch, on_inexact: str = "warn") -> list[str]:
+    model = embedding_model()
+    return probe_loss_and_model(model, model, loss_sum_fn, batch, CPU, on_inexact)
+
+
+# 3 + 6 + 6 + 6 = 21 targets: the first half (10) ends inside the third row, so the split of the targets cuts a
+# row's targets in two (a split at a row's end would be a split of rows too, which per_row_mean passes).
+UNEVEN_ROWS = [3, 6, 6, 6]
+
+
+def test_the_token_sum_passes_both_splits_silently():
+    assert probe_of(token_cross_entropy_sum, token_rows(UNEVEN_ROWS)) == []
+
+
+def test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone():
+    batch = token_rows(UNEVEN_ROWS)
+    model = embedding_model()
+    with torch.no_grad():
+        outputs = model(batch.inputs)
+        halves = sum(per_row_mean(outputs[piece], batch.labels[piece]) for piece in (slice(0, 2), slice(2, 4)))
+    assert abs(halves - per_row_mean(outputs, batch.labels)) <= 1e-6 * halves  # additive over rows: only targets
+    [line] = probe_of(per_row_mean, batch)
+    assert line.startswith("the loss couples the examples of a micro-batch"), line
+    with pytest.raises(InexactStep, match=r"batch.on_inexact=error\): the loss couples the examples"):
+        probe_of(per_row_mean, batch, on_inexact="error")
+
+
+def test_a_loss_that_couples_rows_is_seen_by_the_split_of_the_rows_alone():
+    batch = token_rows(UNEVEN_ROWS)
+    model = embedding_model()
+    with torch.no_grad():
+        outputs = model(batch.inputs)
+        first = batch.labels.clone()
+        first.view(-1)[(batch.labels != IGNORE_INDEX).view(-1).nonzero()[10:, 0]] = IGNORE_INDEX
+        second = torch.where(first == IGNORE_INDEX, batch.labels, IGNORE_INDEX)
+        whole, halves = (
+            centred_over_rows(outputs, batch.labels),
+            sum(centred_over_rows(outputs, x) for x in (first, second)),
+        )
+    assert abs(halves - whole) <= 1e-6 * whole  # additive over targets: only the split of the rows sees it
+    [line] = probe_of(centred_over_rows, batch)
+    assert line.startswith("the loss couples the examples of a micro-batch"), line
+
+
+def test_a_mean_over_the_micro_batch_is_refused_not_warned():
+    def token_mean(outputs, labels):
+        return F.cross_entropy(outputs.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+
+    with pytest.raises(InexactStep, match=r"^step 0: the loss is a mean, not a sum over its targets"):
+        probe_of(token_mean, token_rows(UNEVEN_ROWS))
+
+
+def test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode():
+    model = embedding_model()
+    images = MicroBatch(torch.randn(2, 3, 4, 4), torch.zeros(2, dtype=torch.long), 2)
+    with pytest.raises(StepZeroFailed, match=r"^step 0: the model's forward raised on the first micro-batch"):
+        probe_loss_and_model(model, model, token_cross_entropy_sum, images, CPU, "warn")
+    assert model.training
+
+    def wrong_shape(outputs, labels):
+        return F.cross_entropy(outputs, labels, reduction="sum")  # [rows, seq, V] against [rows, seq]: raises
+
+    with pytest.raises(StepZeroFailed, match=r"^step 0: the loss raised on the model's outputs float32 \[4, 6, 11\]"):
+        probe_of(wrong_shape, token_rows(UNEVEN_ROWS))

@@ -1,6 +1,7 @@
 """The run directory: run.name is one folder inside run.out_dir, links cannot lead a run out of it, and one
 training job at a time holds it (accumulation/run/run_dir.py). Also: a start-up error is printed by every rank,
-so torchrun cannot swallow it."""
+so torchrun cannot swallow it. A resume refused after taking the lock leaves the folder as it was, and a
+run directory deleted mid-run is said to be gone."""
 
 import errno
 import os
@@ -465,3 +466,80 @@ def test_workers_orphaned_by_killing_the_agents_group_keep_the_run_directory_loc
     finally:
         for pid in processes_naming(str(out_dir)):
             os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------ A refusal after the run lock is taken
+
+
+def every_path(folder) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None), run.lock included: what a refused run must leave as it was."""
+    return {
+        str(path.relative_to(folder)): path.read_bytes() if path.is_file() else None
+        for path in sorted(folder.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("refusal", ["another run's setting", "a damaged metrics line"])
+def test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was(tmp_path, capsys, refusal):
+    """A finished run's folder without run.lock (copied from another machine): the resume takes the lock (creating
+    run.lock), then finds the checkpoint of another run, or metrics.jsonl damaged, and refuses. One line, exit 2,
+    and the folder exactly as before: no run.lock left by the refused job."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    arguments = tiny_settings(tmp_path, corpus, **{"run.max_steps": 1, "run.sample_bytes": 0})
+    assert train.main(arguments) == 0
+    run_dir = tmp_path / "runs" / "default"
+    (run_dir / LOCK_FILE).unlink()
+    if refusal == "a damaged metrics line":
+        (run_dir / "metrics.jsonl").write_text('{"steps": 1}\nnot json\n')
+        named = "metrics.jsonl line 2 is not JSON"
+    else:
+        arguments.append("optim.lr=0.5")
+        named = "belongs to a different run"
+    before = every_path(run_dir)
+    capsys.readouterr()
+    assert train.main(arguments + ["run.max_steps=2"]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith("error: ") and named in error, error
+    assert every_path(run_dir) == before
+
+
+# ------------------------------------------------------------------ The run directory deleted mid-run
+
+# A loss that deletes the run directory on its 41st call (the step-0 probe's 6, then 4 micro-batches a step:
+# during step 9), as a person cleaning up the wrong folder would.
+DELETES_THE_RUN = """
+import shutil
+
+from accumulation.config.registry import register_loss
+from accumulation.step import token_cross_entropy_sum
+
+calls = []
+
+
+def deleting_sum(outputs, labels):
+    calls.append(1)
+    if len(calls) == 41:
+        shutil.rmtree({run_dir!r})
+    return token_cross_entropy_sum(outputs, labels)
+
+
+register_loss("deleting", deleting_sum)
+"""
+
+
+def test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics(tmp_path, capsys, monkeypatch):
+    """TensorBoard's next write fails (its files are gone); the line said "metrics.jsonl holds every step up to
+    here" although metrics.jsonl was deleted with them. Now it says the file is gone."""
+    run_dir = tmp_path / "runs" / "default"
+    (tmp_path / "deleting_fork.py").write_text(DELETES_THE_RUN.format(run_dir=str(run_dir)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"model.objective": "deleting_fork:deleting", "run.max_steps": 20, "run.checkpoint_every": 2}
+    try:
+        status = train.main(tiny_settings(tmp_path, corpus, **settings, **{"run.sample_bytes": 0}))
+    finally:
+        sys.modules.pop("deleting_fork", None)
+    error = capsys.readouterr().err
+    assert status != 0 and error.count("\n") == 1, error
+    assert error.startswith(f"error: TensorBoard events in {run_dir / 'tensorboard'} could not be written"), error
+    assert f"{run_dir / 'metrics.jsonl'} is gone too" in error and "holds every step" not in error, error

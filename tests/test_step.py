@@ -21,10 +21,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accumulation.batching import IGNORE_INDEX, MicroBatch, accumulation_steps, describe_batch, micro_batch_slices
+from accumulation.batching import (
+    IGNORE_INDEX,
+    MicroBatch,
+    accumulation_steps,
+    collective_device,
+    describe_batch,
+    micro_batch_slices,
+)
+from accumulation.config.config_keys import ScheduleConfig
 from accumulation.counters import Counters
 from accumulation.models.gpt import GPT, GPTConfig
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import build_scheduler, run_scheduler
 from accumulation.step import (
     StepResult,
     StepSetup,
@@ -323,3 +331,27 @@ def test_batch_arithmetic_and_layout():
             for i in range(s.start, s.stop)
         ]
         assert sorted(positions) == list(range(8))
+
+
+@pytest.mark.parametrize(("decay_updates", "max_steps", "horizon"), [(0, 10, 10), (4, 10, 4)])
+def test_the_runs_cosine_horizon_is_decay_updates_or_else_run_max_steps(decay_updates, max_steps, horizon):
+    """run_scheduler, the one place the horizon is decided (train.py's build and the resume check use it): the
+    learning rate reaches min_lr_ratio after exactly `horizon` updates and is halfway down at horizon / 2."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = ScheduleConfig(name="cosine", warmup_updates=0, decay_updates=decay_updates, min_lr_ratio=0.1)
+    scheduler = run_scheduler(optimizer, schedule, max_steps)
+    rates = [optimizer.param_groups[0]["lr"]]
+    for _ in range(horizon):
+        optimizer.step()
+        scheduler.step()
+        rates.append(optimizer.param_groups[0]["lr"])
+    assert rates[horizon // 2] == pytest.approx(0.55)  # 0.1 + 0.9 · (1 + cos(π/2)) / 2
+    assert rates[horizon - 1] > 0.1 and rates[horizon] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(("backend", "expected"), [("nccl", "cuda"), ("gloo", "cpu")])
+def test_a_collective_runs_on_the_device_under_nccl_and_on_the_host_under_gloo(backend, expected, monkeypatch):
+    """batching.collective_device: the one copy of the rule (the counts' all-reduce, the chunked loss's free-memory
+    minimum, GRPO's exchange and the micro-batch sweep's peak use it)."""
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: backend)
+    assert collective_device(torch.device("cuda", 0)).type == expected

@@ -4,20 +4,24 @@ With a fused optimizer (train.py's AdamW on CUDA) the update is queued before th
 device when the gradient norm is not finite, so on a GPU the read-back waits for the update too and the host's
 bookkeeping overlaps it; the next step's micro-batches are built in the same wait. On the CPU nothing runs
 asynchronously, but the order of the calls is the same: these tests record it. The queued update must be the
-update the host-decided one makes, bit for bit, skipped steps included."""
+update the host-decided one makes, bit for bit, skipped steps included. A data error in the step built ahead
+surfaces in its own step, after the step before is logged and checkpointed."""
 
 import math
+import sys
 
 import pytest
 import torch
 
+import train
 from accumulation import update_on_device
 from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.run import batches, build
 from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from tests.test_checkpoints import run_in_process
-from tests.test_train import tiny_settings, uneven_corpus
+from tests.test_pipeline_train import checkpoint
+from tests.test_train import read_metrics, tiny_settings, uneven_corpus
 
 CPU = torch.device("cpu")
 MODEL = GPTConfig(seq_len=8, n_layer=1, n_head=2, d_model=16, vocab_size=64)
@@ -148,3 +152,69 @@ def test_train_builds_the_next_steps_micro_batches_before_the_steps_read_back(tm
         "step",
         "before read-back",  # the last step builds nothing: there is no step 3
     ]
+
+
+# ------------------------------------------------------------------ A data error in a step built one step ahead
+
+# Rows whose supervised_counts promise one target too many at step 2 only: step 2's batch is built (and its
+# check fails) while the device runs step 1.
+WRONG_AT_STEP_2 = """
+from accumulation.config.registry import register_data
+from accumulation.data.rows import make_rows
+from accumulation.data.custom import data_from_custom_rows
+from accumulation.data.splits import row_fingerprint
+
+
+class CountsWrongAtStep2:
+    def __init__(self, rows):
+        self.rows, self.num_rows, self.seq_len = rows, rows.num_rows, rows.seq_len
+
+    def examples(self, row_ids, step):
+        return self.rows.examples(row_ids, step)
+
+    def raw_example(self, row_id, step):
+        return self.rows.raw_example(row_id, step)
+
+    def supervised_counts(self, row_ids, step):
+        counts = self.rows.supervised_counts(row_ids, step)
+        return counts + 1 if step == 2 else counts
+
+
+def build(data_config, *, model_vocab_size, seed):
+    rows = make_rows([bytes(range(40, 120))] * 8, seq_len=8)
+    train = CountsWrongAtStep2(rows)
+    return data_from_custom_rows(data_config.source, train, None, fingerprint=row_fingerprint(rows), vocab_size=256)
+
+
+register_data("wrong-at-step-2", build)
+"""
+
+
+def test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the_one_before_is_kept(
+    tmp_path, capsys, monkeypatch
+):
+    """Step 2's micro-batches are built during step 1 and their check fails there. The error must wait for step 2:
+    step 1 is logged and checkpointed first (a resume after fixing the data loses nothing), then one line naming
+    step 2, exit 2. Raised where it was found, step 1 would be lost with it."""
+    (tmp_path / "prefetch_fork.py").write_text(WRONG_AT_STEP_2)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    settings = {
+        "data.source": "prefetch_fork:wrong-at-step-2",
+        "data.seq_len": 8,
+        "run.max_steps": 5,
+        "run.checkpoint_every": 1,
+        "run.log_every": 1,
+        "run.eval_every": 0,
+        "run.sample_bytes": 0,
+    }
+    try:
+        status = train.main(tiny_settings(tmp_path, tmp_path, **settings))
+    finally:
+        sys.modules.pop("prefetch_fork", None)
+    error = capsys.readouterr().err
+    assert status == 2
+    assert error.count("\n") == 1 and error.startswith("error: step 2: the labels of row "), error
+    run_dir = tmp_path / "runs" / "default"
+    assert [line["steps"] for line in read_metrics(run_dir)] == [1, 2]
+    assert checkpoint(run_dir, 2)["counters"]["steps"] == 2
+    assert not (run_dir / "checkpoints" / "step_000003.pt").exists()

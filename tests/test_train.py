@@ -115,6 +115,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
+    """The newest checkpoint's weights: latest.pt, or a dist.strategy = "fsdp2" run's newest folder of shards."""
+    folders = sorted((run_dir / "checkpoints").glob("step_*.dcp"))
+    if folders:
+        from accumulation.run.sharded_checkpoint import whole_state  # only fsdp2 runs write folders
+
+        return whole_state(folders[-1])["model"]
     return torch.load(run_dir / "checkpoints" / "latest.pt", weights_only=True)["model"]
 
 

@@ -73,6 +73,52 @@ class Rows(Protocol):
     def supervised_counts(self, row_ids: torch.Tensor, step: int) -> torch.Tensor: ...
 
 
+class RowHooks:
+    """The optional part of the `Rows` interface, for rows that depend on the model being trained (RL rollouts,
+    accumulation/rl/on_policy.py): a `Rows` class declares it by subclassing RowHooks and overriding what it needs.
+    The loop always calls these, through row_hooks(); these defaults are what every other source means."""
+
+    log_group = "data"  # the group of step_fields' figures in TensorBoard and the other sinks ("rl": rl/mean_reward)
+
+    def bind_policy(self, model: torch.nn.Module, context, resume: dict | None) -> None:
+        """Once the model is built (train.py, the checker): the policy the rows are sampled from, the ranks (the
+        DistributedContext), and a resume's checkpoint (None for a fresh run)."""
+
+    def sampled_at(self, step: int) -> bool:
+        """Whether step `step`'s rows are sampled from the model: they then wait for the update of the step before
+        instead of being built one step ahead (accumulation/run/batches.py)."""
+        return False
+
+    def normaliser(self, row_ids: torch.Tensor, step: int) -> tuple[float | None, str]:
+        """(N, its unit) of step `step`, whose rows are `row_ids` (all ranks'). None: N is the step's supervised
+        targets, summed from supervised_counts (the mean over targets)."""
+        return None, "targets"
+
+    def step_fields(self, step: int, eval_every: int) -> dict:
+        """The rows' own fields for the metrics.jsonl line of the step just taken (`step` steps done)."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold for a resume to build the same rows ({}: nothing; the rows are a function of
+        (seed, step, row id))."""
+        return {}
+
+
+DEFAULT_HOOKS = RowHooks()
+
+
+def row_hooks(rows: Rows) -> RowHooks:
+    """The hooks of a split: its own when its class declares them (subclasses RowHooks), else the defaults."""
+    return rows if isinstance(rows, RowHooks) else DEFAULT_HOOKS
+
+
+def undeclared_hooks(rows: Rows) -> list[str]:
+    """The RowHooks methods a `Rows` class defines without declaring RowHooks: the loop would never call them."""
+    if isinstance(rows, RowHooks):
+        return []
+    return [name for name in vars(RowHooks) if not name.startswith("_") and hasattr(rows, name)]
+
+
 def labels_from_mask(targets: torch.Tensor, supervised: torch.Tensor) -> torch.Tensor:
     """The labels of the loss: each target where it is supervised, IGNORE_INDEX everywhere else."""
     return torch.where(supervised, targets, IGNORE_INDEX)

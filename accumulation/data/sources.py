@@ -13,7 +13,7 @@ from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch, map_in
 from accumulation.config.config import DataConfig
 from accumulation.config.registry import is_piece_name
 from accumulation.data import text_corpus
-from accumulation.data.rows import DataError, Rows, RowSubset, mix64
+from accumulation.data.rows import DataError, Rows, RowSubset, mix64, row_hooks, undeclared_hooks
 from accumulation.data.splits import Data
 
 # Rounds of the Feistel network that orders each epoch's rows (epoch_row_ids); why eight: docs/data.md, "Data order".
@@ -49,6 +49,12 @@ def build_data(settings: DataConfig, *, model_vocab_size: int, seed: int) -> Dat
         from accumulation.data.path_sources import load_files
 
         built = load_files(settings, model_vocab_size, seed)
+    undeclared = undeclared_hooks(built.train)
+    if undeclared:
+        raise DataError(
+            f"data.source: the training rows of {source!r} define {', '.join(undeclared)} without declaring them: "
+            "subclass accumulation.data.rows.RowHooks in their class, or the loop never calls them"
+        )
     rows_seq_len = built.train.seq_len
     if rows_seq_len is not None and rows_seq_len != seq_len:
         raise DataError(
@@ -234,7 +240,7 @@ def step_batch(
         supervised_counts=rows.supervised_counts(row_ids, step),
         micro_batches=[micro_batch(rows, row_ids[positions], micro_batch_size, step) for positions in slices],
         slices=slices,
-        normaliser=rows.normaliser(row_ids, step) if hasattr(rows, "normaliser") else (None, "targets"),
+        normaliser=row_hooks(rows).normaliser(row_ids, step),
     )
 
 

@@ -1,51 +1,17 @@
 """A bidirectional transformer encoder for masked language modelling (BERT's shape, pre-norm).
 
-The GPT's blocks without the causal mask: every position attends to every other, so the model can use the
-tokens on both sides of a masked position to predict it. It maps token ids [rows, seq_len] to logits
-[rows, seq_len, vocab_size] (the vocabulary includes the [MASK] token), and is trained only at the masked
-positions, whose labels the data supplies (accumulation/data/masked_lm.py). Initial weights come from an explicit
-generator seeded with config.run.seed, so every rank and every build start equal.
+The GPT's blocks (accumulation/models/gpt.py's Block) without the causal mask: every position attends to every
+other, so the model can use the tokens on both sides of a masked position to predict it. It maps token ids
+[rows, seq_len] to logits [rows, seq_len, vocab_size] (the vocabulary includes the [MASK] token), and is trained
+only at the masked positions, whose labels the data supplies (accumulation/data/masked_lm.py). Initial weights come
+from an explicit generator seeded with config.run.seed, so every rank and every build start equal.
 """
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from accumulation.config.registry import register_model
-from accumulation.models.gpt import GPTConfig, check_heads_divide_width, gpt_config
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.n_head, self.dropout = config.n_head, config.dropout
-        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
-        self.proj = nn.Linear(config.d_model, config.d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows, seq_len, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=2)
-        q, k, v = (t.view(rows, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        # is_causal=False: position j sees positions after it too (the difference from the GPT).
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=False, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(rows, seq_len, d_model))
-
-
-class EncoderBlock(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.attn_norm, self.attn = nn.LayerNorm(config.d_model), SelfAttention(config)
-        self.mlp_norm = nn.LayerNorm(config.d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(config.d_model, 4 * config.d_model), nn.GELU(), nn.Linear(4 * config.d_model, config.d_model)
-        )
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x)))
-        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+from accumulation.models.gpt import Block, GPTConfig, check_heads_divide_width, gpt_config
 
 
 class Encoder(nn.Module):
@@ -54,7 +20,7 @@ class Encoder(nn.Module):
         self.config = config
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.position_embedding = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(EncoderBlock(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, causal=False) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.d_model)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         generator = torch.Generator().manual_seed(seed)

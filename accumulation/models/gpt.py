@@ -21,11 +21,15 @@ class GPTConfig:
     dropout: float = 0.0
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+class SelfAttention(nn.Module):
+    """Multi-head self-attention; causal: position j attends to positions <= j only (the GPT), else to every
+    position (the encoder, accumulation/models/encoder.py)."""
+
+    def __init__(self, config: GPTConfig, causal: bool = True):
         super().__init__()
         self.n_head = config.n_head
         self.dropout = config.dropout
+        self.causal = causal
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
         self.proj = nn.Linear(config.d_model, config.d_model)
 
@@ -34,17 +38,18 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d_model, dim=2)
         # [rows, seq_len, d_model] -> [rows, n_head, seq_len, head_dim]
         q, k, v = (t.view(rows, seq_len, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout_p = self.dropout if self.training else 0.0
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, dropout_p=dropout_p)
         return self.proj(y.transpose(1, 2).reshape(rows, seq_len, d_model))
 
 
 class Block(nn.Module):
-    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)). The GPT's blocks are causal, the encoder's not."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, causal: bool = True):
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
-        self.attn = CausalSelfAttention(config)
+        self.attn = SelfAttention(config, causal)
         self.mlp_norm = nn.LayerNorm(config.d_model)
         self.mlp = nn.Sequential(
             nn.Linear(config.d_model, 4 * config.d_model),

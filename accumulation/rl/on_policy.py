@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import IGNORE_INDEX
+from accumulation.batching import IGNORE_INDEX, collective_device
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample
+from accumulation.data.rows import DataError, RawExample, RowHooks
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
@@ -93,10 +93,11 @@ class Round:
     ref_log_probs: torch.Tensor | None = None  # float32: log π_ref of each label, under a KL penalty
 
 
-class Rollouts:
-    """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout."""
+class Rollouts(RowHooks):
+    """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout. Rows
+    sampled from the policy: it declares all five of the optional RowHooks (accumulation/data/rows.py)."""
 
-    log_group = "rl"  # the group of step_fields' figures in TensorBoard and the other sinks (rl/mean_reward, ...)
+    log_group = "rl"  # RowHooks.log_group: its step_fields in TensorBoard and the other sinks as rl/mean_reward, ...
 
     def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
@@ -390,11 +391,6 @@ def round_line(step: int, fields: dict) -> str:
 def completion_text(labels: torch.Tensor) -> str:
     """The completion a row of labels supervises, decoded."""
     return bytes(labels[labels != IGNORE_INDEX].tolist()).decode("utf-8", errors="replace")
-
-
-def collective_device(device: torch.device) -> torch.device:
-    """NCCL reduces device tensors only; gloo takes host tensors."""
-    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def all_gathered(tensor: torch.Tensor, replicas: int, device: torch.device) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from accumulation.batching import GlobalCounts, MicroBatch
 from accumulation.config.config import Config
+from accumulation.data.rows import row_hooks
 from accumulation.data.sources import Data, DataError, check_supervised_counts, step_batch
 from accumulation.parallel.distributed import DistributedContext
 
@@ -27,7 +28,7 @@ class StepBatches:
 
     def build(self, step: int, micro_batch_size: int) -> None:
         # Rows sampled from the model at this step (RL rollouts, rl/on_policy.py) wait for the step before's update.
-        if step >= self.config.run.max_steps or getattr(self.data.train, "sampled_at", lambda step: False)(step):
+        if step >= self.config.run.max_steps or row_hooks(self.data.train).sampled_at(step):
             return
         try:
             self.built[(step, micro_batch_size)] = self.micro_batches(step, micro_batch_size)

@@ -24,7 +24,7 @@ from accumulation.data.memory import memory_limit_bytes
 from accumulation.models.factory import build_model, decided_model_config, loss_sum_fn_for, training_forward_and_loss
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import seed_dropout
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 from accumulation.step import DataParallel, StepSetup, Strategy, optimizer_step
 
 # Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
@@ -175,10 +175,7 @@ def build_training(
         module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype)
         strategy = step_strategy(config, module)
         optimizer = build_optimizer(config.optim, model, device)
-    decay_updates = config.schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(
-        optimizer, config.schedule.name, config.schedule.warmup_updates, decay_updates, config.schedule.min_lr_ratio
-    )
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
     setup = StepSetup(module, device, step_loss_sum_fn, scaler, config.optim.grad_clip, autocast_dtype, strategy)
     step = optimizer_step

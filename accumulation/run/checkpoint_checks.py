@@ -366,10 +366,16 @@ def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] 
         return None
     for path in candidates:
         check_regular_file(path)
+    return first_readable(candidates, read_checkpoint, checkpoint_dir, warn)
+
+
+def first_readable(candidates: list[Path], read, checkpoint_dir: Path, warn) -> tuple[Path, dict]:
+    """(path, payload) of the first of `candidates` (newest first) that `read` reads, each bad one before it
+    reported through `warn`; CheckpointError when none reads."""
     problems = []
     for path in candidates:
         try:
-            payload = read_checkpoint(path)
+            payload = read(path)
         except CheckpointError as error:
             problems.append(error)
             continue

@@ -14,6 +14,7 @@ from accumulation.batching import describe_batch
 from accumulation.config.config import Config, config_to_toml
 from accumulation.config.registry import lookup
 from accumulation.counters import Counters
+from accumulation.data.rows import row_hooks
 from accumulation.data.sources import rows_dropped_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import model_description
@@ -182,7 +183,7 @@ class RunLogs:
         from accumulation.run.sinks import SinkSession  # only rank 0 writes sinks
 
         # a data source's own fields (GRPO's rewards) are grouped under the group it declares
-        source_group = getattr(self.data.train, "log_group", "data") if self.data is not None else "data"
+        source_group = row_hooks(self.data.train).log_group if self.data is not None else "data"
         session = SinkSession(self.config, self.run_dir, counters, resumed, source_group, self.revised)
         for name in self.config.log.sinks.split(","):
             self.sinks.append(lookup("sink", name.strip()).build(session))

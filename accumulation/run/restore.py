@@ -31,7 +31,7 @@ from accumulation.run.checkpoint_checks import (
 from accumulation.run.logs import metrics_lines
 from accumulation.run.optimizer_state import load_optimizer_state
 from accumulation.run.run_dir import METRICS_FILE, STOPPED_FILE, few
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 
 # Settings a resumed run must share with the checkpoint: they decide the model's shape and which examples
 # each step sees; and the optimizer's own settings, which travel inside its state dict, so that a changed
@@ -62,12 +62,16 @@ MUST_MATCH_ON_RESUME = [
 
 
 def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
-    """What the optimizer keeps per parameter once it has applied an update: in words, and its state keys."""
+    """What the optimizer keeps per parameter once it has applied an update: in words, and its state keys. An
+    optimizer not named here is refused: a resume would load its state unchecked."""
     if optim.name == "adamw":
         return "AdamW's moments", ("step", "exp_avg", "exp_avg_sq")
-    if optim.name == "sgd" and optim.momentum != 0:
-        return "SGD's momentum buffers", ("momentum_buffer",)
-    return "", ()  # SGD without momentum keeps nothing
+    if optim.name == "sgd":
+        return ("SGD's momentum buffers", ("momentum_buffer",)) if optim.momentum != 0 else ("", ())  # or nothing
+    raise CheckpointError(
+        f'optim.name: the resume check does not know what "{optim.name}" keeps per parameter, so it cannot check a '
+        "checkpoint's optimizer state; name its state keys in optimizer_moments (accumulation/run/restore.py)"
+    )
 
 
 def find_resume_point(
@@ -167,11 +171,9 @@ def find_resume_point(
 def check_state_fits(path: Path, payload: dict, config: Config, model: torch.nn.Module) -> None:
     """Refuse model, optimizer, scheduler and GradScaler state that does not fit this run, compared with
     `model` (built on the meta device: shapes without memory) and the optimizer and schedule that
-    build_optimizer and build_scheduler make for it, so everything is as training has it."""
+    build_optimizer and run_scheduler make for it, so everything is as training has it."""
     optimizer = build_optimizer(config.optim, model, torch.device("meta"))
-    schedule = config.schedule
-    decay_updates = schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     check_model_state(path, payload["model"], model.state_dict())
     if "sharded" not in payload:  # a sharded checkpoint's weights are checked as its shards load
         check_weights_finite(path, payload["model"])

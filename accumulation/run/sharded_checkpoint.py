@@ -40,6 +40,14 @@ from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.checkpoint_checks import (
+    OLDER_CHECKPOINT,
+    REQUIRED_KEYS,
+    check_regular_file,
+    first_readable,
+    read_checkpoint,
+    structure_problem,
+)
 from accumulation.run.run_dir import SHARDED_STEP, STEP_FILE, WriteError, os_error_in, why_not_written
 
 STATE_FILE, CHECKSUMS_FILE = "state.pt", "checksums.json"
@@ -216,8 +224,6 @@ def read_sharded_checkpoint(path: Path) -> dict:
     against checksums.json, state.pt read (weights only), and `model` / the optimizer's parameter-shaped entries
     as meta tensors of the stored shapes and dtypes (from DCP's metadata). `sharded` holds the folder: train.py
     loads the tensors once the model is built (load_sharded_state). Raises CheckpointError for anything unusable."""
-    from accumulation.run.checkpoint_checks import REQUIRED_KEYS, structure_problem
-
     verify_files(path)
     payload = described(path)
     if any(key not in payload for key in REQUIRED_KEYS):
@@ -275,31 +281,20 @@ def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] 
     """checkpoint_checks.newest_readable_checkpoint over sharded folders and single files together, newest step
     first (a run may have moved between ddp and fsdp2): each bad one passed over through `warn`, None without
     any, CheckpointError when none can be used."""
-    from accumulation.run.checkpoint_checks import check_regular_file, read_checkpoint
-
     candidates = [(int(SHARDED_STEP.fullmatch(p.name).group(1)), p) for p in sharded_checkpoints(checkpoint_dir)]
     candidates += [(int(STEP_FILE.fullmatch(p.name).group(1)), p) for p in checkpoint_dir.glob("step_*.pt")]
     candidates = [path for _, path in sorted(candidates, reverse=True)]
     if not candidates:
         return None
-    problems = []
-    for path in candidates:
-        try:
-            if path.is_dir():
-                payload = read_sharded_checkpoint(path)
-            else:
-                check_regular_file(path)
-                payload = read_checkpoint(path)
-        except CheckpointError as error:
-            problems.append(error)
-            continue
-        for problem in problems:
-            warn(f"warning: {problem}; passed over for an older checkpoint")
-        return path, payload
-    raise CheckpointError(
-        f"none of the {len(candidates)} checkpoints in {checkpoint_dir} can be used (the newest: {problems[0]}); "
-        f"delete the folder to start afresh or restore a good file"
-    )
+    return first_readable(candidates, read_sharded_or_single, checkpoint_dir, warn)
+
+
+def read_sharded_or_single(path: Path) -> dict:
+    """A checkpoint's payload, from a sharded folder or a single file."""
+    if path.is_dir():
+        return read_sharded_checkpoint(path)
+    check_regular_file(path)
+    return read_checkpoint(path)
 
 
 def load_sharded_state(resume: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -327,8 +322,6 @@ def load_sharded_state(resume: dict, model: torch.nn.Module, optimizer: torch.op
     if dist.is_initialized():
         dist.all_reduce(broken, op=dist.ReduceOp.MAX)
     if broken.item():
-        from accumulation.run.checkpoint_checks import OLDER_CHECKPOINT
-
         raise CheckpointError(f"checkpoint {resume['sharded']}: its weights hold NaN or inf; {OLDER_CHECKPOINT}")
     resume["model"] = {}
 

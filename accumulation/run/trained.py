@@ -52,13 +52,18 @@ def load_trained_run(run_dir: Path) -> TrainedRun:
             f"e.g. runs/default"
         )
     warn = functools.partial(print, file=sys.stderr)  # a damaged latest.pt passed over for an older checkpoint
+    sharded = any(checkpoints.glob("step_*.dcp"))  # fsdp2's folders of shards
+    if sharded:
+        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint, whole_state
     try:
         found = newest_readable_checkpoint(checkpoints, warn)
+        if found is None:
+            raise TrainedRunError(f"{checkpoints} holds no checkpoint yet; train first (python train.py run.name=...)")
+        path, payload = found
+        if path.is_dir():  # the shards gathered in this one process: export and sampling need the whole model
+            payload = whole_state(path)
     except CheckpointError as error:
         raise TrainedRunError(str(error)) from None
-    if found is None:
-        raise TrainedRunError(f"{checkpoints} holds no checkpoint yet; train first (python train.py run.name=...)")
-    path, payload = found
     try:
         config = config_from_dict(payload["config"])
         tokenizer, why_not = run_tokenizer(config)

@@ -25,7 +25,7 @@ from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, count_parameters, loss_sum_fn_for
 from accumulation.models.gpt import GPTConfig, gpt_config
 from accumulation.run.build import build_optimizer
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 from accumulation.step import StepResult, StepSetup, optimizer_step
 from scripts.benchmarks.measuring import (
     DEFAULTS,
@@ -97,10 +97,7 @@ def default_loop_state(model: torch.nn.Module, device: torch.device) -> LoopStat
     """The default config's optimizer (train.py's own), learning-rate schedule and gradient scaler, and fresh
     counters."""
     optimizer = build_optimizer(DEFAULTS.optim, model, device)
-    schedule = DEFAULTS.schedule
-    scheduler = build_scheduler(
-        optimizer, schedule.name, schedule.warmup_updates, DEFAULTS.run.max_steps, schedule.min_lr_ratio
-    )
+    scheduler = run_scheduler(optimizer, DEFAULTS.schedule, DEFAULTS.run.max_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(DEFAULTS))
     return LoopState(optimizer, scheduler, scaler, Counters())
 

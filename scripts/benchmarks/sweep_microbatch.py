@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from accumulation.batching import accumulation_steps
+from accumulation.batching import accumulation_steps, collective_device
 from accumulation.config.config import Config, ConfigError, load_config
 from accumulation.data.rows import DataError
 from accumulation.data.sources import build_data, step_row_ids
@@ -263,8 +263,8 @@ def measure_one_update(
 
     _, peak_bytes = peak_memory_bytes_of(one_update, device)
     if context.world_size > 1:
-        # The rank that needed the most memory sets what the run needs. NCCL reduces device tensors only.
-        peak = torch.tensor([peak_bytes], dtype=torch.int64, device=device if context.backend == "nccl" else "cpu")
+        # The rank that needed the most memory sets what the run needs.
+        peak = torch.tensor([peak_bytes], dtype=torch.int64, device=collective_device(device))
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         peak_bytes = int(peak.item())
     return gradients, {

@@ -28,10 +28,9 @@ CHUNKED_BF16_TEST = (
     "test_a_bf16_autocast_step_with_the_chunked_loss_equals_the_plain_one_and_the_float64_reference"
 )
 
-BLIND_SPOTS_TEST = "tests/test_blind_spots_v5.py"
-FUSED_SHRINK_TEST = f"{BLIND_SPOTS_TEST}::test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one"
+FUSED_SHRINK_TEST = "tests/test_oom.py::test_the_fused_update_after_an_out_of_memory_retry_is_the_update_without_one"
 TWO_GROUPS_TEST = (
-    f"{BLIND_SPOTS_TEST}::test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process"
+    "tests/test_pipeline_train.py::test_an_optimizer_state_of_two_groups_moves_between_pipeline_stages_and_one_process"
 )
 
 BUGS = [
@@ -355,14 +354,16 @@ BUGS = [
         "if os.isatty(descriptor):",
         [HANG_UP_TEST],
     ),
-    # Issue 35: pipelined state off the happy path (tests/test_blind_spots_v5.py).
+    # Issue 35: pipelined state off the happy path (tests/test_pipeline_train.py).
     Bug(
         "pipeline-stage-left-in-eval",
         "pipelined validation leaves its stage in eval mode: a caller's next step trains without dropout",
         "accumulation/parallel/pipeline.py",
         "    pipeline.stage_module.train()\n    return loss_sum, tokens",
         "    return loss_sum, tokens",
-        [f"{BLIND_SPOTS_TEST}::test_pipelined_validation_runs_in_eval_mode_and_leaves_every_stage_in_train_mode"],
+        [
+            "tests/test_pipeline_train.py::test_pipelined_validation_runs_in_eval_mode_and_leaves_every_stage_in_train_mode"
+        ],
     ),
     Bug(
         "pipeline-validation-in-train-mode",
@@ -370,7 +371,7 @@ BUGS = [
         "accumulation/parallel/pipeline.py",
         "    pipeline.stage_module.eval()\n",
         "",
-        [f"{BLIND_SPOTS_TEST}::test_validation_between_pipelined_steps_changes_no_update"],
+        ["tests/test_pipeline_train.py::test_validation_between_pipelined_steps_changes_no_update"],
     ),
     Bug(
         "pipeline-saved-groups-swapped",
@@ -410,16 +411,18 @@ BUGS = [
         "accumulation/parallel/mesh.py",
         "    if ranks % pipeline_stages != 0:",
         "    if ranks < pipeline_stages:",
-        [f"{BLIND_SPOTS_TEST}::test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone"],
+        [
+            "tests/test_pipeline_train.py::test_ranks_that_do_not_divide_into_the_stages_are_refused_by_the_layout_check_alone"
+        ],
     ),
-    # Issue 35: the step-0 probe's detectors, one at a time (tests/test_blind_spots_v5.py, tests/test_probe.py).
+    # Issue 35: the step-0 probe's detectors, one at a time (tests/test_probe.py).
     Bug(
         "probe-mean-only-warned",
         "a mean loss only warned about at step 0, not refused: every update weighs the micro-batches alike",
         "accumulation/probe.py",
         "            if _relative_difference(whole, weighted) <= ADDITIVE_TOLERANCE:",
         "            if False:",
-        [f"{BLIND_SPOTS_TEST}::test_a_mean_over_the_micro_batch_is_refused_not_warned"],
+        ["tests/test_probe.py::test_a_mean_over_the_micro_batch_is_refused_not_warned"],
     ),
     Bug(
         "probe-target-split-ignored",
@@ -428,7 +431,7 @@ BUGS = [
         "        if _relative_difference(whole, first + second) > ADDITIVE_TOLERANCE or (",
         "        if (",
         [
-            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+            "tests/test_probe.py::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
         ],
     ),
     Bug(
@@ -437,7 +440,7 @@ BUGS = [
         "accumulation/probe.py",
         "for piece in (slice(0, half), slice(half, rows)):",
         "for piece in (slice(0, rows),):",
-        [f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_rows_is_seen_by_the_split_of_the_rows_alone"],
+        ["tests/test_probe.py::test_a_loss_that_couples_rows_is_seen_by_the_split_of_the_rows_alone"],
     ),
     Bug(
         "probe-error-setting-ignored",
@@ -446,7 +449,7 @@ BUGS = [
         'if warnings and on_inexact == "error":',
         'if warnings and on_inexact == "raise":',
         [
-            f"{BLIND_SPOTS_TEST}::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
+            "tests/test_probe.py::test_a_loss_that_couples_the_targets_of_a_row_is_seen_by_the_split_of_the_targets_alone"
         ],
     ),
     Bug(
@@ -473,7 +476,7 @@ BUGS = [
         "                f\"step 0: the model's forward",
         "        except ArithmeticError as error:\n            raise StepZeroFailed(\n"
         "                f\"step 0: the model's forward",
-        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+        ["tests/test_probe.py::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
     Bug(
         "probe-loss-error-raw",
@@ -483,7 +486,7 @@ BUGS = [
         '                f"step 0: the loss raised',
         "        except ArithmeticError as error:\n            raise StepZeroFailed(\n"
         '                f"step 0: the loss raised',
-        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+        ["tests/test_probe.py::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
     Bug(
         "probe-mode-not-restored-on-error",
@@ -494,7 +497,7 @@ BUGS = [
         "    finally:\n        model.train()",
         "    outputs, whole = outputs_and_loss(forward_module, loss_sum_fn, batch.inputs, labels, extras)\n"
         "    model.train()",
-        [f"{BLIND_SPOTS_TEST}::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
+        ["tests/test_probe.py::test_a_forward_or_a_loss_that_raises_is_named_and_the_model_left_in_train_mode"],
     ),
     # Issue 35: a refusal after the run lock is taken.
     Bug(
@@ -503,7 +506,7 @@ BUGS = [
         "accumulation/run/entry.py",
         "            job.release(undo=True)  # a refused run",
         "            job.release(undo=False)  # a refused run",
-        [f"{BLIND_SPOTS_TEST}::test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was"],
+        ["tests/test_run_dir.py::test_a_resume_refused_after_taking_the_lock_leaves_the_run_directory_as_it_was"],
     ),
     # Issue 35: the timing of a data error in a step built one step ahead.
     Bug(
@@ -513,7 +516,7 @@ BUGS = [
         "        except DataError:\n            pass",
         "        except ArithmeticError:\n            pass",
         [
-            f"{BLIND_SPOTS_TEST}::"
+            "tests/test_step_order.py::"
             "test_a_data_error_in_the_step_built_ahead_surfaces_in_its_own_step_after_the_one_before_is_kept"
         ],
     ),
@@ -541,7 +544,7 @@ BUGS = [
         "accumulation/run/sinks.py",
         "        if metrics_path.exists()\n",
         "        if True\n",
-        [f"{BLIND_SPOTS_TEST}::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
+        ["tests/test_run_dir.py::test_a_run_directory_deleted_mid_run_is_not_said_to_hold_the_metrics"],
     ),
     # Issue 35: the checker on a D x P mesh runs two pipelined steps.
     Bug(
@@ -551,7 +554,7 @@ BUGS = [
         "        with pipeline.wrapped.no_sync() if isinstance(pipeline.wrapped, DistributedDataParallel) "
         "else nullcontext():",
         "        with nullcontext():",
-        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+        ["tests/test_checker_verdicts.py::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
     ),
     Bug(
         "checker-one-pipelined-step",
@@ -559,7 +562,7 @@ BUGS = [
         "accumulation/checker/run.py",
         "PIPELINED_STEPS = 2",
         "PIPELINED_STEPS = 1",
-        [f"{BLIND_SPOTS_TEST}::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
+        ["tests/test_checker_verdicts.py::test_the_checker_runs_the_pipelined_step_twice_and_compares_both"],
     ),
     # Issue 35: the checker given a model whose outputs do not fit the loss.
     Bug(
@@ -568,7 +571,7 @@ BUGS = [
         "accumulation/checker/run.py",
         "        check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)\n",
         "        pass\n",
-        [f"{BLIND_SPOTS_TEST}::test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line"],
+        ["tests/test_checker_verdicts.py::test_the_checker_refuses_outputs_that_do_not_fit_the_loss_in_one_line"],
     ),
     # Issue 42: the positions labelled -100 and frozen parameters.
     Bug(

@@ -26,7 +26,7 @@ from accumulation.data.sources import build_data, step_batch
 from accumulation.models.factory import build_model
 from accumulation.noise_scale import MicroBatchGradients, NoiseScale
 from accumulation.run.build import build_optimizer
-from accumulation.schedule import build_scheduler
+from accumulation.schedule import run_scheduler
 from accumulation.step import StepSetup, optimizer_step
 
 CPU = torch.device("cpu")
@@ -38,10 +38,8 @@ def measure(steps: int, window: int) -> dict:
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     model = build_model(config.model, data.vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     optimizer = build_optimizer(config.optim, model, CPU)
-    schedule = config.schedule
     # The default run's schedule (decay over run.max_steps), so these steps are the first steps of `python train.py`.
-    decay_updates = schedule.decay_updates or config.run.max_steps
-    scheduler = build_scheduler(optimizer, schedule.name, schedule.warmup_updates, decay_updates, schedule.min_lr_ratio)
+    scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     gradients = MicroBatchGradients(model)
 
     windows = []
