@@ -18,6 +18,8 @@ What adapting Hugging Face to the loop's contract takes (docs/forking.md, "The m
   Hugging Face initialises from torch's global generator, so the build runs inside torch.random.fork_rng with
   that generator seeded, and hands it back as it was (train.py seeds dropout per rank after the build anyway);
 - hidden_states() and output_head (the lm_head) give the chunked loss what it needs (model.loss = "chunked");
+- fsdp_units() makes each decoder layer its own FSDP2 unit, and pipeline_split() cuts GPT-2, Llama and Qwen2
+  decoders into stages (forks/hf_stages.py), each rebuilding the positions and the causal mask the decoder builds;
 - generate() samples with the generator it is given, never the global one;
 - the fingerprint hashes the folder's config.json and the sizes of its weight files: a resume refuses a folder
   changed in place, which the keys (model.path) cannot show.
@@ -83,6 +85,21 @@ class HFCausalLM(nn.Module):
     @property
     def output_head(self) -> nn.Module:
         return self.hf.get_output_embeddings()
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules dist.strategy = "fsdp2" shards one by one (docs/sharding.md): each decoder layer, as the
+        GPT's blocks; the embeddings, the final norm and the head stay with the root. A decoder whose layers are
+        not found (no `layers` or GPT-2's `h` list) is sharded whole."""
+        decoder = self.hf.get_decoder()
+        layers = getattr(decoder, "layers", None) or getattr(decoder, "h", None)
+        return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+    def pipeline_split(self, num_stages: int) -> list[nn.Module]:
+        """The model cut into `num_stages` pipeline stages (dist.pipeline_stages): for GPT-2, Llama and Qwen2
+        decoders, embeddings, runs of layers, final norm and head (forks/hf_stages.py)."""
+        from forks.hf_stages import split_into_stages  # imported only for dist.pipeline_stages > 1
+
+        return split_into_stages(self, num_stages)
 
     def describe(self) -> str:
         config = self.hf.config

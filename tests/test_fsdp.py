@@ -308,9 +308,7 @@ def test_checkpoints_move_between_ddp_fsdp2_and_world_sizes(fsdp2_straight):
     "arguments, world_size, named",
     [
         (["dist.strategy=fsdp2"], 1, "dist.strategy"),  # nothing to shard over
-        (["dist.strategy=fsdp2", "model.compile=true"], 2, "model.compile"),  # not tested together
         (["dist.strategy=fsdp2", "batch.on_oom=shrink"], 2, "batch.on_oom"),  # recovery is DDP's only
-        (["dist.strategy=fsdp2", "model.loss=chunked"], 2, "model.loss"),  # the head's weight is sharded
         (["dist.strategy=zero3"], 1, "dist.strategy"),
     ],
 )

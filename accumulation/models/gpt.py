@@ -2,6 +2,7 @@
 [rows, seq_len, vocab_size]. Its weights are drawn from an explicit generator, the same on every rank and in every
 dtype (build in float32, then `.double()`). Registered as `model.name = "gpt"`, at the end."""
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -77,18 +78,27 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def initialise(self, seed: int) -> None:
-        """Normal(0, 0.02) weights, zero biases, unit norms; residual projections scaled by 1/sqrt(2·n_layer)
-        so the residual stream's variance does not grow with depth (GPT-2's rule)."""
+        """Every parameter set to its value from initial_values(seed)."""
+        parameters = dict(self.named_parameters())
+        for name, value in self.initial_values(seed):
+            parameters[name].copy_(value)
+
+    def initial_values(self, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole initial value on the host) for each parameter in turn, one tensor alive at a time: Normal(0,
+        0.02) weights, zero biases, unit norms; residual projections scaled by 1/sqrt(2·n_layer) so the residual
+        stream's variance does not grow with depth (GPT-2's rule). One generator draws them in parameter order, so
+        a sharded build (accumulation/parallel/fsdp.py, initialise_shards) that keeps each rank's rows of each value
+        starts from the weights of a one-process build, bit for bit."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / (2 * self.config.n_layer) ** 0.5
         for name, param in self.named_parameters():
             if name.endswith("bias"):
-                param.zero_()
+                yield name, torch.zeros(param.shape)
             elif "norm" in name:
-                param.fill_(1.0)
+                yield name, torch.ones(param.shape)
             else:
                 std = residual_std if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+                yield name, torch.randn(param.shape, generator=generator) * std
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden_states(tokens))

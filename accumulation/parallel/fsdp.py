@@ -13,6 +13,8 @@ What changes against DDP, and where:
   model lists in its optional `fsdp_units()` (the GPT: its transformer blocks), then on the whole model,
   which takes the parameters no unit holds (embeddings, final norm, head). A model without `fsdp_units()`
   (the GRU here) is sharded whole: one group, all-gathered as a whole for its forward.
+- `initialise_shards`: a model built on the meta device and sharded gets each rank's shards of its initial
+  weights, the values of a one-process build, without any rank building the whole model (docs/sharding.md).
 - the step's strategy (`FullyShardedDataParallel`, handed to accumulation/step.py's optimizer_step):
   `set_requires_gradient_sync(False)` for every micro-batch but the last, FSDP2's counterpart of DDP's `no_sync`:
   one reduce-scatter of the gradient per update; the squared gradient norm from each rank's shards.
@@ -27,7 +29,7 @@ What changes against DDP, and where:
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from accumulation.batching import MicroBatch
@@ -37,10 +39,11 @@ from accumulation.step import MicroBatchLoss, Strategy, squared_norm
 
 
 class FullyShardedDataParallel(Strategy):
-    """optimizer_step's strategy for a fully_shard-ed model: every rank one replica, each holding shards."""
+    """optimizer_step's strategy for a fully_shard-ed model: every rank one replica, each holding shards. `module` is
+    what the step runs: the sharded model, or with the chunked loss the module of its hidden states around it."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model, self.replicas = model, dist.get_world_size()  # D
+    def __init__(self, module: torch.nn.Module, sharded: torch.nn.Module):
+        self.model, self.sharded, self.replicas = module, sharded, dist.get_world_size()  # D
 
     def run_micro_batches(self, micro_batches: list[MicroBatch], loss: MicroBatchLoss) -> torch.Tensor:
         last = len(micro_batches) - 1
@@ -48,7 +51,7 @@ class FullyShardedDataParallel(Strategy):
         for k, micro_batch in enumerate(micro_batches):
             # Gradients accumulate unsharded until the last micro-batch's backward reduce-scatters their sum with
             # ReduceOp.AVG, so rank r keeps shard r of (1/D)·Σ_q Σ_k ∇(S_qk·D/N) = ∇L: DDP's mean, the same ×D.
-            self.model.set_requires_gradient_sync(k == last)
+            self.sharded.set_requires_gradient_sync(k == last)
             loss_sum = loss.forward(self.model, micro_batch)  # S_rk
             loss.backward(loss_sum)
             loss_sum_local += loss_sum.detach()
@@ -68,17 +71,6 @@ def check_strategy_for_world(config: Config, world_size: int) -> None:
             'dist.strategy: "fsdp2" shards the model over the ranks and needs at least 2 (torchrun '
             '--nproc_per_node=N with N >= 2); on one process use "ddp", which reads the same checkpoints'
         )
-    if config.model.compile is True:  # "auto" turns itself off under fsdp2
-        raise ConfigError(
-            'model.compile: expected false or "auto" with dist.strategy = "fsdp2" (torch.compile around '
-            'fully_shard is not tested here); use dist.strategy = "ddp" to compile'
-        )
-    if config.model.loss == "chunked":
-        raise ConfigError(
-            'model.loss: expected "plain" or "auto" with dist.strategy = "fsdp2" (the chunked loss uses the output '
-            "head's weight outside the model's forward, which is not tested with FSDP2's sharding); use "
-            'dist.strategy = "ddp" for the chunked loss'
-        )
     if config.batch.on_oom == "shrink":
         # Recovery needs the rank that ran out of memory to join the others' gradient reduction and then
         # redo the step (accumulation/step.py); FSDP2 reduce-scatters per block inside the backward, and
@@ -95,24 +87,64 @@ def sharding_units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard_model(
-    model: torch.nn.Module, context: DistributedContext, param_dtype: torch.dtype | None
+    model: torch.nn.Module, context: DistributedContext, param_dtype: torch.dtype | None, compile_units: bool = False
 ) -> torch.nn.Module:
     """Shard `model` in place over all ranks and return it (it is now an FSDPModule; its parameters DTensors).
 
     Every rank must hold the same full weights before this call (the same seed, or the same checkpoint):
-    each keeps its own shard of them. bf16 and fp16 all-gather and compute with half-precision copies of the
+    each keeps its own shard of them. Or the model is on the meta device, and `initialise_shards` gives each
+    rank's shards their values after this call (accumulation/run/build.py).
+    bf16 and fp16 all-gather and compute with half-precision copies of the
     parameters (MixedPrecisionPolicy.param_dtype; autocast still runs in the step as under DDP) and
     reduce-scatter the gradients in fp32 (reduce_dtype), which is also the dtype in which the gradients of
     non-final micro-batches accumulate while synchronisation is off. fp32 needs no policy: everything stays
     in the parameters' dtype (float64 too, as the tests run it). `param_dtype` is the autocast dtype of
     precision.dtype: the dtype of the all-gathered (unsharded) parameters the forward and backward compute
-    with; None keeps the parameters' own. The shards, gradients and optimizer state keep the parameters' dtype."""
+    with; None keeps the parameters' own. The shards, gradients and optimizer state keep the parameters' dtype.
+
+    `compile_units` (model.compile): each unit is compiled in place before it is sharded, so that torch.compile
+    traces the block's own computation and FSDP2's all-gather and reduce-scatter stay outside it, run by the hooks
+    of the eager module around it; the root (embeddings, final norm, head, loss) runs eagerly.
+
+    The chunked loss (model.loss = "chunked") calls `model.hidden_states` and then reads the output head's weight:
+    `hidden_states` is made one of the root's forwards (its parameters all-gathered before it), and the root keeps
+    them whole after it (reshard_after_forward=False) until its backward has reduce-scattered their gradients, so
+    the loss reads the whole head weight and its gradient reaches FSDP2's reduction like any other."""
     mesh = init_device_mesh(context.device.type, (context.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     for unit in sharding_units(model):
+        if compile_units:
+            unit.compile()
         fully_shard(unit, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)  # the root: every parameter no unit took
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)  # the root: what no unit took
+    if hasattr(model, "hidden_states"):
+        register_fsdp_forward_method(model, "hidden_states")
     return model
+
+
+def builds_sharded(model: torch.nn.Module) -> bool:
+    """Whether the model can be initialised shard by shard (`initialise_shards`): it yields its initial values one
+    parameter at a time (`initial_values(seed)`, the GPT's) and has no buffers (to_empty would leave them without
+    values). Any other model is built whole, then sharded."""
+    return callable(getattr(model, "initial_values", None)) and not any(True for _ in model.buffers())
+
+
+@torch.no_grad()
+def initialise_shards(model: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Materialise a model sharded on the meta device (`shard_model`) on `device` and give each rank's shards their
+    initial values: the model's `initial_values(seed)`, one whole parameter at a time on the host, of which each
+    rank keeps its own rows. No rank holds the whole model: at most its shards and the largest single parameter
+    (at 70B, a 128k × 8192 embedding: 4 GiB, against 280 GB for the whole model). The values are those of a
+    one-process build with the same seed, bit for bit, for any world size: the same draws, cut."""
+    model.to_empty(device=device)
+    parameters = dict(model.named_parameters())
+    for name, value in model.initial_values(seed):
+        param = parameters[name]
+        # distribute_tensor with src_data_rank=None cuts this rank's rows out of the value every rank computed alike
+        # (no communication), laid out as fully_shard laid the parameter out.
+        mesh, placements = param.device_mesh, param.placements
+        shard = distribute_tensor(value.to(device), mesh, placements, src_data_rank=None)
+        param.to_local().copy_(shard.to_local())
 
 
 def describe_sharding(model: torch.nn.Module) -> str:

@@ -21,7 +21,13 @@ from accumulation.config.config import (
     resolved_grad_scaler,
 )
 from accumulation.data.memory import memory_limit_bytes
-from accumulation.models.factory import build_model, decided_model_config, loss_sum_fn_for, training_forward_and_loss
+from accumulation.models.factory import (
+    build_model,
+    build_model_on_meta,
+    decided_model_config,
+    loss_sum_fn_for,
+    training_forward_and_loss,
+)
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import seed_dropout
 from accumulation.schedule import run_scheduler
@@ -89,14 +95,17 @@ def wrap_for_training(
     *,
     compile: bool,
     param_dtype: torch.dtype | None,
+    whole_model: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """The module the step runs: `model` (training_forward_and_loss's module) compiled when `compile` is on, then
     in DistributedDataParallel over more than one rank (docs/performance.md). With dist.strategy = "fsdp2" the
-    model is sharded in place instead: build the optimizer after this call."""
+    model is sharded in place instead (`whole_model`, the model `model` runs: itself, or the chunked loss's module of
+    its hidden states), each of its units compiled when `compile` is on: build the optimizer after this call."""
     if dist_config.strategy == "fsdp2":  # param_dtype: autocast's dtype (autocast_dtype_for), the shards' compute dtype
         from accumulation.parallel.fsdp import shard_model
 
-        return shard_model(model, context, param_dtype=param_dtype)
+        shard_model(whole_model or model, context, param_dtype=param_dtype, compile_units=compile)
+        return model
     wrapped = torch.compile(model) if compile else model
     if context.world_size == 1:
         return wrapped
@@ -137,13 +146,24 @@ def build_training(
     dropout switched off) and, to test itself, a buggy `loss_sum_fn` in place of the configured one (run on the
     plain path, uncompiled)."""
     device = context.device
+    whole_resume = resume is not None and "sharded" not in resume  # a ddp checkpoint's whole weights
+    # fsdp2 without whole weights to load: the model in shapes only (the meta device), sharded below, then each
+    # rank initialises its own shards (parallel/fsdp.py, initialise_shards); no rank holds the whole model.
+    sharded_build = False
+    if model is None and config.dist.strategy == "fsdp2" and not context.pipelined and not whole_resume:
+        from accumulation.parallel.fsdp import builds_sharded
+
+        meta_model = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
+        if builds_sharded(meta_model):
+            model, sharded_build = meta_model, True
     if model is None:  # the same initial weights on every rank
         model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
-    model = model.to(device)
+    if not sharded_build:
+        model = model.to(device)
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
     seed_dropout(config.run.seed, context.rank)
-    if resume is not None and "sharded" not in resume:  # whole weights before sharding (sharded ones: restore.py)
+    if whole_resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type) and loss_sum_fn is None
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
@@ -166,14 +186,21 @@ def build_training(
         pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
         module, strategy = pipeline.wrapped, pipeline
     else:
-        if loss_sum_fn is None:
-            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=compiled)
+        if loss_sum_fn is None:  # fsdp2 compiles each of its units, not one region (parallel/fsdp.py, shard_model)
+            one_region = compiled and config.dist.strategy != "fsdp2"
+            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=one_region)
         else:
             forward_module, step_loss_sum_fn = evaluation
         # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
         # its parameters then DTensor shards: the optimizer is built after this line, over what the step updates.
-        module = wrap_for_training(forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype)
-        strategy = step_strategy(config, module)
+        module = wrap_for_training(
+            forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype, whole_model=model
+        )
+        if sharded_build:
+            from accumulation.parallel.fsdp import initialise_shards
+
+            initialise_shards(model, device, config.run.seed)
+        strategy = step_strategy(config, module, model)
         optimizer = build_optimizer(config.optim, model, device)
     scheduler = run_scheduler(optimizer, config.schedule, config.run.max_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=resolved_grad_scaler(config))
@@ -185,13 +212,13 @@ def build_training(
     return Training(model, model_config, compiled, optimizer, scheduler, setup, step, evaluation, pipeline)
 
 
-def step_strategy(config: Config, module: torch.nn.Module) -> Strategy:
+def step_strategy(config: Config, module: torch.nn.Module, model: torch.nn.Module) -> Strategy:
     """How the step runs `module`'s micro-batches: FSDP2's under dist.strategy = "fsdp2", the out-of-memory retry's
     under batch.on_oom = "shrink", else DataParallel (one process, DDP)."""
     if config.dist.strategy == "fsdp2":
         from accumulation.parallel.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(module)
+        return FullyShardedDataParallel(module, model)
     if config.batch.on_oom == "shrink":
         from accumulation.shrink_on_oom import ShrinkOnOutOfMemory
 
