@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.data.uniforms import step_uniforms
+from accumulation.models.gpt import GPT
 
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
 PROMPT_STREAM, SAMPLING_STREAM = 11, 12
@@ -129,8 +130,6 @@ class GPTKeyValueCache:
 
 def decoder_for(model: torch.nn.Module, rows: int, seq_len: int):
     """The key-value cache where the model is the project's GPT, else a forward over the whole prefix per token."""
-    from accumulation.models.gpt import GPT
-
     return (GPTKeyValueCache if isinstance(model, GPT) else FullForward)(model, rows, seq_len)
 
 

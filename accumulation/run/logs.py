@@ -27,6 +27,7 @@ from accumulation.run.run_dir import (
     write_text_atomically,
 )
 from accumulation.run.sample import print_sample
+from accumulation.run.sinks import SinkSession
 
 # The summary reports these first steps' speed apart: the first compiles and allocates, the second rebuilds DDP's
 # gradient buckets and may compile again for new shapes.
@@ -180,8 +181,6 @@ class RunLogs:
         """The sinks log.sinks names, in its order, rank 0 only (metrics.jsonl and TensorBoard by default)."""
         if not self.context.is_main:
             return
-        from accumulation.run.sinks import SinkSession  # only rank 0 writes sinks
-
         # a data source's own fields (GRPO's rewards) are grouped under the group it declares
         source_group = row_hooks(self.data.train).log_group if self.data is not None else "data"
         session = SinkSession(self.config, self.run_dir, counters, resumed, source_group, self.revised)

@@ -13,6 +13,7 @@ from accumulation.config.config import Config, ConfigError, config_from_dict
 from accumulation.data.rows import DataError
 from accumulation.models.factory import build_model, build_model_on_meta
 from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.checkpoint_checks import newest_readable_checkpoint
 from accumulation.run.sample import RunTokenizer, run_tokenizer
 
 
@@ -43,8 +44,6 @@ def vocab_size_of(config: Config, state: dict) -> int:
 
 
 def load_trained_run(run_dir: Path) -> TrainedRun:
-    from accumulation.run.checkpoint_checks import newest_readable_checkpoint
-
     checkpoints = run_dir / "checkpoints"
     if not run_dir.is_dir() or not checkpoints.is_dir():
         raise TrainedRunError(
@@ -52,11 +51,12 @@ def load_trained_run(run_dir: Path) -> TrainedRun:
             f"e.g. runs/default"
         )
     warn = functools.partial(print, file=sys.stderr)  # a damaged latest.pt passed over for an older checkpoint
-    sharded = any(checkpoints.glob("step_*.dcp"))  # fsdp2's folders of shards
-    if sharded:
-        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint, whole_state
+    find = newest_readable_checkpoint
+    if any(checkpoints.glob("step_*.dcp")):  # fsdp2's folders of shards
+        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint as find
+        from accumulation.run.sharded_checkpoint import whole_state
     try:
-        found = newest_readable_checkpoint(checkpoints, warn)
+        found = find(checkpoints, warn)
         if found is None:
             raise TrainedRunError(f"{checkpoints} holds no checkpoint yet; train first (python train.py run.name=...)")
         path, payload = found
