@@ -55,7 +55,12 @@ SHORTER = {
 }
 
 # What a synopsis's placeholders stand for.
-PLACEHOLDERS = {"FILE": "configs/default.toml", "INPUT": "data/sft_arithmetic.jsonl", "OUT_DIR": "{tmp}/tokens"}
+PLACEHOLDERS = {
+    "FILE": "configs/default.toml",
+    "INPUT": "data/sft_arithmetic.jsonl",
+    "OUT_DIR": "{tmp}/tokens",
+    "RUN_DIR": "{tmp}/runs/default",  # trained first by the test (TINY_RUN), as a new user has trained one
+}
 
 # Inline spans that are not commands a user runs: a flag named in prose.
 NOT_COMMANDS = {"torchrun --max-restarts"}  # docs/tools.md: chaos_soak.py runs "under `torchrun --max-restarts`"
@@ -145,6 +150,10 @@ def test_every_documented_command_runs(command, checkout, tmp_path):
         arguments = arguments.replace("install ", "install --dry-run --no-index --no-build-isolation ", 1)
     shell = f"{launcher} {arguments}"
     environment = {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
+    if "RUN_DIR" in command.split():  # sample.py and export.py read a run: train the tiny one RUN_DIR names first
+        train = f"{sys.executable} train.py {TINY_RUN.format(tmp=tmp_path)}"
+        trained = subprocess.run(train, shell=True, cwd=checkout, env=environment, capture_output=True, text=True)
+        assert trained.returncode == 0, f"{train}\n{trained.stderr[-3000:]}"
     completed = subprocess.run(
         shell, shell=True, cwd=checkout, env=environment, capture_output=True, text=True, timeout=600
     )
