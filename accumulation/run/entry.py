@@ -3,6 +3,7 @@ policy (docs/faults.md). Bad input is one line on stderr and exit status 2 with 
 fails once its run directory is its own ends at once with one line (or a bug's traceback) and status 1 or 2; a stop
 signal finishes the step, checkpoints and exits 130, 129 or 143 (accumulation/run/signals.py)."""
 
+import errno
 import signal
 import sys
 import traceback
@@ -20,7 +21,7 @@ from accumulation.probe import InexactStep
 from accumulation.run.checkpoint import CheckpointError
 from accumulation.run.restore import check_ranks_agree_on_resume
 from accumulation.run.run_dir import RunDirectoryError, RunLock, WriteError
-from accumulation.run.signals import StopRequest
+from accumulation.run.signals import StopRequest, detach_from_closed_terminal
 from accumulation.run.stops import all_steps_done
 
 # Bad input: a launch environment, config, data, checkpoint or run directory a user can fix.
@@ -39,8 +40,17 @@ class Job:
         self.lock: RunLock | None = None
 
     def say(self, *args, **kwargs) -> None:
-        if self.rank == 0:  # only rank 0 prints progress and warnings
+        if self.rank != 0:  # only rank 0 prints progress and warnings
+            return
+        try:
             print(*args, **kwargs)
+        except OSError as error:
+            # A terminal that hung up fails writes (EIO) from the moment it closes, and its SIGHUP may reach the
+            # handler (which detaches from it) only after this write: detach here; the line is lost with the
+            # terminal, and the SIGHUP stops the run at the step's end as usual.
+            if error.errno != errno.EIO:
+                raise
+            detach_from_closed_terminal()
 
     def warn(self, *args) -> None:
         self.say(*args, file=sys.stderr)
