@@ -96,9 +96,18 @@ register_loss("clamped", clamped_cross_entropy_sum)
 """
 
 
-def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+def error_lines_of_a_refused_run(argv: list[str], tmp_path, monkeypatch, capsys) -> list[str]:
+    """train.py with FORK's losses importable as probe_fork: it must exit 2; the lines it wrote on stderr."""
     (tmp_path / "probe_fork.py").write_text(textwrap.dedent(FORK))
     monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert train.main(argv) == 2
+    finally:
+        sys.modules.pop("probe_fork", None)
+    return capsys.readouterr().err.strip().splitlines()
+
+
+def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
     argv = [
         "model.objective=probe_fork:mean",
         "model.n_layer=1",
@@ -109,11 +118,7 @@ def test_train_py_stops_a_mean_loss_at_step_0_with_one_line_and_writes_nothing(t
         "device=cpu",
         f"run.out_dir={tmp_path / 'runs'}",
     ]
-    try:
-        assert train.main(argv) == 2
-    finally:
-        sys.modules.pop("probe_fork", None)
-    errors = capsys.readouterr().err.strip().splitlines()
+    errors = error_lines_of_a_refused_run(argv, tmp_path, monkeypatch, capsys)
     assert len(errors) == 1 and errors[0].startswith("error: step 0: the loss is a mean, not a sum over its targets")
     assert not (tmp_path / "runs" / "default" / "checkpoints").exists()
 
@@ -122,8 +127,6 @@ def test_train_py_stops_a_loss_that_supervises_the_padding_naming_it(tmp_path, m
     """labels.clamp(min=0) then a sum trains every padding and prompt position as token 0. It is not additive over
     halves of its targets (masking half of them with -100 masks nothing), which the probe blamed on examples that
     couple ("in-batch negatives") while it trained on; the cause it finds is named instead, and the run stops."""
-    (tmp_path / "probe_fork.py").write_text(textwrap.dedent(FORK))
-    monkeypatch.syspath_prepend(str(tmp_path))
     argv = [
         "--config",
         "configs/sft.toml",
@@ -134,11 +137,7 @@ def test_train_py_stops_a_loss_that_supervises_the_padding_naming_it(tmp_path, m
         "batch.micro_batch_size=4",
         f"run.out_dir={tmp_path / 'runs'}",
     ]
-    try:
-        assert train.main(argv) == 2
-    finally:
-        sys.modules.pop("probe_fork", None)
-    errors = capsys.readouterr().err.strip().splitlines()
+    errors = error_lines_of_a_refused_run(argv, tmp_path, monkeypatch, capsys)
     assert len(errors) == 1 and errors[0].startswith(
         "error: step 0: the loss reads the outputs at positions whose label is -100 (padding, prompt): moving only"
     ), errors
