@@ -74,6 +74,16 @@ def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
     )
 
 
+def newest_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
+    """checkpoint_checks.newest_readable_checkpoint; over a folder holding dist.strategy = "fsdp2"'s sharded
+    checkpoints, sharded_checkpoint.py's, which reads its folders and single files together, newest step first."""
+    if checkpoint_dir.is_dir() and any(checkpoint_dir.glob("step_*.dcp")):
+        from accumulation.run.sharded_checkpoint import newest_readable_folder_or_file
+
+        return newest_readable_folder_or_file(checkpoint_dir, warn)
+    return newest_readable_checkpoint(checkpoint_dir, warn)
+
+
 def find_resume_point(
     config: Config, data: DataSummary, model_on_meta: torch.nn.Module, run_dir: Path, warn, say
 ) -> dict | None:
@@ -91,10 +101,7 @@ def find_resume_point(
             f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
             f"continue from its last checkpoint, or start a new run.name"
         )
-    find = newest_readable_checkpoint
-    if checkpoint_dir.is_dir() and any(checkpoint_dir.glob("step_*.dcp")):  # sharded checkpoints (fsdp2's)
-        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint as find
-    found = find(checkpoint_dir, warn) if config.run.resume == "auto" else None
+    found = newest_checkpoint(checkpoint_dir, warn) if config.run.resume == "auto" else None
     if found is None:
         leftovers = [name for name in (METRICS_FILE, "tensorboard") if (run_dir / name).exists()]
         # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when

@@ -277,7 +277,7 @@ def verify_files(path: Path) -> None:
             )
 
 
-def newest_readable_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
+def newest_readable_folder_or_file(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
     """checkpoint_checks.newest_readable_checkpoint over sharded folders and single files together, newest step
     first (a run may have moved between ddp and fsdp2): each bad one passed over through `warn`, None without
     any, CheckpointError when none can be used."""

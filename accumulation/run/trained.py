@@ -13,7 +13,7 @@ from accumulation.config.config import Config, ConfigError, config_from_dict
 from accumulation.data.rows import DataError
 from accumulation.models.factory import build_model, build_model_on_meta
 from accumulation.run.checkpoint import CheckpointError
-from accumulation.run.checkpoint_checks import newest_readable_checkpoint
+from accumulation.run.restore import newest_checkpoint
 from accumulation.run.sample import RunTokenizer, run_tokenizer
 
 
@@ -51,16 +51,14 @@ def load_trained_run(run_dir: Path) -> TrainedRun:
             f"e.g. runs/default"
         )
     warn = functools.partial(print, file=sys.stderr)  # a damaged latest.pt passed over for an older checkpoint
-    find = newest_readable_checkpoint
-    if any(checkpoints.glob("step_*.dcp")):  # fsdp2's folders of shards
-        from accumulation.run.sharded_checkpoint import newest_readable_checkpoint as find
-        from accumulation.run.sharded_checkpoint import whole_state
     try:
-        found = find(checkpoints, warn)
+        found = newest_checkpoint(checkpoints, warn)
         if found is None:
             raise TrainedRunError(f"{checkpoints} holds no checkpoint yet; train first (python train.py run.name=...)")
         path, payload = found
-        if path.is_dir():  # the shards gathered in this one process: export and sampling need the whole model
+        if path.is_dir():  # fsdp2's shards gathered in this one process: export and sampling need the whole model
+            from accumulation.run.sharded_checkpoint import whole_state
+
             payload = whole_state(path)
     except CheckpointError as error:
         raise TrainedRunError(str(error)) from None
