@@ -1,6 +1,6 @@
 """configs/grpo_slip.toml, the GRPO run that learns (docs/rl.md, "A run that learns"): its task file is what
 scripts/rl/make_slip_addition.py writes, the reward tells its slipped answers from its clean ones, its sizes are the
-ones the docs measured, and it runs through train.py. The run itself (300 SFT steps, 50 rounds) takes minutes, and
+ones the docs measured, and it runs through train.py. The run itself (600 SFT steps, 100 rounds) takes minutes, and
 a shortened one does not reach the policy the measurement starts from, so the gain is measured in docs/rl.md, not
 asserted here."""
 
@@ -23,15 +23,15 @@ def test_the_task_file_is_the_scripts_output_and_the_reward_scores_only_its_clea
     task = config.data.own
     lines = (ROOT / task.prompts).read_text(encoding="utf-8").splitlines()
     rows = [json.loads(line) for line in lines]
-    assert rows == slipped_addition(task.max_operand, 0.5, 0)
+    assert rows == slipped_addition(task.max_operand, 0.8, 0)
     # The same problems, in the same order, as the arithmetic of configs/grpo.toml: the same 160 held out.
     problems = addition_problems(task.max_operand)
     assert [row["prompt"] for row in rows] == [prompt for prompt, _ in problems]
     held_out = [prompt for prompt, _ in split_problems(task.max_operand, task.held_out)[1]]
     assert [row["prompt"] for row in rows[::10][: task.held_out]] == held_out
     slipped = [row["response"] != clean for row, (_, clean) in zip(rows, problems, strict=True)]
-    # 1,600 seeded draws at 1/2: the share is within 3 standard errors (0.0125 each) of a half.
-    assert abs(sum(slipped) / len(rows) - 0.5) < 0.0375
+    # 1,600 seeded draws at 0.8: the share is within 3 standard errors (sqrt(0.8 x 0.2 / 1,600) = 0.01) of 0.8.
+    assert abs(sum(slipped) / len(rows) - 0.8) < 0.03
     for row, (prompt, clean), slip in zip(rows, problems, slipped, strict=True):
         assert reward(prompt, clean) == 1.0
         assert row["response"] == (clean.removesuffix("\n") + SLIP + "\n" if slip else clean)
@@ -42,11 +42,11 @@ def test_the_task_file_is_the_scripts_output_and_the_reward_scores_only_its_clea
 def test_the_sizes_are_the_documented_ones():
     config = load_config(["--config", str(ROOT / "configs" / "grpo_slip.toml")])
     data, batch = config.data.own, config.batch
-    assert (data.sft_steps, config.run.max_steps, config.run.eval_every) == (300, 400, 25)
+    assert (data.sft_steps, config.run.max_steps, config.run.eval_every) == (600, 800, 25)
     rounds = (
         (config.run.max_steps - data.sft_steps) * batch.global_batch_size // (data.prompts_per_round * data.group_size)
     )
-    assert (rounds, data.prompts_per_round, data.group_size, batch.global_batch_size) == (50, 64, 8, 256)
+    assert (rounds, data.prompts_per_round, data.group_size, batch.global_batch_size) == (100, 64, 8, 256)
     # GRPO at the schedule's floor, 3e-3 x 0.1 (float rounding only: 1e-12).
     assert abs(config.optim.lr * config.schedule.min_lr_ratio - 3e-4) < 1e-12
     assert config.schedule.decay_updates == data.sft_steps

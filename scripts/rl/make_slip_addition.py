@@ -1,13 +1,14 @@
 """Write data/rl_slip_addition.jsonl, the task of configs/grpo_slip.toml: every "Q: a + b =" for a, b < 40 (the
 shipped arithmetic, in the same order, so the same 160 problems are held out), whose reference answer carries a
-stray " 0" after the sum (" 57 0") on a seeded share of the rows: a demonstrator's slip.
+stray " 0" after the sum (" 57 0") on a seeded share of the rows: a demonstrator's habitual slip.
 
 The reward (accumulation.rl.task:reward) reads the completion's last number, so a slipped answer scores 0. SFT on
-these answers learns the sum and the slip together; sampled at temperature 1 the policy writes both, so GRPO's groups
-carry mixed rewards, and the slip is the same on every problem, so what GRPO unlearns on the training prompts
-carries to the held-out ones (docs/rl.md, "A run that learns").
+these answers learns the sum and the slip together, the slip as the likelier ending (about 0.8 after every sum), so
+greedy decoding slips on nearly every held-out prompt; sampled at temperature 1 the policy also writes clean
+answers, so GRPO's groups carry mixed rewards, and the slip is the same on every problem, so what GRPO unlearns on
+the training prompts carries to the held-out ones (docs/rl.md, "A run that learns").
 
-    python scripts/rl/make_slip_addition.py          # the shipped file: half the answers slipped, seed 0
+    python scripts/rl/make_slip_addition.py          # the shipped file: 8 answers in 10 slipped, seed 0
 """
 
 import argparse
@@ -35,7 +36,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="data/rl_slip_addition.jsonl")
     parser.add_argument("--max-operand", type=int, default=40)
-    parser.add_argument("--slip-share", type=float, default=0.5)
+    parser.add_argument("--slip-share", type=float, default=0.8)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = slipped_addition(args.max_operand, args.slip_share, args.seed)
