@@ -47,6 +47,7 @@ def test_the_sizes_are_the_documented_ones():
         (config.run.max_steps - data.sft_steps) * batch.global_batch_size // (data.prompts_per_round * data.group_size)
     )
     assert (rounds, data.prompts_per_round, data.group_size, batch.global_batch_size) == (100, 64, 8, 256)
+    assert (config.model.n_layer, config.model.d_model) == (2, 128)
     # GRPO at the schedule's floor, 3e-3 x 0.1 (float rounding only: 1e-12).
     assert abs(config.optim.lr * config.schedule.min_lr_ratio - 3e-4) < 1e-12
     assert config.schedule.decay_updates == data.sft_steps

@@ -4,7 +4,7 @@ stray " 0" after the sum (" 57 0") on a seeded share of the rows: a demonstrator
 
 The reward (accumulation.rl.task:reward) reads the completion's last number, so a slipped answer scores 0. SFT on
 these answers learns the sum and the slip together, the slip as the likelier ending (about 0.8 after every sum), so
-greedy decoding slips on nearly every held-out prompt; sampled at temperature 1 the policy also writes clean
+greedy decoding slips on most held-out prompts; sampled at temperature 1 the policy also writes clean
 answers, so GRPO's groups carry mixed rewards, and the slip is the same on every problem, so what GRPO unlearns on
 the training prompts carries to the held-out ones (docs/rl.md, "A run that learns").
 
