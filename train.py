@@ -260,6 +260,7 @@ class Checkpointer:
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
         if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
+            background = background and self.config.run.checkpoint_in_background  # or at once, no host copy
             self.sharded.save(payload, training.optimizer, counters.steps, background)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)

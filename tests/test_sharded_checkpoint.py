@@ -221,6 +221,37 @@ def test_a_stop_signal_s_sharded_checkpoint_is_complete_before_exit_and_the_rest
     assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
 
 
+def main_without_background_saves(argv: list[str]) -> int:
+    """train.main in a rank where writing a checkpoint in the background (dcp.async_save) raises."""
+    import torch.distributed.checkpoint as dcp
+
+    import train
+
+    def background_save_refused(*args, **kwargs):
+        raise AssertionError("dcp.async_save was called: a checkpoint was written in the background")
+
+    dcp.async_save = background_save_refused  # this forked rank's copy of the module only
+    return train.main(argv)
+
+
+def test_checkpoints_written_at_once_hold_the_background_ones_state_bit_for_bit(straight):
+    """run.checkpoint_in_background = false: every checkpoint written at once from the shards (no host copy, no
+    async_save), each folder holding the straight run's state of its step, bit for bit."""
+    tmp_path, corpus = straight
+    settings = {"run.name": "at_once", "run.checkpoint_in_background": "false"}
+    arguments = tiny_settings(tmp_path, corpus, **{"dist.strategy": "fsdp2", "run.max_steps": 4}, **settings)
+    arguments += ["run.checkpoint_every=1", "run.keep_checkpoints=10"]
+    per_rank = run_main_on_ranks("tests.test_sharded_checkpoint:main_without_background_saves", arguments)
+    assert [status for status, _, _ in per_rank] == [0, 0], per_rank
+    folders = sorted((tmp_path / "runs" / "at_once" / "checkpoints").glob("step_*.dcp"))
+    assert [folder.name for folder in folders] == [f"step_{step:06d}.dcp" for step in range(5)]
+    for folder in folders:
+        at_once = whole_state(folder)
+        background = whole_state(tmp_path / "runs" / "straight" / "checkpoints" / folder.name)
+        assert_same_state(at_once, background)
+        assert at_once["counters"] == background["counters"]
+
+
 def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     """Two sharded saves of a small FSDP2 model with AdamW state into `disk`, the second after the disk was filled:
     the second's WriteError, as each rank sees it."""

@@ -54,6 +54,11 @@ class RunConfig:
         choices=("auto", "never"),
     )
     keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
+    checkpoint_in_background: bool = setting(
+        True,
+        "dist.strategy=fsdp2: write the sharded checkpoints while training goes on, from a host copy of this rank's "
+        "shards (12/D bytes per parameter with AdamW); false: at once from the shards, no copy (docs/sharding.md)",
+    )
     sample_bytes: int = setting(
         200, "tokens sampled at the end after a training prompt; 0 = none (docs/training.md)", "tokens", at_least=0
     )
