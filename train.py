@@ -96,8 +96,14 @@ def prepare(argv: list[str], job: Job) -> Prepared:
         check_model_splits(model_on_meta, config)
     check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
     job.hold(run_dir)  # rank 0 locks it before a resume reads it
-    resume = find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say)
-    return Prepared(config, data, vocab_size, run_dir, resume)
+    # On several ranks each checksums its share of a sharded checkpoint's shard files once they have joined (entry.py)
+    together = job.world_size > 1
+    resume = find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say, together)
+
+    def find_older(step: int) -> dict | None:
+        return find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say, together, step)
+
+    return Prepared(config, data, vocab_size, run_dir, resume, find_older)
 
 
 # ================================================================== 2. The training section

@@ -219,12 +219,14 @@ def publish(temporary: Path, path: Path, rest: dict, shard_sums: dict) -> None:
         os.close(descriptor)
 
 
-def read_sharded_checkpoint(path: Path) -> dict:
+def read_sharded_checkpoint(path: Path, shard_checksums: bool = True) -> dict:
     """A sharded checkpoint checked and read as far as a resume's checks need it, without its tensors: every file
-    against checksums.json, state.pt read (weights only), and `model` / the optimizer's parameter-shaped entries
-    as meta tensors of the stored shapes and dtypes (from DCP's metadata). `sharded` holds the folder: train.py
-    loads the tensors once the model is built (load_sharded_state). Raises CheckpointError for anything unusable."""
-    verify_files(path)
+    against checksums.json (without `shard_checksums`, the shard files' sizes only: ranks that resume together
+    checksum them together, verify_shares_together), state.pt read (weights only), and `model` / the optimizer's
+    parameter-shaped entries as meta tensors of the stored shapes and dtypes (from DCP's metadata). `sharded` holds
+    the folder: train.py loads the tensors once the model is built (load_sharded_state). Raises CheckpointError for
+    anything unusable."""
+    verify_files(path, shard_checksums)
     payload = described(path)
     if any(key not in payload for key in REQUIRED_KEYS):
         raise CheckpointError(f"checkpoint {path}: its {STATE_FILE} lacks keys; it was not written by this program")
@@ -256,8 +258,20 @@ def described(path: Path) -> dict:
     return payload
 
 
-def verify_files(path: Path) -> None:
-    """Every file of the folder against checksums.json: the same names, sizes and CRC-32s."""
+def verify_files(path: Path, shard_checksums: bool = True) -> None:
+    """Every file of the folder against checksums.json: the same names and sizes, and the same CRC-32s for the small
+    files (state.pt, DCP's .metadata) and, with `shard_checksums`, for the shard files (`__R_0.distcp`)."""
+    expected = listed_files(path)
+    for name, (size, _) in sorted(expected.items()):
+        if (path / name).stat().st_size != size:
+            raise CheckpointError(damaged(path, name))
+    for name, (_, crc) in sorted(expected.items()):
+        if (shard_checksums or not name.endswith(".distcp")) and crc32_of(path / name) != crc:
+            raise CheckpointError(damaged(path, name))
+
+
+def listed_files(path: Path) -> dict:
+    """checksums.json's {name: [size, CRC-32]}, refused unless it names exactly the folder's other files."""
     try:
         expected = json.loads((path / CHECKSUMS_FILE).read_text())
         present = {p.name for p in path.iterdir()} - {CHECKSUMS_FILE}
@@ -269,30 +283,53 @@ def verify_files(path: Path) -> None:
             f"{sorted(set(expected) - present) if isinstance(expected, dict) else '?'}, unexpected "
             f"{sorted(present - set(expected)) if isinstance(expected, dict) else '?'})"
         )
-    for name, (size, crc) in sorted(expected.items()):
-        if (path / name).stat().st_size != size or crc32_of(path / name) != crc:
-            raise CheckpointError(
-                f"checkpoint {path} is damaged: {name} does not match the size and CRC-32 written with it (a bit "
-                f"flipped on the disk or in a copy, or the file changed in place)"
-            )
+    return expected
 
 
-def newest_readable_folder_or_file(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
+def damaged(path: Path, name: str) -> str:
+    return (
+        f"checkpoint {path} is damaged: {name} does not match the size and CRC-32 written with it (a bit flipped on "
+        f"the disk or in a copy, or the file changed in place)"
+    )
+
+
+def verify_shares_together(path: Path) -> None:
+    """The shard files' CRC-32s checked by the ranks together, each reading its share once: rank r the files i (in
+    name order) with i % D == r, whatever number of ranks wrote them. One gather hands every rank each one's verdict,
+    so a damaged file anywhere is the same CheckpointError on every rank (restore.py then passes over the folder on
+    all of them alike)."""
+    expected = listed_files(path)
+    shard_files = sorted(name for name in expected if name.endswith(".distcp"))
+    mine = shard_files[dist.get_rank() :: dist.get_world_size()]
+    problem = next((damaged(path, name) for name in mine if crc32_of(path / name) != expected[name][1]), None)
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, problem)
+    found = next((verdict for verdict in verdicts if verdict is not None), None)
+    if found is not None:
+        raise CheckpointError(found)
+
+
+def newest_readable_folder_or_file(
+    checkpoint_dir: Path, warn, shard_checksums: bool = True, newest_step: int | None = None
+) -> tuple[Path, dict] | None:
     """checkpoint_checks.newest_readable_checkpoint over sharded folders and single files together, newest step
-    first (a run may have moved between ddp and fsdp2): each bad one passed over through `warn`, None without
-    any, CheckpointError when none can be used."""
+    first (a run may have moved between ddp and fsdp2), at most `newest_step` when given: each bad one passed over
+    through `warn`, None without any, CheckpointError when none can be used (`shard_checksums`: as
+    read_sharded_checkpoint's)."""
     candidates = [(int(SHARDED_STEP.fullmatch(p.name).group(1)), p) for p in sharded_checkpoints(checkpoint_dir)]
     candidates += [(int(STEP_FILE.fullmatch(p.name).group(1)), p) for p in checkpoint_dir.glob("step_*.pt")]
+    if newest_step is not None:  # an older one than a checkpoint the ranks found damaged together
+        candidates = [(step, path) for step, path in candidates if step <= newest_step]
     candidates = [path for _, path in sorted(candidates, reverse=True)]
     if not candidates:
         return None
-    return first_readable(candidates, read_sharded_or_single, checkpoint_dir, warn)
+    return first_readable(candidates, lambda path: read_sharded_or_single(path, shard_checksums), checkpoint_dir, warn)
 
 
-def read_sharded_or_single(path: Path) -> dict:
+def read_sharded_or_single(path: Path, shard_checksums: bool = True) -> dict:
     """A checkpoint's payload, from a sharded folder or a single file."""
     if path.is_dir():
-        return read_sharded_checkpoint(path)
+        return read_sharded_checkpoint(path, shard_checksums)
     check_regular_file(path)
     return read_checkpoint(path)
 

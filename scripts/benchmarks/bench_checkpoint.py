@@ -11,8 +11,9 @@ Each rank builds the GPT, shards it (FSDP2), takes one AdamW update (so the opti
                copies this rank's shards to the host and returns while a thread writes them, and finish() waits
                for the write and publishes the folder
     resume     into a fresh sharded model and optimizer: the old path reads the whole file on every rank (its CRC
-               pass, then torch.load) and cuts it into shards; the sharded one verifies every file's CRC-32, reads
-               this rank's pieces (dcp.load) and loads them
+               pass, then torch.load) and cuts it into shards; the sharded one verifies every file's size, the small
+               files' CRC-32s and its share of the shard files' (one file in D, verdicts gathered), reads this
+               rank's pieces (dcp.load) and loads them
 
 Figures per rank, the largest over the ranks:
 
@@ -59,6 +60,7 @@ from accumulation.run.sharded_checkpoint import (  # noqa: E402
     described,
     load_sharded_state,
     verify_files,
+    verify_shares_together,
 )
 from testkit.ranks import run_on_ranks  # noqa: E402
 
@@ -163,8 +165,10 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
                     model.load_state_dict(sharded_like(model, payload["model"]))
                     load_optimizer_state(optimizer, payload["optimizer"], sharded=True)
                 else:
-                    verify_files(root / "sharded" / "step_000002.dcp")  # read_sharded_checkpoint without them
+                    # as a resume on D ranks: sizes and the small files on each rank, the shard files shared out
+                    verify_files(root / "sharded" / "step_000002.dcp", shard_checksums=False)
                     payload = described(root / "sharded" / "step_000002.dcp")
+                    verify_shares_together(root / "sharded" / "step_000002.dcp")
                     load_sharded_state(payload, model, optimizer)
                     load_optimizer_state(optimizer, payload["optimizer"])
                 del payload
