@@ -247,9 +247,9 @@ class Checkpointer:
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
-            self.save(counters, skips_in_a_row, background=not (finished or now))  # the last: on the disk at once
+            self.save(counters, skips_in_a_row, at_once=finished or now)  # the last: on the disk before exit
 
-    def save(self, counters: Counters, skips_in_a_row: int, background: bool = True) -> None:
+    def save(self, counters: Counters, skips_in_a_row: int, at_once: bool = False) -> None:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
@@ -265,9 +265,9 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
-        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
-            background = background and self.config.run.checkpoint_in_background  # or at once, no host copy
-            self.sharded.save(payload, training.optimizer, counters.steps, background)
+        if self.sharded is not None:  # fsdp2: as run.sharded_save says, while training goes on unless `at_once`
+            how = "at_once" if at_once else self.config.run.sharded_save
+            self.sharded.save(payload, training.optimizer, counters.steps, how)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

@@ -163,7 +163,7 @@ def whole_build_under_limit_worker(rank: int, world_size: int, arguments: list[s
     resource.setrlimit(resource.RLIMIT_AS, (status_bytes("VmSize") + budget_bytes, resource.RLIM_INFINITY))
     try:
         build.build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
-    except (RuntimeError, MemoryError, ConfigError) as error:  # the build's error, naming the model  # "DefaultCPUAllocator: can't allocate memory"
+    except (RuntimeError, MemoryError, ConfigError) as error:  # the build's error, naming the model
         return str(error).splitlines()[0]
     return None
 
@@ -188,8 +188,8 @@ def test_a_model_larger_than_a_ranks_memory_limit_trains_and_checkpoints_sharded
         "run.log_every": 1,
         "run.eval_every": 0,
         "run.checkpoint_every": 2,
-        # written at once from the shards; in the background each rank would stage a host copy of its shards
-        "run.checkpoint_in_background": "false",
+        # written from the shards, no copy; "staged", each rank would hold a host copy of its shards as well
+        "run.sharded_save": "at_once",
     }
     arguments = tiny_settings(tmp_path, corpus, **settings)
     config = load_config(arguments)

@@ -29,13 +29,14 @@ import json
 import os
 import shutil
 import zlib
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
@@ -91,6 +92,20 @@ def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict
     return tensors, copy.deepcopy(rest)
 
 
+def copied_unless_updated(tensors: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """`tensors` with a copy of each one the optimizer does not update (a module's buffers, which a forward may
+    change, e.g. BatchNorm's running statistics; frozen weights): an "overlapped" save writes the others live."""
+    updated = {local(parameter).data_ptr() for group in optimizer.param_groups for parameter in group["params"]}
+    return {
+        key: value if key.startswith("optimizer/") or local(value).data_ptr() in updated else value.detach().clone()
+        for key, value in tensors.items()
+    }
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class ShardWriter(FileSystemWriter):
     """DCP's file writer, keeping the OSError of a failed write: DCP hands the other ranks only the exception
     raised by torch.save, which a full disk makes a RuntimeError without the OSError behind it."""
@@ -107,11 +122,30 @@ class ShardWriter(FileSystemWriter):
             raise
 
 
+class LiveShards(AsyncStager):
+    """DCP's staging left out: `dcp.async_save` writes the live tensors themselves, no host copy. Safe for what only
+    the optimizer step changes (the weights it updates, its moments) as long as that step waits for the write
+    (ShardedCheckpointWriter's "overlapped" saves hold it); the forward and backward only read them."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict) -> dict:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class ShardedCheckpointWriter:
-    """Writes sharded checkpoints, in the background (`dcp.async_save`): a save blocks only while the shards are
-    copied to the host, then training goes on while a thread writes them; the next save waits for the write in
-    flight and publishes it (`finish`). A run's last checkpoint and a stop's are written at once instead, from the
-    shards where they are (`dcp.save`: no host copy, nothing left in flight at exit).
+    """Writes sharded checkpoints, as `run.sharded_save` says: "staged" (`dcp.async_save`) blocks only while the
+    shards are copied to the host, then training goes on while a thread writes them; "overlapped" writes from the
+    live shards in a thread, no copy, while the next step's forward and backward run, and holds that step's update
+    until the write is done (an optimizer pre-hook: only the update changes the weights and moments); "at_once"
+    writes from the shards where they are (`dcp.save`: no copy, training waits) and publishes before it returns,
+    as every run's last checkpoint and a stop's are. A background write is published by the next save (`finish`).
     The writing thread's collectives run on a process group of their own, so they never interleave with the
     training step's."""
 
@@ -120,11 +154,11 @@ class ShardedCheckpointWriter:
         self.group = dist.new_group(backend="gloo")  # every rank creates it, in the same order: a collective
         self.pending: tuple[Future, Path, int, dict] | None = None
         self.writer: ShardWriter | None = None  # the write in flight's
+        self.update_held = None  # "overlapped": the optimizer pre-hook that waits for the write in flight
 
-    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, background: bool = True) -> None:
-        """Start writing `payload` (checkpoint_payload's, this rank's shards) as step `steps`'s checkpoint. In the
-        background, the shards are first copied to the host; otherwise (a run's last checkpoint, a stop's) they
-        are written from where they are, no copy, and published before this returns."""
+    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, how: str = "staged") -> None:
+        """Start writing `payload` (checkpoint_payload's, this rank's shards) as step `steps`'s checkpoint, `how`
+        one of "staged", "overlapped", "at_once" (the class's docstring); "at_once" publishes it before returning."""
         self.finish()
         tensors, rest = split_payload(payload, optimizer)
         temporary = self.checkpoint_dir / f".step_{steps:06d}.dcp.tmp"
@@ -135,19 +169,36 @@ class ShardedCheckpointWriter:
                     shutil.rmtree(leftover)
             dist.barrier(group=self.group)
             self.writer = ShardWriter(temporary)
-            if background:
+            if how == "staged":
                 future = dcp.async_save(tensors, storage_writer=self.writer, process_group=self.group)
+            elif how == "overlapped":
+                tensors = copied_unless_updated(tensors, optimizer)
+                stager = LiveShards()
+                future = dcp.async_save(
+                    tensors, storage_writer=self.writer, process_group=self.group, async_stager=stager
+                )
+                self.update_held = optimizer.register_step_pre_hook(lambda *_: self.wait_for_write())
             else:
                 future = Future()
                 future.set_result(dcp.save(tensors, storage_writer=self.writer, process_group=self.group))
         except (Exception, dcp.api.CheckpointException) as error:  # DCP's is a BaseException
             self.failed(error, temporary)
         self.pending = (future, temporary, steps, rest)
-        if not background:
+        if how == "at_once":
             self.finish()
+
+    def wait_for_write(self) -> None:
+        """Block until the write in flight is done (an error stays in its future, for `finish`), and release the
+        optimizer step."""
+        if self.pending is not None:
+            wait([self.pending[0]])
+        if self.update_held is not None:
+            self.update_held.remove()
+            self.update_held = None
 
     def finish(self) -> None:
         """Wait for the write in flight, if any, checksum this rank's files, and (rank 0) publish it."""
+        self.wait_for_write()
         if self.pending is None:
             return
         future, temporary, steps, rest = self.pending
