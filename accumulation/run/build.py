@@ -163,6 +163,10 @@ def build_training(
     if whole_resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type) and loss_sum_fn is None
+    if compiled and config.dist.strategy == "fsdp2":  # fsdp2 compiles the model's fsdp_units() (parallel/fsdp.py)
+        from accumulation.parallel.fsdp import sharding_units
+
+        compiled = bool(sharding_units(model))  # a model listing none (the GRU) runs eagerly: say so, not "on"
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
     # (accumulation/models/factory.py); the probe and validation use the same loss.
     model_config = decided_model_config(config, model, device)
