@@ -269,10 +269,10 @@ BUGS = [
     ),
     Bug(
         "memory-limit-largest",
-        "the start-up check compares with the largest of the limits, not the smallest: a job over its cgroup starts",
+        "the memory a process can have is the largest of the limits, not the smallest: text over its cgroup is read",
         "accumulation/data/memory.py",
-        "    return min(limits)",
-        "    return max(limits)",
+        "    return min((limit_bytes, limit) for limit_bytes, limit, _ in memory_limits())",
+        "    return max((limit_bytes, limit) for limit_bytes, limit, _ in memory_limits())",
         [MEMORY_LIMIT_TEST],
     ),
     # Issue 35: the chunked loss under CPU autocast.
