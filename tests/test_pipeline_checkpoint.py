@@ -316,6 +316,8 @@ def test_a_two_by_two_mesh_writes_folders_of_replica_0_and_resumes_bit_exactly(t
     assert status == 0, stderr
     run_dir = tmp_path / "runs" / "mesh"
     assert_only_folders(run_dir, 4)
+    for checkpoint in (run_dir / "checkpoints").iterdir():  # ranks 2 and 3, replica 1: no tensor written
+        assert [(checkpoint / f"__{rank}_0.distcp").stat().st_size for rank in (2, 3)] == [0, 0]
     resumed = resumed_copy(run_dir, tmp_path / "runs" / "mesh_again", [2])
     status, stdout, stderr = train_run(tmp_path, corpus, "mesh_again", 4, STAGES_2)
     assert status == 0 and "step_000002.dcp at step 2" in stdout, stderr
