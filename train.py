@@ -254,15 +254,14 @@ class Checkpointer:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
-        if training.pipeline is not None:  # each stage's own tensors, under the whole model's names and numbers
-            from accumulation.parallel.pipeline import stage_checkpoint
+        if self.sharded is not None:  # written while training goes on unless `background` is False
+            from accumulation.run.sharded_checkpoint import split_payload, split_stage_payload
 
-            tensors, rest = stage_checkpoint(training.pipeline, training.optimizer, payload)
+            if training.pipeline is None:  # fsdp2: each rank's shards
+                tensors, rest = split_payload(payload, training.optimizer)
+            else:  # each stage's own tensors, under the whole model's names and numbers
+                tensors, rest = split_stage_payload(payload, training.pipeline, training.optimizer)
             self.sharded.save(tensors, rest, counters.steps, background)
-        elif self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
-            from accumulation.run.sharded_checkpoint import split_payload
-
-            self.sharded.save(*split_payload(payload, training.optimizer), counters.steps, background)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

@@ -15,10 +15,10 @@ from accumulation.parallel.pipeline import (
     build_pipeline,
     optimizer_order,
     pipelined_loss_sum,
-    stage_checkpoint,
     stage_optimizer_state,
     whole_numbers,
 )
+from accumulation.run.sharded_checkpoint import split_stage_payload
 from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient
@@ -143,7 +143,7 @@ def pipeline_worker(rank, world_size):
         global_counts=counts_of(everything),
     )
     pipeline.whole_order = optimizer_order(torch.optim.AdamW(model.parameters(), lr=0.01), pipeline.names)
-    tensors, rest = stage_checkpoint(pipeline, optimizer, {"counters": {}})
+    tensors, rest = split_stage_payload({"counters": {}}, pipeline, optimizer)
     results["checkpoint"] = ({key: value.clone() for key, value in tensors.items()}, rest["optimizer"])
     results["exp_avg by name"] = {pipeline.names[id(p)]: optimizer.state[p]["exp_avg"].clone() for p in optimizer.state}
     if layout.replica == 0:  # the mapping back: this stage's part of the whole state loads into this stage's optimizer

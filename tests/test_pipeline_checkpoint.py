@@ -1,5 +1,5 @@
-"""Pipeline stages' sharded checkpoints (accumulation/parallel/pipeline.py's stage_checkpoint, written by
-accumulation/run/sharded_checkpoint.py): through train.main on gloo ranks, a P = 2 run and a D = 2 × P = 2 mesh
+"""Pipeline stages' sharded checkpoints (split_stage_payload and the writer of accumulation/run/sharded_checkpoint.py):
+through train.main on gloo ranks, a P = 2 run and a D = 2 × P = 2 mesh
 write step_XXXXXX.dcp folders and no single file; a resume is bit for bit, from step 0 (a fresh AdamW, whose state
 must stay empty) and mid-run; a folder read whole in one process is the old single-file gather of the live
 stages, bit for bit; the state loads bit for bit between P = 2, P = 4, fsdp2, ddp and one process in both

@@ -33,14 +33,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 
 from accumulation.batching import IGNORE_INDEX, MicroBatch, count_supervised_tokens
 from accumulation.config.config import Config, ConfigError
 from accumulation.parallel.mesh import Layout
-from accumulation.run.sharded_checkpoint import split_payload
 from accumulation.step import MicroBatchLoss, Strategy, squared_norm
 
 SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
@@ -286,32 +284,22 @@ def whole_numbers(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> list[
     return [index[name] for group in optimizer_order(optimizer, pipeline.names) for name in group]
 
 
-def stage_checkpoint(pipeline: Pipeline, optimizer: torch.optim.Optimizer, payload: dict) -> tuple[dict, dict]:
-    """(the tensors this rank hands the sharded checkpoint, rank 0's state.pt) from checkpoint_payload's dict, as
-    sharded_checkpoint.split_payload cuts it: each stage of replica 0 hands its own weights under the whole model's
-    names and its optimizer's parameter-shaped tensors under the whole model's numbering; the other replicas,
-    holding copies, hand nothing. Rank 0's state.pt gets the state dict of one optimizer over the whole model
-    without those tensors: param_groups over the whole model, and each parameter's small entries (AdamW's `step`)
-    gathered from the stages. No rank holds more than its own stage's tensors. Every rank must call it."""
-    numbers = whole_numbers(pipeline, optimizer)
+def stage_state_under_whole_names(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(this stage's state dict under the whole model's names, this stage's optimizer state dict as part of one
+    optimizer's over the whole model: its entries under the whole model's numbers, param_groups over the whole
+    model) for the stages of replica 0; the other replicas hold copies and give ({}, no entries)."""
     state_dict = optimizer.state_dict()
     model, state = {}, {}
     if pipeline.layout.replica == 0:
-        names = whole_names(pipeline)
+        names, numbers = whole_names(pipeline), whole_numbers(pipeline, optimizer)
         model = {names[name]: tensor for name, tensor in pipeline.stage_module.state_dict().items()}
         state = {numbers[i]: entries for i, entries in state_dict["state"].items()}
-    # Each stage's optimizer has the whole optimizer's groups, with the same settings; rank 0's stand for all.
+    # Each stage's optimizer has the whole optimizer's groups, with the same settings.
     groups, first = [], 0
     for group_names, group in zip(pipeline.whole_order, state_dict["param_groups"], strict=True):
         groups.append({**group, "params": list(range(first, first + len(group_names)))})
         first += len(group_names)
-    whole = {**payload, "model": model, "optimizer": {"state": state, "param_groups": groups}}
-    tensors, rest = split_payload(whole, optimizer, numbers)
-    everyone = _gathered_on_rank_0({number: _to_host(small) for number, small in rest["optimizer"]["state"].items()})
-    if everyone is not None:
-        merged = {number: small for part in everyone for number, small in part.items()}
-        rest["optimizer"]["state"] = dict(sorted(merged.items()))
-    return tensors, rest
+    return model, {"state": state, "param_groups": groups}
 
 
 def stage_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -326,13 +314,3 @@ def stage_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer, 
         groups.append({**saved_group, "params": list(range(first, first + len(group)))})
         first += len(group)
     return {"state": state, "param_groups": groups}
-
-
-def _to_host(state: dict) -> dict:
-    return {key: value.detach().cpu() if torch.is_tensor(value) else value for key, value in state.items()}
-
-
-def _gathered_on_rank_0(mine) -> list | None:
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    return everyone

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.checkpoint import CheckpointError, on_the_host
 from accumulation.run.checkpoint_checks import (
     OLDER_CHECKPOINT,
     REQUIRED_KEYS,
@@ -100,6 +100,25 @@ def split_payload(
     # A copy: rank 0 writes it only once the shards are on the disk, and training changes the live values
     # before that (AdamW's step counters are updated in place).
     return tensors, copy.deepcopy(rest)
+
+
+def split_stage_payload(payload: dict, pipeline, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """split_payload for a pipeline stage (dist.pipeline_stages > 1, accumulation/parallel/pipeline.py): each stage
+    of replica 0 hands DCP its own weights under the whole model's names and its optimizer's parameter-shaped
+    tensors under the whole model's numbering (the other replicas, holding copies, hand nothing), so that the
+    folder is the one fsdp2 writes of the same state. Rank 0's state.pt gets param_groups over the whole model and
+    each parameter's small entries (AdamW's `step`), gathered from the stages. Every rank must call it."""
+    from accumulation.parallel.pipeline import stage_state_under_whole_names, whole_numbers
+
+    model, optimizer_state = stage_state_under_whole_names(pipeline, optimizer)
+    whole = {**payload, "model": model, "optimizer": optimizer_state}
+    tensors, rest = split_payload(whole, optimizer, whole_numbers(pipeline, optimizer))
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(on_the_host(rest["optimizer"]["state"]), everyone, dst=0)
+    if everyone is not None:
+        merged = {number: small for part in everyone for number, small in part.items()}
+        rest["optimizer"]["state"] = dict(sorted(merged.items()))
+    return tensors, rest
 
 
 class ShardWriter(FileSystemWriter):
