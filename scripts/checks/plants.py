@@ -368,6 +368,26 @@ BUGS = [
         "                state[offset] = state_dict",
         [TWO_GROUPS_TEST],
     ),
+    # Issue 43: pipeline stages' sharded checkpoints (tests/test_pipeline_checkpoint.py).
+    Bug(
+        "pipeline-stage-steps-not-gathered",
+        "a pipelined folder's state.pt keeps only stage 0's AdamW steps: the other stages' parameters lose theirs",
+        "accumulation/run/sharded_checkpoint.py",
+        '        rest["optimizer"]["state"] = dict(sorted(merged.items()))',
+        "        pass",
+        ["tests/test_pipeline_checkpoint.py::test_a_pipelined_run_writes_sharded_folders_and_no_single_file"],
+    ),
+    Bug(
+        "pipeline-replicas-write-copies",
+        "every replica's stages write their tensors: D copies of the state written, and the D x P mesh's disk time",
+        "accumulation/parallel/pipeline.py",
+        "    if pipeline.layout.replica == 0:\n        names, numbers",
+        "    if True:\n        names, numbers",
+        [
+            "tests/test_pipeline_checkpoint.py::"
+            "test_a_two_by_two_mesh_writes_folders_of_replica_0_and_resumes_bit_exactly"
+        ],
+    ),
     Bug(
         "layout-check-too-weak",
         "the layout check asks only for enough ranks: 4 ranks for 3 stages start, and one rank has no stage",
