@@ -9,7 +9,8 @@ One checkpoint is a folder `checkpoints/step_XXXXXX.dcp` holding
   pipeline stage's its own whole tensors (the ranks of other replicas, holding copies, write none);
 - `state.pt`, rank 0's: everything else the single-file checkpoint holds (docs/training.md's keys: counters,
   config, data, scheduler, scaler, rng, ...) and the optimizer's state dict without its parameter-shaped tensors
-  (param_groups, and AdamW's `step` per parameter), numbered by parameter as the single file numbers it;
+  (param_groups, and AdamW's `step` per parameter; on stages, gathered from every stage), numbered by parameter
+  as the single file numbers it;
 - `checksums.json`, rank 0's, written last: each other file's size and CRC-32, each rank's shard files checksummed
   by the rank that wrote them. A resume compares every file with it before it reads anything (a flipped bit, a
   truncated or missing file is refused and the next older checkpoint is used, as for the single file).
