@@ -1,10 +1,10 @@
-"""Pipeline stages' sharded checkpoints (split_stage_payload and the writer of accumulation/run/sharded_checkpoint.py):
-through train.main on gloo ranks, a P = 2 run and a D = 2 × P = 2 mesh
+"""Pipeline stages' sharded checkpoints (split_stage_payload and the writer of
+accumulation/run/sharded_checkpoint.py): through train.main on gloo ranks, a P = 2 run and a D = 2 × P = 2 mesh
 write step_XXXXXX.dcp folders and no single file; a resume is bit for bit, from step 0 (a fresh AdamW, whose state
-must stay empty) and mid-run; a folder read whole in one process is the old single-file gather of the live
-stages, bit for bit; the state loads bit for bit between P = 2, P = 4, fsdp2, ddp and one process in both
-directions, and a run continued there stays within fp32 reordering; a flipped bit in a stage's shard file falls
-back to the older checkpoint on every rank."""
+must stay empty) and mid-run; a folder read whole in one process is the old single-file gather of the live stages,
+bit for bit; the state loads bit for bit between P = 2, P = 4, fsdp2, ddp and one process in both directions, and
+a run continued there stays within fp32 reordering; a flipped bit in a stage's shard file falls back to the older
+checkpoint on every rank."""
 
 import os
 import shutil
@@ -72,6 +72,15 @@ def straight(tmp_path_factory):
     return tmp_path, corpus, tmp_path / "runs" / "straight"
 
 
+@pytest.fixture(scope="module")
+def fsdp2_straight(straight):
+    """The same 4 steps under fsdp2 on 2 ranks: its run folder."""
+    tmp_path, corpus, _ = straight
+    status, _, stderr = train_run(tmp_path, corpus, "fsdp2_straight", 2, {"dist.strategy": "fsdp2"})
+    assert status == 0, stderr
+    return tmp_path / "runs" / "fsdp2_straight"
+
+
 def assert_only_folders(run_dir: Path, ranks: int) -> None:
     """Every checkpoint a sharded folder of DCP's metadata, a shard file per rank, state.pt and checksums.json;
     no single file anywhere in the run directory (no rank wrote one)."""
@@ -108,16 +117,16 @@ def test_a_pipelined_resume_is_bit_exact_and_counts_each_adamw_step_once(straigh
 
 
 def test_a_flipped_bit_in_a_stage_s_shard_falls_back_to_the_older_checkpoint_on_every_rank(straight):
-    """Stage 1's shard file of the newest folder damaged: every rank passes it over (each verifies every file) and
-    resumes from step 2; the run ends on the uninterrupted run's bits."""
+    """Stage 1's shard file of the newest folder damaged: every rank passes it over and resumes from step 2; the
+    run ends on the uninterrupted run's bits."""
     tmp_path, corpus, run_dir = straight
     damaged = resumed_copy(run_dir, tmp_path / "runs" / "damaged", [2, 3])
     shard = folder(damaged, 3) / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    # Each rank verifies every file itself; check_ranks_agree_on_resume refuses a run whose ranks found different
-    # checkpoints, so a clean exit of both says both passed over the damaged folder.
+    # check_ranks_agree_on_resume refuses a run whose ranks found different checkpoints: a clean exit of both
+    # ranks says both passed over the damaged folder.
     per_rank = run_main_on_ranks("train:main", arguments_of(tmp_path, corpus, "damaged", STAGES_2), 2, 240)
     assert [status for status, _, _ in per_rank] == [0, 0], per_rank
     stderr = "".join(err for _, _, err in per_rank)
@@ -242,7 +251,7 @@ def whole_from_stages(per_rank: list, arguments: list[str]) -> dict:
     return {"model": weights, "optimizer": {"state": {n: moments[name] for n, name in enumerate(order)}}}
 
 
-def test_the_state_comes_back_bit_for_bit_between_stages_fsdp2_ddp_and_one_process(straight):
+def test_the_state_comes_back_bit_for_bit_between_stages_fsdp2_ddp_and_one_process(straight, fsdp2_straight):
     """The P = 2 step-2 folder read by 2 fsdp2 ranks, 2 ddp ranks and 1 process; an fsdp2 D = 2 folder read by
     2 stages: every weight and AdamW tensor as saved (resharding copies, it computes nothing)."""
     tmp_path, corpus, run_dir = straight
@@ -250,9 +259,7 @@ def test_the_state_comes_back_bit_for_bit_between_stages_fsdp2_ddp_and_one_proce
     arguments = arguments_of(tmp_path, corpus, "reload", {})
     for ranks, strategy in [(2, "fsdp2"), (2, "ddp"), (1, "ddp")]:
         assert_same_state(run_on_ranks(reload_worker, ranks, (arguments, str(folder(run_dir, 2)), strategy))[0], stages)
-    status, _, stderr = train_run(tmp_path, corpus, "fsdp2", 2, {"dist.strategy": "fsdp2"}, **{"run.max_steps": 2})
-    assert status == 0, stderr
-    sharded = folder(tmp_path / "runs" / "fsdp2", 2)
+    sharded = folder(fsdp2_straight, 2)
     arguments = arguments_of(tmp_path, corpus, "reload", STAGES_2)
     per_rank = run_on_ranks(stage_reload_worker, 2, (arguments, str(sharded)))
     assert_same_state(whole_from_stages(per_rank, arguments), whole_state(sharded))
@@ -285,19 +292,15 @@ MARKS = {"stages-to-ddp": pytest.mark.slow, "two-stages-to-four": pytest.mark.in
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=MARKS.get(name, ())) for name in CONTINUED])
-def test_a_run_continues_from_a_folder_on_another_layout_within_fp32_reordering(straight, name):
-    tmp_path, corpus, _ = straight
+def test_a_run_continues_from_a_folder_on_another_layout_within_fp32_reordering(straight, request, name):
+    tmp_path, corpus, run_dir = straight
     source, ranks, layout = CONTINUED[name]
-    if source == "fsdp2_straight" and not (tmp_path / "runs" / source).exists():
-        status, _, stderr = train_run(tmp_path, corpus, source, 2, {"dist.strategy": "fsdp2"})
-        assert status == 0, stderr
-    reference = tmp_path / "runs" / source
+    reference = run_dir if source == "straight" else request.getfixturevalue(source)
     moved = resumed_copy(reference, tmp_path / "runs" / name, [2])
     status, stdout, stderr = train_run(tmp_path, corpus, name, ranks, layout)
     assert status == 0 and "step_000002.dcp at step 2" in stdout, stderr
-    got = whole_state(newest(moved)) if list((moved / "checkpoints").glob("step_000004.dcp")) else None
-    if got is None:  # ddp and one process write the single file
-        got = torch.load(moved / "checkpoints" / "step_000004.pt", weights_only=True)
+    last = folder(moved, 4)  # ddp and one process write the single file
+    got = whole_state(last) if last.is_dir() else torch.load(last.with_suffix(".pt"), weights_only=True)
     expected = whole_state(folder(reference, 4))
     assert max_relative_error(list(got["model"].values()), [expected["model"][k] for k in got["model"]]) < 1e-5
     assert {entry["step"].item() for entry in got["optimizer"]["state"].values()} == {4.0}
