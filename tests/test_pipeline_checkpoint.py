@@ -2,9 +2,9 @@
 accumulation/run/sharded_checkpoint.py): through train.main on gloo ranks, a P = 2 run and a D = 2 × P = 2 mesh
 write step_XXXXXX.dcp folders and no single file; a resume is bit for bit, from step 0 (a fresh AdamW, whose state
 must stay empty) and mid-run; a folder read whole in one process is the old single-file gather of the live stages,
-bit for bit; the state loads bit for bit between P = 2, P = 4, fsdp2, ddp and one process in both directions, and
-a run continued there stays within fp32 reordering; a flipped bit in a stage's shard file falls back to the older
-checkpoint on every rank."""
+bit for bit; the state loads bit for bit between P = 2, P = 4, a 2 × 2 mesh, fsdp2, ddp and one process in both
+directions, and a run continued there stays within fp32 reordering; a flipped bit in a stage's shard file falls
+back to the older checkpoint on every rank."""
 
 import os
 import shutil
@@ -215,8 +215,8 @@ def test_a_pipelined_folder_read_whole_is_the_old_single_file_of_the_live_stages
 
 def stage_reload_worker(rank: int, world_size: int, arguments: list[str], checkpoint: str) -> dict:
     """A sharded folder read as a resume on pipeline stages reads it (build_training, restore_training_state), into
-    a model built from another seed (nothing comes from the build): this rank's stage's weights and AdamW state
-    under the whole model's parameter names, from the ranks of replica 0 ({} elsewhere)."""
+    a model built from another seed (nothing comes from the build): this rank's replica, and its stage's weights and
+    AdamW state under the whole model's parameter names."""
     config = load_config(arguments)
     context = DistributedContext(rank, rank, world_size, CPU, "gloo", build_layout(CPU, config.dist.pipeline_stages))
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
@@ -226,9 +226,8 @@ def stage_reload_worker(rank: int, world_size: int, arguments: list[str], checkp
     training = build_training(config, vocab_size, resume, context, model=other)
     restore_training_state(training, resume, config, context)
     pipeline = training.pipeline
-    if pipeline.layout.replica != 0:
-        return {}
     return {
+        "replica": pipeline.layout.replica,
         "model": {
             pipeline.names[id(tensor)]: tensor.detach().clone()
             for tensor in pipeline.stage_module.state_dict(keep_vars=True).values()
@@ -238,16 +237,22 @@ def stage_reload_worker(rank: int, world_size: int, arguments: list[str], checkp
 
 
 def whole_from_stages(per_rank: list, arguments: list[str]) -> dict:
-    """The stages' reloaded state joined, the optimizer's numbered as one AdamW over the whole model numbers it."""
+    """The reloaded stages of replica 0 joined, the optimizer's state numbered as one AdamW over the whole model
+    numbers it; every other replica's stages hold the same bits."""
     config = load_config(arguments)
     model = build_model_on_meta(config.model, 256, config.data.seq_len)
     names = {id(parameter): name for name, parameter in model.named_parameters()}
     order = [names[id(p)] for group in build_optimizer(config.optim, model, CPU).param_groups for p in group["params"]]
     weights, moments = {}, {}
     for part in per_rank:
-        assert not weights.keys() & part.get("model", {}).keys()  # each tensor held by one stage
-        weights |= part.get("model", {})
-        moments |= part.get("optimizer", {})
+        if part["replica"] == 0:
+            assert not weights.keys() & part["model"].keys()  # each tensor held by one stage
+            weights |= part["model"]
+            moments |= part["optimizer"]
+    for part in per_rank:
+        assert all(torch.equal(weights[name], tensor) for name, tensor in part["model"].items())
+        for name, entries in part["optimizer"].items():
+            assert all(torch.equal(moments[name][key], value) for key, value in entries.items()), name
     return {"model": weights, "optimizer": {"state": {n: moments[name] for n, name in enumerate(order)}}}
 
 
@@ -265,11 +270,22 @@ def test_the_state_comes_back_bit_for_bit_between_stages_fsdp2_ddp_and_one_proce
     assert_same_state(whole_from_stages(per_rank, arguments), whole_state(sharded))
 
 
-def test_a_two_stage_folder_comes_back_bit_for_bit_on_four_stages(straight):
+def test_the_state_comes_back_bit_for_bit_between_two_and_four_stages_and_a_two_by_two_mesh(straight):
+    """The P = 2 step-2 folder read by 4 stages and by a D = 2 × P = 2 mesh (both replicas); a 4-stage folder read
+    by 2 stages."""
     tmp_path, corpus, run_dir = straight
-    arguments = arguments_of(tmp_path, corpus, "reload", {"dist.pipeline_stages": 4})
-    per_rank = run_on_ranks(stage_reload_worker, 4, (arguments, str(folder(run_dir, 2))), timeout_s=240)
-    assert_same_state(whole_from_stages(per_rank, arguments), whole_state(folder(run_dir, 2)))
+    saved = whole_state(folder(run_dir, 2))
+    for layout in ({"dist.pipeline_stages": 4}, STAGES_2):  # on 4 ranks: 4 stages, or 2 replicas of 2
+        arguments = arguments_of(tmp_path, corpus, "reload", layout)
+        per_rank = run_on_ranks(stage_reload_worker, 4, (arguments, str(folder(run_dir, 2))), timeout_s=240)
+        assert_same_state(whole_from_stages(per_rank, arguments), saved)
+    status, _, stderr = train_run(tmp_path, corpus, "four", 4, {"dist.pipeline_stages": 4}, **{"run.max_steps": 2})
+    assert status == 0, stderr
+    four = folder(tmp_path / "runs" / "four", 2)
+    arguments = arguments_of(tmp_path, corpus, "reload", STAGES_2)
+    assert_same_state(
+        whole_from_stages(run_on_ranks(stage_reload_worker, 2, (arguments, str(four))), arguments), whole_state(four)
+    )
 
 
 # --------------------------------------------- Resharding: a run continues there within fp32 reordering
