@@ -138,6 +138,20 @@ def test_a_flipped_bit_in_a_stage_s_shard_falls_back_to_the_older_checkpoint_on_
 # ------------------------------------------------- The folder read whole is the old single file, bit for bit
 
 
+def test_pipelined_folders_written_from_the_live_stages_hold_the_staged_ones_state_bit_for_bit(straight):
+    """run.sharded_save = "overlapped" on 2 stages, each write slowed 0.5 s past the next step's forward and backward
+    (tests/test_sharded_checkpoint.py's main_with_slow_writes): every folder equals the straight ("staged") run's of
+    its step, bit for bit, since each stage's update waits for its write."""
+    tmp_path, corpus, run_dir = straight
+    arguments = arguments_of(tmp_path, corpus, "overlapped", STAGES_2, **{"run.sharded_save": "overlapped"})
+    per_rank = run_main_on_ranks("tests.test_sharded_checkpoint:main_with_slow_writes", arguments, timeout_s=240)
+    assert [status for status, _, _ in per_rank] == [0, 0], per_rank
+    for step in range(5):
+        assert_same_state(
+            whole_state(folder(tmp_path / "runs" / "overlapped", step)), whole_state(folder(run_dir, step))
+        )
+
+
 def main_keeping_the_live_stages(argv: list[str]) -> int:
     """train.main on stage ranks, each rank of replica 0 keeping at every checkpoint its stage's live weights and
     AdamW state by parameter name, and its optimizer's group settings (in $LIVE_STATE/rank_step.pt): what the old
