@@ -22,9 +22,9 @@ from accumulation.data.uniforms import step_uniforms
 from accumulation.models.factory import build_model
 from accumulation.parallel.distributed import run_and_exit
 from accumulation.rl.objectives import PolicyLoss, aggregation, completion_lengths, group_relative_advantages
-from accumulation.rl.on_policy import BYTE_VOCABULARY
 from accumulation.rl.rollout import END_OF_ANSWER, SAMPLING_STREAM, round_prompts, sample
 from accumulation.rl.task import split_problems
+from accumulation.run.sample import BYTE_VOCAB_SIZE
 from accumulation.step import StepSetup, optimizer_step
 
 
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> int:
         return 2
     rl, seq_len, seed = config.data.own, config.data.seq_len, config.run.seed
     torch.manual_seed(seed)
-    policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed).eval()
+    policy = build_model(config.model, BYTE_VOCAB_SIZE, seq_len=seq_len, seed=seed).eval()
     training, _ = split_problems(rl.max_operand, rl.held_out)
     pool = [prompt for prompt, _ in training]
     rollout = rl.prompts_per_round * rl.group_size
