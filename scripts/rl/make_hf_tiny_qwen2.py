@@ -62,17 +62,22 @@ def model_config(vocab_size: int) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="data/hf_tiny_qwen2")
-    args = parser.parse_args()
-    folder = Path(args.out)
+def write_folder(folder: Path) -> int:
+    """tokenizer.json and config.json in `folder`; the vocabulary's size."""
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = task_tokenizer()
     tokenizer.save(str(folder / "tokenizer.json"), pretty=True)
     config = model_config(tokenizer.get_vocab_size())
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    print(f"{folder}: tokenizer.json ({tokenizer.get_vocab_size()} tokens) and config.json (qwen2)")
+    return tokenizer.get_vocab_size()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="data/hf_tiny_qwen2")
+    args = parser.parse_args()
+    vocabulary = write_folder(Path(args.out))
+    print(f"{args.out}: tokenizer.json ({vocabulary} tokens) and config.json (qwen2)")
 
 
 if __name__ == "__main__":
