@@ -27,7 +27,7 @@ from accumulation.data.uniforms import step_uniforms  # noqa: E402
 from accumulation.models.factory import build_model  # noqa: E402
 from accumulation.rl.rollout import SAMPLING_STREAM, Sampling, sample, stop_tokens  # noqa: E402
 from accumulation.rl.task import AnswerRows, addition_problems  # noqa: E402
-from accumulation.run.sample import from_tokenizer_json  # noqa: E402
+from accumulation.run.sample import BYTES, from_tokenizer_json  # noqa: E402
 from tests.test_rl_train import assert_same_run  # noqa: E402
 from tests.test_train import read_metrics, train_forked  # noqa: E402
 
@@ -177,6 +177,37 @@ def test_the_sampler_with_the_hf_model_draws_what_one_forward_per_token_draws():
         )
         stopped += ids[-1] in sampling.stop
     assert 0 < stopped < len(prompts)  # some rows end at the stop token, others at the budget
+
+
+class AnyCausalModel(torch.nn.Module):
+    """The same HF policy behind another class: the sampler then runs a forward over each whole prefix per token."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, tokens):
+        return self.policy(tokens)
+
+
+@pytest.mark.parametrize("folder", ["hf_tiny_qwen2", "hf_tiny_llama"])
+def test_hugging_faces_key_value_cache_draws_what_a_forward_over_the_whole_prefix_draws(folder):
+    """forks/hf_causal_lm.py's key_value_decoder (the prompts left-padded into Hugging Face's cache, their padding
+    masked, positions counted per row) against FullForward (right-padded rows, a forward over each whole prefix per
+    token): Qwen2 under its tokenizer and Llama on bytes, prompts of different lengths, at temperature and top-p, and
+    greedy."""
+    config = load_config(["--config", HF_CONFIG, f"model.path=data/{folder}"])
+    text = tokenizer() if folder == "hf_tiny_qwen2" else BYTES
+    model = build_model(config.model, text.vocab_size, seq_len=40, seed=3).eval()
+    prompts = PROMPTS * 4
+    rows = torch.arange(len(prompts))
+    stop = stop_tokens("\n", text)
+    for sampling in (Sampling(6, 0.8, 0.9, stop), Sampling(6, stop=stop, greedy=True)):
+        cached = sample(model, prompts, rows, 5, 2, sampling, 40, text)
+        full = sample(AnyCausalModel(model), prompts, rows, 5, 2, sampling, 40, text)
+        assert torch.equal(cached.tokens, full.tokens) and torch.equal(cached.labels, full.labels)
+        # float32 sums in another order (one position at a time against the whole prefix): about 5e-7 measured
+        torch.testing.assert_close(cached.old_log_probs, full.old_log_probs, rtol=0, atol=1e-5)
 
 
 def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:

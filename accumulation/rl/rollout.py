@@ -149,8 +149,13 @@ class GPTKeyValueCache:
 
 
 def decoder_for(model: torch.nn.Module, rows: int, seq_len: int):
-    """The key-value cache where the model is the project's GPT, else a forward over the whole prefix per token."""
-    return (GPTKeyValueCache if isinstance(model, GPT) else FullForward)(model, rows, seq_len)
+    """The key-value cache where the model is the project's GPT, or the model's own where it declares one (the
+    optional `key_value_decoder(rows, seq_len)` of the model contract: forks/hf_causal_lm.py's), else a forward over
+    the whole prefix per token."""
+    if isinstance(model, GPT):
+        return GPTKeyValueCache(model, rows, seq_len)
+    own = getattr(model, "key_value_decoder", None)
+    return own(rows, seq_len) if own is not None else FullForward(model, rows, seq_len)
 
 
 @torch.no_grad()
