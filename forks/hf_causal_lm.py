@@ -20,7 +20,9 @@ What adapting Hugging Face to the loop's contract takes (docs/forking.md, "The m
 - hidden_states() and output_head (the lm_head) give the chunked loss what it needs (model.loss = "chunked");
 - fsdp_units() makes each decoder layer its own FSDP2 unit, and pipeline_split() cuts GPT-2, Llama and Qwen2
   decoders into stages (forks/hf_stages.py), each rebuilding the positions and the causal mask the decoder builds;
-- generate() samples with the generator it is given, never the global one;
+- generate() samples with the generator it is given, never the global one; key_value_decoder() gives the GRPO
+  sampler Hugging Face's key-value cache, the prompts left-padded into it (accumulation/rl/rollout.py's rows are
+  right-padded);
 - the fingerprint hashes the folder's config.json and the sizes of its weight files: a resume refuses a folder
   changed in place, which the keys (model.path) cannot show.
 """

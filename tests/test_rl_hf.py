@@ -23,11 +23,12 @@ import train  # noqa: E402
 from accumulation import checker  # noqa: E402
 from accumulation.batching import IGNORE_INDEX  # noqa: E402
 from accumulation.config.config import load_config  # noqa: E402
+from accumulation.data.rows import BYTES  # noqa: E402
+from accumulation.data.tokenizer import from_tokenizer_json  # noqa: E402
 from accumulation.data.uniforms import step_uniforms  # noqa: E402
 from accumulation.models.factory import build_model  # noqa: E402
 from accumulation.rl.rollout import SAMPLING_STREAM, Sampling, sample, stop_tokens  # noqa: E402
 from accumulation.rl.task import AnswerRows, addition_problems  # noqa: E402
-from accumulation.run.sample import BYTES, from_tokenizer_json  # noqa: E402
 from tests.test_rl_train import assert_same_run  # noqa: E402
 from tests.test_train import read_metrics, train_forked  # noqa: E402
 
@@ -99,14 +100,22 @@ def test_text_round_trips_and_the_sft_rows_supervise_the_answer_tokens_the_sampl
         assert supervised.nonzero().flatten().tolist() == list(range(len(prompt_ids) - 1, length - 1))
 
 
-def test_a_stop_string_that_is_not_one_token_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    """data.stop="=x": "=" is a token of the task's tokenizer, "x" is none (it encodes to nothing), a stop token that
-    could never be drawn."""
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        # "=" is a token of the task's tokenizer, "x" is none (it encodes to nothing): a stop token never drawn
+        (['data.stop="=x"'], "data.stop: 'x' is 0 tokens under data/hf_tiny_qwen2/tokenizer.json ([]), not one"),
+        # "Q: 39 + 39 =" is 7 tokens, " 78\n" 4: 7 + data.max_new_tokens (6) positions
+        (["data.seq_len=12", "data.max_operand=40"], "the problems' longest prompt (7 tokens) and data.max_new_tokens"),
+        (['data.tokenizer="data/no_such_tokenizer.json"'], "data.tokenizer 'data/no_such_tokenizer.json': cannot load"),
+    ],
+)
+def test_bad_text_settings_are_refused_in_one_line(tmp_path, capsys, monkeypatch, overrides, message):
     monkeypatch.chdir(ROOT)
     assert stop_tokens("\n", tokenizer()) == (tokenizer().encode("\n")[0],)
-    assert train.main(arguments(tmp_path, 'data.stop="=x"')) == 2
+    assert train.main(arguments(tmp_path, *overrides)) == 2
     error = capsys.readouterr().err
-    assert "data.stop: 'x' is 0 tokens under data/hf_tiny_qwen2/tokenizer.json" in error and error.count("\n") == 1
+    assert message in error and error.count("\n") == 1, error
     assert not (tmp_path / "grpo-hf").exists()
 
 

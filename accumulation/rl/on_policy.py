@@ -34,7 +34,7 @@ import torch.distributed as dist
 from accumulation.batching import IGNORE_INDEX, collective_device
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample, RowHooks
+from accumulation.data.rows import BYTES, DataError, RawExample, RowHooks, RunTokenizer
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
@@ -49,7 +49,6 @@ from accumulation.rl.objectives import (
 from accumulation.rl.rollout import round_prompts, sample
 from accumulation.rl.settings import RolloutSettings, check_rollout_config
 from accumulation.rl.task import AnswerRows, checked_reward, raw_row, read_task, reward_function, split_problems
-from accumulation.run.sample import BYTES, RunTokenizer, from_tokenizer_json
 from accumulation.step import token_cross_entropy_sum
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
@@ -435,6 +434,7 @@ def rollout_tokenizer(data_config) -> RunTokenizer:
     if data_config.tokenizer == "bytes":
         return BYTES
     from accumulation.data.locate import expanded_paths  # a path: its leading ~ read as every reader reads it
+    from accumulation.data.tokenizer import from_tokenizer_json  # the optional tokenizers package
 
     return from_tokenizer_json(expanded_paths(data_config).tokenizer)
 
@@ -447,6 +447,7 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     else:
         training, held_out = split_problems(settings.max_operand, settings.held_out)
     unit = "tokens" if tokenizer.files else "bytes"
+    owner = f"{settings.prompts}'s" if settings.prompts else "the problems'"
     longest = max(len(tokenizer.encode(prompt)) for prompt, _ in training + held_out)
     # an answer row holds prompt and response, less the last token (which no position predicts from inside the row)
     longest_answer = max(
@@ -455,7 +456,7 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     needed = max(longest + settings.max_new_tokens, longest_answer)
     if needed > data_config.seq_len:
         raise DataError(
-            f"data.seq_len={data_config.seq_len} cannot hold {settings.prompts or 'the problems'}'s longest prompt "
+            f"data.seq_len={data_config.seq_len} cannot hold {owner} longest prompt "
             f"({longest} {unit}) and data.max_new_tokens={settings.max_new_tokens}, or its longest prompt and "
             f"response ({longest_answer + 1} {unit}); set data.seq_len={needed}"
         )

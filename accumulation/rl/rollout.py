@@ -14,10 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX
-from accumulation.data.rows import DataError
+from accumulation.data.rows import BYTES, DataError, RunTokenizer
 from accumulation.data.uniforms import step_uniforms
 from accumulation.models.gpt import GPT
-from accumulation.run.sample import BYTES, RunTokenizer
 
 # Independent streams of step_uniforms for one round: which prompts it asks, and the tokens its completions draw.
 PROMPT_STREAM, SAMPLING_STREAM = 11, 12

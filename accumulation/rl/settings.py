@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import import_problem
 from accumulation.data.memory import memory_limit_bytes
+from accumulation.data.rows import BYTES, RunTokenizer
 from accumulation.rl.objectives import IMPORTANCE_LEVELS, KL_ESTIMATORS, NORMALISER_UNITS, PolicyLoss, PolicyObjective
 from accumulation.rl.rollout import Sampling, stop_tokens
 from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.rl.task import MAX_OPERAND, reward_function
-from accumulation.run.sample import BYTES, RunTokenizer
 
 # A round's rollout is held whole on every rank: tokens and labels (int64) and old log-probabilities (float32) per
 # position, twice during the all-gather that assembles it.

@@ -13,8 +13,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.registry import import_problem
-from accumulation.data.rows import DataError, RawExample
-from accumulation.run.sample import BYTES, RunTokenizer
+from accumulation.data.rows import BYTES, DataError, RawExample, RunTokenizer
 
 PROBLEM = re.compile(r"Q: (-?\d+) ([-+*]) (-?\d+) =")
 # Every problem of "Q: a + b =" for a, b < max_operand is built in memory, about 205 bytes each with its answer row:
