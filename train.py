@@ -232,8 +232,8 @@ class Checkpointer:
     def __init__(self, config, data: Data, run_dir: Path, context: DistributedContext, training, logs: RunLogs):
         self.config, self.data, self.run_dir, self.context = config, data, run_dir, context
         self.training, self.logs = training, logs
-        self.sharded = None  # fsdp2: each rank writes its own shards, in the background
-        if config.dist.strategy == "fsdp2":
+        self.sharded = None  # fsdp2 and pipeline stages: each rank writes its own shards, in the background
+        if config.dist.strategy == "fsdp2" or training.pipeline is not None:
             from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
 
             self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", config.run.keep_checkpoints, context)
@@ -250,17 +250,18 @@ class Checkpointer:
         rows_state = row_hooks(self.data.train).state_dict()  # what a resume cannot redraw (RL: the round's rollout)
         if rows_state:
             payload["data"]["rollouts"] = rows_state
-        if training.pipeline is not None:  # the same whole-model file: the stages' parts gathered to rank 0
-            from accumulation.parallel.pipeline import gathered_model_state, gathered_optimizer_state
-
-            payload["model"] = gathered_model_state(training.pipeline)
-            payload["optimizer"] = gathered_optimizer_state(training.pipeline, training.optimizer)
         if context.is_main:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
-        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
-            self.sharded.save(payload, training.optimizer, counters.steps, background)
+        if self.sharded is not None:  # written while training goes on unless `background` is False
+            from accumulation.run.sharded_checkpoint import split_payload, split_stage_payload
+
+            if training.pipeline is None:  # fsdp2: each rank's shards
+                tensors, rest = split_payload(payload, training.optimizer)
+            else:  # each stage's own tensors, under the whole model's names and numbers
+                tensors, rest = split_stage_payload(payload, training.pipeline, training.optimizer)
+            self.sharded.save(tensors, rest, counters.steps, background)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

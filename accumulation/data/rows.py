@@ -95,6 +95,12 @@ class RowHooks:
         targets, summed from supervised_counts (the mean over targets)."""
         return None, "targets"
 
+    def objective(self, step: int):
+        """The objective step `step` declares, which the equivalence checker computes from its definition
+        (accumulation/rl/objectives.py's PolicyObjective: aggregation, clip, ratio level, KL and entropy terms);
+        None: the mean over supervised targets."""
+        return None
+
     def step_fields(self, step: int, eval_every: int) -> dict:
         """The rows' own fields for the metrics.jsonl line of the step just taken (`step` steps done)."""
         return {}

@@ -94,7 +94,7 @@ class Round:
 
 class Rollouts(RowHooks):
     """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout. Rows
-    sampled from the policy: it declares all five of the optional RowHooks (accumulation/data/rows.py)."""
+    sampled from the policy: it declares all six of the optional RowHooks (accumulation/data/rows.py)."""
 
     log_group = "rl"  # RowHooks.log_group: its step_fields in TensorBoard and the other sinks as rl/mean_reward, ...
 

@@ -306,7 +306,14 @@ def restore_training_state(training, resume: dict, config: Config, context: Dist
         if "sharded" in resume:  # the weights and the optimizer's tensors, read as this run holds them
             from accumulation.run.sharded_checkpoint import load_sharded_state
 
-            load_sharded_state(resume, training.model, training.optimizer)
+            if training.pipeline is None:
+                load_sharded_state(resume, training.model, training.optimizer)
+            else:  # this stage's tensors only, found under the whole model's names and numbers
+                from accumulation.parallel.pipeline import whole_names, whole_numbers
+
+                pipeline = training.pipeline
+                numbers = whole_numbers(pipeline, training.optimizer)
+                load_sharded_state(resume, pipeline.stage_module, training.optimizer, whole_names(pipeline), numbers)
         saved_optimizer = resume["optimizer"]
         if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
             from accumulation.parallel.pipeline import stage_optimizer_state

@@ -1,12 +1,16 @@
-"""Sharded checkpoints (`dist.strategy = "fsdp2"`): every rank writes and reads only its own shards, through
-torch.distributed.checkpoint (DCP); imported only by an fsdp2 run, and by a resume whose folder holds one.
+"""Sharded checkpoints (`dist.strategy = "fsdp2"`, and pipeline stages): every rank writes and reads only its own
+shards, through torch.distributed.checkpoint (DCP); imported only by an fsdp2 or pipelined run, and by a resume
+whose folder holds one.
 
 One checkpoint is a folder `checkpoints/step_XXXXXX.dcp` holding
 - DCP's files: `.metadata` (every tensor's global shape, dtype and where its pieces lie) and one `__R_0.distcp`
-  per rank R with that rank's shards of the weights and of the optimizer's per-parameter tensors (AdamW's moments);
+  per rank R with that rank's shards of the weights and of the optimizer's per-parameter tensors (AdamW's moments),
+  always under the whole model's names and its one optimizer's numbering: an fsdp2 rank's are DTensor shards, a
+  pipeline stage's its own whole tensors (the ranks of other replicas, holding copies, write none);
 - `state.pt`, rank 0's: everything else the single-file checkpoint holds (docs/training.md's keys: counters,
   config, data, scheduler, scaler, rng, ...) and the optimizer's state dict without its parameter-shaped tensors
-  (param_groups, and AdamW's `step` per parameter), numbered by parameter as the single file numbers it;
+  (param_groups, and AdamW's `step` per parameter; on stages, gathered from every stage), numbered by parameter
+  as the single file numbers it;
 - `checksums.json`, rank 0's, written last: each other file's size and CRC-32, each rank's shard files checksummed
   by the rank that wrote them. A resume compares every file with it before it reads anything (a flipped bit, a
   truncated or missing file is refused and the next older checkpoint is used, as for the single file).
@@ -21,7 +25,8 @@ the state (torch 2.13, `_init_optim_state`), which sets AdamW's `step` to 1, so 
 as the second. Here a fresh optimizer's checkpoint holds an empty state, as the single file does.
 
 Resharding is DCP's: a resume allocates the tensors it wants (this run's shards under fsdp2 at any D, whole
-tensors under ddp or on one process) and `dcp.load` reads the overlapping pieces of every rank's file.
+tensors under ddp or on one process, a stage's own tensors at any P) and `dcp.load` reads the overlapping pieces
+of every rank's file. So a folder written on one layout resumes on any other.
 """
 
 import copy
@@ -39,7 +44,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.checkpoint import CheckpointError
+from accumulation.run.checkpoint import CheckpointError, on_the_host
 from accumulation.run.checkpoint_checks import (
     OLDER_CHECKPOINT,
     REQUIRED_KEYS,
@@ -70,17 +75,24 @@ def crc32_of(path: Path) -> int:
     return crc
 
 
-def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def split_payload(
+    payload: dict, optimizer: torch.optim.Optimizer, whole_numbers: list[int] | None = None
+) -> tuple[dict, dict]:
     """(the tensors DCP writes, each rank its shards; rank 0's state.pt) from checkpoint_payload's dict, whose
-    `model` and `optimizer` hold this rank's DTensor shards. The optimizer's tensors shaped like their parameter go
-    to DCP under "optimizer/<number>/<key>"; the rest of its state dict (step counters, param_groups) stays."""
+    `model` and `optimizer` hold this rank's tensors (fsdp2: DTensor shards; a pipeline stage: its own, under the
+    whole model's names). The optimizer's tensors shaped like their parameter go to DCP under
+    "optimizer/<number>/<key>"; the rest of its state dict (step counters, param_groups) stays. `whole_numbers`:
+    the number the payload gives each of `optimizer`'s parameters (a stage's, pipeline.whole_numbers), by default
+    the optimizer's own."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
+    numbers = whole_numbers if whole_numbers is not None else range(len(parameters))
+    shapes = {number: parameter.shape for number, parameter in zip(numbers, parameters, strict=True)}
     tensors = {f"model/{name}": value for name, value in payload["model"].items()}
     small_state = {}
     for number, entries in payload["optimizer"]["state"].items():
         small_state[number] = {}
         for key, value in entries.items():
-            if torch.is_tensor(value) and value.shape == parameters[number].shape:
+            if torch.is_tensor(value) and value.shape == shapes[number]:
                 tensors[f"optimizer/{number}/{key}"] = value
             else:
                 small_state[number][key] = value
@@ -89,6 +101,25 @@ def split_payload(payload: dict, optimizer: torch.optim.Optimizer) -> tuple[dict
     # A copy: rank 0 writes it only once the shards are on the disk, and training changes the live values
     # before that (AdamW's step counters are updated in place).
     return tensors, copy.deepcopy(rest)
+
+
+def split_stage_payload(payload: dict, pipeline, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """split_payload for a pipeline stage (dist.pipeline_stages > 1, accumulation/parallel/pipeline.py): each stage
+    of replica 0 hands DCP its own weights under the whole model's names and its optimizer's parameter-shaped
+    tensors under the whole model's numbering (the other replicas, holding copies, hand nothing), so that the
+    folder is the one fsdp2 writes of the same state. Rank 0's state.pt gets param_groups over the whole model and
+    each parameter's small entries (AdamW's `step`), gathered from the stages. Every rank must call it."""
+    from accumulation.parallel.pipeline import stage_state_under_whole_names, whole_numbers
+
+    model, optimizer_state = stage_state_under_whole_names(pipeline, optimizer)
+    whole = {**payload, "model": model, "optimizer": optimizer_state}
+    tensors, rest = split_payload(whole, optimizer, whole_numbers(pipeline, optimizer))
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(on_the_host(rest["optimizer"]["state"]), everyone, dst=0)
+    if everyone is not None:
+        merged = {number: small for part in everyone for number, small in part.items()}
+        rest["optimizer"]["state"] = dict(sorted(merged.items()))
+    return tensors, rest
 
 
 class ShardWriter(FileSystemWriter):
@@ -121,12 +152,12 @@ class ShardedCheckpointWriter:
         self.pending: tuple[Future, Path, int, dict] | None = None
         self.writer: ShardWriter | None = None  # the write in flight's
 
-    def save(self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, background: bool = True) -> None:
-        """Start writing `payload` (checkpoint_payload's, this rank's shards) as step `steps`'s checkpoint. In the
-        background, the shards are first copied to the host; otherwise (a run's last checkpoint, a stop's) they
-        are written from where they are, no copy, and published before this returns."""
+    def save(self, tensors: dict, rest: dict, steps: int, background: bool = True) -> None:
+        """Start writing step `steps`'s checkpoint: `tensors` this rank's shards, `rest` (rank 0's) state.pt, as
+        split_payload cuts checkpoint_payload's dict. In the background, the shards are first copied to the host;
+        otherwise (a run's last checkpoint, a stop's) they are written from where they are, no copy, and published
+        before this returns."""
         self.finish()
-        tensors, rest = split_payload(payload, optimizer)
         temporary = self.checkpoint_dir / f".step_{steps:06d}.dcp.tmp"
         try:
             if self.is_main:
@@ -297,20 +328,32 @@ def read_sharded_or_single(path: Path) -> dict:
     return read_checkpoint(path)
 
 
-def load_sharded_state(resume: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_sharded_state(
+    resume: dict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    whole_names: dict[str, str] | None = None,
+    whole_numbers: list[int] | None = None,
+) -> None:
     """The weights and the optimizer's tensors of a sharded checkpoint, read into this run's model (in place) and
     into `resume["optimizer"]` (for load_optimizer_state). Each tensor is allocated as this run holds it: under
     fsdp2 a DTensor shard laid out as its parameter (at any number of ranks), under ddp or on one process the whole
-    tensor; dcp.load reads into each the overlapping pieces of the saved shards. Refuses weights holding NaN or inf
-    (each rank checks its own shards; one reduction says whether any rank found one)."""
+    tensor, on a pipeline stage its own tensors only; dcp.load reads into each the overlapping pieces of the saved
+    files. A stage passes its stage as `model` with the whole model's name of each of its tensors (`whole_names`)
+    and number of each of its optimizer's parameters (`whole_numbers`, pipeline.py); by default they are the
+    model's and the optimizer's own. Refuses weights holding NaN or inf (each rank checks its own tensors; one
+    reduction says whether any rank found one)."""
     parameters = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    wanted = {f"model/{name}": value for name, value in model.state_dict().items()}
-    for number, entries in resume["optimizer"]["state"].items():
-        for key, value in entries.items():
+    state = model.state_dict()
+    names = whole_names if whole_names is not None else {name: name for name in state}
+    numbers = whole_numbers if whole_numbers is not None else range(len(parameters))
+    wanted = {f"model/{names[name]}": value for name, value in state.items()}
+    for number, parameter in zip(numbers, parameters, strict=True):
+        for key, value in resume["optimizer"]["state"].get(number, {}).items():
             if torch.is_tensor(value) and value.is_meta:
-                wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(parameters[number], dtype=value.dtype)
+                wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(parameter, dtype=value.dtype)
     dcp.load(wanted, checkpoint_id=resume["sharded"])
-    model.load_state_dict({name: wanted[f"model/{name}"] for name in model.state_dict()})
+    model.load_state_dict({name: wanted[f"model/{names[name]}"] for name in state})
     for key, value in wanted.items():
         where, _, name = key.partition("/")
         if where == "optimizer":

@@ -58,6 +58,7 @@ from accumulation.run.sharded_checkpoint import (  # noqa: E402
     ShardedCheckpointWriter,
     described,
     load_sharded_state,
+    split_payload,
     verify_files,
 )
 from testkit.ranks import run_on_ranks  # noqa: E402
@@ -135,7 +136,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 1}}
-            writer.save(payload, optimizer, 1)
+            writer.save(*split_payload(payload, optimizer), 1)
             del payload
             figures["sharded save_blocked_s"] = ranks_done(start)
             writer.finish()
@@ -146,7 +147,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
-            writer.save(payload, optimizer, 2, background=False)
+            writer.save(*split_payload(payload, optimizer), 2, background=False)
             del payload
             figures["at-once save_blocked_s"] = figures["at-once save_total_s"] = ranks_done(start)
         figures["at-once save_rise"] = memory.rise
