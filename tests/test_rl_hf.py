@@ -20,7 +20,6 @@ pytest.importorskip("transformers", reason="transformers is not installed (pip i
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -r requirements-bpe.txt)")
 
 import train  # noqa: E402
-from accumulation import checker  # noqa: E402
 from accumulation.batching import IGNORE_INDEX  # noqa: E402
 from accumulation.config.config import load_config  # noqa: E402
 from accumulation.data.rows import BYTES  # noqa: E402
@@ -29,6 +28,7 @@ from accumulation.data.uniforms import step_uniforms  # noqa: E402
 from accumulation.models.factory import build_model  # noqa: E402
 from accumulation.rl.rollout import SAMPLING_STREAM, Sampling, sample, stop_tokens  # noqa: E402
 from accumulation.rl.task import AnswerRows, addition_problems  # noqa: E402
+from tests.test_check_equivalence_grpo import run_checker  # noqa: E402
 from tests.test_rl_train import assert_same_run  # noqa: E402
 from tests.test_train import read_metrics, train_forked  # noqa: E402
 
@@ -252,14 +252,15 @@ CHECKED += ["data.prompts_per_round=4", "data.mini_batch_size=32", "batch.global
 CHECKED += ["batch.micro_batch_size=8", "run.max_steps=14"]
 
 
-def test_the_equivalence_checker_passes_on_a_grpo_step_of_the_hf_policy_off_policy(capsys, monkeypatch):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_equivalence_checker_passes_on_a_grpo_step_of_the_hf_policy_off_policy(capsys, monkeypatch, ranks):
     """The step-0 check (SFT), and the GRPO step sampled by a policy off the checked weights: the importance ratio
-    differs from 1 and the clip binds on some tokens."""
+    differs from 1 and the clip binds on some tokens; on one process and on 2 gloo ranks."""
     monkeypatch.chdir(ROOT)
-    assert checker.main(CHECKED) == 0
-    assert checker.main([*CHECKED, "--step", "8"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("PASS") == 2 and "model: HFCausalLM" in out
+    sft_status, sft_out = run_checker(CHECKED, ranks, capsys)
+    grpo_status, out = run_checker([*CHECKED, "--step", "8"], ranks, capsys)
+    assert (sft_status, grpo_status) == (0, 0), sft_out + out
+    assert "PASS" in sft_out and "PASS" in out and "model: HFCausalLM" in out
     binding = [line for line in out.splitlines() if line.startswith("importance ratio:")]
     assert binding and "the clip binds on" in binding[0] and " 0 of " not in binding[0]
 
