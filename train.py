@@ -96,8 +96,14 @@ def prepare(argv: list[str], job: Job) -> Prepared:
         check_model_splits(model_on_meta, config)
     check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
     job.hold(run_dir)  # rank 0 locks it before a resume reads it
-    resume = find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say)
-    return Prepared(config, data, vocab_size, run_dir, resume)
+    # On several ranks each checksums its share of a sharded checkpoint's shard files once they have joined (entry.py)
+    together = job.world_size > 1
+    resume = find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say, together)
+
+    def find_older(step: int) -> dict | None:
+        return find_resume_point(config, data.summary, model_on_meta, run_dir, job.warn, job.say, together, step)
+
+    return Prepared(config, data, vocab_size, run_dir, resume, find_older)
 
 
 # ================================================================== 2. The training section
@@ -232,8 +238,8 @@ class Checkpointer:
     def __init__(self, config, data: Data, run_dir: Path, context: DistributedContext, training, logs: RunLogs):
         self.config, self.data, self.run_dir, self.context = config, data, run_dir, context
         self.training, self.logs = training, logs
-        self.sharded = None  # fsdp2: each rank writes its own shards, in the background
-        if config.dist.strategy == "fsdp2":
+        self.sharded = None  # fsdp2 and pipeline stages: each rank writes its own shards, in the background
+        if config.dist.strategy == "fsdp2" or training.pipeline is not None:
             from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
 
             self.sharded = ShardedCheckpointWriter(run_dir / "checkpoints", config.run.keep_checkpoints, context)
@@ -241,26 +247,28 @@ class Checkpointer:
     def maybe_save(self, counters: Counters, skips_in_a_row: int, now: bool) -> None:
         finished = counters.steps == self.config.run.max_steps
         if counters.steps % self.config.run.checkpoint_every == 0 or finished or now:
-            self.save(counters, skips_in_a_row, background=not (finished or now))  # the last: on the disk at once
+            self.save(counters, skips_in_a_row, at_once=finished or now)  # the last: on the disk before exit
 
-    def save(self, counters: Counters, skips_in_a_row: int, background: bool = True) -> None:
+    def save(self, counters: Counters, skips_in_a_row: int, at_once: bool = False) -> None:
         training, context = self.training, self.context
         states = training.model, training.optimizer, training.scheduler, training.setup.scaler
         payload = checkpoint_payload(self.config, self.data.summary, *states, counters, skips_in_a_row, context)
         rows_state = row_hooks(self.data.train).state_dict()  # what a resume cannot redraw (RL: the round's rollout)
         if rows_state:
             payload["data"]["rollouts"] = rows_state
-        if training.pipeline is not None:  # the same whole-model file: the stages' parts gathered to rank 0
-            from accumulation.parallel.pipeline import gathered_model_state, gathered_optimizer_state
-
-            payload["model"] = gathered_model_state(training.pipeline)
-            payload["optimizer"] = gathered_optimizer_state(training.pipeline, training.optimizer)
         if context.is_main:
             # The logs of every step up to this one reach the disk before the checkpoint that covers them: a
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
-        if self.sharded is not None:  # fsdp2: written while training goes on unless `background` is False
-            self.sharded.save(payload, training.optimizer, counters.steps, background)
+        if self.sharded is not None:  # as run.sharded_save says, while training goes on unless `at_once`
+            from accumulation.run.sharded_checkpoint import split_payload, split_stage_payload
+
+            if training.pipeline is None:  # fsdp2: each rank's shards
+                tensors, rest = split_payload(payload, training.optimizer)
+            else:  # each stage's own tensors, under the whole model's names and numbers
+                tensors, rest = split_stage_payload(payload, training.pipeline, training.optimizer)
+            how = "at_once" if at_once else self.config.run.sharded_save
+            self.sharded.save(tensors, rest, training.optimizer, counters.steps, how)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

@@ -20,7 +20,9 @@ What adapting Hugging Face to the loop's contract takes (docs/forking.md, "The m
 - hidden_states() and output_head (the lm_head) give the chunked loss what it needs (model.loss = "chunked");
 - fsdp_units() makes each decoder layer its own FSDP2 unit, and pipeline_split() cuts GPT-2, Llama and Qwen2
   decoders into stages (forks/hf_stages.py), each rebuilding the positions and the causal mask the decoder builds;
-- generate() samples with the generator it is given, never the global one;
+- generate() samples with the generator it is given, never the global one; key_value_decoder() gives the GRPO
+  sampler Hugging Face's key-value cache, the prompts left-padded into it (accumulation/rl/rollout.py's rows are
+  right-padded);
 - the fingerprint hashes the folder's config.json and the sizes of its weight files: a resume refuses a folder
   changed in place, which the keys (model.path) cannot show.
 """
@@ -109,6 +111,10 @@ class HFCausalLM(nn.Module):
             f"hidden {config.hidden_size}, vocab {config.vocab_size}), {self.source}"
         )
 
+    def key_value_decoder(self, rows: int, seq_len: int) -> "HFKeyValueCache":
+        """The GRPO sampler's next-token logits with Hugging Face's key-value cache (accumulation/rl/rollout.py)."""
+        return HFKeyValueCache(self)
+
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, num_new_tokens: int, generator: torch.Generator) -> torch.Tensor:
         """`num_new_tokens` tokens sampled after `prompt` (1-D ids) with the given generator (Hugging Face's own
@@ -120,6 +126,41 @@ class HFCausalLM(nn.Module):
             next_token = torch.multinomial(probabilities.cpu(), 1, generator=generator).to(tokens.device)
             tokens = torch.cat([tokens, next_token.view(1, 1)], dim=1)
         return tokens[0]
+
+
+class HFKeyValueCache:
+    """Next-token logits for the GRPO sampler (accumulation/rl/rollout.py's `logits(tokens, ends, first)`) from Hugging
+    Face's own key-value cache: the prompts once, then one position per row per token. The sampler's rows are
+    right-padded (row i's next token goes to position ends[i]); Hugging Face's cache holds every row at the same
+    length, so the prompts go in left-padded instead: row i shifted right by its padding, the padding masked out of
+    every attention (attention_mask 0) and the positions counted from the row's first token (position_ids), which
+    gives each token the logits a forward over its own row alone would. A row that has stopped feeds its last
+    token again, at its own position; its logits are not read."""
+
+    def __init__(self, model: HFCausalLM):
+        self.hf, self.cache, self.mask = model.hf, None, None
+
+    def logits(self, tokens: torch.Tensor, ends: torch.Tensor, first: bool) -> torch.Tensor:
+        if first:
+            width = int(ends.max())
+            padding = width - ends  # left padding of each row
+            columns = torch.arange(width, device=tokens.device)
+            positions = (columns[None, :] - padding[:, None]).clamp(min=0)  # column j holds the row's token j − pad
+            self.mask = (columns[None, :] >= padding[:, None]).long()
+            inputs = tokens.gather(1, positions)
+        else:
+            positions = (ends - 1)[:, None]  # each row's newest token
+            inputs = tokens.gather(1, positions)
+            self.mask = torch.cat([self.mask, torch.ones_like(inputs)], dim=1)
+        output = self.hf(
+            input_ids=inputs,
+            attention_mask=self.mask,
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+        )
+        self.cache = output.cache
+        return output.logits[:, -1]
 
 
 def build(model_config, vocab_size: int, *, seq_len: int, seed: int) -> HFCausalLM:

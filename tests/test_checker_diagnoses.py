@@ -14,6 +14,7 @@ from accumulation.batching import IGNORE_INDEX
 from accumulation.checker import run as checker_run
 from accumulation.checker.promises import loss_alignment_message
 from accumulation.config.registry import register_model
+from accumulation.data.rows import RowHooks
 from accumulation.models.gpt import build_gpt
 from accumulation.rl.objectives import target_log_probs
 from accumulation.rl.on_policy import clipped_surrogate_sum
@@ -133,15 +134,28 @@ def test_a_loss_that_shifts_again_is_named_by_the_pairing_line_not_as_supervised
 # ---------------------------------------------------------------------------------------------------
 
 
-class RolloutsAltered:
+class RolloutsAltered(RowHooks):
     """A fork's rows: the GRPO rollouts, with either an extra left out of their raw examples (`unstated`) or an
-    extra that examples() hands the loss taken from the next row (`moved`). Everything else is the rollouts'."""
+    extra that examples() hands the loss taken from the next row (`moved`). Everything else is the rollouts',
+    the optional hooks handed on as a fork's wrapper must declare them (subclassing RowHooks)."""
 
     def __init__(self, rows, *, unstated: str | None = None, moved: str | None = None):
         self.rows, self.unstated, self.moved = rows, unstated, moved
 
     def __getattr__(self, name):
         return getattr(self.rows, name)
+
+    def bind_policy(self, model, context, resume):
+        self.rows.bind_policy(model, context, resume)
+
+    def sampled_at(self, step):
+        return self.rows.sampled_at(step)
+
+    def normaliser(self, row_ids, step):
+        return self.rows.normaliser(row_ids, step)
+
+    def objective(self, step):
+        return self.rows.objective(step)
 
     def examples(self, row_ids, step):
         inputs, labels, *extras = self.rows.examples(row_ids, step)

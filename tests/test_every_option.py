@@ -60,6 +60,16 @@ SHRINK = {
         "data.held_out": 8,
         "model.d_model": 32,
     },
+    # configs/grpo.toml's shrink on the Hugging Face policy and its tokenizer
+    "grpo_hf.toml": {
+        "batch.global_batch_size": 16,
+        "batch.micro_batch_size": 4,
+        "data.mini_batch_size": 16,
+        "data.sft_steps": 1,
+        "data.prompts_per_round": 4,
+        "data.group_size": 4,
+        "data.held_out": 8,
+    },
     "image_classifier.toml": {"data.images": 64},
     "hf_causal_lm.toml": {"data.seq_len": 100},
 }

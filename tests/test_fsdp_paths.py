@@ -79,3 +79,17 @@ def test_fsdp2_with_compiled_blocks_trains_as_eager(tmp_path, monkeypatch):
     assert any((tmp_path / "inductor").rglob("*.py")), "no block was compiled"  # Inductor's generated kernels
     assert "compile on" in compiled[2]
     assert_same_training(compiled, eager, 1e-5)
+
+
+def test_fsdp2_says_compile_off_for_a_model_without_fsdp_units(tmp_path, monkeypatch):
+    """model.compile = true under fsdp2 compiles each of a model's fsdp_units(); the GRU lists none, so nothing is
+    compiled (Inductor writes no kernel), and the banner says compile off (it said on) and why."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
+    settings = {"dist.strategy": "fsdp2", "model.name": "gru", "model.compile": "true", "run.max_steps": 2}
+    status, stdout, stderr = train_forked(tiny_settings(tmp_path, corpus, **settings), 2)
+    assert status == 0, stderr
+    [model_line] = [line for line in stdout.splitlines() if line.startswith("model: ")]
+    assert model_line.endswith("compile off"), model_line
+    assert "never compiled (model.compile compiles each of fsdp_units())" in stdout
+    assert not any((tmp_path / "inductor").rglob("*.py"))

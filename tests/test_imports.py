@@ -119,7 +119,7 @@ OPTION_MODULES = {
     "accumulation.checker",  # scripts/checks/check_equivalence.py
     "accumulation.rl",  # the GRPO fork's library: data.source = "arithmetic-rollouts" (its loss with it)
     "accumulation.parallel.fsdp",  # dist.strategy = "fsdp2"
-    "accumulation.run.sharded_checkpoint",  # dist.strategy = "fsdp2"'s checkpoints, or a resume from one
+    "accumulation.run.sharded_checkpoint",  # fsdp2's and pipeline stages' checkpoints, or a resume from one
     "accumulation.parallel.torchrun",  # a launch under torchrun
     "accumulation.parallel.mesh",  # dist.pipeline_stages > 1
     "accumulation.parallel.pipeline",  # dist.pipeline_stages > 1

@@ -1,6 +1,7 @@
 """The memory a run can have at most (accumulation/data/memory.py): the cgroup's limit read from a fake cgroup
 tree (v2 memory.max, v1 memory.limit_in_bytes, "max" or v1's huge number meaning none), and the start-up check
-of train.py against the smaller of that limit and the machine's memory."""
+of train.py (accumulation/run/build.py, check_fits_in_memory) against each limit: the host's (its memory, the
+cgroup's) shared by its ranks, a process's own (RLIMIT_AS) by one."""
 
 import os
 import resource
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from accumulation.config.config import ConfigError, load_config
 from accumulation.data import memory
+from accumulation.run import build
 from tests.test_checkpoints import run_in_process
 from tests.test_train import tiny_settings, uneven_corpus
 
@@ -77,3 +80,62 @@ def test_train_py_refuses_a_model_larger_than_the_cgroup_allows_before_writing_a
     assert not (tmp_path / "runs").exists()
     (tmp_path / "sys_fs_cgroup" / "job" / "memory.max").write_text("max\n")
     assert run_in_process(settings, capsys)[0] == 0
+
+
+def test_the_address_space_limit_is_the_process_s_own_and_the_host_s_limits_are_shared(tmp_path, monkeypatch):
+    monkeypatch.setattr(memory.resource, "getrlimit", lambda which: (3 * GIB, resource.RLIM_INFINITY))
+    monkeypatch.setattr(memory, "mapped_bytes", lambda: GIB)
+    fake_cgroup(monkeypatch, tmp_path, "0::/job\n", {"job/memory.max": f"{4 * GIB}\n"})
+    assert memory.memory_limits() == [
+        (machine_bytes(), "this machine's memory", False),
+        (4 * GIB, "the cgroup's memory.max", False),
+        (2 * GIB, "the address space ulimit -v leaves", True),  # what the limit leaves over what is mapped
+    ]
+    assert memory.memory_limit_bytes() == (2 * GIB, "the address space ulimit -v leaves")
+
+
+PARAMETERS = 24_000_000  # divisible by every D below
+
+
+@pytest.mark.parametrize(
+    "optimizer, bytes_per_parameter",
+    [
+        ({"optim.name": "adamw"}, 16),  # weight, gradient, two moments
+        ({"optim.name": "sgd", "optim.momentum": 0.9}, 12),  # weight, gradient, momentum buffer
+        ({"optim.name": "sgd", "optim.momentum": 0}, 8),  # weight and gradient
+    ],
+    ids=["adamw", "sgd-momentum", "sgd"],
+)
+@pytest.mark.parametrize(
+    "strategy, world_size, local_world_size, own, bytes_needed",
+    [
+        # (what the limit must hold, as a multiple of bytes_per_parameter × PARAMETERS)
+        ("ddp", 1, 1, True, 1.0),  # one process, the whole state
+        ("ddp", 2, 2, False, 2.0),  # two whole copies under one host's limit
+        ("fsdp2", 4, 4, True, 0.25),  # a process's own limit holds its quarter
+        ("fsdp2", 4, 4, False, 1.0),  # the host's holds its 4 ranks' quarters
+        ("fsdp2", 8, 4, False, 0.5),  # two hosts of 4: each holds half
+    ],
+    ids=["ddp-1", "ddp-host-2", "fsdp2-rlimit-4", "fsdp2-host-4", "fsdp2-2-hosts-of-4"],
+)
+def test_the_memory_check_refuses_exactly_below_the_lower_bound_of_the_optimizer_and_the_strategy(
+    tmp_path, monkeypatch, optimizer, bytes_per_parameter, strategy, world_size, local_world_size, own, bytes_needed
+):
+    """The state a run cannot train without: 4 bytes per parameter for each of the weight, its gradient and the
+    optimizer's tensors shaped like it, 1/D of it per rank under fsdp2; a limit of this process (RLIMIT_AS) holds one
+    rank's, a limit of the host (its memory, a cgroup) the host's LOCAL_WORLD_SIZE ranks'. One byte less than that
+    (plus the activations' lower bound, a few KB here) is refused, one MB more passes."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"dist.strategy": strategy, "device": "cpu", **optimizer}
+    config = load_config(tiny_settings(tmp_path, corpus, **settings))
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+    needed = int(bytes_needed * bytes_per_parameter * PARAMETERS)
+    where = "the address space ulimit -v leaves" if own else "the cgroup's memory.max"
+    for limit_bytes, refused in ((needed - 1, True), (needed + 2**20, False)):
+        monkeypatch.setattr(build, "memory_limits", lambda limit_bytes=limit_bytes: [(limit_bytes, where, own)])
+        if refused:
+            with pytest.raises(ConfigError, match=f"GiB of {where}; choose a smaller model"):
+                build.check_fits_in_memory(config, PARAMETERS, vocab_size=1, chunked_loss=True)
+        else:
+            build.check_fits_in_memory(config, PARAMETERS, vocab_size=1, chunked_loss=True)

@@ -1,7 +1,7 @@
 """Pipeline stages (dist.pipeline_stages = P): one pipelined SGD step equals one process with the whole batch and
 the float64 full batch, on 2 gloo ranks (P = 2, D = 1) and on 4 (P = 2, D = 2, a 2 × 2 mesh); both schedules;
 very uneven documents, a replica without a target, a partial last group; the clip of the whole model's norm;
-one gradient all-reduce of each stage per update; checkpoints in the one-process format."""
+one gradient all-reduce of each stage per update; each stage's checkpoint state under the whole model's names."""
 
 import math
 
@@ -13,12 +13,12 @@ from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import (
     build_pipeline,
-    gathered_model_state,
-    gathered_optimizer_state,
     optimizer_order,
     pipelined_loss_sum,
     stage_optimizer_state,
+    whole_numbers,
 )
+from accumulation.run.sharded_checkpoint import split_stage_payload
 from accumulation.step import StepSetup, optimizer_step, token_cross_entropy_sum
 from testkit.ranks import run_on_ranks
 from testkit.reference import capture_gradients, float64_reference_gradient
@@ -133,7 +133,8 @@ def pipeline_worker(rank, world_size):
     loss_sum, tokens = pipelined_loss_sum(pipeline, batches[layout.replica][:2], None)
     torch.distributed.all_reduce(loss_sum)
     results["validation"] = (loss_sum.item(), tokens, layout.is_last_stage)
-    # Checkpoint state: the whole model's, under its own names, and the optimizer's mapped back.
+    # Checkpoint state: each stage's own tensors under the whole model's names and numbers (what this rank hands
+    # the sharded checkpoint), and the optimizer's mapped back.
     optimizer = torch.optim.AdamW(pipeline.stage_module.parameters(), lr=0.01)
     optimizer_step(
         StepSetup(pipeline.stage_module, CPU, strategy=pipeline),
@@ -142,9 +143,16 @@ def pipeline_worker(rank, world_size):
         global_counts=counts_of(everything),
     )
     pipeline.whole_order = optimizer_order(torch.optim.AdamW(model.parameters(), lr=0.01), pipeline.names)
-    saved = gathered_optimizer_state(pipeline, optimizer)
-    results["checkpoint"] = (gathered_model_state(pipeline), saved)
-    if rank == 0:  # the mapping back: this stage's slice of the whole state loads into this stage's optimizer
+    tensors, rest = split_stage_payload({"counters": {}}, pipeline, optimizer)
+    results["checkpoint"] = ({key: value.clone() for key, value in tensors.items()}, rest["optimizer"])
+    results["exp_avg by name"] = {pipeline.names[id(p)]: optimizer.state[p]["exp_avg"].clone() for p in optimizer.state}
+    if layout.replica == 0:  # the mapping back: this stage's part of the whole state loads into this stage's optimizer
+        state = {number: dict(rest["optimizer"]["state"][number]) for number in whole_numbers(pipeline, optimizer)}
+        for key, value in tensors.items():
+            if key.startswith("optimizer/"):
+                _, number, entry = key.split("/")
+                state[int(number)][entry] = value
+        saved = {"state": state, "param_groups": rest["optimizer"]["param_groups"]}
         restored = torch.optim.AdamW(pipeline.stage_module.parameters(), lr=0.01)
         restored.load_state_dict(stage_optimizer_state(pipeline, restored, saved))
         results["restored"] = [restored.state[p]["exp_avg"].clone() for p in pipeline.stage_module.parameters()]
@@ -231,14 +239,33 @@ def check_clip_and_validation(per_rank: list, replicas: int) -> None:
 
 
 def check_checkpoint_state(per_rank: list) -> None:
-    model_state, optimizer_state = per_rank[0]["checkpoint"]
+    """The stages of replica 0 hand the whole model's tensors between them, under its names; the other replicas
+    hand nothing; rank 0's small state and the handed moments make the state dict of one AdamW over the whole
+    model, each moment under the number that optimizer gives its parameter."""
     one_process = new_model(torch.float64)
-    assert list(model_state) == list(one_process.state_dict())  # the same names, the same order
-    assert all(per_rank[rank]["checkpoint"] == ({}, {}) for rank in range(1, len(per_rank)))
+    handed = {}
+    for rank, results in enumerate(per_rank):
+        tensors, _ = results["checkpoint"]
+        assert rank < 2 or tensors == {}, rank  # ranks 2 and 3: replica 1's copies
+        assert not handed.keys() & tensors.keys()  # no tensor handed by two stages
+        handed.update(tensors)
+    model_names = [name[len("model/") :] for name in handed if name.startswith("model/")]
+    assert sorted(model_names) == sorted(one_process.state_dict())
+    optimizer_state = per_rank[0]["checkpoint"][1]  # rank 0's state.pt part
+    for key, value in handed.items():
+        if key.startswith("optimizer/"):
+            _, number, entry = key.split("/")
+            optimizer_state["state"][int(number)][entry] = value
     one_process_optimizer = torch.optim.AdamW(one_process.parameters(), lr=0.01)
     one_process_optimizer.load_state_dict(optimizer_state)  # the format of an optimizer over the whole model
-    assert sorted(optimizer_state["state"]) == list(range(len(list(one_process.parameters()))))
-    assert all(torch.equal(a, b) for a, b in zip(per_rank[0]["restored"], per_rank[0]["original"], strict=True))
+    names = [name for name, _ in one_process.named_parameters()]  # that optimizer's numbering
+    assert sorted(optimizer_state["state"]) == list(range(len(names)))
+    exp_avg = per_rank[0]["exp_avg by name"] | per_rank[1]["exp_avg by name"]
+    for number, name in enumerate(names):
+        assert torch.equal(optimizer_state["state"][number]["exp_avg"], exp_avg[name]), name
+    for rank in (0, 1):
+        restored, original = per_rank[rank]["restored"], per_rank[rank]["original"]
+        assert all(torch.equal(a, b) for a, b in zip(restored, original, strict=True))
 
 
 def test_two_stages_on_two_ranks_equal_one_process_and_the_float64_full_batch():

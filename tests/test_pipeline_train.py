@@ -1,10 +1,10 @@
 """train.py with dist.pipeline_stages = 2 on 2 gloo ranks, and on a 2 × 2 mesh of 4 ranks with A from 1 to 4
-under both schedules: the same updates as one process, the same checkpoint files (a pipelined run resumes on
-1 process and on DDP, and a 1-process run resumes pipelined), a stopped run resumed bit-identically; and every
-setting pipeline stages refuse is one line, exit 2, nothing written; a stage's mode around validation, an
-optimizer state of two parameter groups between layouts, and the layout check alone. The shared runs are
-train.main on forked gloo ranks (tests/test_train.py, train_forked); torchrun's launches are in the integration
-tier."""
+under both schedules: the same updates as one process, the same checkpoint state (a pipelined run's sharded
+folder resumes on 1 process and on DDP, and a 1-process run's single file resumes pipelined), a stopped run
+resumed bit-identically; and every setting pipeline stages refuse is one line, exit 2, nothing written; a stage's
+mode around validation, an optimizer state of two parameter groups between layouts, and the layout check alone.
+The shared runs are train.main on forked gloo ranks (tests/test_train.py, train_forked); torchrun's launches are
+in the integration tier. tests/test_pipeline_checkpoint.py holds the sharded checkpoints' own tests."""
 
 import os
 import shutil
@@ -21,6 +21,7 @@ from accumulation.batching import MicroBatch
 from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import build_pipeline, pipelined_loss_sum
+from accumulation.run.sharded_checkpoint import whole_state
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import pretend_launched, run_on_ranks
 from tests.test_checkpoints import EVAL_MODE_FORK
@@ -74,6 +75,11 @@ def comparable_metrics(run_dir) -> list[dict]:
 
 
 def checkpoint(run_dir, step: int) -> dict:
+    """Step `step`'s checkpoint as the single file holds it: a pipelined run's sharded folder read whole, or the
+    single file of one process and DDP."""
+    folder = run_dir / "checkpoints" / f"step_{step:06d}.dcp"
+    if folder.is_dir():
+        return whole_state(folder)
     return torch.load(run_dir / "checkpoints" / f"step_{step:06d}.pt", weights_only=True)
 
 
@@ -86,11 +92,15 @@ def assert_close_updates(got: dict, reference: dict, initial: dict) -> None:
 
 
 def resumed_from_step_2(source, destination):
-    """A copy of a run folder as if the run had been killed after its step-2 checkpoint."""
+    """A copy of a run folder as if the run had been killed after its step-2 checkpoint (a sharded folder, or a
+    single file and latest.pt)."""
     shutil.copytree(source, destination)
     checkpoints = destination / "checkpoints"
-    (checkpoints / "step_000003.pt").unlink()
-    shutil.copy(checkpoints / "step_000002.pt", checkpoints / "latest.pt")
+    if (checkpoints / "step_000003.dcp").is_dir():
+        shutil.rmtree(checkpoints / "step_000003.dcp")
+    else:
+        (checkpoints / "step_000003.pt").unlink()
+        shutil.copy(checkpoints / "step_000002.pt", checkpoints / "latest.pt")
     (destination / "run.lock").unlink(missing_ok=True)
 
 
@@ -163,7 +173,7 @@ def test_a_pipelined_run_killed_by_sigterm_resumes_bit_identically(tmp_path):
         time.sleep(0.02)
     agent.send_signal(signal.SIGTERM)
     _stdout, stderr = agent.communicate(timeout=150)
-    stopped_at = torch.load(tmp_path / "runs" / "killed" / "checkpoints" / "latest.pt", weights_only=True)
+    stopped_at = whole_state(sorted((tmp_path / "runs" / "killed" / "checkpoints").glob("step_*.dcp"))[-1])
     assert 1 <= stopped_at["counters"]["steps"] < 20, stderr[-2000:]  # stopped mid-run, at a step's end
     assert "stopped at step" in stderr
     resumed = run_train(arguments, ranks=2)

@@ -2,6 +2,7 @@
 for bit, a damaged shard falls back to the older checkpoint, the state comes back bit for bit at another world
 size or strategy, and a run continues there within fp32 reordering."""
 
+import json
 import os
 import shutil
 import signal
@@ -101,23 +102,70 @@ def test_a_resume_from_a_sharded_checkpoint_is_bit_exact_and_counts_each_adamw_s
     assert comparable(read_metrics(run_dir)) == comparable(read_metrics(tmp_path / "runs" / "straight"))
 
 
-def test_a_damaged_shard_is_passed_over_for_the_older_checkpoint_and_a_killed_save_is_ignored(straight):
-    """A flipped bit in one rank's shard file of the newest checkpoint: warned about, the step-2 checkpoint used, the
-    result that of the uninterrupted run. A temporary folder (a save killed before its rename) is no checkpoint and
-    the next save removes it. keep_checkpoints = 2 leaves two folders."""
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_a_damaged_shard_is_passed_over_for_the_older_checkpoint_and_a_killed_save_is_ignored(straight, damaged_rank):
+    """A flipped bit in one rank's shard file of the newest checkpoint, either rank's (each rank checksums only its
+    share of the files, the other's verdict comes by a gather): warned about, the step-2 checkpoint used on both
+    ranks, the result that of the uninterrupted run. A temporary folder (a save killed before its rename) is no
+    checkpoint and the next save removes it. keep_checkpoints = 2 leaves two folders."""
     tmp_path, corpus = straight
-    run_dir = resumed_copy(tmp_path, "damaged", [2, 3])
-    shard = run_dir / "checkpoints" / "step_000003.dcp" / "__1_0.distcp"
+    run_dir = resumed_copy(tmp_path, f"damaged{damaged_rank}", [2, 3])
+    shard = run_dir / "checkpoints" / "step_000003.dcp" / f"__{damaged_rank}_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     shutil.copytree(run_dir / "checkpoints" / "step_000002.dcp", run_dir / "checkpoints" / ".step_000009.dcp.tmp")
-    status, stdout, stderr = train_run(tmp_path, corpus, "damaged", 2, "fsdp2", 4, **{"run.keep_checkpoints": 2})
+    keep = {"run.keep_checkpoints": 2}
+    status, stdout, stderr = train_run(tmp_path, corpus, f"damaged{damaged_rank}", 2, "fsdp2", 4, **keep)
     assert status == 0, stderr
-    assert "__1_0.distcp does not match the size and CRC-32" in stderr and "passed over" in stderr
+    assert f"__{damaged_rank}_0.distcp does not match the size and CRC-32" in stderr and "passed over" in stderr
     assert "step_000002.dcp at step 2" in stdout
     assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
     assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == ["step_000003.dcp", "step_000004.dcp"]
+
+
+def main_counting_checksummed_bytes(argv: list[str]) -> int:
+    """train.main in a rank that writes to $ACCUMULATION_TEST_COUNTS/rank<R>.json the bytes it checksummed of each
+    file (through sharded_checkpoint.crc32_of, which streams every CRC-32 of a sharded checkpoint)."""
+    import train
+    from accumulation.run import sharded_checkpoint
+
+    real_crc32_of, counted = sharded_checkpoint.crc32_of, {}
+
+    def counting_crc32_of(path: Path) -> int:
+        counted[str(path)] = counted.get(str(path), 0) + path.stat().st_size
+        return real_crc32_of(path)
+
+    sharded_checkpoint.crc32_of = counting_crc32_of
+    try:
+        return train.main(argv)
+    finally:
+        (Path(os.environ["ACCUMULATION_TEST_COUNTS"]) / f"rank{os.environ['RANK']}.json").write_text(
+            json.dumps(counted)
+        )
+
+
+def test_each_rank_checksums_only_its_share_of_the_shard_files_at_a_resume(straight, monkeypatch):
+    """A resume on 2 ranks from the 2-rank step-2 checkpoint: rank r reads shard file r once for its CRC-32 and not
+    the other's (every rank read every file before), each rank the small files (state.pt, .metadata) it reads anyway;
+    the resumed run ends as the uninterrupted one."""
+    tmp_path, corpus = straight
+    run_dir = resumed_copy(tmp_path, "counted", [2])
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    monkeypatch.setenv("ACCUMULATION_TEST_COUNTS", str(counts))
+    settings = {"run.name": "counted", "dist.strategy": "fsdp2", "run.max_steps": 4, "run.checkpoint_every": 1}
+    arguments = tiny_settings(tmp_path, corpus, **settings)
+    per_rank = run_main_on_ranks("tests.test_sharded_checkpoint:main_counting_checksummed_bytes", arguments)
+    assert [status for status, _, _ in per_rank] == [0, 0], per_rank
+    folder = run_dir / "checkpoints" / "step_000002.dcp"
+    sizes = {path.name: path.stat().st_size for path in folder.iterdir()}
+    for rank in range(2):
+        counted = json.loads((counts / f"rank{rank}.json").read_text())
+        read = {Path(name).name: size for name, size in counted.items() if Path(name).parent == folder}
+        expected = {f"__{rank}_0.distcp", ".metadata", "state.pt"}
+        assert read == {name: sizes[name] for name in expected}, (rank, read)
+    assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
 
 
 def test_a_run_whose_only_checkpoint_is_damaged_is_refused_with_one_line(straight):
@@ -221,6 +269,43 @@ def test_a_stop_signal_s_sharded_checkpoint_is_complete_before_exit_and_the_rest
     assert_same_state(whole(run_dir), whole(tmp_path / "runs" / "straight"))
 
 
+def main_with_slow_writes(argv: list[str]) -> int:
+    """train.main in a rank where a checkpoint's shard file is written 0.5 s late, long after the next step's
+    forward and backward: an "overlapped" save whose update did not wait would write the next step's weights."""
+    import time
+
+    import train
+    from accumulation.run import sharded_checkpoint
+
+    real_write_data = sharded_checkpoint.ShardWriter.write_data
+
+    def slow_write_data(self, plan, planner):
+        time.sleep(0.5)
+        return real_write_data(self, plan, planner)
+
+    sharded_checkpoint.ShardWriter.write_data = slow_write_data
+    return train.main(argv)
+
+
+@pytest.mark.parametrize("how", ["overlapped", "at_once"])
+def test_checkpoints_written_without_a_host_copy_hold_the_staged_ones_state_bit_for_bit(straight, how):
+    """run.sharded_save = "overlapped" (from the live shards while the next step's forward and backward run, its
+    update held until the write is done) and "at_once": each folder holds the straight run's ("staged") state of its
+    step, bit for bit, though every write is slowed past the next step's forward and backward."""
+    tmp_path, corpus = straight
+    settings = {"run.name": how, "run.sharded_save": how, "run.checkpoint_every": 1, "run.keep_checkpoints": 10}
+    arguments = tiny_settings(tmp_path, corpus, **{"dist.strategy": "fsdp2", "run.max_steps": 4}, **settings)
+    per_rank = run_main_on_ranks("tests.test_sharded_checkpoint:main_with_slow_writes", arguments)
+    assert [status for status, _, _ in per_rank] == [0, 0], per_rank
+    folders = sorted((tmp_path / "runs" / how / "checkpoints").glob("step_*.dcp"))
+    assert [folder.name for folder in folders] == [f"step_{step:06d}.dcp" for step in range(5)]
+    for folder in folders:
+        written = whole_state(folder)
+        staged = whole_state(tmp_path / "runs" / "straight" / "checkpoints" / folder.name)
+        assert_same_state(written, staged)
+        assert written["counters"] == staged["counters"]
+
+
 def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     """Two sharded saves of a small FSDP2 model with AdamW state into `disk`, the second after the disk was filled:
     the second's WriteError, as each rank sees it."""
@@ -228,7 +313,7 @@ def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     from torch.distributed.fsdp import fully_shard
 
     from accumulation.run.checkpoint import WriteError
-    from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
+    from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter, split_payload
     from testkit.disk import fill_disk
 
     torch.manual_seed(0)
@@ -239,13 +324,13 @@ def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
     writer = ShardedCheckpointWriter(Path(disk) / "checkpoints", 3, context)
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
-    writer.save(payload, optimizer, 2)
+    writer.save(*split_payload(payload, optimizer), optimizer, 2)
     writer.finish()
     if rank == 0:
         fill_disk(Path(disk), leave_free_bytes=40_000)  # under one rank's shards (about 160 kB each)
     torch.distributed.barrier()
     try:
-        writer.save(payload | {"counters": {"steps": 4}}, optimizer, 4)
+        writer.save(*split_payload(payload | {"counters": {"steps": 4}}, optimizer), optimizer, 4)
         writer.finish()
     except WriteError as error:
         return str(error)
@@ -274,8 +359,12 @@ def test_the_checkpoint_benchmark_measures_both_paths():
     for path in ("old", "sharded"):
         for key in ("save_blocked_s", "save_total_s", "save_rise", "resume_s", "resume_rise"):
             assert row[f"{path} {key}"] >= 0, (path, key)
-    assert row["sharded save_blocked_s"] <= row["sharded save_total_s"]
-    assert "sharded blocked / old blocked" in table([row])
+    for path in ("at-once", "overlapped"):  # saves only: the sharded resume reads the overlapped folder
+        for key in ("save_blocked_s", "save_total_s", "save_rise"):
+            assert row[f"{path} {key}"] >= 0, (path, key)
+    for path in ("sharded", "overlapped"):
+        assert row[f"{path} save_blocked_s"] <= row[f"{path} save_total_s"], path
+    assert "sharded blocked / old blocked" in table([row]) and "overlapped" in table([row])
 
 
 def test_a_killed_sharded_save_s_folder_is_this_program_s_and_a_sharded_checkpoint_is_a_run(tmp_path):

@@ -32,7 +32,7 @@ from accumulation.checker.reference import (
     one_batch_baseline,
     trainable_parameters,
 )
-from accumulation.data.rows import DataError, Rows
+from accumulation.data.rows import DataError, Rows, row_hooks
 from accumulation.models.factory import build_model
 from accumulation.rl.objective_check import (
     RELATIVE_TOLERANCE,
@@ -53,24 +53,23 @@ GROUP = "group"
 ROW_WEIGHTS = "row_weights"
 
 
-def bind_initial_policy(rows: Rows, config, vocab_size: int, rank: int) -> None:
-    """For rows sampled from the model being trained (a source with bind_policy, RL rollouts): the policy they
-    are sampled from, the checked model's initial weights (build_model from run.seed) moved off them
+def bind_initial_policy(rows: Rows, config, vocab_size: int, rank: int, step: int) -> None:
+    """For a step whose rows are sampled from the model being trained (RowHooks.sampled_at, RL rollouts): the
+    policy they are sampled from, the checked model's initial weights (build_model from run.seed) moved off them
     (offset_policy), on the host. Every rank samples the step's whole round itself, as one replica would: the rows
     are then a function of (seed, step, row id) and those weights, whichever rank asks."""
-    if not hasattr(rows, "bind_policy"):
+    if not row_hooks(rows).sampled_at(step):
         return
     policy = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
     offset_policy(policy, config.run.seed)
     one_replica = types.SimpleNamespace(replicas=1, replica=0, device=torch.device("cpu"), is_main=rank == 0)
-    rows.bind_policy(policy, one_replica, None)
+    row_hooks(rows).bind_policy(policy, one_replica, None)
 
 
 def declared_objective(rows: Rows, step: int) -> PolicyObjective | None:
-    """The objective step `step` declares where the source declares one (accumulation/rl/on_policy.py's
-    Rollouts.objective), else None: the mean over supervised targets."""
-    objective = getattr(rows, "objective", None)
-    return objective(step) if objective is not None else None
+    """The objective step `step` declares (RowHooks.objective; accumulation/rl/on_policy.py's Rollouts.objective),
+    or None: the mean over supervised targets."""
+    return row_hooks(rows).objective(step)
 
 
 def raw_extras(rows: Rows, row_ids: torch.Tensor, step: int) -> list[dict]:

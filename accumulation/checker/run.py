@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
         # dist.pipeline_stages > 1: the model's pipeline_split, at most one stage a block
         check_model_splits(build_model_on_meta(config.model, vocab_size, config.data.seq_len), config)
         rows = BuggyRows(data.train, bug, layout.replica) if bug in DATA_BUGS else data.train
-        bind_initial_policy(data.train, config, vocab_size, rank)  # rows sampled from the model being trained (RL)
+        bind_initial_policy(data.train, config, vocab_size, rank, arguments.step)  # rows sampled from the model (RL)
         batch = step_batch(
             rows,
             arguments.step,

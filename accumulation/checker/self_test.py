@@ -13,7 +13,7 @@ import torch
 from accumulation.batching import IGNORE_INDEX, all_reduce_ints, count_supervised_tokens, micro_batch_slices
 from accumulation.checker.objective_reference import declared_objective
 from accumulation.config.config import Config, ConfigError
-from accumulation.data.rows import DataError, RawExample, Rows, RowSet
+from accumulation.data.rows import DataError, RawExample, Rows, RowSet, row_hooks
 from accumulation.data.sources import StepBatch
 from accumulation.parallel.distributed import DistributedContext
 
@@ -73,7 +73,7 @@ def refuse_a_bug_this_data_cannot_show(
             f"--inject-bug {bug} wraps the data's rows, which would hide the objective step {step} declares; run it "
             "on a step without one (e.g. an SFT step of configs/grpo.toml, --step 0)"
         )
-    declared_unit = rows.normaliser(row_ids, step)[1] if hasattr(rows, "normaliser") else "targets"
+    declared_unit = row_hooks(rows).normaliser(row_ids, step)[1]
     if bug == "wrong-normaliser" and declared_unit == "targets":
         raise DataError(
             "--inject-bug wrong-normaliser needs a step whose objective counts N in another unit than supervised "

@@ -54,6 +54,14 @@ class RunConfig:
         choices=("auto", "never"),
     )
     keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
+    sharded_save: str = setting(
+        "staged",
+        "sharded checkpoints (fsdp2, pipeline stages): staged (in the background from a host copy of the rank's "
+        "shards, 12/D bytes per parameter with AdamW), overlapped (from the live shards while the next forward and "
+        "backward run, no copy; that step's update waits for the write), at_once (no copy; training waits) "
+        "(docs/sharding.md)",
+        choices=("staged", "overlapped", "at_once"),
+    )
     sample_bytes: int = setting(
         200, "tokens sampled at the end after a training prompt; 0 = none (docs/training.md)", "tokens", at_least=0
     )

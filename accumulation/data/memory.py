@@ -44,13 +44,20 @@ def mapped_bytes() -> int:
     return 0
 
 
-def memory_limit_bytes() -> tuple[int, str]:
-    """(bytes, what sets the limit) for the memory this process can get at most."""
-    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory")]
+def memory_limits() -> list[tuple[int, str, bool]]:
+    """Each limit on the memory this process can get: (bytes, what sets it, whether it is this process's own). The
+    machine's memory and its cgroup's limit are the host's, shared by every process on it (torchrun starts a
+    host's ranks in one cgroup); the address space `ulimit -v` leaves (RLIMIT_AS) is this process's alone."""
+    limits = [(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's memory", False)]
     cgroup = cgroup_memory_limit_bytes()
     if cgroup is not None:
-        limits.append((cgroup, "the cgroup's memory.max"))
+        limits.append((cgroup, "the cgroup's memory.max", False))
     address_space, _ = resource.getrlimit(resource.RLIMIT_AS)
     if address_space != resource.RLIM_INFINITY:
-        limits.append((max(0, address_space - mapped_bytes()), "the address space ulimit -v leaves"))
-    return min(limits)
+        limits.append((max(0, address_space - mapped_bytes()), "the address space ulimit -v leaves", True))
+    return limits
+
+
+def memory_limit_bytes() -> tuple[int, str]:
+    """(bytes, what sets the limit) for the memory this process can get at most."""
+    return min((limit_bytes, limit) for limit_bytes, limit, _ in memory_limits())

@@ -1,8 +1,9 @@
 """What a row is, for every data source: the `Rows` interface (docs/forking.md, "The `Rows` interface") and the
 containers that implement it, in one module that imports no source."""
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -93,6 +94,12 @@ class RowHooks:
         """(N, its unit) of step `step`, whose rows are `row_ids` (all ranks'). None: N is the step's supervised
         targets, summed from supervised_counts (the mean over targets)."""
         return None, "targets"
+
+    def objective(self, step: int):
+        """The objective step `step` declares, which the equivalence checker computes from its definition
+        (accumulation/rl/objectives.py's PolicyObjective: aggregation, clip, ratio level, KL and entropy terms);
+        None: the mean over supervised targets."""
+        return None
 
     def step_fields(self, step: int, eval_every: int) -> dict:
         """The rows' own fields for the metrics.jsonl line of the step just taken (`step` steps done)."""
@@ -296,3 +303,26 @@ def mix64(values: np.ndarray) -> np.ndarray:
     values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return values ^ (values >> np.uint64(31))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Text to token ids and back: bytes here, a tokenizer.json in accumulation/data/tokenizer.py (from_tokenizer_json).
+
+
+class RunTokenizer(NamedTuple):
+    """Text to token ids and back, as the run's data made them (the end-of-run sample, the GRPO rollouts)."""
+
+    encode: Callable[[str], list[int]]
+    decode: Callable[[list[int]], str]
+    vocab_size: int
+    files: tuple  # the files it was read from (tokenizer.json, meta.pkl), which an export copies; () for bytes
+
+
+def decode_bytes(ids: list[int]) -> str:
+    """Byte tokens as UTF-8 text. A model whose vocabulary was padded past 256 (model.vocab_size) can sample an
+    id that is no byte: it shows as U+FFFD, like any byte sequence that is not UTF-8."""
+    replacement = "\ufffd".encode()
+    return b"".join(bytes([i]) if i < 256 else replacement for i in ids).decode("utf-8", errors="replace")
+
+
+BYTES = RunTokenizer(lambda text: list(text.encode("utf-8")), decode_bytes, BYTE_VOCAB_SIZE, ())

@@ -1,11 +1,13 @@
 """Tokenizers for reading text in (JSONL, text with data.tokenizer). Text and JSONL are bytes unless data.tokenizer
 names a Hugging Face tokenizer.json, which needs the optional `tokenizers` package, imported only then. (Token ids
-back to text, for the end-of-run sample: accumulation/run/sample.py.)
+back to text: from_tokenizer_json, for the end-of-run sample, accumulation/run/sample.py, and the GRPO rollouts.)
 """
+
+import functools
 
 import numpy as np
 
-from accumulation.data.rows import DataError
+from accumulation.data.rows import DataError, RunTokenizer
 
 END_OF_TEXT_TOKENS = ("<|endoftext|>", "</s>", "<eos>")  # the end-of-document tokens looked for, in order
 
@@ -24,6 +26,18 @@ def load_tokenizer(path: str):
         return Tokenizer.from_file(path)
     except Exception as error:  # tokenizers raises its own Exception types, e.g. for a missing file or bad JSON
         raise DataError(f"data.tokenizer {path!r}: cannot load it as a tokenizer.json ({error})") from None
+
+
+def from_tokenizer_json(path) -> RunTokenizer:
+    """A Hugging Face tokenizer.json as the run's tokenizer; decoding keeps special tokens (the sample shows what
+    the model produced)."""
+    tokenizer = load_tokenizer(str(path))
+    return RunTokenizer(
+        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
+        functools.partial(tokenizer.decode, skip_special_tokens=False),
+        tokenizer.get_vocab_size(),
+        (path,),
+    )
 
 
 def end_of_text_token(tokenizer) -> int | None:

@@ -151,7 +151,10 @@ def describe_sharding(model: torch.nn.Module) -> str:
     """The banner's line, e.g. "fsdp2: 5 groups (4 from fsdp_units() and the root)"."""
     units = len(sharding_units(model))
     if units == 0:
-        return "fsdp2: the whole model is one group (it lists no fsdp_units()); all-gathered whole for each forward"
+        return (
+            "fsdp2: the whole model is one group (it lists no fsdp_units()); all-gathered whole for each forward, "
+            "and never compiled (model.compile compiles each of fsdp_units())"
+        )
     return f"fsdp2: {units + 1} groups ({units} from fsdp_units() and the root), each all-gathered when it runs"
 
 

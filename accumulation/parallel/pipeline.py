@@ -33,7 +33,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.nn.parallel import DistributedDataParallel
 
@@ -267,47 +266,40 @@ def pipelined_loss_sum(
     return loss_sum, tokens
 
 
-def gathered_model_state(pipeline: Pipeline) -> dict:
-    """The whole model's state dict on rank 0's host, under the model's own names (what one process saves):
-    the stages of replica 0 send theirs to rank 0; the other ranks get {}. Every rank must call it."""
-    mine = {}
-    if pipeline.layout.replica == 0:
-        state = pipeline.stage_module.state_dict(keep_vars=True)
-        mine = {pipeline.names[id(tensor)]: tensor.detach().cpu() for tensor in state.values()}
-    merged = _merged_on_rank_0(mine)
-    return {name: merged[name] for name in pipeline.names.values() if name in merged}  # the model's own order
-
-
 def optimizer_order(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[list[str]]:
     """The parameter names of each of the optimizer's groups, in the order its state dict numbers them."""
     return [[names[id(param)] for param in group["params"]] for group in optimizer.param_groups]
 
 
-def gathered_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> dict:
-    """The stages' optimizer states merged into the state dict of one optimizer over the whole model (on
-    rank 0; {} elsewhere), numbered as pipeline.whole_order says (build_optimizer over the whole model: its
-    groups hold the same kinds of parameters as each stage's, in the model's order)."""
-    whole_order = pipeline.whole_order
-    mine = {}
+def whole_names(pipeline: Pipeline) -> dict[str, str]:
+    """This stage's state-dict names -> the whole model's names of the same tensors."""
+    state = pipeline.stage_module.state_dict(keep_vars=True)
+    return {name: pipeline.names[id(tensor)] for name, tensor in state.items()}
+
+
+def whole_numbers(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> list[int]:
+    """The number an optimizer over the whole model gives each of this stage's optimizer's parameters (in the
+    stage optimizer's own order): pipeline.whole_order, build_optimizer over the whole model, numbers them."""
+    index = {name: i for i, name in enumerate(name for group in pipeline.whole_order for name in group)}
+    return [index[name] for group in optimizer_order(optimizer, pipeline.names) for name in group]
+
+
+def stage_state_under_whole_names(pipeline: Pipeline, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(this stage's state dict under the whole model's names, this stage's optimizer state dict as part of one
+    optimizer's over the whole model: its entries under the whole model's numbers, param_groups over the whole
+    model) for the stages of replica 0; the other replicas hold copies and give ({}, no entries)."""
+    state_dict = optimizer.state_dict()
+    model, state = {}, {}
     if pipeline.layout.replica == 0:
-        state_dict = optimizer.state_dict()
-        stage_names = [name for group in optimizer_order(optimizer, pipeline.names) for name in group]
-        mine = {
-            "state": {stage_names[i]: _to_host(state) for i, state in state_dict["state"].items()},
-            "groups": [{k: v for k, v in group.items() if k != "params"} for group in state_dict["param_groups"]],
-        }
-    everyone = _gathered_on_rank_0(mine)
-    if everyone is None:
-        return {}
-    index = {name: i for i, name in enumerate(name for group in whole_order for name in group)}
-    state = {}
-    for part in everyone:
-        state.update({index[name]: value for name, value in part.get("state", {}).items()})
+        names, numbers = whole_names(pipeline), whole_numbers(pipeline, optimizer)
+        model = {names[name]: tensor for name, tensor in pipeline.stage_module.state_dict().items()}
+        state = {numbers[i]: entries for i, entries in state_dict["state"].items()}
+    # Each stage's optimizer has the whole optimizer's groups, with the same settings.
     groups, first = [], 0
-    for group_names, settings in zip(whole_order, everyone[0]["groups"], strict=True):
-        groups.append({**settings, "params": list(range(first, first + len(group_names)))})
+    for group_names, group in zip(pipeline.whole_order, state_dict["param_groups"], strict=True):
+        groups.append({**group, "params": list(range(first, first + len(group_names)))})
         first += len(group_names)
-    return {"state": dict(sorted(state.items())), "param_groups": groups}
+    return model, {"state": state, "param_groups": groups}
 
 
 def stage_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -322,21 +314,3 @@ def stage_optimizer_state(pipeline: Pipeline, optimizer: torch.optim.Optimizer, 
         groups.append({**saved_group, "params": list(range(first, first + len(group)))})
         first += len(group)
     return {"state": state, "param_groups": groups}
-
-
-def _to_host(state: dict) -> dict:
-    return {key: value.detach().cpu() if torch.is_tensor(value) else value for key, value in state.items()}
-
-
-def _gathered_on_rank_0(mine) -> list | None:
-    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine, everyone, dst=0)
-    return everyone
-
-
-def _merged_on_rank_0(mine: dict) -> dict:
-    everyone = _gathered_on_rank_0(mine)
-    merged = {}
-    for part in everyone or []:
-        merged.update(part)
-    return merged

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from accumulation.batching import IGNORE_INDEX, collective_device
 from accumulation.config.registry import register_data, register_loss
 from accumulation.data.custom import CustomDataSummary, tensor_fingerprint
-from accumulation.data.rows import DataError, RawExample, RowHooks
+from accumulation.data.rows import BYTES, DataError, RawExample, RowHooks, RunTokenizer
 from accumulation.data.splits import Data
 from accumulation.data.uniforms import step_uniforms
 from accumulation.rl.objectives import (
@@ -52,7 +52,6 @@ from accumulation.rl.task import AnswerRows, checked_reward, raw_row, read_task,
 from accumulation.step import token_cross_entropy_sum
 
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
-BYTE_VOCABULARY = 256
 
 
 # The policy loss of this process: the run's data.policy_loss with its objective, bound by Rollouts.bind_policy; it
@@ -86,7 +85,7 @@ class Round:
 
     index: int
     inputs: torch.Tensor  # int64 [rollout, seq_len]: prompt, completion, zeros
-    labels: torch.Tensor  # int64: the completion's bytes, IGNORE_INDEX elsewhere
+    labels: torch.Tensor  # int64: the completion's tokens, IGNORE_INDEX elsewhere
     old_log_probs: torch.Tensor  # float32: log π_old of each label at sampling time
     rewards: torch.Tensor  # float64 [rollout]
     advantages: torch.Tensor  # float64 [rollout]
@@ -95,16 +94,27 @@ class Round:
 
 class Rollouts(RowHooks):
     """The training rows of a GRPO run (the module docstring): SFT steps' answers, then each round's rollout. Rows
-    sampled from the policy: it declares all five of the optional RowHooks (accumulation/data/rows.py)."""
+    sampled from the policy: it declares all six of the optional RowHooks (accumulation/data/rows.py)."""
 
     log_group = "rl"  # RowHooks.log_group: its step_fields in TensorBoard and the other sinks as rl/mean_reward, ...
 
-    def __init__(self, settings: RolloutSettings, pairs, held_out, seq_len: int, seed: int, global_batch_size: int):
+    def __init__(
+        self,
+        settings: RolloutSettings,
+        pairs,
+        held_out,
+        seq_len: int,
+        seed: int,
+        global_batch_size: int,
+        tokenizer: RunTokenizer = BYTES,
+    ):
         self.settings, self.seed, self.global_batch = settings, seed, global_batch_size
         self.prompts = [prompt for prompt, _ in pairs]
         self.reward = reward_function(settings.reward)
         self.held_out = held_out
-        self.answers = AnswerRows(pairs, seq_len)
+        self.tokenizer = tokenizer  # text to token ids and back: prompts, completions, SFT answers, stop tokens
+        self.drawing, self.greedy = settings.sampling(tokenizer), settings.sampling(tokenizer, greedy=True)
+        self.answers = AnswerRows(pairs, seq_len, tokenizer)
         self.rollout = settings.prompts_per_round * settings.group_size
         self.steps_per_round = self.rollout * settings.ppo_epochs // global_batch_size
         self.policy, self.context, self.round = None, None, None
@@ -264,7 +274,14 @@ class Rollouts(RowHooks):
             chunk = slice(first, first + settings.sample_batch_size)
             pieces.append(
                 sample(
-                    self.policy, prompts[chunk], mine[chunk], self.seed, round_index, settings.sampling(), self.seq_len
+                    self.policy,
+                    prompts[chunk],
+                    mine[chunk],
+                    self.seed,
+                    round_index,
+                    self.drawing,
+                    self.seq_len,
+                    self.tokenizer,
                 )
             )
         self.policy.train(was_training)
@@ -308,7 +325,7 @@ class Rollouts(RowHooks):
         group_ids = torch.arange(self.rollout) // self.settings.group_size
         rewards = torch.tensor(
             [
-                checked_reward(self.reward, self.prompts[asked[int(g)]], completion_text(row))
+                checked_reward(self.reward, self.prompts[asked[int(g)]], completion_text(row, self.tokenizer))
                 for g, row in zip(group_ids, labels, strict=True)
             ],
             dtype=torch.float64,
@@ -369,7 +386,7 @@ class Rollouts(RowHooks):
         self.policy.eval()
         prompts = [prompt for prompt, _ in self.held_out]
         rows = torch.arange(len(prompts))
-        drawn = sample(self.policy, prompts, rows, 0, 0, self.settings.sampling(greedy=True), self.seq_len)
+        drawn = sample(self.policy, prompts, rows, 0, 0, self.greedy, self.seq_len, self.tokenizer)
         self.policy.train(was_training)
         rewards = [checked_reward(self.reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)]
         return sum(rewards) / len(prompts)
@@ -388,9 +405,9 @@ def round_line(step: int, fields: dict) -> str:
     )
 
 
-def completion_text(labels: torch.Tensor) -> str:
-    """The completion a row of labels supervises, decoded."""
-    return bytes(labels[labels != IGNORE_INDEX].tolist()).decode("utf-8", errors="replace")
+def completion_text(labels: torch.Tensor, tokenizer: RunTokenizer = BYTES) -> str:
+    """The completion a row of labels supervises, decoded with the run's tokenizer."""
+    return tokenizer.decode(labels[labels != IGNORE_INDEX].tolist())
 
 
 def all_gathered(tensor: torch.Tensor, replicas: int, device: torch.device) -> torch.Tensor:
@@ -411,24 +428,40 @@ def all_reduced(sums: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the registered pieces
+def rollout_tokenizer(data_config) -> RunTokenizer:
+    """The run's tokenizer: bytes, or the tokenizer.json data.tokenizer names (a Hugging Face model's own, in its
+    folder: data.tokenizer = "<model.path>/tokenizer.json"), which needs the optional `tokenizers` package."""
+    if data_config.tokenizer == "bytes":
+        return BYTES
+    from accumulation.data.locate import expanded_paths  # a path: its leading ~ read as every reader reads it
+    from accumulation.data.tokenizer import from_tokenizer_json  # the optional tokenizers package
+
+    return from_tokenizer_json(expanded_paths(data_config).tokenizer)
+
+
 def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
     settings = data_config.own
+    tokenizer = rollout_tokenizer(data_config)
     if settings.prompts:
         training, held_out = read_task(settings.prompts, settings.held_out)
-        longest = max(len(prompt.encode()) for prompt, _ in training + held_out)
-        # an answer row holds prompt and response, less the last byte (which no position predicts from inside the row)
-        longest_answer = max(len((prompt + response).encode()) - 1 for prompt, response in training + held_out)
-        needed = max(longest + settings.max_new_tokens, longest_answer)
-        if needed > data_config.seq_len:
-            raise DataError(
-                f"data.seq_len={data_config.seq_len} cannot hold {settings.prompts}'s longest prompt ({longest} "
-                f"bytes) and data.max_new_tokens={settings.max_new_tokens}, or its longest prompt and response "
-                f"({longest_answer + 1} bytes); set data.seq_len={needed}"
-            )
     else:
         training, held_out = split_problems(settings.max_operand, settings.held_out)
-    train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size)
-    val = AnswerRows(held_out, data_config.seq_len)
+    unit = "tokens" if tokenizer.files else "bytes"
+    owner = f"{settings.prompts}'s" if settings.prompts else "the problems'"
+    longest = max(len(tokenizer.encode(prompt)) for prompt, _ in training + held_out)
+    # an answer row holds prompt and response, less the last token (which no position predicts from inside the row)
+    longest_answer = max(
+        len(tokenizer.encode(prompt)) + len(tokenizer.encode(response)) - 1 for prompt, response in training + held_out
+    )
+    needed = max(longest + settings.max_new_tokens, longest_answer)
+    if needed > data_config.seq_len:
+        raise DataError(
+            f"data.seq_len={data_config.seq_len} cannot hold {owner} longest prompt "
+            f"({longest} {unit}) and data.max_new_tokens={settings.max_new_tokens}, or its longest prompt and "
+            f"response ({longest_answer + 1} {unit}); set data.seq_len={needed}"
+        )
+    train = Rollouts(settings, training, held_out, data_config.seq_len, seed, settings.mini_batch_size, tokenizer)
+    val = AnswerRows(held_out, data_config.seq_len, tokenizer)
     answer_lengths = train.answers.supervised_counts(torch.arange(train.answers.num_rows), 0).double()
     summary = CustomDataSummary(
         source=data_config.source,
@@ -441,11 +474,11 @@ def build_rollouts(data_config, *, model_vocab_size: int, seed: int) -> Data:
         targets="completion tokens",
         root=data_config.source,
         seq_len=data_config.seq_len,
-        vocab_size=BYTE_VOCABULARY,
+        vocab_size=tokenizer.vocab_size,
         format=f"{settings.prompts or f'Q: a + b = below {settings.max_operand}'}, SFT answers then GRPO rollouts",
         val_rows_read=len(held_out),
     )
-    return Data(train=train, val=val, summary=summary, vocab_size=BYTE_VOCABULARY)
+    return Data(train=train, val=val, summary=summary, vocab_size=tokenizer.vocab_size)
 
 
 register_data("arithmetic-rollouts", build_rollouts, settings=RolloutSettings, check=check_rollout_config)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from accumulation.batching import IGNORE_INDEX
+from accumulation.data.rows import BYTES, DataError, RunTokenizer
 from accumulation.data.uniforms import step_uniforms
 from accumulation.models.gpt import GPT
 
@@ -50,6 +51,24 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[int, ...] = (END_OF_ANSWER,)
     greedy: bool = False
+
+
+def stop_tokens(stop: str, tokenizer: RunTokenizer = BYTES) -> tuple[int, ...]:
+    """The token ids of data.stop's characters, each a stop token: under bytes, each character's UTF-8 bytes; under
+    a tokenizer, each character must be one token of it (a character it writes as two tokens, or drops, could never
+    be drawn as one token), else a DataError in one line naming it."""
+    if not tokenizer.files:
+        return tuple(stop.encode())
+    ids = []
+    for character in stop:
+        encoded = tokenizer.encode(character)
+        if len(encoded) != 1:
+            raise DataError(
+                f"data.stop: {character!r} is {len(encoded)} tokens under {tokenizer.files[0]} ({encoded}), not "
+                "one; each character of data.stop must be a single token of the tokenizer"
+            )
+        ids += encoded
+    return tuple(ids)
 
 
 def draw(log_probs: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling) -> torch.Tensor:
@@ -129,8 +148,13 @@ class GPTKeyValueCache:
 
 
 def decoder_for(model: torch.nn.Module, rows: int, seq_len: int):
-    """The key-value cache where the model is the project's GPT, else a forward over the whole prefix per token."""
-    return (GPTKeyValueCache if isinstance(model, GPT) else FullForward)(model, rows, seq_len)
+    """The key-value cache where the model is the project's GPT, or the model's own where it declares one (the
+    optional `key_value_decoder(rows, seq_len)` of the model contract: forks/hf_causal_lm.py's), else a forward over
+    the whole prefix per token."""
+    if isinstance(model, GPT):
+        return GPTKeyValueCache(model, rows, seq_len)
+    own = getattr(model, "key_value_decoder", None)
+    return own(rows, seq_len) if own is not None else FullForward(model, rows, seq_len)
 
 
 @torch.no_grad()
@@ -142,15 +166,17 @@ def sample(
     round_index: int,
     sampling: Sampling,
     seq_len: int,
+    tokenizer: RunTokenizer = BYTES,
 ) -> Trajectories:
-    """Complete each prompt with up to `sampling.max_new_tokens` bytes from the policy, all rows in one batch, row i
-    drawing the uniforms of (seed, round_index, row_ids[i]). The log-probability of each drawn byte under π_T (the
-    temperature's, before the nucleus: what the loss computes) is recorded for PPO's ratio. Rows are right-padded;
-    a causal model's logits at a position never see the padding after it."""
+    """Complete each prompt with up to `sampling.max_new_tokens` tokens from the policy, all rows in one batch, row i
+    drawing the uniforms of (seed, round_index, row_ids[i]). The prompts are encoded, and the completions decoded,
+    with `tokenizer` (bytes by default). The log-probability of each drawn token under π_T (the temperature's,
+    before the nucleus: what the loss computes) is recorded for PPO's ratio. Rows are right-padded; a causal model's
+    logits at a position never see the padding after it."""
     rows, max_new_tokens = len(prompts), sampling.max_new_tokens
-    encoded = [list(prompt.encode()) for prompt in prompts]
+    encoded = [tokenizer.encode(prompt) for prompt in prompts]
     if max(len(e) for e in encoded) + max_new_tokens > seq_len:
-        raise ValueError(f"prompts plus {max_new_tokens} new bytes exceed the model's {seq_len} positions")
+        raise ValueError(f"prompts plus {max_new_tokens} new tokens exceed the model's {seq_len} positions")
     tokens = torch.zeros(rows, seq_len, dtype=torch.int64)
     for i, prompt in enumerate(encoded):
         tokens[i, : len(prompt)] = torch.tensor(prompt)
@@ -177,7 +203,5 @@ def sample(
         if not active.any():
             break
         on_device[writing, position] = drawn[writing].to(device)
-    completions = [
-        bytes(tokens[i, len(encoded[i]) : int(ends[i])].tolist()).decode("utf-8", errors="replace") for i in range(rows)
-    ]
+    completions = [tokenizer.decode(tokens[i, len(encoded[i]) : int(ends[i])].tolist()) for i in range(rows)]
     return Trajectories(tokens, labels, old_log_probs, completions)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from accumulation.config.config_keys import setting
 from accumulation.config.registry import import_problem
 from accumulation.data.memory import memory_limit_bytes
+from accumulation.data.rows import BYTES, RunTokenizer
 from accumulation.rl.objectives import IMPORTANCE_LEVELS, KL_ESTIMATORS, NORMALISER_UNITS, PolicyLoss, PolicyObjective
-from accumulation.rl.rollout import Sampling
+from accumulation.rl.rollout import Sampling, stop_tokens
 from accumulation.rl.sizes import SizeError, round_sizes
 from accumulation.rl.task import MAX_OPERAND, reward_function
 
@@ -64,7 +65,11 @@ class RolloutSettings:
     top_p: float = setting(
         1.0, "sample from the fewest most likely tokens whose probability reaches this", above=0, at_most=1
     )
-    stop: str = setting("\n", "characters that end a completion (each a stop token; the newline ends an answer)")
+    stop: str = setting(
+        "\n",
+        "characters that end a completion (each a stop token: its bytes, or one token of data.tokenizer; the newline "
+        "ends an answer)",
+    )
     loss_aggregation: str = setting(
         "seq-mean-token-mean", "how the policy loss aggregates (docs/rl.md)", choices=tuple(NORMALISER_UNITS)
     )
@@ -94,9 +99,10 @@ class RolloutSettings:
     )
     entropy_coef: float = setting(0.0, "coefficient of an entropy bonus (the entropy is logged whatever)", at_least=0)
 
-    def sampling(self, greedy: bool = False) -> Sampling:
-        """How the rounds (or, greedy, the held-out evaluation) draw their completions."""
-        stop = tuple(self.stop.encode())
+    def sampling(self, tokenizer: RunTokenizer = BYTES, greedy: bool = False) -> Sampling:
+        """How the rounds (or, greedy, the held-out evaluation) draw their completions, data.stop's characters
+        encoded with the run's tokenizer (rollout.stop_tokens)."""
+        stop = stop_tokens(self.stop, tokenizer)
         return Sampling(self.max_new_tokens, self.temperature, self.top_p, stop, greedy)
 
     def objective(self) -> PolicyObjective:
@@ -180,7 +186,8 @@ def check_rollout_config(config) -> None:
     if config.dist.pipeline_stages != 1 or config.dist.strategy != "ddp":
         raise ValueError("GRPO samples from the whole model on every rank: dist.strategy=ddp, dist.pipeline_stages=1")
     longest = len(f"Q: {settings.max_operand - 1} + {settings.max_operand - 1} =")
-    if not settings.prompts and longest + settings.max_new_tokens > config.data.seq_len:  # a file's: when read
+    generated_bytes = not settings.prompts and config.data.tokenizer == "bytes"  # a file's or a tokenizer's: when read
+    if generated_bytes and longest + settings.max_new_tokens > config.data.seq_len:
         raise ValueError(
             f"data.seq_len={config.data.seq_len} cannot hold a {longest}-byte prompt and data.max_new_tokens="
             f"{settings.max_new_tokens}; set data.seq_len={longest + settings.max_new_tokens}"

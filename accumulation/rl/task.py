@@ -13,7 +13,7 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.registry import import_problem
-from accumulation.data.rows import DataError, RawExample
+from accumulation.data.rows import BYTES, DataError, RawExample, RunTokenizer
 
 PROBLEM = re.compile(r"Q: (-?\d+) ([-+*]) (-?\d+) =")
 # Every problem of "Q: a + b =" for a, b < max_operand is built in memory, about 205 bytes each with its answer row:
@@ -128,17 +128,22 @@ def split_problems(max_operand: int, held_out: int) -> tuple[list, list]:
     return [pair for pair in problems if pair not in kept], kept_out
 
 
-def answer_rows(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """inputs [rows, seq_len] (prompt and answer bytes, then zeros) and labels supervising the answer's bytes."""
+def answer_rows(
+    pairs: list[tuple[str, str]], seq_len: int, tokenizer: RunTokenizer = BYTES
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """inputs [rows, seq_len] (the prompt's tokens, the answer's, then zeros) and labels supervising the answer's
+    tokens. Prompt and answer are tokenised apart, then joined: the sampler encodes the prompt and draws the answer
+    token by token after it, and a tokenizer's merge across their boundary (a prompt's " =" and an answer's " 7"
+    as " = " and "7") would supervise tokens it never draws. Bytes are the same either way."""
     tokens = torch.zeros(len(pairs), seq_len + 1, dtype=torch.int64)
+    labels = torch.full((len(pairs), seq_len), IGNORE_INDEX, dtype=torch.int64)
     for i, (prompt, response) in enumerate(pairs):
-        text = (prompt + response).encode()
-        tokens[i, : len(text)] = torch.tensor(list(text))
-    labels = tokens[:, 1:].clone()
-    for i, (prompt, response) in enumerate(pairs):
-        prompt_bytes, text_bytes = len(prompt.encode()), len((prompt + response).encode())
-        labels[i, : prompt_bytes - 1] = IGNORE_INDEX  # position j predicts byte j + 1: the answer's bytes only
-        labels[i, text_bytes - 1 :] = IGNORE_INDEX
+        prompt_ids, response_ids = tokenizer.encode(prompt), tokenizer.encode(response)
+        text = prompt_ids + response_ids
+        tokens[i, : len(text)] = torch.tensor(text)
+        # position j predicts token j + 1: the last prompt token predicts the answer's first, and so on
+        supervised = slice(len(prompt_ids) - 1, len(text) - 1)
+        labels[i, supervised] = tokens[i, supervised.start + 1 : supervised.stop + 1]
     return tokens[:, :-1], labels
 
 
@@ -152,8 +157,8 @@ class AnswerRows:
     """Problems with their reference answers, one row each: the SFT steps' rows, and validation's (the step is
     ignored)."""
 
-    def __init__(self, pairs: list[tuple[str, str]], seq_len: int):
-        self.inputs, self.labels = answer_rows(pairs, seq_len)
+    def __init__(self, pairs: list[tuple[str, str]], seq_len: int, tokenizer: RunTokenizer = BYTES):
+        self.inputs, self.labels = answer_rows(pairs, seq_len, tokenizer)
 
     @property
     def num_rows(self) -> int:

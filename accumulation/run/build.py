@@ -20,7 +20,7 @@ from accumulation.config.config import (
     resolved_compile,
     resolved_grad_scaler,
 )
-from accumulation.data.memory import memory_limit_bytes
+from accumulation.data.memory import memory_limits
 from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
@@ -32,9 +32,6 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.run.checkpoint import seed_dropout
 from accumulation.schedule import run_scheduler
 from accumulation.step import DataParallel, StepSetup, Strategy, optimizer_step
-
-# Training memory per parameter at the least: fp32 weights, gradients and AdamW's two moments, 4 bytes each.
-TRAINING_BYTES_PER_PARAMETER = 16
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -166,6 +163,10 @@ def build_training(
     if whole_resume:  # whole weights before sharding (sharded ones: restore.py)
         model.load_state_dict(resume["model"])
     compiled = resolved_compile(config, device.type) and loss_sum_fn is None
+    if compiled and config.dist.strategy == "fsdp2":  # fsdp2 compiles the model's fsdp_units() (parallel/fsdp.py)
+        from accumulation.parallel.fsdp import sharding_units
+
+        compiled = bool(sharding_units(model))  # a model listing none (the GRU) runs eagerly: say so, not "on"
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
     # (accumulation/models/factory.py); the probe and validation use the same loss.
     model_config = decided_model_config(config, model, device)
@@ -234,16 +235,22 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.conv.fp32_precision = precision
 
 
-def training_memory(config: Config) -> tuple[str, int, int]:
-    """(where the run trains, the most memory it can have there, the shards its training state is cut into): this
-    rank's GPU, or what the process can get here (accumulation/data/memory.py). Under fsdp2 each GPU holds 1/D of the
-    weights, gradients and optimizer state."""
+def training_bytes_per_parameter(optim: OptimConfig) -> int:
+    """Training memory per parameter at the least: the fp32 weight, its gradient and the optimizer's tensors shaped
+    like it (AdamW's two moments, SGD's momentum buffer, none for SGD without momentum), 4 bytes each."""
+    state_tensors = 2 if optim.name == "adamw" else int(optim.momentum > 0)
+    return 4 * (2 + state_tensors)
+
+
+def training_memory(config: Config) -> list[tuple[str, int, int]]:
+    """Each limit the run trains under: (what sets it, its bytes, how many of the run's ranks share it). This rank's
+    GPU is its own; on the CPU the machine's memory and its cgroup's limit are shared by the host's LOCAL_WORLD_SIZE
+    ranks, while the address space `ulimit -v` leaves is each process's own (accumulation/data/memory.py)."""
     if config.device != "cpu" and torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1
-        return "the GPU", torch.cuda.get_device_properties(local_rank).total_memory, shards
-    limit_bytes, limit = memory_limit_bytes()
-    return limit, limit_bytes, 1
+        return [("the GPU", torch.cuda.get_device_properties(local_rank).total_memory, 1)]
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return [(limit, limit_bytes, 1 if own else local_ranks) for limit_bytes, limit, own in memory_limits()]
 
 
 def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: bool) -> int:
@@ -261,24 +268,31 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
 
 
 def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
-    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train on this machine, before
-    anything is written (docs/training.md): lower bounds only, 16 bytes per parameter, then the activations on top."""
-    where, memory_bytes, shards = training_memory(config)
-    weights_bytes = TRAINING_BYTES_PER_PARAMETER * parameters // shards
-    if weights_bytes > memory_bytes:
-        raise ConfigError(
-            f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} weights "
-            f"and needs at least {weights_bytes / 2**30:,.1f} GiB to train ({TRAINING_BYTES_PER_PARAMETER} bytes each"
-            f"{f' over {shards} shards' if shards > 1 else ''}), "
-            f"more than the {memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
-        )
+    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train here, before anything is
+    written (docs/training.md): lower bounds only. Each rank holds the training state (training_bytes_per_parameter;
+    under fsdp2 1/D of it) and then the activations; a limit shared by several ranks must hold all of theirs."""
+    per_parameter = training_bytes_per_parameter(config.optim)
+    shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1  # D
+    state_bytes = per_parameter * parameters // shards
+    limits = training_memory(config)
+    for where, memory_bytes, ranks in limits:
+        if ranks * state_bytes > memory_bytes:
+            raise ConfigError(
+                f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} "
+                f"weights and needs at least {ranks * state_bytes / 2**30:,.1f} GiB to train ({per_parameter} "
+                f"bytes each with {config.optim.name}{f' over {shards} shards' if shards > 1 else ''}"
+                f"{f'; the {ranks} ranks of this host share it' if ranks > 1 else ''}), more than the "
+                f"{memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
+            )
     activations = activation_bytes_at_least(config, vocab_size, chunked_loss)
-    if weights_bytes + activations > memory_bytes:
-        raise ConfigError(
-            f"batch.micro_batch_size: a micro-batch of {config.batch.micro_batch_size} rows of "
-            f"{config.data.seq_len} tokens keeps at least {activations / 2**30:,.1f} GiB of activations for its "
-            f"backward (each layer's output{'' if chunked_loss else ' and the logits'}; more in truth), and the "
-            f"model {weights_bytes / 2**30:,.1f} GiB, more than the {memory_bytes / 2**30:,.1f} GiB of {where}; "
-            f"choose a smaller batch.micro_batch_size (the global batch stays the same, with more accumulation "
-            f"steps)"
-        )
+    for where, memory_bytes, ranks in limits:
+        sharing = f" on each of the {ranks} ranks of this host, which share it" if ranks > 1 else ""
+        if ranks * (state_bytes + activations) > memory_bytes:
+            raise ConfigError(
+                f"batch.micro_batch_size: a micro-batch of {config.batch.micro_batch_size} rows of "
+                f"{config.data.seq_len} tokens keeps at least {activations / 2**30:,.1f} GiB of activations for its "
+                f"backward (each layer's output{'' if chunked_loss else ' and the logits'}; more in truth), and the "
+                f"model {state_bytes / 2**30:,.1f} GiB{sharing}, more than the {memory_bytes / 2**30:,.1f} GiB of "
+                f"{where}; choose a smaller batch.micro_batch_size (the global batch stays the same, with more "
+                f"accumulation steps)"
+            )

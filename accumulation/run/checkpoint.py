@@ -121,7 +121,8 @@ def checkpoint_payload(
     weights are refused here, never written: no later step could repair them."""
     check_weights_finite(config, model, optimizer)
     model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
-    if context.is_main and config.dist.strategy != "fsdp2":  # the file's writer (fsdp2: sharded_checkpoint.py)
+    single_file = config.dist.strategy != "fsdp2" and config.dist.pipeline_stages == 1  # else sharded_checkpoint.py
+    if context.is_main and single_file:  # the file's writer
         model_state, optimizer_state = on_the_host(model_state), on_the_host(optimizer_state)
     return {
         "model": model_state,

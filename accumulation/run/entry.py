@@ -19,7 +19,7 @@ from accumulation.data.splits import Data
 from accumulation.parallel.distributed import LaunchError, launch_environment, setup_distributed, teardown_distributed
 from accumulation.probe import InexactStep
 from accumulation.run.checkpoint import CheckpointError
-from accumulation.run.restore import check_ranks_agree_on_resume
+from accumulation.run.restore import check_ranks_agree_on_resume, resume_checked_together
 from accumulation.run.run_dir import RunDirectoryError, RunLock, WriteError
 from accumulation.run.signals import StopRequest, detach_from_closed_terminal
 from accumulation.run.stops import all_steps_done
@@ -75,6 +75,8 @@ class Prepared(NamedTuple):
     vocab_size: int
     run_dir: Path
     resume: dict | None  # the checkpoint to continue from, or None for a fresh run
+    # The newest checkpoint at most a given step, its shard files left for the ranks to check together (as resume's)
+    find_older: Callable[[int], dict | None]
 
 
 def run_job(argv: list[str], prepare: Callable[[list[str], Job], Prepared], train: Callable[..., int]) -> int:
@@ -121,6 +123,7 @@ def train_in_run_directory(prepared: Prepared, train: Callable[..., int], job: J
 
                 check_ranks_agree(config, prepared.data.summary.fingerprint)
                 check_ranks_agree_on_resume(context, resume, run_dir)
+                resume = resume_checked_together(resume, prepared.find_older, job.warn)  # each rank its share
             status = train(config, prepared.data, prepared.vocab_size, run_dir, resume, context, job.say, stop)
     except (ConfigError, CheckpointError, InexactStep, DataError, WriteError, RuntimeError) as error:
         # Bad input found now (exit 2), a full disk (1), out of memory (2), a lost rank (1) or a bug (its traceback)

@@ -7,6 +7,7 @@ step count says which examples come next. What else must be restored is the mode
 scheduler, the GradScaler and every rank's random-number generator (dropout draws from it).
 """
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -74,24 +75,36 @@ def optimizer_moments(optim) -> tuple[str, tuple[str, ...]]:
     )
 
 
-def newest_checkpoint(checkpoint_dir: Path, warn) -> tuple[Path, dict] | None:
+def newest_checkpoint(
+    checkpoint_dir: Path, warn, together: bool = False, newest_step: int | None = None
+) -> tuple[Path, dict] | None:
     """checkpoint_checks.newest_readable_checkpoint; over a folder holding dist.strategy = "fsdp2"'s sharded
-    checkpoints, sharded_checkpoint.py's, which reads its folders and single files together, newest step first."""
+    checkpoints, sharded_checkpoint.py's, which reads its folders and single files together, newest step first (at
+    most `newest_step`). `together`: the shard files' CRC-32s are left to the ranks, which check them together
+    once they have joined (resume_checked_together)."""
     if checkpoint_dir.is_dir() and any(checkpoint_dir.glob("step_*.dcp")):
         from accumulation.run.sharded_checkpoint import newest_readable_folder_or_file
 
-        return newest_readable_folder_or_file(checkpoint_dir, warn)
+        return newest_readable_folder_or_file(checkpoint_dir, warn, not together, newest_step)
     return newest_readable_checkpoint(checkpoint_dir, warn)
 
 
 def find_resume_point(
-    config: Config, data: DataSummary, model_on_meta: torch.nn.Module, run_dir: Path, warn, say
+    config: Config,
+    data: DataSummary,
+    model_on_meta: torch.nn.Module,
+    run_dir: Path,
+    warn,
+    say,
+    together: bool = False,
+    newest_step: int | None = None,
 ) -> dict | None:
     """The checkpoint to continue from, or None for a fresh run: a run directory (or its absence) without
     checkpoints, metrics, a STOPPED file or TensorBoard logs. Refuses to mix two runs in one directory,
     and a checkpoint whose settings, training data (`data`: its fingerprint and its files' stamps), model or
     optimizer state (check_state_fits) differ from this run's, or whose weights are not finite. Unreadable
-    checkpoints skipped for an older one are reported through `warn`; "resuming from" through `say`."""
+    checkpoints skipped for an older one are reported through `warn`; "resuming from" through `say`.
+    `together` and `newest_step`: newest_checkpoint's (None when no checkpoint is at most `newest_step`)."""
     if not any((run_dir / name).exists() for name in ("checkpoints", METRICS_FILE, STOPPED_FILE, "tensorboard")):
         return None
     checkpoint_dir = run_dir / "checkpoints"
@@ -101,7 +114,9 @@ def find_resume_point(
             f"run.resume: {run_dir} was {stopped.read_text().strip()}; fix the cause and delete {stopped} to "
             f"continue from its last checkpoint, or start a new run.name"
         )
-    found = newest_checkpoint(checkpoint_dir, warn) if config.run.resume == "auto" else None
+    found = newest_checkpoint(checkpoint_dir, warn, together, newest_step) if config.run.resume == "auto" else None
+    if found is None and newest_step is not None:
+        return None
     if found is None:
         leftovers = [name for name in (METRICS_FILE, "tensorboard") if (run_dir / name).exists()]
         # A checkpoints folder without a checkpoint file is not a run: it is what a first attempt leaves when
@@ -272,6 +287,27 @@ def check_ranks_agree_on_resume(context: DistributedContext, resume: dict | None
         )
 
 
+def resume_checked_together(resume: dict | None, find_older: Callable[[int], dict | None], warn) -> dict | None:
+    """A sharded checkpoint's shard files checked by the ranks together, each its share (sharded_checkpoint.py's
+    verify_shares_together); one found damaged is passed over on every rank alike for the newest older checkpoint,
+    `find_older(step)` (find_resume_point's, at most that step), checked the same way. Every rank must call this."""
+    while resume is not None and "sharded" in resume:
+        from accumulation.run.sharded_checkpoint import verify_shares_together
+
+        try:
+            verify_shares_together(Path(resume["sharded"]))
+            return resume
+        except CheckpointError as problem:
+            older = find_older(resume["counters"]["steps"] - 1)
+            if older is None:
+                raise CheckpointError(
+                    f"{problem}; there is no older checkpoint: delete the folder to start afresh or restore a good one"
+                ) from None
+            warn(f"warning: {problem}; passed over for an older checkpoint")
+            resume = older
+    return resume
+
+
 def restore_rng_states(saved: dict, context: DistributedContext, config: Config, steps: int) -> None:
     """Exact continuation when the number of ranks is unchanged; with another D each rank starts a fresh
     stream from (seed, steps, rank), since its examples (and so its dropout masks) are regrouped anyway."""
@@ -306,7 +342,14 @@ def restore_training_state(training, resume: dict, config: Config, context: Dist
         if "sharded" in resume:  # the weights and the optimizer's tensors, read as this run holds them
             from accumulation.run.sharded_checkpoint import load_sharded_state
 
-            load_sharded_state(resume, training.model, training.optimizer)
+            if training.pipeline is None:
+                load_sharded_state(resume, training.model, training.optimizer)
+            else:  # this stage's tensors only, found under the whole model's names and numbers
+                from accumulation.parallel.pipeline import whole_names, whole_numbers
+
+                pipeline = training.pipeline
+                numbers = whole_numbers(pipeline, training.optimizer)
+                load_sharded_state(resume, pipeline.stage_module, training.optimizer, whole_names(pipeline), numbers)
         saved_optimizer = resume["optimizer"]
         if training.pipeline is not None:  # the whole model's state, numbered as one optimizer: this stage's part
             from accumulation.parallel.pipeline import stage_optimizer_state

@@ -2,45 +2,9 @@
 (sample_tokens: temperature, top-p, a generator of its own). The sample a run prints at its end
 (run.sample_bytes > 0, print_sample) and scripts/operations/sample.py (a checkpoint, any prompt) both use them."""
 
-import functools
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 
-BYTE_VOCAB_SIZE = 256
-
-
-class RunTokenizer(NamedTuple):
-    """Text to token ids and back, as the run's data made them."""
-
-    encode: Callable[[str], list[int]]
-    decode: Callable[[list[int]], str]
-    vocab_size: int
-    files: tuple  # the files it was read from (tokenizer.json, meta.pkl), which an export copies; () for bytes
-
-
-def decode_bytes(ids: list[int]) -> str:
-    """Byte tokens as UTF-8 text. A model whose vocabulary was padded past 256 (model.vocab_size) can sample an
-    id that is no byte: it shows as U+FFFD, like any byte sequence that is not UTF-8."""
-    replacement = "\ufffd".encode()
-    return b"".join(bytes([i]) if i < 256 else replacement for i in ids).decode("utf-8", errors="replace")
-
-
-BYTES = RunTokenizer(lambda text: list(text.encode("utf-8")), decode_bytes, BYTE_VOCAB_SIZE, ())
-
-
-def from_tokenizer_json(path) -> RunTokenizer:
-    """A Hugging Face tokenizer.json; decoding keeps special tokens (the sample shows what the model produced)."""
-    from accumulation.data.tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(str(path))
-    return RunTokenizer(
-        lambda text: tokenizer.encode(text, add_special_tokens=False).ids,
-        functools.partial(tokenizer.decode, skip_special_tokens=False),
-        tokenizer.get_vocab_size(),
-        (path,),
-    )
+from accumulation.data.rows import BYTES, RunTokenizer
 
 
 def from_characters(meta: dict, path) -> RunTokenizer:
@@ -65,6 +29,7 @@ def run_tokenizer(config) -> tuple[RunTokenizer | None, str]:
     if config.data.source == "stdlib" and config.data.tokenizer == "bytes":  # the default: no path to look at
         return BYTES, ""
     from accumulation.data.locate import expanded_paths, find_token_files  # a path, or a tokenizer.json
+    from accumulation.data.tokenizer import from_tokenizer_json
 
     settings = expanded_paths(config.data)
     if settings.tokenizer != "bytes":

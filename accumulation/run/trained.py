@@ -10,11 +10,11 @@ from typing import NamedTuple
 import torch
 
 from accumulation.config.config import Config, ConfigError, config_from_dict
-from accumulation.data.rows import DataError
+from accumulation.data.rows import DataError, RunTokenizer
 from accumulation.models.factory import build_model, build_model_on_meta
 from accumulation.run.checkpoint import CheckpointError
 from accumulation.run.restore import newest_checkpoint
-from accumulation.run.sample import RunTokenizer, run_tokenizer
+from accumulation.run.sample import run_tokenizer
 
 
 class TrainedRunError(ValueError):

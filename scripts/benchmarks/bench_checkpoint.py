@@ -7,12 +7,14 @@ Each rank builds the GPT, shards it (FSDP2), takes one AdamW update (so the opti
 
     save       the old path: the shards gathered whole, tensor by tensor, and rank 0 writing one file
                (accumulation/parallel/fsdp.py's full_*_state_dict, accumulation/run/checkpoint.py's
-               save_checkpoint); the sharded one: accumulation/run/sharded_checkpoint.py's writer, whose save()
-               copies this rank's shards to the host and returns while a thread writes them, and finish() waits
-               for the write and publishes the folder
+               save_checkpoint); the sharded one ("sharded": run.sharded_save = "staged", the default):
+               accumulation/run/sharded_checkpoint.py's writer, whose save() copies this rank's shards to the
+               host and returns while a thread writes them, and finish() waits for the write and publishes the
+               folder
     resume     into a fresh sharded model and optimizer: the old path reads the whole file on every rank (its CRC
-               pass, then torch.load) and cuts it into shards; the sharded one verifies every file's CRC-32, reads
-               this rank's pieces (dcp.load) and loads them
+               pass, then torch.load) and cuts it into shards; the sharded one verifies every file's size, the small
+               files' CRC-32s and its share of the shard files' (one file in D, verdicts gathered), reads this
+               rank's pieces (dcp.load) and loads them
 
 Figures per rank, the largest over the ranks:
 
@@ -22,8 +24,13 @@ Figures per rank, the largest over the ranks:
     save_blocked_s           how long training is held up: the whole save for the old path (every rank waits for
                              rank 0's write), save() for the sharded one
     save_total_s             save() + finish(): until the checkpoint is published
-    at-once                  the sharded save of a run's last checkpoint and a stop's: written from the shards
-                             where they are (dcp.save, no host copy) and published before it returns
+    at-once                  the sharded save of a run's last checkpoint and a stop's (and of every one with
+                             run.sharded_save = "at_once"): written from the shards where they are (dcp.save, no
+                             host copy) and published before it returns
+    overlapped               run.sharded_save = "overlapped": written from the live shards in the background, no
+                             copy, while the next step's forward and backward run; the update waits for the rest.
+                             Its blocked seconds: save() plus the write's time beyond one forward and backward of
+                             this benchmark's 2 rows (measured apart, so that the step's memory does not count)
     async_share              1 - blocked/total: the part of a sharded save that runs while training goes on
     resume_s                 the resume, every rank done
 
@@ -58,7 +65,9 @@ from accumulation.run.sharded_checkpoint import (  # noqa: E402
     ShardedCheckpointWriter,
     described,
     load_sharded_state,
+    split_payload,
     verify_files,
+    verify_shares_together,
 )
 from testkit.ranks import run_on_ranks  # noqa: E402
 
@@ -135,7 +144,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 1}}
-            writer.save(payload, optimizer, 1)
+            writer.save(*split_payload(payload, optimizer), optimizer, 1)
             del payload
             figures["sharded save_blocked_s"] = ranks_done(start)
             writer.finish()
@@ -146,10 +155,30 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
-            writer.save(payload, optimizer, 2, background=False)
+            writer.save(*split_payload(payload, optimizer), optimizer, 2, "at_once")
             del payload
             figures["at-once save_blocked_s"] = figures["at-once save_total_s"] = ranks_done(start)
         figures["at-once save_rise"] = memory.rise
+        # "overlapped": written from the live shards, no copy, while the next step's forward and backward run; that
+        # step's update waits for the rest of the write. Measured without the step (its own memory would count):
+        # the write's seconds beyond one forward and backward of this benchmark's batch are what training waits.
+        forward_start = time.perf_counter()
+        model(tokens).float().square().mean().backward()
+        forward_backward_s = ranks_done(forward_start)
+        optimizer.zero_grad(set_to_none=True)
+        dist.barrier()
+        with PeakRise() as memory:
+            start = time.perf_counter()
+            payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 3}}
+            writer.save(*split_payload(payload, optimizer), optimizer, 3, "overlapped")
+            del payload
+            save_call_s = ranks_done(start)
+            writer.wait_for_write()  # what the update's pre-hook does
+            written_s = ranks_done(start)
+            writer.finish()
+            figures["overlapped save_total_s"] = ranks_done(start)
+        figures["overlapped save_blocked_s"] = save_call_s + max(0.0, written_s - save_call_s - forward_backward_s)
+        figures["overlapped save_rise"] = memory.rise
         # resumes, each into a fresh sharded model and optimizer
         for path in ("old", "sharded"):
             del model, optimizer
@@ -163,8 +192,10 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
                     model.load_state_dict(sharded_like(model, payload["model"]))
                     load_optimizer_state(optimizer, payload["optimizer"], sharded=True)
                 else:
-                    verify_files(root / "sharded" / "step_000002.dcp")  # read_sharded_checkpoint without them
-                    payload = described(root / "sharded" / "step_000002.dcp")
+                    # as a resume on D ranks: sizes and the small files on each rank, the shard files shared out
+                    verify_files(root / "sharded" / "step_000003.dcp", shard_checksums=False)
+                    payload = described(root / "sharded" / "step_000003.dcp")
+                    verify_shares_together(root / "sharded" / "step_000003.dcp")
                     load_sharded_state(payload, model, optimizer)
                     load_optimizer_state(optimizer, payload["optimizer"])
                 del payload
@@ -202,11 +233,11 @@ def measure(world_sizes=(2, 4), sizes=SIZES) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        f"{'D':>2} {'params':>11} {'path':<8} {'save B/param':>12} {'(MB)':>7} {'blocked s':>9} {'total s':>8} "
+        f"{'D':>2} {'params':>11} {'path':<10} {'save B/param':>12} {'(MB)':>7} {'blocked s':>9} {'total s':>8} "
         f"{'async':>6} {'resume B/param':>14} {'(MB)':>7} {'resume s':>8}"
     ]
     for row in rows:
-        for path in ("old", "sharded", "at-once"):
+        for path in ("old", "sharded", "at-once", "overlapped"):
             blocked, total = row[f"{path} save_blocked_s"], row[f"{path} save_total_s"]
             save, resume = row[f"{path} save_rise"], row.get(f"{path} resume_rise")
             resumed = (
@@ -215,11 +246,11 @@ def table(rows: list[dict]) -> str:
                 else (f" {resume / row['parameters']:>14.2f} {resume / 2**20:>7.1f} {row[f'{path} resume_s']:>8.3f}")
             )
             lines.append(
-                f"{row['world_size']:>2} {row['parameters']:>11,} {path:<8} {save / row['parameters']:>12.2f} "
+                f"{row['world_size']:>2} {row['parameters']:>11,} {path:<10} {save / row['parameters']:>12.2f} "
                 f"{save / 2**20:>7.1f} {blocked:>9.3f} {total:>8.3f} {1 - blocked / total:>6.0%}" + resumed
             )
-        ratio = row["sharded save_blocked_s"] / row["old save_blocked_s"]
-        lines.append(f"{'':>24}sharded blocked / old blocked = {ratio:.2f}")
+        ratios = [row[f"{path} save_blocked_s"] / row["old save_blocked_s"] for path in ("sharded", "overlapped")]
+        lines.append(f"{'':>26}sharded blocked / old blocked = {ratios[0]:.2f}, overlapped / old = {ratios[1]:.2f}")
     return "\n".join(lines)
 
 

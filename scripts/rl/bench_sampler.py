@@ -3,9 +3,11 @@
     python scripts/rl/bench_sampler.py [--config configs/grpo.toml] [section.key=value ...]
 
 On the config's policy (its initial weights) and one round of its own prompts (data.prompts_per_round x
-data.group_size rows, in forwards of data.sample_batch_size): the time to sample the round with the sampler of
-accumulation/rl/rollout.py (a key-value cache, every row in one batch) and with the sampler it replaced (kept below,
-as it was: a forward over each whole prefix per token and a Python loop over the rows), and the time of the
+data.group_size rows, in forwards of data.sample_batch_size; encoded with the run's tokenizer, data.tokenizer): the
+time to sample the round with the sampler of accumulation/rl/rollout.py (a key-value cache: the GPT's, or Hugging
+Face's for forks/hf_causal_lm.py's models; every row in one batch) and with the sampler it replaced (kept below, as
+it was but for the tokenizer: a forward over each whole prefix per token and a Python loop over the rows), and the
+time of the
 round's optimizer steps (rollout · ppo_epochs / G of them: forward, backward and AdamW over the round's trajectories
 in micro-batches of batch.micro_batch_size, the clipped surrogate, as train.py runs them on one rank). Each figure
 is the best of --repeats runs; the ratios are of figures from this one run.
@@ -18,21 +20,22 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
 from accumulation.config.config import ConfigError, load_config
+from accumulation.data.rows import DataError
+from accumulation.data.sources import build_data
 from accumulation.data.uniforms import step_uniforms
-from accumulation.models.factory import build_model
+from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import run_and_exit
 from accumulation.rl.objectives import PolicyLoss, aggregation, completion_lengths, group_relative_advantages
-from accumulation.rl.on_policy import BYTE_VOCABULARY
-from accumulation.rl.rollout import END_OF_ANSWER, SAMPLING_STREAM, round_prompts, sample
-from accumulation.rl.task import split_problems
+from accumulation.rl.rollout import SAMPLING_STREAM, round_prompts, sample
 from accumulation.step import StepSetup, optimizer_step
 
 
 @torch.no_grad()
-def replaced_sample(model, prompts, row_ids, seed, round_index, max_new_tokens, seq_len):
-    """The sampler before the key-value cache, as it was (temperature 1, no nucleus), for the comparison."""
+def replaced_sample(model, prompts, row_ids, seed, round_index, max_new_tokens, seq_len, encode, stop):
+    """The sampler before the key-value cache, as it was (temperature 1, no nucleus) but for the prompts' encoding
+    and the stop tokens, the run's, for the comparison."""
     rows = len(prompts)
-    encoded = [list(prompt.encode()) for prompt in prompts]
+    encoded = [encode(prompt) for prompt in prompts]
     tokens = torch.zeros(rows, seq_len, dtype=torch.int64)
     for i, prompt in enumerate(encoded):
         tokens[i, : len(prompt)] = torch.tensor(prompt)
@@ -54,7 +57,7 @@ def replaced_sample(model, prompts, row_ids, seed, round_index, max_new_tokens, 
             labels[i, position - 1] = drawn[i]
             old_log_probs[i, position - 1] = float(log_probs[i, drawn[i]])
             ends[i] += 1
-            active[i] = drawn[i] != END_OF_ANSWER
+            active[i] = int(drawn[i]) not in stop
         if not active.any():
             break
     return tokens, labels, old_log_probs
@@ -80,10 +83,16 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     rl, seq_len, seed = config.data.own, config.data.seq_len, config.run.seed
+    try:  # the run's prompts and tokenizer, as train.py builds them
+        data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=seed)
+        vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+    except (ConfigError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    task = data.train
     torch.manual_seed(seed)
-    policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed).eval()
-    training, _ = split_problems(rl.max_operand, rl.held_out)
-    pool = [prompt for prompt, _ in training]
+    policy = build_model(config.model, vocab_size, seq_len=seq_len, seed=seed).eval()
+    pool = task.prompts
     rollout = rl.prompts_per_round * rl.group_size
     asked = round_prompts(seed, 0, rl.prompts_per_round, len(pool))
     prompts = [pool[asked[j // rl.group_size]] for j in range(rollout)]
@@ -91,10 +100,14 @@ def main(argv: list[str]) -> int:
     chunks = [slice(first, first + rl.sample_batch_size) for first in range(0, rollout, rl.sample_batch_size)]
 
     def new():
-        return [sample(policy, prompts[c], rows[c], seed, 0, rl.sampling(), seq_len) for c in chunks]
+        return [sample(policy, prompts[c], rows[c], seed, 0, task.drawing, seq_len, task.tokenizer) for c in chunks]
 
     def old():
-        return [replaced_sample(policy, prompts[c], rows[c], seed, 0, rl.max_new_tokens, seq_len) for c in chunks]
+        encode, stop = task.tokenizer.encode, task.drawing.stop
+        return [
+            replaced_sample(policy, prompts[c], rows[c], seed, 0, rl.max_new_tokens, seq_len, encode, stop)
+            for c in chunks
+        ]
 
     new_s, drawn = best_of(repeats, new)
     old_s, _ = best_of(repeats, old)

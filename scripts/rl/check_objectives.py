@@ -28,8 +28,10 @@ import torch
 
 from accumulation.batching import IGNORE_INDEX, divisors
 from accumulation.config.config import ConfigError, load_config
+from accumulation.data.rows import DataError
+from accumulation.data.sources import build_data
 from accumulation.data.uniforms import step_uniforms
-from accumulation.models.factory import build_model
+from accumulation.models.factory import build_model, resolved_vocab_size
 from accumulation.parallel.distributed import run_and_exit
 from accumulation.rl.objective_check import (
     WRONG_LOSSES,
@@ -40,9 +42,8 @@ from accumulation.rl.objective_check import (
     offset_policy,
 )
 from accumulation.rl.objectives import completion_lengths, group_relative_advantages
-from accumulation.rl.on_policy import BYTE_VOCABULARY
 from accumulation.rl.rollout import round_prompts, sample
-from accumulation.rl.task import reward, split_problems
+from accumulation.rl.task import checked_reward
 
 REWARD_STREAM, LENGTH_STREAM = 14, 15  # step_uniforms streams of the replacement rewards and lengths
 
@@ -69,10 +70,16 @@ def main(argv: list[str]) -> int:
     if inject == "gspo-without-length" and objective.level != "sequence":
         print('error: --inject-bug gspo-without-length needs data.importance_level="sequence"', file=sys.stderr)
         return 2
-    training, _ = split_problems(rl.max_operand, rl.held_out)
+    try:  # the run's task, tokenizer and reward, as train.py builds them
+        rollouts = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=seed)
+        vocab_size = resolved_vocab_size(config.model, rollouts.vocab_size)
+        policy = build_model(config.model, vocab_size, seq_len=seq_len, seed=seed)
+    except (ConfigError, DataError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    task = rollouts.train
     # One optimizer step's rows, and at least one whole group, so that advantages can differ.
     rows_total = max(rl.mini_batch_size, rl.group_size)
-    policy = build_model(config.model, BYTE_VOCABULARY, seq_len=seq_len, seed=seed)
     latest = Path(config.run.out_dir) / config.run.name / "checkpoints" / "latest.pt"
     if latest.exists():
         policy.load_state_dict(torch.load(latest, weights_only=True)["model"])
@@ -80,12 +87,11 @@ def main(argv: list[str]) -> int:
     policy = policy.double()
     sampling_policy = copy.deepcopy(policy)
     offset_policy(sampling_policy, seed)
-    pool = [prompt for prompt, _ in training]
-    asked = round_prompts(seed, 0, rl.prompts_per_round, len(pool))
-    prompts = [pool[asked[j // rl.group_size]] for j in range(rows_total)]
-    drawn = sample(sampling_policy, prompts, torch.arange(rows_total), seed, 0, rl.sampling(), seq_len)
+    asked = round_prompts(seed, 0, rl.prompts_per_round, len(task.prompts))
+    prompts = [task.prompts[asked[j // rl.group_size]] for j in range(rows_total)]
+    drawn = sample(sampling_policy, prompts, torch.arange(rows_total), seed, 0, task.drawing, seq_len, task.tokenizer)
     group_ids = torch.arange(rows_total) // rl.group_size
-    rewards = torch.tensor([reward(p, c) for p, c in zip(prompts, drawn.completions, strict=True)])
+    rewards = torch.tensor([checked_reward(task.reward, p, c) for p, c in zip(prompts, drawn.completions, strict=True)])
     replacements = torch.from_numpy(step_uniforms(seed, 0, torch.arange(rows_total), 1, REWARD_STREAM)[:, 0])
     for group in group_ids.unique():
         members = group_ids == group

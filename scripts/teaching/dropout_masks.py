@@ -26,8 +26,6 @@ the difference between the mean gradients of two layouts: the per-rank masks agr
 tests/test_teaching_lessons.py checks the printed figures and the guide's quotes of them.
 """
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -39,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accumulation.data.uniforms import step_uniforms  # noqa: E402
 from accumulation.run.checkpoint import seed_dropout  # noqa: E402
+from scripts.teaching.lesson import lesson_main  # noqa: E402
 
 IGNORE_INDEX = -100
 VOCAB_SIZE, SEQ_LEN, WIDTH = 32, 12, 16
@@ -146,16 +145,7 @@ def report(results: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    results = measure()
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return 0
-    print("\n".join(report(results)))
-    return 0
+    return lesson_main(argv, __doc__.splitlines()[0], measure, report)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,17 @@ guide, section 19), each variant's gradient against the float64 per-document mea
 tests/test_teaching_lessons.py checks the figures and the guide's quotes of them.
 """
 
-import argparse
-import json
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# Run as a script, Python puts only this file's folder on sys.path: the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.teaching.lesson import lesson_main  # noqa: E402
 
 IGNORE_INDEX = -100
 VOCAB_SIZE, SEQ_LEN, WIDTH = 32, 16, 16
@@ -134,18 +138,12 @@ def shown(value) -> str:
     return "< 1e-14" if value < 1e-14 else f"{value:.3g}"  # float64 rounding prints as its bound
 
 
+def report(results: dict) -> list[str]:
+    return [f"{name}: {shown(value)}" for name, value in results.items()]
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    results = measure()
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return 0
-    for name, value in results.items():
-        print(f"{name}: {shown(value)}")
-    return 0
+    return lesson_main(argv, __doc__.splitlines()[0], measure, report)
 
 
 if __name__ == "__main__":

@@ -18,14 +18,18 @@ the scale's path (each change, and at which update), and the share of updates sk
 tests/test_teaching_lessons.py checks the figures and the guide's quotes of them.
 """
 
-import argparse
-import json
 import math
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+# Run as a script, Python puts only this file's folder on sys.path: the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from scripts.teaching.lesson import lesson_main  # noqa: E402
 
 IGNORE_INDEX = -100
 VOCAB_SIZE, SEQ_LEN, WIDTH = 32, 12, 16
@@ -96,16 +100,7 @@ def report(results: dict) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    results = run()
-    if args.json:
-        print(json.dumps(results, indent=1))
-        return 0
-    print("\n".join(report(results)))
-    return 0
+    return lesson_main(argv, __doc__.splitlines()[0], run, report)
 
 
 if __name__ == "__main__":
