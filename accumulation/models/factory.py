@@ -64,6 +64,14 @@ def build_model_on_meta(model_config: ModelConfig, vocab_size: int, seq_len: int
         return build_model(model_config, vocab_size, seq_len=seq_len, seed=0)  # no values: any seed
 
 
+def builds_in_parts(model: torch.nn.Module) -> bool:
+    """Whether a model built on the meta device can be initialised a part at a time (fsdp2's shards,
+    parallel/fsdp.py; a pipeline rank's stage, parallel/pipeline.py): it yields its initial values one parameter
+    at a time (`initial_values(seed)`, the GPT's) and has no buffers (to_empty would leave them without values).
+    Any other model is built whole, then cut."""
+    return callable(getattr(model, "initial_values", None)) and not any(True for _ in model.buffers())
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(param.numel() for param in model.parameters())
 

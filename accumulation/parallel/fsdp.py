@@ -122,13 +122,6 @@ def shard_model(
     return model
 
 
-def builds_sharded(model: torch.nn.Module) -> bool:
-    """Whether the model can be initialised shard by shard (`initialise_shards`): it yields its initial values one
-    parameter at a time (`initial_values(seed)`, the GPT's) and has no buffers (to_empty would leave them without
-    values). Any other model is built whole, then sharded."""
-    return callable(getattr(model, "initial_values", None)) and not any(True for _ in model.buffers())
-
-
 @torch.no_grad()
 def initialise_shards(model: torch.nn.Module, device: torch.device, seed: int) -> None:
     """Materialise a model sharded on the meta device (`shard_model`) on `device` and give each rank's shards their

@@ -183,10 +183,15 @@ def build_pipeline(
     loss_sum_fn: Callable,
     accumulation_steps: int,
     schedule_name: str,
+    initial_seed: int | None = None,
 ) -> Pipeline:
-    """This rank's stage of `model` (its weights already the same on every rank), wrapped in DDP over the dp
-    group when there are several replicas, and the schedule over the pp group, with A micro-batches per step."""
+    """This rank's stage of `model`, wrapped in DDP over the dp group when there are several replicas, and the
+    schedule over the pp group, with A micro-batches per step. `model` holds its weights already, the same on every
+    rank; or it is on the meta device and `initial_seed` is given: then only this stage is materialised on
+    `device` and initialised (initialise_stage), and the other stages stay shapes."""
     stage_module = split_into_stages(model, layout.pipeline_stages)[layout.stage]
+    if initial_seed is not None:
+        initialise_stage(model, stage_module, device, initial_seed)
     wrapped = stage_module
     if layout.replicas > 1:
         device_ids = [device.index] if device.type == "cuda" else None
@@ -197,6 +202,40 @@ def build_pipeline(
     schedule = SCHEDULES[schedule_name](stage, n_microbatches=accumulation_steps, loss_fn=loss, scale_grads=False)
     names = {id(tensor): name for name, tensor in model.state_dict(keep_vars=True).items()}
     return Pipeline(layout, stage_module, wrapped, schedule, loss, names, device, accumulation_steps)
+
+
+@torch.no_grad()
+def initialise_stage(model: torch.nn.Module, stage_module: torch.nn.Module, device: torch.device, seed: int) -> None:
+    """Materialise this rank's stage of a model built on the meta device (its parameters are the model's own) on
+    `device`, and give it the initial values of a one-process build: the model's `initial_values(seed)`, each whole
+    parameter drawn on the host in the one generator's order, kept only when the stage holds it. No rank holds the
+    whole model: at most its stage and one whole parameter of another stage; the values are the same, bit for bit,
+    for any number of stages and replicas."""
+    stage_module.to_empty(device=device)
+    held = {id(parameter) for parameter in stage_module.parameters()}
+    parameters = dict(model.named_parameters())  # after to_empty: the stage's materialised ones among them
+    for name, value in model.initial_values(seed):
+        if id(parameters[name]) in held:
+            parameters[name].copy_(value)
+
+
+def stand_in_forward(model_on_meta: torch.nn.Module, device: torch.device) -> Callable:
+    """The forward step 0's probe (accumulation/probe.py) runs when no rank holds the whole model (its stages built
+    on the meta device): the whole model's forward on the meta device, for the outputs' shape and dtype, filled with
+    standard normal values on `device` from a generator of its own (the run's random state untouched). The probe
+    tests the loss on those outputs (a mean, a read of the positions labelled -100, coupled rows), which no
+    particular values hide."""
+    generator = torch.Generator().manual_seed(0)
+
+    def forward(inputs):
+        if isinstance(inputs, dict):
+            shaped = model_on_meta(**{name: tensor.to("meta") for name, tensor in inputs.items()})
+        else:
+            arguments = inputs if isinstance(inputs, tuple) else (inputs,)
+            shaped = model_on_meta(*(tensor.to("meta") for tensor in arguments))
+        return torch.randn(shaped.shape, generator=generator).to(device, shaped.dtype)
+
+    return forward
 
 
 def concatenate(micro_batches: list[MicroBatch]) -> MicroBatch:

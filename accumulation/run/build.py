@@ -24,6 +24,7 @@ from accumulation.data.memory import memory_limits
 from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
+    builds_in_parts,
     decided_model_config,
     loss_sum_fn_for,
     training_forward_and_loss,
@@ -144,18 +145,17 @@ def build_training(
     plain path, uncompiled)."""
     device = context.device
     whole_resume = resume is not None and "sharded" not in resume  # a ddp checkpoint's whole weights
-    # fsdp2 without whole weights to load: the model in shapes only (the meta device), sharded below, then each
-    # rank initialises its own shards (parallel/fsdp.py, initialise_shards); no rank holds the whole model.
-    sharded_build = False
-    if model is None and config.dist.strategy == "fsdp2" and not context.pipelined and not whole_resume:
-        from accumulation.parallel.fsdp import builds_sharded
-
+    # fsdp2 or pipeline stages without whole weights to load: the model in shapes only (the meta device), then each
+    # rank initialises its own shards (parallel/fsdp.py, initialise_shards) or its own stage (parallel/pipeline.py,
+    # initialise_stage) to a one-process build's values; no rank holds the whole model.
+    built_on_meta = False
+    if model is None and (config.dist.strategy == "fsdp2" or context.pipelined) and not whole_resume:
         meta_model = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
-        if builds_sharded(meta_model):
-            model, sharded_build = meta_model, True
+        if builds_in_parts(meta_model):
+            model, built_on_meta = meta_model, True
     if model is None:  # the same initial weights on every rank
         model = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed)
-    if not sharded_build:
+    if not built_on_meta:
         model = model.to(device)
     # Dropout: a different stream on each rank, seeded after the build, so that a build that seeds the global
     # generator itself (Hugging Face's set_seed) cannot leave every rank on one stream.
@@ -177,14 +177,20 @@ def build_training(
     autocast_dtype = autocast_dtype_for(config.precision)
     pipeline = None
     if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
-        from accumulation.parallel.pipeline import build_pipeline, optimizer_order
+        from accumulation.parallel.pipeline import build_pipeline, optimizer_order, stand_in_forward
 
         step_loss_sum_fn = loss_sum_fn or loss_sum_fn_for(config.model)
+        if built_on_meta:  # step 0's probe: the loss on outputs of the model's shape (no rank can run it whole)
+            meta_model = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
+            evaluation = (stand_in_forward(meta_model, device), evaluation[1])
         accum = config.batch.global_batch_size // (config.batch.micro_batch_size * context.replicas)
-        pipeline = build_pipeline(model, context.layout, device, step_loss_sum_fn, accum, config.dist.pipeline_schedule)
-        # The optimizer over the stage's parameters alone; checkpoints number them as one over the whole model.
+        schedule_name, initial_seed = config.dist.pipeline_schedule, config.run.seed if built_on_meta else None
+        pipeline = build_pipeline(model, context.layout, device, step_loss_sum_fn, accum, schedule_name, initial_seed)
+        # The optimizer over the stage's parameters alone; checkpoints number them as one over the whole model,
+        # whose order an optimizer built over it gives (on the meta device: unfused, the other stages are shapes).
         optimizer = build_optimizer(config.optim, pipeline.stage_module, device)
-        pipeline.whole_order = optimizer_order(build_optimizer(config.optim, model, device), pipeline.names)
+        whole_optimizer = build_optimizer(config.optim, model, torch.device("meta"))
+        pipeline.whole_order = optimizer_order(whole_optimizer, pipeline.names)
         module, strategy = pipeline.wrapped, pipeline
     else:
         if loss_sum_fn is None:  # fsdp2 compiles each of its units, not one region (parallel/fsdp.py, shard_model)
@@ -197,7 +203,7 @@ def build_training(
         module = wrap_for_training(
             forward_module, config.dist, context, compile=compiled, param_dtype=autocast_dtype, whole_model=model
         )
-        if sharded_build:
+        if built_on_meta:
             from accumulation.parallel.fsdp import initialise_shards
 
             initialise_shards(model, device, config.run.seed)
