@@ -1,0 +1,60 @@
+"""Stage-by-stage initialisation under dist.pipeline_stages > 1: the model is built on the meta device, cut into its
+stages, and each rank materialises and initialises only its own stage (accumulation/parallel/pipeline.py,
+initialise_stage). No rank holds the whole model; the initial weights are those of a one-process build, bit for bit,
+for any P and D, so a pipelined run is the same run as one built whole. And the memory check counts what a rank
+holds: its stage, not the whole model."""
+
+import pytest
+import torch
+
+from accumulation.config.config import load_config
+from accumulation.data.sources import build_data
+from accumulation.models.factory import build_model, resolved_vocab_size
+from accumulation.parallel.distributed import DistributedContext
+from accumulation.parallel.mesh import build_layout
+from accumulation.parallel.pipeline import whole_names
+from accumulation.run import build
+from testkit.ranks import run_on_ranks
+from tests.test_pipeline_train import PIPELINE_RUN
+from tests.test_sharded_init import whole_build_refused
+from tests.test_step import CPU
+from tests.test_train import tiny_settings, uneven_corpus
+
+
+def stage_weights_worker(rank: int, world_size: int, arguments: list[str]) -> dict:
+    """build_training as train.py calls it, with the whole build forbidden: this rank's stage under the whole
+    model's names, and the names of the parameters it left on the meta device."""
+    build.build_model = whole_build_refused  # this forked rank's copy of the module only
+    config = load_config(arguments)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    layout = build_layout(CPU, config.dist.pipeline_stages)
+    context = DistributedContext(rank, rank, world_size, CPU, "gloo", layout)
+    training = build.build_training(config, data.vocab_size, None, context)  # train.py's assembly
+    names = whole_names(training.pipeline)
+    stage = {names[name]: tensor for name, tensor in training.pipeline.stage_module.state_dict().items()}
+    on_meta = [name for name, param in training.model.named_parameters() if param.is_meta]
+    return {"stage": stage, "on_meta": on_meta, "device": str(next(iter(stage.values())).device)}
+
+
+@pytest.mark.parametrize("world_size, stages", [(2, 2), (3, 3), (4, 2)], ids=["P2", "P3", "D2xP2"])
+def test_stage_initial_weights_equal_a_one_process_build_bit_for_bit(tmp_path, world_size, stages):
+    # 3 layers: 2 stages hold 2 blocks and 1; 3 stages one each. D = 2 × P = 2: the replicas' stages are equal too.
+    corpus = uneven_corpus(tmp_path / "corpus")
+    overrides = {"dist.pipeline_stages": stages, "model.n_layer": 3, "model.d_model": 24, "run.seed": 7}
+    arguments = tiny_settings(tmp_path, corpus, **{**PIPELINE_RUN, **overrides})
+    built = run_on_ranks(stage_weights_worker, world_size=world_size, args=(arguments,))
+    config = load_config(arguments)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    vocab_size = resolved_vocab_size(config.model, data.vocab_size)
+    expected = build_model(config.model, vocab_size, seq_len=config.data.seq_len, seed=config.run.seed).state_dict()
+    gathered = {}
+    for rank, got in enumerate(built):
+        assert got["device"] == "cpu"
+        # The rank holds its stage only: every other parameter of the model is still shapes on the meta device.
+        assert sorted(got["on_meta"]) == sorted(set(expected) - set(got["stage"])), rank
+        for name, value in got["stage"].items():
+            # Bit for bit: the same generator's draws in the same order, each stage keeping its own parameters;
+            # a stage drawing only its own values would start the generator elsewhere and differ.
+            assert torch.equal(value, expected[name]), (rank, name)
+        gathered.update(got["stage"])
+    assert sorted(gathered) == sorted(expected)  # the stages cover the model
