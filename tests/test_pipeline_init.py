@@ -7,6 +7,7 @@ holds: its stage, not the whole model."""
 import pytest
 import torch
 
+import train
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, resolved_vocab_size
@@ -14,11 +15,11 @@ from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.mesh import build_layout
 from accumulation.parallel.pipeline import whole_names
 from accumulation.run import build
-from testkit.ranks import run_on_ranks
-from tests.test_pipeline_train import PIPELINE_RUN
+from testkit.ranks import run_main_on_ranks, run_on_ranks
+from tests.test_pipeline_train import PIPELINE_RUN, STAGES, comparable_metrics
 from tests.test_sharded_init import whole_build_refused
 from tests.test_step import CPU
-from tests.test_train import tiny_settings, uneven_corpus
+from tests.test_train import final_weights, tiny_settings, uneven_corpus
 
 
 def stage_weights_worker(rank: int, world_size: int, arguments: list[str]) -> dict:
@@ -58,3 +59,33 @@ def test_stage_initial_weights_equal_a_one_process_build_bit_for_bit(tmp_path, w
             assert torch.equal(value, expected[name]), (rank, name)
         gathered.update(got["stage"])
     assert sorted(gathered) == sorted(expected)  # the stages cover the model
+
+
+def main_built_whole(argv: list[str]) -> int:
+    """train.main in a rank that builds the whole model and keeps its stage, as pipelined runs did before they were
+    built stage by stage (the model then says it cannot be built in parts)."""
+    build.builds_in_parts = lambda model: False  # this forked rank's copy of the module only
+    return train.main(argv)
+
+
+def test_a_pipelined_run_built_by_stages_is_the_run_built_whole(tmp_path):
+    # AdamW with dropout, 4 steps logged, validated and checkpointed every 2: the same initial values and the same
+    # dropout streams (seeded after the build; the probe's stand-in outputs draw from a generator of their own), so
+    # the same run, bit for bit: every logged figure and the final weights.
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {**STAGES, "model.n_layer": 2, "model.dropout": 0.1, "run.log_every": 1, "run.checkpoint_every": 2}
+    runs = {}
+    for name, main in (("stages", "tests.test_sharded_init:main_without_whole_build"), ("whole", None)):
+        arguments = tiny_settings(tmp_path, corpus, **settings, **{"run.name": name})
+        if main is None:
+            main = "tests.test_pipeline_init:main_built_whole"
+        for status, _stdout, stderr in run_main_on_ranks(main, arguments, world_size=2):
+            assert status == 0, stderr
+        runs[name] = tmp_path / "runs" / name
+    losses = [line["loss"] for line in comparable_metrics(runs["stages"]) if "loss" in line]
+    assert len(losses) == 4
+    assert comparable_metrics(runs["stages"]) == comparable_metrics(runs["whole"])
+    built_by_stages, built_whole = (final_weights(runs[name]) for name in ("stages", "whole"))
+    assert list(built_by_stages) == list(built_whole)
+    for name, value in built_whole.items():
+        assert torch.equal(built_by_stages[name], value), name
