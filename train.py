@@ -40,14 +40,19 @@ from accumulation.data.sources import build_data, steps_per_epoch
 from accumulation.data.splits import Data
 from accumulation.models.factory import (
     build_model_on_meta,
-    count_parameters,
     decided_model_config,
     resolved_vocab_size,
 )
 from accumulation.parallel.distributed import DistributedContext, run_and_exit
 from accumulation.probe import probe_loss_and_model
 from accumulation.run.batches import StepBatches
-from accumulation.run.build import Training, build_training, check_config_for_world, check_fits_in_memory
+from accumulation.run.build import (
+    Training,
+    build_training,
+    check_config_for_world,
+    check_fits_in_memory,
+    parameters_held,
+)
 from accumulation.run.checkpoint import checkpoint_payload, save_checkpoint
 from accumulation.run.entry import Job, Prepared, run_job
 from accumulation.run.logs import RunLogs, finite_or_none
@@ -79,7 +84,7 @@ def prepare(argv: list[str], job: Job) -> Prepared:
     # Before the data is read: an absurd seq_len or width would otherwise fill the memory there first.
     # The data's vocabulary and the loss are not known yet: one token and no logits are lower bounds.
     one_token_model = build_model_on_meta(config.model, max(config.model.vocab_size, 1), config.data.seq_len)
-    check_fits_in_memory(config, count_parameters(one_token_model), vocab_size=1, chunked_loss=True)
+    check_fits_in_memory(config, parameters_held(config, one_token_model), vocab_size=1, chunked_loss=True)
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     # a DataError when the rows cannot fill one global batch
     steps_per_epoch(data.train.num_rows, config.batch.global_batch_size, config.batch.tail)
@@ -90,11 +95,8 @@ def prepare(argv: list[str], job: Job) -> Prepared:
     # model.loss = "chunked" for a model without an output head: refused here, before anything is written
     # (on the meta device "auto" is plain; build_training decides it on the run's device)
     chunked_loss = decided_model_config(config, model_on_meta, torch.device("meta")).loss == "chunked"
-    if config.dist.pipeline_stages > 1:  # the model's pipeline_split, P <= layers
-        from accumulation.parallel.pipeline import check_model_splits
-
-        check_model_splits(model_on_meta, config)
-    check_fits_in_memory(config, count_parameters(model_on_meta), vocab_size, chunked_loss)
+    # parameters_held checks the model's pipeline_split (P <= layers) under pipeline stages: a rank holds one stage
+    check_fits_in_memory(config, parameters_held(config, model_on_meta), vocab_size, chunked_loss)
     job.hold(run_dir)  # rank 0 locks it before a resume reads it
     # On several ranks each checksums its share of a sharded checkpoint's shard files once they have joined (entry.py)
     together = job.world_size > 1

@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+import train
 from accumulation.config.config import ConfigError, load_config
 from accumulation.data import memory
+from accumulation.data.sources import build_data
+from accumulation.models.factory import build_model_on_meta, count_parameters, resolved_vocab_size
+from accumulation.parallel.pipeline import split_into_stages
 from accumulation.run import build
+from testkit.ranks import run_main_on_ranks
 from tests.test_checkpoints import run_in_process
 from tests.test_train import tiny_settings, uneven_corpus
 
@@ -139,3 +144,37 @@ def test_the_memory_check_refuses_exactly_below_the_lower_bound_of_the_optimizer
                 build.check_fits_in_memory(config, PARAMETERS, vocab_size=1, chunked_loss=True)
         else:
             build.check_fits_in_memory(config, PARAMETERS, vocab_size=1, chunked_loss=True)
+
+
+def main_under_a_process_limit(argv: list[str]) -> int:
+    """train.main in a rank whose only memory limit is its own $ACCUMULATION_TEST_LIMIT_BYTES (as `ulimit -v`)."""
+    limit_bytes = int(os.environ["ACCUMULATION_TEST_LIMIT_BYTES"])
+    build.memory_limits = lambda: [(limit_bytes, "the address space ulimit -v leaves", True)]  # this rank's copy
+    return train.main(argv)
+
+
+def test_a_pipeline_rank_is_checked_for_its_largest_stage_not_the_whole_model(tmp_path, monkeypatch):
+    """Each pipeline rank holds one stage: a limit between the largest stage's training state (plus the activations'
+    lower bound) and the whole model's trains; one byte under the largest stage's state is refused, one line naming
+    the stage, exit 2. The check that counted the whole model on every rank refused the first run."""
+    corpus = uneven_corpus(tmp_path / "corpus")
+    settings = {"dist.pipeline_stages": 2, "model.n_layer": 4, "model.d_model": 64, "run.max_steps": 2}
+    arguments = tiny_settings(tmp_path, corpus, **{**settings, "run.sample_bytes": 0})
+    config = load_config(arguments)
+    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
+    model = build_model_on_meta(config.model, resolved_vocab_size(config.model, data.vocab_size), config.data.seq_len)
+    per_parameter = build.training_bytes_per_parameter(config.optim)  # AdamW: 16 bytes
+    stage_bytes = per_parameter * max(count_parameters(stage) for stage in split_into_stages(model, 2))
+    whole_bytes = per_parameter * count_parameters(model)
+    activations = build.activation_bytes_at_least(config, data.vocab_size, chunked_loss=False)
+    between = stage_bytes + activations + (whole_bytes - stage_bytes - activations) // 2
+    assert stage_bytes + activations < between < whole_bytes  # 1.9 MB and 3.7 MB of state here
+    for limit_bytes, refused in ((between, False), (stage_bytes - 1, True)):
+        monkeypatch.setenv("ACCUMULATION_TEST_LIMIT_BYTES", str(limit_bytes))
+        outputs = run_main_on_ranks("tests.test_memory_limit:main_under_a_process_limit", arguments, world_size=2)
+        for status, _stdout, stderr in outputs:
+            if refused:
+                assert status == 2 and "weights in its largest pipeline stage" in stderr, stderr
+                assert stderr.count("\n") == 1, stderr
+            else:
+                assert status == 0, stderr

@@ -109,13 +109,15 @@ def check_pipeline_settings(config: Config, accumulation_steps: int) -> None:
         )
 
 
-def check_model_splits(model: torch.nn.Module, config: Config) -> None:
-    """A ConfigError unless the model (built on the meta device: shapes only) splits into the stages asked for."""
-    if config.dist.pipeline_stages > 1:
-        try:
-            split_into_stages(model, config.dist.pipeline_stages)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+def check_model_splits(model: torch.nn.Module, config: Config) -> list[torch.nn.Module]:
+    """The model's stages (built on the meta device: shapes only; the model itself with dist.pipeline_stages = 1),
+    or a ConfigError unless it splits into the stages asked for."""
+    if config.dist.pipeline_stages == 1:
+        return [model]
+    try:
+        return split_into_stages(model, config.dist.pipeline_stages)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 class LastStageLoss:

@@ -25,6 +25,7 @@ from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
     builds_in_parts,
+    count_parameters,
     decided_model_config,
     loss_sum_fn_for,
     training_forward_and_loss,
@@ -273,10 +274,21 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
     return tokens * per_token
 
 
+def parameters_held(config: Config, model_on_meta: torch.nn.Module) -> int:
+    """The weights one rank trains whole: the model's, or with dist.pipeline_stages > 1 its largest stage's (each
+    rank holds one stage); a ConfigError when the model does not split into the stages asked for."""
+    if config.dist.pipeline_stages == 1:
+        return count_parameters(model_on_meta)
+    from accumulation.parallel.pipeline import check_model_splits
+
+    return max(count_parameters(stage) for stage in check_model_splits(model_on_meta, config))
+
+
 def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunked_loss: bool) -> None:
-    """Refuse a model of `parameters` weights, or a micro-batch, that cannot possibly train here, before anything is
-    written (docs/training.md): lower bounds only. Each rank holds the training state (training_bytes_per_parameter;
-    under fsdp2 1/D of it) and then the activations; a limit shared by several ranks must hold all of theirs."""
+    """Refuse a model whose rank holds `parameters` weights (parameters_held), or a micro-batch, that cannot possibly
+    train here, before anything is written (docs/training.md): lower bounds only. Each rank holds the training state
+    (training_bytes_per_parameter; under fsdp2 1/D of it) and then the activations; a limit shared by several ranks
+    must hold all of theirs."""
     per_parameter = training_bytes_per_parameter(config.optim)
     shards = int(os.environ.get("WORLD_SIZE", "1")) if config.dist.strategy == "fsdp2" else 1  # D
     state_bytes = per_parameter * parameters // shards
@@ -285,7 +297,8 @@ def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunk
         if ranks * state_bytes > memory_bytes:
             raise ConfigError(
                 f"model.d_model / model.n_layer / data.seq_len: the {config.model.name} model has {parameters:,} "
-                f"weights and needs at least {ranks * state_bytes / 2**30:,.1f} GiB to train ({per_parameter} "
+                f"weights{' in its largest pipeline stage' if config.dist.pipeline_stages > 1 else ''} "
+                f"and needs at least {ranks * state_bytes / 2**30:,.1f} GiB to train ({per_parameter} "
                 f"bytes each with {config.optim.name}{f' over {shards} shards' if shards > 1 else ''}"
                 f"{f'; the {ranks} ranks of this host share it' if ranks > 1 else ''}), more than the "
                 f"{memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
