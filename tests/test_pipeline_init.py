@@ -8,13 +8,17 @@ import pytest
 import torch
 
 import train
+from accumulation.batching import IGNORE_INDEX, MicroBatch
 from accumulation.config.config import load_config
 from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, resolved_vocab_size
+from accumulation.models.gpt import GPT, GPTConfig
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.mesh import build_layout
-from accumulation.parallel.pipeline import whole_names
+from accumulation.parallel.pipeline import stand_in_forward, whole_names
+from accumulation.probe import InexactStep, probe_loss_and_model
 from accumulation.run import build
+from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import run_main_on_ranks, run_on_ranks
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, comparable_metrics
 from tests.test_sharded_init import whole_build_refused
@@ -89,3 +93,25 @@ def test_a_pipelined_run_built_by_stages_is_the_run_built_whole(tmp_path):
     assert list(built_by_stages) == list(built_whole)
     for name, value in built_whole.items():
         assert torch.equal(built_by_stages[name], value), name
+
+
+def token_mean(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean over the supervised targets: the bug step 0's probe refuses."""
+    return token_cross_entropy_sum(outputs, labels) / (labels != IGNORE_INDEX).sum()
+
+
+def test_step_zero_s_probe_on_a_model_built_by_stages_still_refuses_a_mean_and_passes_a_sum():
+    # No rank can run the whole model's forward: the probe tests the loss on stand-in outputs of its shape (the
+    # forward on the meta device), drawn from a generator of its own, so the global random state is left as it was.
+    config = GPTConfig(seq_len=8, n_layer=2, n_head=2, d_model=16, vocab_size=64)
+    with torch.device("meta"):
+        model = GPT(config, seed=0)
+    tokens = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(0))
+    batch = MicroBatch(tokens[:, :-1], tokens[:, 1:], 4)
+    forward = stand_in_forward(model, CPU)
+    state = torch.get_rng_state()
+    assert probe_loss_and_model(forward, model, token_cross_entropy_sum, batch, CPU, "error") == []
+    with pytest.raises(InexactStep, match=r"^step 0: the loss is a mean, not a sum over its targets"):
+        probe_loss_and_model(forward, model, token_mean, batch, CPU, "error")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert forward(batch.inputs).shape == (4, 8, 64) and forward(batch.inputs).device == CPU

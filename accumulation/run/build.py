@@ -115,7 +115,8 @@ def wrap_for_training(
 @dataclass
 class Training:
     """Everything the training section runs, built once (build_training). Two names for the model: `model` is the
-    whole unwrapped model (checkpoints hold its state dict); `setup.module` is what optimizer_step runs, the model as
+    whole unwrapped model (checkpoints hold its state dict; under pipeline stages built by stages, the other stages'
+    parameters on the meta device); `setup.module` is what optimizer_step runs, the model as
     training wraps it (compiled, in DDP, sharded by FSDP2, its loss inside it when compiled, or this rank's
     pipeline stage)."""
 
