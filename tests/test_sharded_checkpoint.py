@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -415,3 +416,17 @@ def test_keep_checkpoints_counts_the_sharded_folders_when_one_process_continues_
     assert status == 0, stderr
     names = sorted(p.name for p in (resumed / "checkpoints").iterdir())
     assert names == ["latest.pt", "step_000004.dcp", "step_000005.pt", "step_000006.pt"], names
+
+
+def test_one_process_reads_a_sharded_checkpoint_without_a_warning_on_stderr(straight):
+    """whole_state (sample.py, export.py) and a one-process resume read the folder with dcp.load outside a process
+    group, which torch warns about on every call: stderr is for errors, so no warning may escape."""
+    tmp_path, corpus = straight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole_state(newest(tmp_path / "runs" / "straight"))
+    resumed_copy(tmp_path, "quiet", [4])
+    status, out, stderr = train_forked(tiny_settings(tmp_path, corpus, **{"run.name": "quiet", "run.max_steps": 5}), 1)
+    assert status == 0, stderr
+    assert "resuming from" in out and "step_000004.dcp" in out, out
+    assert "Warning" not in stderr, stderr
