@@ -296,3 +296,19 @@ def test_the_export_of_an_hf_run_names_a_tokenizer_loader_that_encodes_as_the_ru
         loaded = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
     for prompt in PROMPTS:
         assert loaded(prompt, add_special_tokens=False)["input_ids"] == tokenizer().encode(prompt), summary
+
+
+def test_sample_py_refuses_a_prompt_whose_characters_the_tokenizer_lacks(tmp_path, capsys, monkeypatch):
+    """The tiny BPE has no unknown token: "Q: 3x + 4 =" encodes as "Q: 3 + 4 =" with the x dropped, so sample.py
+    would continue a prompt the user never gave; it is refused in one line naming the character, exit 2."""
+    monkeypatch.chdir(ROOT)
+    from scripts.operations import sample
+
+    assert tokenizer().encode("Q: 3x + 4 =") == tokenizer().encode("Q: 3 + 4 =")  # what the refusal guards against
+    assert train.main(arguments(tmp_path, "run.max_steps=1", "run.eval_every=0")) == 0
+    capsys.readouterr()
+    for prompt in ("Q: 3x + 4 =", "xyz"):
+        assert sample.main([str(tmp_path / "grpo-hf"), "--prompt", prompt, "--tokens", "2"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("error: --prompt: 'x'") and "no token" in error and error.count("\n") == 1, error
+    assert sample.main([str(tmp_path / "grpo-hf"), "--prompt", "Q: 3 + 4 =", "--tokens", "2"]) == 0
