@@ -261,14 +261,8 @@ class Checkpointer:
             # resume keeps them and runs only the later steps again.
             self.logs.flush()
         if self.sharded is not None:  # as run.sharded_save says, while training goes on unless `at_once`
-            from accumulation.run.sharded_checkpoint import split_payload, split_stage_payload
-
-            if training.pipeline is None:  # fsdp2: each rank's shards
-                tensors, rest = split_payload(payload, training.optimizer)
-            else:  # each stage's own tensors, under the whole model's names and numbers
-                tensors, rest = split_stage_payload(payload, training.pipeline, training.optimizer)
             how = "at_once" if at_once else self.config.run.sharded_save
-            self.sharded.save(tensors, rest, training.optimizer, counters.steps, how)
+            self.sharded.save(payload, training.optimizer, counters.steps, how, training.pipeline)
         elif context.is_main:
             save_checkpoint(payload, self.run_dir / "checkpoints", counters.steps, self.config.run.keep_checkpoints)
 

@@ -314,7 +314,7 @@ def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     from torch.distributed.fsdp import fully_shard
 
     from accumulation.run.checkpoint import WriteError
-    from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter, split_payload
+    from accumulation.run.sharded_checkpoint import ShardedCheckpointWriter
     from testkit.disk import fill_disk
 
     torch.manual_seed(0)
@@ -325,13 +325,13 @@ def full_disk_worker(rank: int, world_size: int, disk: str) -> str:
     context = DistributedContext(rank, rank, world_size, CPU, "gloo")
     writer = ShardedCheckpointWriter(Path(disk) / "checkpoints", 3, context)
     payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
-    writer.save(*split_payload(payload, optimizer), optimizer, 2)
+    writer.save(payload, optimizer, 2)
     writer.finish()
     if rank == 0:
         fill_disk(Path(disk), leave_free_bytes=40_000)  # under one rank's shards (about 160 kB each)
     torch.distributed.barrier()
     try:
-        writer.save(*split_payload(payload | {"counters": {"steps": 4}}, optimizer), optimizer, 4)
+        writer.save(payload | {"counters": {"steps": 4}}, optimizer, 4)
         writer.finish()
     except WriteError as error:
         return str(error)

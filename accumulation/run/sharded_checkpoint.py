@@ -189,12 +189,17 @@ class ShardedCheckpointWriter:
         self.update_held = None  # "overlapped": the optimizer pre-hook that waits for the write in flight
 
     def save(
-        self, tensors: dict, rest: dict, optimizer: torch.optim.Optimizer, steps: int, how: str = "staged"
+        self, payload: dict, optimizer: torch.optim.Optimizer, steps: int, how: str = "staged", pipeline=None
     ) -> None:
-        """Start writing step `steps`'s checkpoint: `tensors` this rank's shards, `rest` (rank 0's) state.pt, as
-        split_payload cuts checkpoint_payload's dict; `optimizer` is what updates the shards. `how`: one of "staged",
-        "overlapped", "at_once" (the class's docstring); "at_once" publishes it before returning."""
+        """Start writing checkpoint_payload's dict as step `steps`'s checkpoint: this rank's tensors to DCP, the rest
+        to rank 0's state.pt (split_payload, or split_stage_payload for a pipeline stage); `optimizer` is what
+        updates the shards. `how`: one of "staged", "overlapped", "at_once" (the class's docstring); "at_once"
+        publishes it before returning."""
         self.finish()
+        if pipeline is None:  # fsdp2: each rank's shards
+            tensors, rest = split_payload(payload, optimizer)
+        else:  # each stage's own tensors, under the whole model's names and numbers
+            tensors, rest = split_stage_payload(payload, pipeline, optimizer)
         temporary = self.checkpoint_dir / f".step_{steps:06d}.dcp.tmp"
         try:
             if self.is_main:

@@ -65,7 +65,6 @@ from accumulation.run.sharded_checkpoint import (  # noqa: E402
     ShardedCheckpointWriter,
     described,
     load_sharded_state,
-    split_payload,
     verify_files,
     verify_shares_together,
 )
@@ -144,7 +143,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 1}}
-            writer.save(*split_payload(payload, optimizer), optimizer, 1)
+            writer.save(payload, optimizer, 1)
             del payload
             figures["sharded save_blocked_s"] = ranks_done(start)
             writer.finish()
@@ -155,7 +154,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 2}}
-            writer.save(*split_payload(payload, optimizer), optimizer, 2, "at_once")
+            writer.save(payload, optimizer, 2, "at_once")
             del payload
             figures["at-once save_blocked_s"] = figures["at-once save_total_s"] = ranks_done(start)
         figures["at-once save_rise"] = memory.rise
@@ -170,7 +169,7 @@ def measure_worker(rank: int, world_size: int, folder: str, sizes: list) -> list
         with PeakRise() as memory:
             start = time.perf_counter()
             payload = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "counters": {"steps": 3}}
-            writer.save(*split_payload(payload, optimizer), optimizer, 3, "overlapped")
+            writer.save(payload, optimizer, 3, "overlapped")
             del payload
             save_call_s = ranks_done(start)
             writer.wait_for_write()  # what the update's pre-hook does
