@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is not installed (pip install -r requirements-hf.txt)")
+transformers = pytest.importorskip("transformers", reason="not installed (pip install -r requirements-hf.txt)")
 pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -r requirements-bpe.txt)")
 
 import train  # noqa: E402
@@ -276,3 +276,39 @@ def test_the_objective_check_passes_on_the_hf_policy_and_a_max_for_min_surrogate
     assert script.main([*small, "--inject-bug", "max-for-min"]) == 1
     out = capsys.readouterr().out
     assert "PASS seq-mean-token-mean" in out and "the loss, not accumulation" in out
+
+
+def test_the_export_of_an_hf_run_names_a_tokenizer_loader_that_encodes_as_the_run(tmp_path, capsys, monkeypatch):
+    """export.py's folder of a Qwen2 run: AutoTokenizer builds Qwen2Tokenizer, which puts Qwen2's pre-tokenizer in
+    front of tokenizer.json's vocabulary ("Q: 3" becomes "Q", ":", "3"); the summary line must name the loader
+    that gives the run's ids, and that loader must give them."""
+    monkeypatch.chdir(ROOT)
+    from scripts.operations import export
+
+    assert train.main(arguments(tmp_path, "run.max_steps=1", "run.eval_every=0")) == 0
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert export.main([str(tmp_path / "grpo-hf"), str(out)]) == 0
+    summary = capsys.readouterr().out
+    if "load PreTrainedTokenizerFast(tokenizer_file=OUT_DIR/tokenizer.json)" in summary:
+        loaded = transformers.PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"))
+    else:
+        loaded = transformers.AutoTokenizer.from_pretrained(out, local_files_only=True)
+    for prompt in PROMPTS:
+        assert loaded(prompt, add_special_tokens=False)["input_ids"] == tokenizer().encode(prompt), summary
+
+
+def test_sample_py_refuses_a_prompt_whose_characters_the_tokenizer_lacks(tmp_path, capsys, monkeypatch):
+    """The tiny BPE has no unknown token: "Q: 3x + 4 =" encodes as "Q: 3 + 4 =" with the x dropped, so sample.py
+    would continue a prompt the user never gave; it is refused in one line naming the character, exit 2."""
+    monkeypatch.chdir(ROOT)
+    from scripts.operations import sample
+
+    assert tokenizer().encode("Q: 3x + 4 =") == tokenizer().encode("Q: 3 + 4 =")  # what the refusal guards against
+    assert train.main(arguments(tmp_path, "run.max_steps=1", "run.eval_every=0")) == 0
+    capsys.readouterr()
+    for prompt in ("Q: 3x + 4 =", "xyz"):
+        assert sample.main([str(tmp_path / "grpo-hf"), "--prompt", prompt, "--tokens", "2"]) == 2
+        error = capsys.readouterr().err
+        assert error.startswith("error: --prompt: 'x'") and "no token" in error and error.count("\n") == 1, error
+    assert sample.main([str(tmp_path / "grpo-hf"), "--prompt", "Q: 3 + 4 =", "--tokens", "2"]) == 0

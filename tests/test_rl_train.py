@@ -190,7 +190,7 @@ OBJECTIVE_OVERRIDES = [
     'data.loss_aggregation="token-sum"',
     "data.temperature=0.8",  # and the sampler's settings: π_T in the sampler and the loss, a nucleus, stop tokens
     "data.top_p=0.95",
-    'data.stop="\\n "',
+    "data.stop=\n ",  # a newline and a space: a string key's text is taken as it stands (bash: data.stop=$'\n ')
 ]
 
 

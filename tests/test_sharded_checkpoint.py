@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -402,3 +403,30 @@ def test_a_sharded_checkpoint_with_non_finite_weights_is_refused_with_one_line(s
     publish(temporary, run_dir / "checkpoints" / "step_000002.dcp", rest, sums)
     status, _, stderr = train_run(tmp_path, corpus, "nan", 2, "fsdp2", 4)
     assert status == 2 and "its weights hold NaN or inf" in stderr, stderr
+
+
+def test_keep_checkpoints_counts_the_sharded_folders_when_one_process_continues_a_fsdp2_run(straight):
+    """The straight run's 5 folders (steps 0-4), continued on one process for 2 steps with keep_checkpoints = 3:
+    the newest 3 of folders and files together remain (step_000004.dcp, step_000005.pt, step_000006.pt), not every
+    folder beside the files."""
+    tmp_path, corpus = straight
+    resumed = resumed_copy(tmp_path, "kept", [0, 1, 2, 3, 4])
+    settings = {"run.name": resumed.name, "run.max_steps": 6, "run.checkpoint_every": 1, "run.keep_checkpoints": 3}
+    status, _, stderr = train_forked(tiny_settings(tmp_path, corpus, **settings), 1)
+    assert status == 0, stderr
+    names = sorted(p.name for p in (resumed / "checkpoints").iterdir())
+    assert names == ["latest.pt", "step_000004.dcp", "step_000005.pt", "step_000006.pt"], names
+
+
+def test_one_process_reads_a_sharded_checkpoint_without_a_warning_on_stderr(straight):
+    """whole_state (sample.py, export.py) and a one-process resume read the folder with dcp.load outside a process
+    group, which torch warns about on every call: stderr is for errors, so no warning may escape."""
+    tmp_path, corpus = straight
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        whole_state(newest(tmp_path / "runs" / "straight"))
+    resumed_copy(tmp_path, "quiet", [4])
+    status, out, stderr = train_forked(tiny_settings(tmp_path, corpus, **{"run.name": "quiet", "run.max_steps": 5}), 1)
+    assert status == 0, stderr
+    assert "resuming from" in out and "step_000004.dcp" in out, out
+    assert "Warning" not in stderr, stderr

@@ -53,7 +53,12 @@ class RunConfig:
         "auto: continue from <run_dir>/checkpoints/latest.pt if it exists; never: start afresh (docs/training.md)",
         choices=("auto", "never"),
     )
-    keep_checkpoints: int = setting(3, "newest step_*.pt files kept; older ones are deleted", "checkpoints", at_least=1)
+    keep_checkpoints: int = setting(
+        3,
+        "newest checkpoints kept (step_*.pt files and step_*.dcp folders, counted together); older ones are deleted",
+        "checkpoints",
+        at_least=1,
+    )
     sharded_save: str = setting(
         "staged",
         "sharded checkpoints (fsdp2, pipeline stages): staged (in the background from a host copy of the rank's "

@@ -13,7 +13,7 @@ from accumulation.data.sources import DATA_ORDER
 from accumulation.data.splits import DataSummary
 from accumulation.models.factory import model_fingerprint
 from accumulation.parallel.distributed import DistributedContext
-from accumulation.run.run_dir import STEP_FILE, WriteError, disk_full, os_error_in, why_not_written
+from accumulation.run.run_dir import SHARDED_STEP, STEP_FILE, WriteError, disk_full, os_error_in, why_not_written
 
 
 class CheckpointError(ValueError):
@@ -41,9 +41,10 @@ def check_weights_finite(config: Config, model: torch.nn.Module, optimizer: torc
 
 
 def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) -> Path:
-    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files, each one
-    renamed into place from a temporary file flushed to the disk (a reader sees the old or the whole new file, even
-    if this process dies). A failed write removes its temporary files and raises WriteError; older ones stay."""
+    """Write step_XXXXXX.pt and point latest.pt at it, then delete all but the newest `keep` step files and sharded
+    folders (counted together), each file renamed into place from a temporary file flushed to the disk (a reader
+    sees the old or the whole new file, even if this process dies). A failed write removes its temporary files and
+    raises WriteError; older ones stay."""
     path = checkpoint_dir / f"step_{steps:06d}.pt"
     temporary, latest_temporary = path.with_name(f".{path.name}.tmp"), checkpoint_dir / ".latest.pt.tmp"
     computing_crcs = torch.serialization.get_crc32_options()
@@ -68,8 +69,10 @@ def save_checkpoint(payload: dict, checkpoint_dir: Path, steps: int, keep: int) 
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-        for old in step_checkpoints(checkpoint_dir)[:-keep]:
-            old.unlink()
+        # A run continued here from fsdp2 or pipeline stages also holds their step_XXXXXX.dcp folders: one count
+        folders = [p for p in checkpoint_dir.iterdir() if SHARDED_STEP.fullmatch(p.name)]
+        for old in sorted(step_checkpoints(checkpoint_dir) + folders, key=step_of)[:-keep]:
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
     except Exception as error:
         cause = os_error_in(error)
         if cause is None:
@@ -103,6 +106,11 @@ def tensor_bytes(value) -> int:
     if isinstance(value, list | tuple):
         return sum(tensor_bytes(item) for item in value)
     return 0
+
+
+def step_of(checkpoint: Path) -> int:
+    """The step a step_XXXXXX.pt file or step_XXXXXX.dcp folder was written at."""
+    return int((STEP_FILE.fullmatch(checkpoint.name) or SHARDED_STEP.fullmatch(checkpoint.name)).group(1))
 
 
 def step_checkpoints(checkpoint_dir: Path) -> list[Path]:

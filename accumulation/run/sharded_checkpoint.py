@@ -33,6 +33,7 @@ import copy
 import json
 import os
 import shutil
+import warnings
 import zlib
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -447,7 +448,7 @@ def load_sharded_state(
         for key, value in resume["optimizer"]["state"].get(number, {}).items():
             if torch.is_tensor(value) and value.is_meta:
                 wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(parameter, dtype=value.dtype)
-    dcp.load(wanted, checkpoint_id=resume["sharded"])
+    load_pieces(wanted, resume["sharded"], no_dist=not dist.is_initialized())
     model.load_state_dict({name: wanted[f"model/{names[name]}"] for name in state})
     for key, value in wanted.items():
         where, _, name = key.partition("/")
@@ -464,6 +465,14 @@ def load_sharded_state(
     resume["model"] = {}
 
 
+def load_pieces(wanted: dict, path: Path, no_dist: bool) -> None:
+    """dcp.load into `wanted`; in one process (no_dist) without DCP's UserWarning that it assumes one process,
+    which every one-process read (a resume, sample.py, export.py) would print on stderr, where errors go."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(wanted, checkpoint_id=path, no_dist=no_dist)
+
+
 def whole_state(path: Path) -> dict:
     """A sharded checkpoint as the single file holds it (model and optimizer with whole tensors, the optimizer's
     state numbered by parameter), read in one process without a process group: for tests, scripts and a user who
@@ -474,7 +483,7 @@ def whole_state(path: Path) -> dict:
         for key, value in entries.items():
             if torch.is_tensor(value) and value.is_meta:
                 wanted[f"optimizer/{number}/{key}"] = torch.zeros_like(value, device="cpu")
-    dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    load_pieces(wanted, path, no_dist=True)
     for key, value in wanted.items():
         where, _, name = key.partition("/")
         if where == "model":

@@ -3,8 +3,9 @@
     RUN_DIR   a run directory (<run.out_dir>/<run.name>, e.g. runs/default): its newest readable checkpoint
     OUT_DIR   a new (or empty) folder; it receives model.safetensors and config.json (save_pretrained), and the
               run's tokenizer file where it has one: tokenizer.json (with a tokenizer_config.json naming
-              PreTrainedTokenizerFast, so AutoTokenizer loads it) or nanoGPT's meta.pkl; a byte-level run has none
-              (token id = UTF-8 byte)
+              PreTrainedTokenizerFast, so AutoTokenizer loads it; for a model type whose own tokenizer class
+              transformers builds instead, Qwen2's, the summary line says so and what to load) or nanoGPT's
+              meta.pkl; a byte-level run has none (token id = UTF-8 byte)
 
 The built-in GPT becomes a GPT2LMHeadModel: its architecture is GPT-2's (pre-norm blocks, learned absolute
 positions, biases on every linear layer but the head, LayerNorm eps 1e-5) with two differences that the config
@@ -136,9 +137,26 @@ def write_tokenizer(tokenizer, folder: Path) -> str:
     if source.suffix == ".json":
         shutil.copyfile(source, folder / "tokenizer.json")
         (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-        return f"tokenizer.json from {source}"
+        return f"tokenizer.json from {source}" + auto_tokenizer_caveat(tokenizer, folder)
     shutil.copyfile(source, folder / source.name)
     return f"{source.name} from {source.parent}"
+
+
+def auto_tokenizer_caveat(tokenizer, folder: Path) -> str:
+    """ "" when AutoTokenizer.from_pretrained(folder) encodes as the run did; else what to load instead. For some
+    model types (Qwen2 in transformers 5.24) AutoTokenizer builds that type's own tokenizer class, which keeps only
+    tokenizer.json's vocabulary and merges and puts its own pre-tokenizer in front, whatever tokenizer_config.json
+    names: the probe, every token of the vocabulary in one text, shows it."""
+    from transformers import AutoTokenizer
+
+    probe = tokenizer.decode(list(range(tokenizer.vocab_size)))
+    loaded = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if loaded(probe, add_special_tokens=False)["input_ids"] == tokenizer.encode(probe):
+        return ""
+    return (
+        f"; AutoTokenizer.from_pretrained(OUT_DIR) gives {type(loaded).__name__}, which encodes otherwise than the "
+        f"run (its own pre-tokenizer): load PreTrainedTokenizerFast(tokenizer_file=OUT_DIR/tokenizer.json) instead"
+    )
 
 
 def check_out_dir(out_dir: Path) -> None:

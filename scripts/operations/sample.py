@@ -35,6 +35,15 @@ def sampled_text(arguments: argparse.Namespace) -> str:
         prompt = run.tokenizer.encode(arguments.prompt)
     except ValueError as error:
         raise TrainedRunError(f"--prompt: {error}") from None
+    # A tokenizer.json without an unknown token (a BPE trained on a task's text) encodes a character it lacks as
+    # nothing: the model would continue another prompt than the one given
+    lost = sorted({character for character in arguments.prompt if not run.tokenizer.encode(character)})
+    if lost:
+        raise TrainedRunError(
+            f"--prompt: {', '.join(map(repr, lost))} {'is' if len(lost) == 1 else 'are'} no token of the run's "
+            f"tokenizer ({run.tokenizer.files[0] if run.tokenizer.files else 'bytes'}) and would be dropped; leave "
+            f"{'it' if len(lost) == 1 else 'them'} out"
+        )
     if not prompt:
         raise TrainedRunError("--prompt: the text encodes to no token; give at least one character")
     seed = run.config.run.seed if arguments.seed is None else arguments.seed
