@@ -154,27 +154,32 @@ def main_under_a_process_limit(argv: list[str]) -> int:
 
 
 def test_a_pipeline_rank_is_checked_for_its_largest_stage_not_the_whole_model(tmp_path, monkeypatch):
-    """Each pipeline rank holds one stage: a limit between the largest stage's training state (plus the activations'
-    lower bound) and the whole model's trains; one byte under the largest stage's state is refused, one line naming
-    the stage, exit 2. The check that counted the whole model on every rank refused the first run."""
+    """Each pipeline rank holds one stage and keeps, of a micro-batch's activations, at least the residual stream
+    its stage receives or makes (m · seq_len · d_model fp32 values; the logits only on the last stage): a limit 4 KiB
+    over the largest stage's training state plus that trains; one byte under the stage's state is refused, one line
+    naming the stage, exit 2. The check that counted the whole model and all its layers' activations on every rank
+    refused the first run."""
     corpus = uneven_corpus(tmp_path / "corpus")
     settings = {"dist.pipeline_stages": 2, "model.n_layer": 4, "model.d_model": 64, "run.max_steps": 2}
     arguments = tiny_settings(tmp_path, corpus, **{**settings, "run.sample_bytes": 0})
     config = load_config(arguments)
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     model = build_model_on_meta(config.model, resolved_vocab_size(config.model, data.vocab_size), config.data.seq_len)
-    per_parameter = build.training_bytes_per_parameter(config.optim)  # AdamW: 16 bytes
+    per_parameter = 16  # AdamW: the weight, its gradient and two moments, fp32
     stage_bytes = per_parameter * max(count_parameters(stage) for stage in split_into_stages(model, 2))
     whole_bytes = per_parameter * count_parameters(model)
-    activations = build.activation_bytes_at_least(config, data.vocab_size, chunked_loss=False)
-    between = stage_bytes + activations + (whole_bytes - stage_bytes - activations) // 2
-    assert stage_bytes + activations < between < whole_bytes  # 1.9 MB and 3.7 MB of state here
-    for limit_bytes, refused in ((between, False), (stage_bytes - 1, True)):
+    residual_bytes = config.batch.micro_batch_size * config.data.seq_len * config.model.d_model * 4
+    fits = stage_bytes + residual_bytes + 4096
+    assert fits < whole_bytes / 1.9  # 1.9 MB against 3.7 MB of state here
+    for name, limit_bytes, refused in (("fits", fits, False), ("refused", stage_bytes - 1, True)):
         monkeypatch.setenv("ACCUMULATION_TEST_LIMIT_BYTES", str(limit_bytes))
-        outputs = run_main_on_ranks("tests.test_memory_limit:main_under_a_process_limit", arguments, world_size=2)
+        outputs = run_main_on_ranks(
+            "tests.test_memory_limit:main_under_a_process_limit", [*arguments, f"run.name={name}"], world_size=2
+        )
         for status, _stdout, stderr in outputs:
             if refused:
                 assert status == 2 and "weights in its largest pipeline stage" in stderr, stderr
                 assert stderr.count("\n") == 1, stderr
             else:
                 assert status == 0, stderr
+    assert not (tmp_path / "runs" / "refused").exists()

@@ -266,9 +266,13 @@ def activation_bytes_at_least(config: Config, vocab_size: int, chunked_loss: boo
     output (d_model values) and, without the chunked loss, the logits and the cross-entropy's log-softmax
     (vocab_size values each). The true figure is several times larger (attention scores, the MLP's hidden
     layer, norms); a bound that low refuses only what cannot fit, never a run that could. 4 bytes a value
-    in fp32, 2 under bf16/fp16 autocast (the logits stay 4: the loss is computed in fp32)."""
+    in fp32, 2 under bf16/fp16 autocast (the logits stay 4: the loss is computed in fp32). With pipeline stages a
+    rank runs only its stage, and the largest stage's weights may sit on a rank without the logits: what every
+    rank keeps at least is the residual stream its stage receives or makes (one layer's output, d_model values)."""
     tokens = config.batch.micro_batch_size * config.data.seq_len
     value_bytes = 4 if config.precision.dtype == "fp32" else 2
+    if config.dist.pipeline_stages > 1:
+        return tokens * config.model.d_model * value_bytes
     per_token = config.model.n_layer * config.model.d_model * value_bytes
     if not chunked_loss:
         per_token += 2 * vocab_size * 4
@@ -305,13 +309,16 @@ def check_fits_in_memory(config: Config, parameters: int, vocab_size: int, chunk
                 f"{memory_bytes / 2**30:,.1f} GiB of {where}; choose a smaller model"
             )
     activations = activation_bytes_at_least(config, vocab_size, chunked_loss)
+    counted = "each layer's output" + ("" if chunked_loss else " and the logits")
+    if config.dist.pipeline_stages > 1:
+        counted = "the residual stream its pipeline stage receives or makes"
     for where, memory_bytes, ranks in limits:
         sharing = f" on each of the {ranks} ranks of this host, which share it" if ranks > 1 else ""
         if ranks * (state_bytes + activations) > memory_bytes:
             raise ConfigError(
                 f"batch.micro_batch_size: a micro-batch of {config.batch.micro_batch_size} rows of "
                 f"{config.data.seq_len} tokens keeps at least {activations / 2**30:,.1f} GiB of activations for its "
-                f"backward (each layer's output{'' if chunked_loss else ' and the logits'}; more in truth), and the "
+                f"backward ({counted}; more in truth), and the "
                 f"model {state_bytes / 2**30:,.1f} GiB{sharing}, more than the {memory_bytes / 2**30:,.1f} GiB of "
                 f"{where}; choose a smaller batch.micro_batch_size (the global batch stays the same, with more "
                 f"accumulation steps)"
