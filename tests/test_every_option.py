@@ -42,6 +42,17 @@ TINY = {
 # What the choosing keys name: the built-in pieces of each kind (a fork's pieces run in their shipped configs).
 CHOOSING_KEYS = {f"{section}.{key}": section for section, key in OWNED_SECTIONS.items()} | {"model.objective": "loss"}
 
+# 1 supervised step, then steps 2 and 3 are GRPO rounds of 16 trajectories (4 prompts x 4), one step each
+GRPO_ROUNDS = {
+    "batch.global_batch_size": 16,
+    "batch.micro_batch_size": 4,
+    "data.mini_batch_size": 16,
+    "data.sft_steps": 1,
+    "data.prompts_per_round": 4,
+    "data.group_size": 4,
+    "data.held_out": 8,
+}
+
 # What a shipped config's run is shrunk with, key by key: each one only makes it smaller or shorter, to keep the
 # default tier short. A config missing from this table runs with the
 # run.* keys alone: a new config that is too big for a CPU shows up as a slow test, not as a pass.
@@ -49,27 +60,8 @@ SHRINK = {
     "default.toml": {"model.n_layer": 1, "model.d_model": 32, "data.seq_len": 32},
     "sft.toml": {"model.d_model": 32, "data.seq_len": 100},
     "mlm.toml": {"model.d_model": 32},
-    # 1 supervised step, then steps 2 and 3 are GRPO rounds of 16 trajectories (4 prompts x 4), one step each
-    "grpo.toml": {
-        "batch.global_batch_size": 16,
-        "batch.micro_batch_size": 4,
-        "data.mini_batch_size": 16,
-        "data.sft_steps": 1,
-        "data.prompts_per_round": 4,
-        "data.group_size": 4,
-        "data.held_out": 8,
-        "model.d_model": 32,
-    },
-    # configs/grpo.toml's shrink on the Hugging Face policy and its tokenizer
-    "grpo_hf.toml": {
-        "batch.global_batch_size": 16,
-        "batch.micro_batch_size": 4,
-        "data.mini_batch_size": 16,
-        "data.sft_steps": 1,
-        "data.prompts_per_round": 4,
-        "data.group_size": 4,
-        "data.held_out": 8,
-    },
+    "grpo.toml": {**GRPO_ROUNDS, "model.d_model": 32},
+    "grpo_hf.toml": GRPO_ROUNDS,  # the Hugging Face policy (its own sizes) and its tokenizer
     "image_classifier.toml": {"data.images": 64},
     "hf_causal_lm.toml": {"data.seq_len": 100},
 }

@@ -29,7 +29,7 @@ from accumulation.models.factory import build_model  # noqa: E402
 from accumulation.rl.rollout import SAMPLING_STREAM, Sampling, sample, stop_tokens  # noqa: E402
 from accumulation.rl.task import AnswerRows, addition_problems  # noqa: E402
 from tests.test_check_equivalence_grpo import run_checker  # noqa: E402
-from tests.test_rl_train import assert_same_run  # noqa: E402
+from tests.test_rl_train import TOY_ROUNDS, assert_same_run  # noqa: E402
 from tests.test_train import read_metrics, train_forked  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,29 +40,11 @@ from make_hf_tiny_qwen2 import write_folder  # noqa: E402  (a script, not a pack
 
 # tests/test_rl_train.py's toy run on the HF policy: 9 problems (a, b < 3), one held out; 8 SFT steps, then rounds
 # of 4 prompts x 4 completions = 16 trajectories in 2 optimizer steps of 8 (GRPO steps 8-13: rounds 0, 1 and 2).
-TOY = [
-    "data.max_operand=3",
-    "data.held_out=1",
-    "data.sft_steps=8",
-    "data.prompts_per_round=4",
-    "data.group_size=4",
-    "data.mini_batch_size=8",
-    "batch.global_batch_size=8",
-    "batch.micro_batch_size=4",
-    "optim.lr=3e-2",
-    "schedule.warmup_updates=0",
-    "schedule.decay_updates=8",
-    "run.max_steps=14",
-    "run.eval_every=4",
-    "run.log_every=4",
-    "run.checkpoint_every=1",
-    "run.keep_checkpoints=20",
-]
 PROMPTS = ["Q: 1 + 2 =", "Q: 39 + 4 =", "Q: 12 + 30 =", "Q: 0 + 0 ="]
 
 
 def arguments(out_dir, *overrides) -> list[str]:
-    return ["--config", HF_CONFIG, f'run.out_dir="{out_dir}"', *TOY, *overrides]
+    return ["--config", HF_CONFIG, f'run.out_dir="{out_dir}"', *TOY_ROUNDS, *overrides]
 
 
 def tokenizer():

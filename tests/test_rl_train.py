@@ -29,10 +29,7 @@ from tests.test_train import comparable, final_weights, read_metrics, train_fork
 # samples and wrong on others, so that advantages, gradients and updates of the GRPO steps are not all zero.
 # A round: 4 prompts x 4 completions = 16 trajectories, mini-batch 8: 2 optimizer steps (GRPO steps 8, 9 are
 # round 0, 10 and 11 round 1, 12 and 13 round 2, counted from 0).
-TOY = [
-    "model.n_layer=1",
-    "model.d_model=32",
-    "model.n_head=2",
+TOY_ROUNDS = [
     "data.max_operand=3",
     "data.held_out=1",
     "data.sft_steps=8",
@@ -50,6 +47,7 @@ TOY = [
     "run.checkpoint_every=1",
     "run.keep_checkpoints=20",
 ]
+TOY = ["model.n_layer=1", "model.d_model=32", "model.n_head=2", *TOY_ROUNDS]
 
 
 def arguments(out_dir, *overrides) -> list[str]:
