@@ -113,3 +113,8 @@ def test_the_sampler_benchmark_runs_and_prints_its_ratios(capsys, monkeypatch):
     assert bench.main(["--config", "configs/grpo.toml", *toy, *sizes, "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "the round's 2 optimizer steps (G 8, m 4)" in out and "sampling / optimizer steps: " in out
+    # without a GRPO config there is no round to sample: one line and exit 2, not a traceback
+    assert bench.main([]) == 2
+    assert capsys.readouterr().err == (
+        "error: data.source must be \"arithmetic-rollouts\" (GRPO), got 'stdlib'; e.g. --config configs/grpo.toml\n"
+    )

@@ -1,6 +1,6 @@
 """The GRPO sampler's speed against the sampler it replaced, and a round's sampling against its optimizer steps.
 
-    python scripts/rl/bench_sampler.py [--config configs/grpo.toml] [section.key=value ...]
+    python scripts/rl/bench_sampler.py --config configs/grpo.toml [section.key=value ...] [--repeats 3]
 
 On the config's policy (its initial weights) and one round of its own prompts (data.prompts_per_round x
 data.group_size rows, in forwards of data.sample_batch_size; encoded with the run's tokenizer, data.tokenizer): the
@@ -81,6 +81,13 @@ def main(argv: list[str]) -> int:
         config = load_config(argv)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
+        return 2
+    if config.data.source != "arithmetic-rollouts":  # a GRPO config's rounds are what it samples
+        print(
+            f'error: data.source must be "arithmetic-rollouts" (GRPO), got {config.data.source!r}; '
+            "e.g. --config configs/grpo.toml",
+            file=sys.stderr,
+        )
         return 2
     rl, seq_len, seed = config.data.own, config.data.seq_len, config.run.seed
     try:  # the run's prompts and tokenizer, as train.py builds them
