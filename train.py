@@ -124,8 +124,8 @@ def train(
     """One session of the run: build, resume, the training section, finish. Returns the exit status."""
     session_start = time.perf_counter()
     device = context.device
-    training = build_training(config, vocab_size, resume, context)
     hooks = row_hooks(data.train)  # the rows' optional part: RL's rollouts (accumulation/data/rows.py's RowHooks)
+    training = build_training(config, vocab_size, resume, context, hooks=hooks)  # the rows may hand it their loss
     hooks.bind_policy(training.model, context, resume)  # rows sampled from the model being trained
     if resume is None:
         counters, skips_in_a_row = Counters(), 0  # a fresh run

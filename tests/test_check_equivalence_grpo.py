@@ -15,7 +15,6 @@ import pytest
 from accumulation import checker
 from accumulation.batching import IGNORE_INDEX
 from accumulation.config.registry import REGISTERED, lookup
-from accumulation.rl import on_policy
 from accumulation.rl.objective_check import WRONG_LOSSES
 from accumulation.rl.on_policy import clipped_surrogate_sum
 from testkit.ranks import run_main_on_ranks
@@ -124,17 +123,24 @@ def test_a_data_bug_that_would_hide_the_declared_objective_is_refused(capsys):
     )
 
 
-def surrogate_averaged_over_tokens(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None):
+def surrogate_averaged_over_tokens(
+    outputs, labels, *, policy_loss=None, advantages=None, old_log_probs=None, row_weights=None
+):
     """A fork's planted fault: the clipped surrogate divided by the micro-batch's tokens (a mean, not a sum); the
     cross-entropy sum, as clipped_surrogate_sum, on rows without advantages."""
     total = clipped_surrogate_sum(
-        outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights
+        outputs,
+        labels,
+        policy_loss=policy_loss,
+        advantages=advantages,
+        old_log_probs=old_log_probs,
+        row_weights=row_weights,
     )
     return total if advantages is None else total / (labels != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def surrogate_pairing_label_j_with_output_j_plus_1(
-    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None
+    outputs, labels, *, policy_loss=None, advantages=None, old_log_probs=None, row_weights=None
 ):
     """A fork's planted fault: the clipped surrogate of label j (and its old log-probability) read off output
     j + 1; the cross-entropy sum, rightly paired, on rows without advantages."""
@@ -143,6 +149,7 @@ def surrogate_pairing_label_j_with_output_j_plus_1(
     return clipped_surrogate_sum(
         outputs[:, 1:],
         labels[:, :-1],
+        policy_loss=policy_loss,
         advantages=advantages,
         old_log_probs=old_log_probs[:, :-1],
         row_weights=row_weights,
@@ -216,12 +223,13 @@ def test_the_objective_settings_pass_on_two_ranks(capsys):
 def test_a_loss_that_is_not_the_declared_objective_fails_naming_the_loss(capsys, monkeypatch, plant, settings):
     """A fork's loss with max in place of min, or GSPO's ratio without its 1/|y|: at ρ = 1 the first equals the
     right surrogate; off-policy both FAIL, and the line names the loss, not accumulation."""
-    planted_loss = WRONG_LOSSES[plant]()  # its objective: the run's, read at each call
 
-    def planted(outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None):
+    def planted(
+        outputs, labels, *, policy_loss, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None
+    ):
         if advantages is None:
             return clipped_surrogate_sum(outputs, labels)
-        planted_loss.objective = on_policy.POLICY_LOSS.objective  # the run's declared objective, as bound
+        planted_loss = WRONG_LOSSES[plant](policy_loss.objective)  # the run's declared objective, as handed in
         return planted_loss(
             outputs, labels, advantages=advantages, old_log_probs=old_log_probs, row_weights=row_weights
         )

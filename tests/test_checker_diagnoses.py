@@ -148,6 +148,9 @@ class RolloutsAltered(RowHooks):
     def bind_policy(self, model, context, resume):
         self.rows.bind_policy(model, context, resume)
 
+    def loss_sum_fn(self, configured):
+        return self.rows.loss_sum_fn(configured)
+
     def sampled_at(self, step):
         return self.rows.sampled_at(step)
 

@@ -12,7 +12,6 @@ import torch
 
 import train
 from accumulation.batching import IGNORE_INDEX, GlobalCounts, MicroBatch
-from accumulation.rl import on_policy
 from accumulation.rl.objective_check import RELATIVE_TOLERANCE, StepRows, reference_gradient, relative_error
 from accumulation.rl.objectives import NORMALISER_UNITS, group_relative_advantages
 from accumulation.rl.on_policy import Rollouts, RolloutSettings, Round, clipped_surrogate_sum
@@ -373,14 +372,14 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
         )
         context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
         reference = reference_gradient(model, rows, settings.objective())
-        on_policy.POLICY_LOSS = rollouts.loss  # as bind_policy binds it
+        loss_sum_fn = rollouts.loss_sum_fn(clipped_surrogate_sum)  # as build_training resolves it
         for m in micro_batch_sizes:
             micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
             before = [p.detach().clone() for p in model.parameters()]
             optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
             device = torch.device("cpu")
             optimizer_step(
-                StepSetup(mine, device, loss_sum_fn=clipped_surrogate_sum),
+                StepSetup(mine, device, loss_sum_fn=loss_sum_fn),
                 micro_batches,
                 optimizer,
                 global_counts=counts,

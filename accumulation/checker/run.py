@@ -11,6 +11,7 @@ everything else compares the gradient it returns with the reference.
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -67,7 +68,7 @@ from accumulation.checker.self_test import (
     targets_per_micro_batch,
 )
 from accumulation.config.config import Config, ConfigError, load_config
-from accumulation.data.rows import DataError, Rows
+from accumulation.data.rows import DataError, Rows, row_hooks
 from accumulation.data.sources import StepBatch, build_data, step_batch
 from accumulation.models.factory import (
     build_model,
@@ -196,7 +197,7 @@ def check(
     reference_model = reference_model.double()
     if configured_dropout > 0:
         dropout_off.insert(0, f"model.dropout ({configured_dropout:g} -> 0)")
-    loss_sum_fn = checked_loss_sum_fn(config, bug)
+    loss_sum_fn = checked_loss_sum_fn(config, rows, bug)
     try:  # before any collective: every rank finds it on its own rows, and every rank says so (as train.py)
         check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)
     except StepZeroFailed as error:
@@ -210,7 +211,13 @@ def check(
     # The loop as train.py builds it (model.loss, compile, the wrapper, the strategy, the scaler, optim.grad_clip,
     # batch.on_oom), from the checker's model; SELF-TEST ONLY: a buggy loss replaces the configured one.
     training = build_training(
-        config, vocab_size, None, context, model=model, loss_sum_fn=loss_sum_fn if bug in LOSS_BUGS else None
+        config,
+        vocab_size,
+        None,
+        context,
+        model=model,
+        loss_sum_fn=loss_sum_fn if bug in LOSS_BUGS else None,
+        hooks=row_hooks(rows),
     )
     # The recording optimizer fused where the configured one is (fused AdamW on CUDA): the update then queued on
     # the device (accumulation/update_on_device.py), as train.py's
@@ -487,7 +494,8 @@ def agree_on_the_verdict(failure: str | None, context: DistributedContext) -> in
 
 
 def function_name(function) -> str:
-    """module.name of a loss function (or of its class, for a callable object)."""
+    """module.name of a loss function (or of its class, for a callable object; of the function a partial binds)."""
+    function = function.func if isinstance(function, functools.partial) else function
     named = function if hasattr(function, "__qualname__") else type(function)
     return f"{named.__module__}.{named.__qualname__}"
 
@@ -500,9 +508,10 @@ def build_checked_model(config: Config, vocab_size: int, bug: str | None) -> tup
     return model, switch_off_dropout(model)
 
 
-def checked_loss_sum_fn(config: Config, bug: str | None):
-    """The configured loss (loss_sum_fn_for), or the self-test's buggy version of it."""
-    loss_sum_fn = loss_sum_fn_for(config.model)
+def checked_loss_sum_fn(config: Config, rows: Rows, bug: str | None):
+    """The configured loss (loss_sum_fn_for, as the rows hand it to the step: RowHooks.loss_sum_fn), or the
+    self-test's buggy version of it."""
+    loss_sum_fn = row_hooks(rows).loss_sum_fn(loss_sum_fn_for(config.model))
     if bug == "mean-loss":
         return mean_loss(loss_sum_fn)
     if bug == "in-batch-negatives":

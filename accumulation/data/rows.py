@@ -85,6 +85,11 @@ class RowHooks:
         """Once the model is built (train.py, the checker): the policy the rows are sampled from, the ranks (the
         DistributedContext), and a resume's checkpoint (None for a fresh run)."""
 
+    def loss_sum_fn(self, configured: Callable) -> Callable:
+        """The step's loss_sum_fn, given the configured one (model.objective's, or the model's): rows whose loss
+        depends on them hand their own (RL rollouts: the run's declared PolicyLoss). build_training calls it once."""
+        return configured
+
     def sampled_at(self, step: int) -> bool:
         """Whether step `step`'s rows are sampled from the model: they then wait for the update of the step before
         instead of being built one step ahead (accumulation/run/batches.py)."""

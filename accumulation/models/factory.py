@@ -97,11 +97,12 @@ def decided_model_config(config: Config, model: torch.nn.Module, device: torch.d
 
 
 def training_forward_and_loss(
-    model_config: ModelConfig, model: torch.nn.Module, compile: bool = False
+    model_config: ModelConfig, model: torch.nn.Module, compile: bool = False, loss_sum_fn: Callable | None = None
 ) -> tuple[torch.nn.Module, Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None]:
     """What the step runs for a decided `model_config`: (module, loss_sum_fn(outputs, labels)). Plain: the model and
-    loss_sum_fn_for; chunked: the model's hidden states (FinalHiddenStates) and ChunkedCrossEntropySum over its
-    output head, the same SUM. With `compile`: (ForwardAndLoss of both, None), one region for torch.compile."""
+    `loss_sum_fn` (build_training's: the rows' RowHooks.loss_sum_fn), else loss_sum_fn_for; chunked: the model's
+    hidden states (FinalHiddenStates) and ChunkedCrossEntropySum over its output head, the same SUM. With `compile`:
+    (ForwardAndLoss of both, None), one region for torch.compile."""
     if model_config.loss not in ("plain", "chunked"):
         raise ValueError(f'model.loss must be decided (decided_model_config), got "{model_config.loss}"')
     if model_config.loss == "chunked":
@@ -109,7 +110,7 @@ def training_forward_and_loss(
 
         forward_module, loss_sum_fn = FinalHiddenStates(model), ChunkedCrossEntropySum(model.output_head)
     else:
-        forward_module, loss_sum_fn = model, loss_sum_fn_for(model_config)
+        forward_module, loss_sum_fn = model, loss_sum_fn or loss_sum_fn_for(model_config)
     if compile:
         from accumulation.models.forward_and_loss import ForwardAndLoss  # only with model.compile
 

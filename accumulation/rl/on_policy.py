@@ -26,6 +26,7 @@ row id i a training problem drawn by step_uniforms(seed, k, i).
 """
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,21 +55,29 @@ from accumulation.step import token_cross_entropy_sum
 SFT_STREAM = 13  # step_uniforms stream of the SFT steps' problem draws (rollout.py's streams are 11 and 12)
 
 
-# The policy loss of this process: the run's data.policy_loss with its objective, bound by Rollouts.bind_policy; it
-# keeps each micro-batch's sums for the step's log line (PolicyLoss.logged).
-POLICY_LOSS = PolicyLoss()
-
-
 def clipped_surrogate_sum(
-    outputs, labels, *, advantages=None, old_log_probs=None, row_weights=None, ref_log_probs=None, **extras
+    outputs,
+    labels,
+    *,
+    policy_loss: PolicyLoss | None = None,
+    advantages=None,
+    old_log_probs=None,
+    row_weights=None,
+    ref_log_probs=None,
+    **extras,
 ) -> torch.Tensor:
     """model.objective = "clipped-surrogate": a GRPO step's rows carry advantages, old log-probabilities, row
-    weights (and reference log-probabilities under a KL penalty), and get the objective Σ_i w_i Σ_t ℓ_it
-    (objectives.PolicyLoss); an SFT step's rows and the validation rows carry none, and get the token cross-entropy
-    sum."""
+    weights (and reference log-probabilities under a KL penalty), and get the objective Σ_i w_i Σ_t ℓ_it of
+    `policy_loss`, the run's declared PolicyLoss, which Rollouts.loss_sum_fn hands in (objectives.PolicyLoss); an
+    SFT step's rows and the validation rows carry none, and get the token cross-entropy sum."""
     if advantages is None:
         return token_cross_entropy_sum(outputs, labels)
-    return POLICY_LOSS(
+    if policy_loss is None:
+        raise ValueError(
+            "clipped_surrogate_sum: rows with advantages need the run's policy_loss, which the rollouts hand the step "
+            "(Rollouts.loss_sum_fn, called by build_training with hooks=row_hooks(rows))"
+        )
+    return policy_loss(
         outputs,
         labels,
         advantages=advantages,
@@ -121,7 +130,7 @@ class Rollouts(RowHooks):
         self.reference = None  # the frozen reference policy of a KL penalty: the policy as round 0 samples
         self.completion_tokens = 0  # sampled in every round so far
         self.declared = settings.objective()
-        self.loss = self.declared.loss_class(self.declared)  # this run's GRPO loss, which bind_policy makes the loop's
+        self.loss = self.declared.loss_class(self.declared)  # this run's GRPO loss, handed to the step (loss_sum_fn)
 
     @property
     def num_rows(self) -> int:
@@ -211,14 +220,16 @@ class Rollouts(RowHooks):
         step_aggregation = self.step_aggregation(step)
         return step_aggregation.normaliser, step_aggregation.unit
 
+    def loss_sum_fn(self, configured):
+        """The step's loss: model.objective's (clipped_surrogate_sum) told this run's declared PolicyLoss, which
+        keeps each micro-batch's sums for the step's log line (step_fields)."""
+        return functools.partial(configured, policy_loss=self.loss)
+
     # -------------------------------------------------------------- sampling a round
     def bind_policy(self, model: torch.nn.Module, context, resume: dict | None) -> None:
         """train.py (or the checker), once the model is built: the policy the rounds sample from, the ranks, and a
         resume's round."""
         self.policy, self.context = model, context
-        global POLICY_LOSS
-        POLICY_LOSS = self.loss
-        POLICY_LOSS.take_sums()  # the run's logs start from zero: drop sums an earlier caller of the loss left
         state = (resume or {}).get("data", {}).get("rollouts")
         if state and "reference" in state:
             self.reference = self.frozen_copy(model)

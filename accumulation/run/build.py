@@ -21,6 +21,7 @@ from accumulation.config.config import (
     resolved_grad_scaler,
 )
 from accumulation.data.memory import memory_limits
+from accumulation.data.rows import DEFAULT_HOOKS, RowHooks
 from accumulation.models.factory import (
     build_model,
     build_model_on_meta,
@@ -140,11 +141,13 @@ def build_training(
     *,
     model: torch.nn.Module | None = None,
     loss_sum_fn: Callable | None = None,
+    hooks: RowHooks = DEFAULT_HOOKS,
 ) -> Training:
     """The model (with a resume's weights), the loss, the module the step runs, the strategy, the optimizer, the
     schedule, the scaler and the step function, as the config says. The checker hands in its own `model` (its
     dropout switched off) and, to test itself, a buggy `loss_sum_fn` in place of the configured one (run on the
-    plain path, uncompiled)."""
+    plain path, uncompiled). `hooks`: the training rows' (row_hooks), which hand the step its loss when it depends
+    on them (RowHooks.loss_sum_fn: RL rollouts' declared objective)."""
     device = context.device
     whole_resume = resume is not None and "sharded" not in resume  # a ddp checkpoint's whole weights
     # fsdp2 or pipeline stages without whole weights to load: the model in shapes only (the meta device), then each
@@ -172,8 +175,9 @@ def build_training(
     # model.loss = "auto" decided on the run's device: plain on the CPU, by the GPU's free memory on CUDA
     # (accumulation/models/factory.py); the probe and validation use the same loss.
     model_config = decided_model_config(config, model, device)
+    configured_loss_sum_fn = hooks.loss_sum_fn(loss_sum_fn_for(config.model))  # model.objective's, or the rows'
     if loss_sum_fn is None:
-        evaluation = training_forward_and_loss(model_config, model)
+        evaluation = training_forward_and_loss(model_config, model, loss_sum_fn=configured_loss_sum_fn)
     else:  # the checker's self-test: its buggy loss on the plain path
         model_config, evaluation = replace(model_config, loss="plain"), (model, loss_sum_fn)
     autocast_dtype = autocast_dtype_for(config.precision)
@@ -181,7 +185,7 @@ def build_training(
     if context.pipelined:  # this rank's stage (in DDP over its replicas) and the schedule; the plain loss
         from accumulation.parallel.pipeline import build_pipeline, optimizer_order, stand_in_forward
 
-        step_loss_sum_fn = loss_sum_fn or loss_sum_fn_for(config.model)
+        step_loss_sum_fn = loss_sum_fn or configured_loss_sum_fn
         if built_on_meta:  # step 0's probe: the loss on outputs of the model's shape (no rank can run it whole)
             meta_model = build_model_on_meta(config.model, vocab_size, config.data.seq_len)
             evaluation = (stand_in_forward(meta_model, device), evaluation[1])
@@ -197,7 +201,9 @@ def build_training(
     else:
         if loss_sum_fn is None:  # fsdp2 compiles each of its units, not one region (parallel/fsdp.py, shard_model)
             one_region = compiled and config.dist.strategy != "fsdp2"
-            forward_module, step_loss_sum_fn = training_forward_and_loss(model_config, model, compile=one_region)
+            forward_module, step_loss_sum_fn = training_forward_and_loss(
+                model_config, model, compile=one_region, loss_sum_fn=configured_loss_sum_fn
+            )
         else:
             forward_module, step_loss_sum_fn = evaluation
         # DistributedDataParallel over more than one rank, or (dist.strategy = "fsdp2") the model sharded in place,
