@@ -221,22 +221,6 @@ def test_a_forks_objective_trains_on_the_shipped_source_and_logs_through_its_hoo
     assert "forks.cispo:CISPO" in capsys.readouterr().out  # the start-up line names the objective
 
 
-def test_a_loss_call_before_the_run_does_not_reach_its_first_grpo_metrics(tmp_path, monkeypatch, capsys):
-    """The policy loss keeps its clip and KL sums until the run reads them. A caller of the loss earlier in the same
-    process (the equivalence checker, a notebook) must not add its sums to the run's first GRPO step: the run's
-    approx_kl and clip_fraction are its own, equal to a run with nothing before it."""
-    monkeypatch.chdir(train.Path(train.__file__).parent)
-    clean = run_in_sessions(tmp_path, "clean", [9], 1)[8]
-    labels = torch.tensor([[IGNORE_INDEX, 5, 7]])
-    outputs = torch.randn(1, 3, 16, requires_grad=True)  # far from the sampling policy: a large KL, clipped tokens
-    clipped_surrogate_sum(
-        outputs, labels, advantages=torch.ones(1), old_log_probs=torch.zeros(1, 3), row_weights=torch.ones(1)
-    )
-    after = run_in_sessions(tmp_path, "after", [9], 1)[8]
-    assert after["phase"] == clean["phase"] == "grpo"
-    assert (after["approx_kl"], after["clip_fraction"]) == (clean["approx_kl"], clean["clip_fraction"])
-
-
 def test_sampling_in_smaller_forwards_draws_the_same_round(tmp_path, monkeypatch, capsys):
     """data.sample_batch_size cuts a rank's share of the round into forwards of that many rows (memory only): the
     draws are per row, so rounds 0 and 1 sampled 3 rows at a time hold the completions of one forward of 16."""
@@ -347,49 +331,87 @@ def loop_update_errors(rank: int, ranks: int, micro_batch_sizes: list[int]) -> d
     definition. The rows are tests/test_rl_objectives.py's (lengths 1 to 9, ratios past the clip), in 3 groups of 4."""
     model = tiny_policy()
     mine = torch.nn.parallel.DistributedDataParallel(model) if ranks > 1 else model
+    rows = policy_step_rows(model)
+    context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
+    errors = {}
+    for mode, objective_settings in [(mode, {}) for mode in MODES] + [("token-sum", TRAIN_SETTINGS)]:
+        rollouts = rollouts_of(rows, loss_aggregation=mode, **objective_settings)
+        reference = reference_gradient(model, rows, rollouts.declared)
+        loss_sum_fn = rollouts.loss_sum_fn(clipped_surrogate_sum)  # as build_training resolves it
+        for m in micro_batch_sizes:
+            update, unit = one_step_update(model, mine, rollouts, loss_sum_fn, context, m)
+            errors[(mode, bool(objective_settings), m)] = (relative_error(update, reference), unit)
+    return errors
+
+
+def policy_step_rows(model) -> StepRows:
+    """tests/test_rl_objectives.py's rows of `model`, with group-relative advantages, in 3 groups of 4."""
     drawn = step_rows(model)
     group_ids = torch.arange(12) // 4  # trajectory j answers prompt j // group_size
     advantages = group_relative_advantages(torch.linspace(0.0, 1.0, 12, dtype=torch.float64) ** 2, group_ids)
-    rows = StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids, drawn.ref_log_probs)
-    errors = {}
-    for mode, objective_settings in [(mode, {}) for mode in MODES] + [("token-sum", TRAIN_SETTINGS)]:
-        settings = RolloutSettings(
-            mini_batch_size=12,
-            prompts_per_round=3,
-            group_size=4,
-            sft_steps=0,
-            loss_aggregation=mode,
-            norm_constant=CONSTANT,
-            **objective_settings,
+    return StepRows(drawn.tokens, drawn.labels, drawn.old_log_probs, advantages, group_ids, drawn.ref_log_probs)
+
+
+def rollouts_of(rows: StepRows, **objective_settings) -> Rollouts:
+    """Rollouts of one GRPO step of 12 rows whose round is `rows`, under `objective_settings`."""
+    settings = RolloutSettings(
+        mini_batch_size=12, prompts_per_round=3, group_size=4, sft_steps=0, norm_constant=CONSTANT, **objective_settings
+    )
+    rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
+    ref_log_probs = rows.ref_log_probs if settings.kl_coef else None
+    rollouts.round = Round(
+        0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), rows.advantages, ref_log_probs
+    )
+    return rollouts
+
+
+def one_step_update(model, mine, rollouts: Rollouts, loss_sum_fn, context, m: int) -> tuple[list, str]:
+    """(the update of one SGD step at lr 1 over the rollouts' step 0 in micro-batches of m rows, N's unit); the
+    model's weights are put back after it."""
+    config = SimpleNamespace(
+        run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
+    )
+    micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
+    setup = StepSetup(mine, torch.device("cpu"), loss_sum_fn=loss_sum_fn)
+    optimizer_step(setup, micro_batches, optimizer, global_counts=counts)
+    with torch.no_grad():
+        update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
+        for p, old in zip(model.parameters(), before, strict=True):
+            p.copy_(old)
+    return update, counts.unit
+
+
+def test_two_rollouts_in_one_process_each_train_with_their_own_objective():
+    """The checker and a run, or two tests, build rollouts in one process: each step trains with the objective its
+    own rows declare (the loss they hand build_training), whichever rollouts were bound to a model last."""
+    model = tiny_policy()
+    rows = policy_step_rows(model)
+    context = SimpleNamespace(replicas=1, replica=0, device=torch.device("cpu"), is_main=False)
+    plain = rollouts_of(rows, loss_aggregation="token-sum")
+    every = rollouts_of(rows, loss_aggregation="token-sum", **TRAIN_SETTINGS)
+    for rollouts in (plain, every):  # as train.py binds each run's rows
+        rollouts.bind_policy(model, context, None)
+    references = {id(rollouts): reference_gradient(model, rows, rollouts.declared) for rollouts in (plain, every)}
+    # The two objectives' gradients differ by far more than the tolerance, so a loss shared by both would fail.
+    assert relative_error(references[id(plain)], references[id(every)]) > 1e-2
+    for rollouts in (plain, every):
+        update, _ = one_step_update(model, model, rollouts, rollouts.loss_sum_fn(clipped_surrogate_sum), context, 4)
+        # float64 sums in another order and grouping: about 1e-15 relative; RELATIVE_TOLERANCE is 1e-9
+        assert relative_error(update, references[id(rollouts)]) <= RELATIVE_TOLERANCE
+
+
+def test_the_surrogate_on_rows_with_advantages_needs_the_rollouts_loss():
+    """clipped-surrogate called without the loss the rollouts hand it (RowHooks.loss_sum_fn) has no objective to
+    compute on GRPO rows: one line naming where it comes from, not a default objective; SFT rows need none."""
+    labels = torch.tensor([[IGNORE_INDEX, 5, 7]])
+    outputs = torch.randn(1, 3, 16)
+    assert torch.isfinite(clipped_surrogate_sum(outputs, labels))
+    with pytest.raises(ValueError, match="Rollouts.loss_sum_fn"):
+        clipped_surrogate_sum(
+            outputs, labels, advantages=torch.ones(1), old_log_probs=torch.zeros(1, 3), row_weights=torch.ones(1)
         )
-        rollouts = Rollouts(settings, addition_problems(3), [], SEQ_LEN, 0, 12)
-        ref_log_probs = rows.ref_log_probs if settings.kl_coef else None
-        rollouts.round = Round(
-            0, rows.tokens, rows.labels, rows.old_log_probs, torch.zeros(12), advantages, ref_log_probs
-        )
-        config = SimpleNamespace(
-            run=SimpleNamespace(seed=0, max_steps=1), batch=SimpleNamespace(global_batch_size=12, tail="drop")
-        )
-        context = SimpleNamespace(replicas=ranks, replica=rank, device=torch.device("cpu"))
-        reference = reference_gradient(model, rows, settings.objective())
-        loss_sum_fn = rollouts.loss_sum_fn(clipped_surrogate_sum)  # as build_training resolves it
-        for m in micro_batch_sizes:
-            micro_batches, counts = StepBatches(config, SimpleNamespace(train=rollouts), context).take(0, m)
-            before = [p.detach().clone() for p in model.parameters()]
-            optimizer = torch.optim.SGD(mine.parameters(), lr=1.0)
-            device = torch.device("cpu")
-            optimizer_step(
-                StepSetup(mine, device, loss_sum_fn=loss_sum_fn),
-                micro_batches,
-                optimizer,
-                global_counts=counts,
-            )
-            with torch.no_grad():
-                update = [old - p for old, p in zip(before, model.parameters(), strict=True)]
-                for p, old in zip(model.parameters(), before, strict=True):
-                    p.copy_(old)
-            errors[(mode, bool(objective_settings), m)] = (relative_error(update, reference), counts.unit)
-    return errors
 
 
 # Every objective setting at once through train.py's path: asymmetric clip, GSPO, KL (k1), entropy bonus.
