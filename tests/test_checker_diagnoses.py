@@ -3,6 +3,7 @@ than the model's forward, an extra of a new objective that its raw examples do n
 loss bugs at a GRPO step (whose loss reads extras). A failing promise explains the gradient line that follows it."""
 
 import dataclasses
+import functools
 import re
 
 import pytest
@@ -16,7 +17,7 @@ from accumulation.checker.promises import loss_alignment_message
 from accumulation.config.registry import register_model
 from accumulation.data.rows import RowHooks
 from accumulation.models.gpt import build_gpt
-from accumulation.rl.objectives import target_log_probs
+from accumulation.rl.objectives import PolicyLoss, target_log_probs
 from accumulation.rl.on_policy import clipped_surrogate_sum
 from accumulation.step import token_cross_entropy_sum
 from tests.test_check_equivalence import checker_line, failing_lines
@@ -248,13 +249,18 @@ def surrogate_rows(advantages: list[float]) -> tuple[torch.Tensor, torch.Tensor,
     return outputs, labels, keywords
 
 
+# The clipped surrogate of the default objective (ε = 0.2, the sequence-mean of token-means), as rollouts hand it.
+SURROGATE = functools.partial(clipped_surrogate_sum, policy_loss=PolicyLoss())
+
+
 def test_the_pairing_detector_judges_a_row_with_gradient_when_the_middle_rows_have_advantage_0():
     """A surrogate's row of advantage 0 reads its outputs with weight 0: a label there shows no pairing at all
     ('reads outputs []'). Rows 2 to 6 of 8 have advantage 0: the 20 labels around the middle, more than the
     detector tries one by one, so only its choice of rows with a gradient finds a label to judge."""
     outputs, labels, keywords = surrogate_rows([1.0, -1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
-    assert loss_alignment_message(clipped_surrogate_sum, outputs, labels, keywords) is None
-    shifted = loss_alignment_message(surrogate_pairing_label_j_with_output_j_plus_1, outputs, labels, keywords)
+    assert loss_alignment_message(SURROGATE, outputs, labels, keywords) is None
+    shifted_surrogate = functools.partial(surrogate_pairing_label_j_with_output_j_plus_1, policy_loss=PolicyLoss())
+    shifted = loss_alignment_message(shifted_surrogate, outputs, labels, keywords)
     assert shifted is not None and re.match(
         r"the loss of label \d+ \(row [017] of the step\) reads outputs \[", shifted
     )
@@ -265,4 +271,4 @@ def test_the_pairing_detector_passes_over_a_label_whose_ratio_is_clipped():
     the next label instead of reporting that the middle one reads no output."""
     outputs, labels, keywords = surrogate_rows([1.0, -1.0, 1.0, -1.0])
     keywords["old_log_probs"][2, 2] -= 5.0  # row 2's first label, the middle of 16: ratio e^5 > 1 + ε, A > 0
-    assert loss_alignment_message(clipped_surrogate_sum, outputs, labels, keywords) is None
+    assert loss_alignment_message(SURROGATE, outputs, labels, keywords) is None
