@@ -54,7 +54,7 @@ def test_a_wrong_weighting_makes_the_gradient_depend_on_m(tmp_path, monkeypatch)
     monkeypatch.setattr(  # in the assembly the sweep shares with train.py
         build,
         "training_forward_and_loss",
-        lambda model_config, model, compile=False: (model, micro_batch_mean),
+        lambda model_config, model, compile=False, loss_sum_fn=None: (model, micro_batch_mean),
     )
     rows = swept_rows(tmp_path, [1, 8])
     assert rows[1]["grad_max_relative_difference"] > 1e-2
