@@ -4,14 +4,12 @@ initialise_stage). No rank holds the whole model; the initial weights are those 
 for any P and D, so a pipelined run is the same run as one built whole. And the memory check counts what a rank
 holds: its stage, not the whole model."""
 
-import resource
-
 import pytest
 import torch
 
 import train
 from accumulation.batching import IGNORE_INDEX, MicroBatch
-from accumulation.config.config import ConfigError, load_config
+from accumulation.config.config import load_config
 from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, build_model_on_meta, count_parameters, resolved_vocab_size
 from accumulation.models.gpt import GPT, GPTConfig
@@ -23,7 +21,7 @@ from accumulation.run import build
 from accumulation.step import token_cross_entropy_sum
 from testkit.ranks import run_main_on_ranks, run_on_ranks
 from tests.test_pipeline_train import PIPELINE_RUN, STAGES, comparable_metrics
-from tests.test_sharded_init import address_space_counts_memory, status_bytes, whole_build_refused
+from tests.test_sharded_init import build_under_limit_worker, whole_build_refused
 from tests.test_step import CPU
 from tests.test_train import final_weights, tiny_settings, uneven_corpus
 
@@ -119,24 +117,6 @@ def test_step_zero_s_probe_on_a_model_built_by_stages_still_refuses_a_mean_and_p
     assert forward(batch.inputs).shape == (4, 8, 64) and forward(batch.inputs).device == CPU
 
 
-def stage_build_under_limit_worker(rank: int, world_size: int, arguments: list[str], budget_bytes: int) -> dict:
-    """build_training under an address-space limit of what this rank maps before it plus `budget_bytes`
-    (tests/test_sharded_init.py's build_under_limit_worker, with the pipeline's layout): what it raised (None when it
-    fit) and how far the address space rose."""
-    address_space_counts_memory()
-    config = load_config(arguments)
-    data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
-    context = DistributedContext(rank, rank, world_size, CPU, "gloo", build_layout(CPU, config.dist.pipeline_stages))
-    before = status_bytes("VmSize")
-    resource.setrlimit(resource.RLIMIT_AS, (before + budget_bytes, resource.RLIM_INFINITY))
-    try:
-        build.build_training(config, data.vocab_size, None, context)
-        raised = None
-    except (RuntimeError, MemoryError, ConfigError) as error:  # "DefaultCPUAllocator: can't allocate memory"
-        raised = str(error).splitlines()[0]
-    return {"raised": raised, "rise_bytes": status_bytes("VmPeak") - before}
-
-
 def test_a_model_larger_than_a_ranks_memory_limit_builds_by_stages_on_2_ranks(tmp_path):
     # 20 blocks of d_model 384: 35.5 M parameters, 142 MB in fp32, each block's largest matrix 2.4 MB. Each of 2
     # pipeline ranks may map 90 % of the whole fp32 model: its stage (10 blocks and an embedding or the head, about
@@ -148,7 +128,7 @@ def test_a_model_larger_than_a_ranks_memory_limit_builds_by_stages_on_2_ranks(tm
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
     meta = build_model_on_meta(config.model, resolved_vocab_size(config.model, data.vocab_size), config.data.seq_len)
     budget_bytes = int(0.9 * 4 * count_parameters(meta))
-    built = run_on_ranks(stage_build_under_limit_worker, world_size=2, args=(arguments, budget_bytes))
+    built = run_on_ranks(build_under_limit_worker, world_size=2, args=(arguments, budget_bytes))
     for rank, result in enumerate(built):
         assert result["raised"] is None, f"rank {rank}: {result['raised']}"
         assert result["rise_bytes"] < budget_bytes

@@ -16,6 +16,7 @@ from accumulation.data.sources import build_data
 from accumulation.models.factory import build_model, build_model_on_meta, count_parameters, resolved_vocab_size
 from accumulation.parallel.distributed import DistributedContext
 from accumulation.parallel.fsdp import full_model_state_dict
+from accumulation.parallel.mesh import build_layout
 from accumulation.run import build
 from accumulation.run.sharded_checkpoint import verify_files
 from testkit.ranks import run_main_on_ranks, run_on_ranks
@@ -85,13 +86,13 @@ def address_space_counts_memory() -> None:
 
 
 def build_under_limit_worker(rank: int, world_size: int, arguments: list[str], budget_bytes: int) -> dict:
-    """build_training under an address-space limit (RLIMIT_AS) of what this rank maps before it plus
-    `budget_bytes`: any allocation past it fails, as it would on a host without the memory. What the build
-    raised (None when it fit) and how far the address space rose."""
+    """build_training (sharded, or by pipeline stages) under an address-space limit (RLIMIT_AS) of what this rank
+    maps before it plus `budget_bytes`: any allocation past it fails, as it would on a host without the memory.
+    What the build raised (None when it fit) and how far the address space rose."""
     address_space_counts_memory()
     config = load_config(arguments)
     data = build_data(config.data, model_vocab_size=config.model.vocab_size, seed=config.run.seed)
-    context = DistributedContext(rank, rank, world_size, CPU, "gloo")
+    context = DistributedContext(rank, rank, world_size, CPU, "gloo", build_layout(CPU, config.dist.pipeline_stages))
     before = status_bytes("VmSize")
     resource.setrlimit(resource.RLIMIT_AS, (before + budget_bytes, resource.RLIM_INFINITY))
     try:
