@@ -29,8 +29,7 @@ from accumulation.models.factory import build_model  # noqa: E402
 from accumulation.rl.rollout import SAMPLING_STREAM, Sampling, sample, stop_tokens  # noqa: E402
 from accumulation.rl.task import AnswerRows, addition_problems  # noqa: E402
 from tests.test_check_equivalence_grpo import run_checker  # noqa: E402
-from tests.test_rl_train import TOY_ROUNDS, assert_same_run  # noqa: E402
-from tests.test_train import read_metrics, train_forked  # noqa: E402
+from tests.test_rl_train import TOY_ROUNDS, assert_same_run, run_in_sessions  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDER = ROOT / "data" / "hf_tiny_qwen2"
@@ -201,24 +200,13 @@ def test_hugging_faces_key_value_cache_draws_what_a_forward_over_the_whole_prefi
         torch.testing.assert_close(cached.old_log_probs, full.old_log_probs, rtol=0, atol=1e-5)
 
 
-def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:
-    for stop in stops:
-        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}", *overrides)
-        if ranks == 1:
-            assert train.main(argv) == 0
-        else:
-            status, _, errors = train_forked(argv, ranks, timeout_s=300)
-            assert status == 0, errors
-    return read_metrics(tmp_path / name)
-
-
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_the_hf_config_trains_through_train_py_and_resumes_bit_for_bit(tmp_path, monkeypatch, capsys, ranks):
     """configs/grpo_hf.toml at a toy size: 8 SFT steps then 3 rounds; stopped in round 0 (step 9) and at round 2's
     start (step 12) and resumed, it ends with the uninterrupted run's weights and metrics."""
     monkeypatch.chdir(ROOT)
-    lines = run_in_sessions(tmp_path, "whole", [14], ranks)
-    run_in_sessions(tmp_path, "sessions", [9, 12, 14], ranks)
+    lines = run_in_sessions(tmp_path, "whole", [14], ranks, arguments_of=arguments)
+    run_in_sessions(tmp_path, "sessions", [9, 12, 14], ranks, arguments_of=arguments)
     assert_same_run(tmp_path, "sessions", "whole")
     assert [line["phase"] for line in lines] == ["sft"] * 8 + ["grpo"] * 6
     assert any(line["grad_norm"] > 0 for line in lines[8:])  # some group's rewards differ

@@ -125,10 +125,11 @@ def test_the_task_as_data_prompts_from_jsonl_and_a_named_reward(tmp_path, monkey
     assert [line["phase"] for line in lines] == ["sft"] * 8 + ["grpo"] * 3
 
 
-def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides) -> list[dict]:
-    """train.py run to each of `stops` in turn (each session resuming the last), on `ranks` ranks; its metrics."""
+def run_in_sessions(tmp_path, name: str, stops: list[int], ranks: int, *overrides, arguments_of=None) -> list[dict]:
+    """train.py run to each of `stops` in turn (each session resuming the last), on `ranks` ranks; its metrics.
+    `arguments_of(out_dir, *overrides)` gives the run's command line (this file's `arguments` by default)."""
     for stop in stops:
-        argv = arguments(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}", *overrides)
+        argv = (arguments_of or arguments)(tmp_path, f'run.name="{name}"', f"run.max_steps={stop}", *overrides)
         if ranks == 1:
             assert train.main(argv) == 0
         else:
