@@ -68,7 +68,7 @@ from accumulation.checker.self_test import (
     targets_per_micro_batch,
 )
 from accumulation.config.config import Config, ConfigError, load_config
-from accumulation.data.rows import DataError, Rows, row_hooks
+from accumulation.data.rows import DataError, RowHooks, Rows, row_hooks
 from accumulation.data.sources import StepBatch, build_data, step_batch
 from accumulation.models.factory import (
     build_model,
@@ -197,7 +197,8 @@ def check(
     reference_model = reference_model.double()
     if configured_dropout > 0:
         dropout_off.insert(0, f"model.dropout ({configured_dropout:g} -> 0)")
-    loss_sum_fn = checked_loss_sum_fn(config, rows, bug)
+    hooks = row_hooks(rows)  # RL rollouts hand the step their declared loss (RowHooks.loss_sum_fn)
+    loss_sum_fn = checked_loss_sum_fn(config, hooks, bug)
     try:  # before any collective: every rank finds it on its own rows, and every rank says so (as train.py)
         check_outputs_fit_the_loss(model, loss_sum_fn, batch.micro_batches[0], context.device)
     except StepZeroFailed as error:
@@ -210,15 +211,8 @@ def check(
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, compile=False))
     # The loop as train.py builds it (model.loss, compile, the wrapper, the strategy, the scaler, optim.grad_clip,
     # batch.on_oom), from the checker's model; SELF-TEST ONLY: a buggy loss replaces the configured one.
-    training = build_training(
-        config,
-        vocab_size,
-        None,
-        context,
-        model=model,
-        loss_sum_fn=loss_sum_fn if bug in LOSS_BUGS else None,
-        hooks=row_hooks(rows),
-    )
+    buggy_loss = loss_sum_fn if bug in LOSS_BUGS else None
+    training = build_training(config, vocab_size, None, context, model=model, loss_sum_fn=buggy_loss, hooks=hooks)
     # The recording optimizer fused where the configured one is (fused AdamW on CUDA): the update then queued on
     # the device (accumulation/update_on_device.py), as train.py's
     fused = all(group.get("fused") for group in training.optimizer.param_groups)
@@ -508,10 +502,10 @@ def build_checked_model(config: Config, vocab_size: int, bug: str | None) -> tup
     return model, switch_off_dropout(model)
 
 
-def checked_loss_sum_fn(config: Config, rows: Rows, bug: str | None):
-    """The configured loss (loss_sum_fn_for, as the rows hand it to the step: RowHooks.loss_sum_fn), or the
+def checked_loss_sum_fn(config: Config, hooks: RowHooks, bug: str | None):
+    """The configured loss (loss_sum_fn_for, as the rows' hooks hand it to the step: RowHooks.loss_sum_fn), or the
     self-test's buggy version of it."""
-    loss_sum_fn = row_hooks(rows).loss_sum_fn(loss_sum_fn_for(config.model))
+    loss_sum_fn = hooks.loss_sum_fn(loss_sum_fn_for(config.model))
     if bug == "mean-loss":
         return mean_loss(loss_sum_fn)
     if bug == "in-batch-negatives":

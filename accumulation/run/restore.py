@@ -291,9 +291,11 @@ def resume_checked_together(resume: dict | None, find_older: Callable[[int], dic
     """A sharded checkpoint's shard files checked by the ranks together, each its share (sharded_checkpoint.py's
     verify_shares_together); one found damaged is passed over on every rank alike for the newest older checkpoint,
     `find_older(step)` (find_resume_point's, at most that step), checked the same way. Every rank must call this."""
-    while resume is not None and "sharded" in resume:
-        from accumulation.run.sharded_checkpoint import verify_shares_together
+    if resume is None or "sharded" not in resume:
+        return resume
+    from accumulation.run.sharded_checkpoint import verify_shares_together
 
+    while "sharded" in resume:  # an older checkpoint may be a single file, checked whole before the ranks joined
         try:
             verify_shares_together(Path(resume["sharded"]))
             return resume
